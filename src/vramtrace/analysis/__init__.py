@@ -1,0 +1,1 @@
+"""Plain-data analysis stages: storages and categories, liveness, summary. No torch imports here."""

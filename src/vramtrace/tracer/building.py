@@ -1,0 +1,153 @@
+"""Build a transformers model on the meta device from a resolved config (no weights, no memory)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ModelLoadError
+from ..spec import Mode, Precision, RunSpec
+from .loading import ResolvedConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """The model on meta, the inputs of one step, and its parameter names.
+
+    model: `nn.Module` whose parameters and buffers are on the meta device.
+    inputs: keyword arguments of the forward; `input_ids` is int64 (B, S).
+    task: 'causal-lm', 'masked-lm' or 'seq2seq-lm'.
+    param_dtype: dtype the weights are stored in (fp32 under a mixed precision).
+    compute_dtype: autocast dtype for mixed precision, else None.
+    """
+
+    model: torch.nn.Module
+    inputs: dict[str, torch.Tensor]
+    task: str
+    architecture: str
+    model_type: str
+    params: int
+    trainable_params: int
+    param_dtype: torch.dtype
+    compute_dtype: torch.dtype | None
+    attn_implementation: str
+
+
+def weight_and_compute_dtype(precision: Precision) -> tuple[torch.dtype, torch.dtype | None]:
+    """(weight dtype, autocast dtype or None) for a precision."""
+    if precision is Precision.BF16_MIXED:
+        return torch.float32, torch.bfloat16
+    if precision is Precision.FP16_MIXED:
+        return torch.float32, torch.float16
+    return DTYPES[precision.value], None
+
+
+def build_config(resolved: ResolvedConfig, trust_remote_code: bool):
+    """Turn a config dict into a transformers `PretrainedConfig`. Raises ModelLoadError."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cfg = dict(resolved.config)
+    if "auto_map" in cfg and not trust_remote_code:
+        raise ModelLoadError(
+            f"{resolved.ref} needs remote code (its config has auto_map); refusing to run it. "
+            "Pass --trust-remote-code if you trust that repository"
+        )
+    model_type = cfg.get("model_type")
+    if not model_type:
+        raise ModelLoadError(f"{resolved.location} has no model_type; it is not a transformers config.json")
+    if "auto_map" in cfg:
+        try:
+            return transformers.AutoConfig.from_pretrained(
+                resolved.location.rsplit("/", 1)[0] if resolved.source == "local" else resolved.ref,
+                trust_remote_code=True)
+        except Exception as e:  # remote code can raise anything
+            raise ModelLoadError(f"building the remote-code config of {resolved.ref} failed: {e}") from None
+    if model_type not in CONFIG_MAPPING:
+        raise ModelLoadError(
+            f"unknown model_type {model_type!r} in {resolved.location}; transformers "
+            f"{transformers.__version__} does not know it (upgrade transformers, or pass --trust-remote-code for custom code)")
+    cfg.pop("model_type")
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(cfg)
+    except Exception as e:
+        raise ModelLoadError(f"invalid {model_type} config in {resolved.location}: {e}") from None
+
+
+def _model_class(config, trust_remote_code: bool):
+    import transformers
+
+    for arch in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls, arch
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForSeq2SeqLM, transformers.AutoModelForMaskedLM):
+        if type(config) in auto._model_mapping:
+            return auto, auto._model_mapping[type(config)].__name__
+    if trust_remote_code and getattr(config, "auto_map", None):
+        return transformers.AutoModelForCausalLM, "AutoModelForCausalLM (remote code)"
+    raise ModelLoadError(
+        f"transformers has no causal-LM, seq2seq-LM or masked-LM head for model_type {config.model_type!r}")
+
+
+def _task(model: torch.nn.Module) -> str:
+    import transformers
+
+    if isinstance(model, transformers.PreTrainedModel):
+        name = type(model).__name__
+        if getattr(model.config, "is_encoder_decoder", False):
+            return "seq2seq-lm"
+        if "MaskedLM" in name or name.endswith("ForPreTraining"):
+            return "masked-lm"
+    return "causal-lm"
+
+
+def count_params(model: torch.nn.Module) -> tuple[int, int]:
+    """(all, trainable) parameter counts; tied weights count once, as `model.parameters()` yields them once."""
+    total = trainable = 0
+    for p in model.parameters():
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return total, trainable
+
+
+def load_model(spec: RunSpec, resolved: ResolvedConfig) -> LoadedModel:
+    """Build the model of `resolved` on the meta device for `spec`. Raises ModelLoadError."""
+    config = build_config(resolved, spec.trust_remote_code)
+    cls, arch = _model_class(config, spec.trust_remote_code)
+    param_dtype, compute_dtype = weight_and_compute_dtype(spec.effective_precision)
+    kwargs: dict[str, Any] = {"dtype": param_dtype}
+    if spec.trust_remote_code:
+        kwargs["trust_remote_code"] = True
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        with torch.device("meta"), contextlib.redirect_stderr(io.StringIO()):
+            if hasattr(cls, "from_config"):
+                model = cls.from_config(config, **kwargs)
+            else:
+                model = cls._from_config(config, **kwargs)
+    except Exception as e:
+        raise ModelLoadError(f"transformers could not build {arch} from {resolved.location}: {e}") from None
+    model.train(spec.mode is Mode.TRAIN)
+    task = _task(model)
+    B, S = spec.batch, spec.seq
+    max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if max_pos and S > max_pos and config.model_type in ("gpt2", "bert", "roberta", "opt", "bart"):
+        raise ModelLoadError(f"--seq {S} exceeds {arch}'s learned position embeddings ({max_pos}); use --seq <= {max_pos}")
+    input_ids = torch.empty((B, S), dtype=torch.int64, device="meta")  # (B, S)
+    inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
+    if spec.mode is Mode.TRAIN:
+        inputs["labels"] = input_ids
+    total, trainable = count_params(model)
+    return LoadedModel(
+        model=model, inputs=inputs, task=task, architecture=type(model).__name__, model_type=config.model_type,
+        params=total, trainable_params=trainable, param_dtype=param_dtype, compute_dtype=compute_dtype,
+        attn_implementation=str(getattr(config, "_attn_implementation", None) or "eager"),
+    )

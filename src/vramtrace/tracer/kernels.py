@@ -1,0 +1,260 @@
+"""Device kernel policy: make a meta-device run follow the kernels the *target* device would run.
+
+On the meta device PyTorch takes CPU-like composite paths and has no autocast. This TorchFunctionMode sits
+above autograd (so that what it changes is what autograd records and saves) and applies, for the target:
+
+* SDPA backend choice. CUDA mirrors `aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`
+  (`select_sdp_backend`: flash, then memory-efficient, then math). CPU asks the real CPU dispatcher
+  (`torch._fused_sdp_choice`, i.e. `sdp_utils_cpp.cpp::select_sdp_backend_cpp`) with tiny stand-in tensors.
+* Dropout: CUDA's `at::dropout` takes the fused `native_dropout` (bool mask saved) when
+  `is_fused_kernel_acceptable` (`aten/src/ATen/native/Dropout.cpp`); CPU and meta take `_dropout_impl`
+  (a noise tensor of the input's dtype). The meta device already follows the CPU path.
+* Autocast (mixed precision): per-op cast policies mirrored from `aten/src/ATen/autocast_mode.cpp`
+  (CUDA and CPU lists), including the weight-cast cache that lives until the autocast region exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ..spec import Device
+
+
+class CastPolicy(str, enum.Enum):
+    LOWER = "lower_precision_fp"
+    FP32 = "fp32"
+    FP32_SET_OPT_DTYPE = "fp32_set_opt_dtype"
+    PROMOTE = "promote"
+
+
+def _ops(policy: CastPolicy, names: str) -> dict[str, CastPolicy]:
+    return {n: policy for n in names.split()}
+
+
+# aten/src/ATen/autocast_mode.cpp, TORCH_LIBRARY_IMPL(_, AutocastCUDA, m) and the AT_FORALL_* lists of autocast_mode.h.
+CUDA_AUTOCAST: dict[str, CastPolicy] = {
+    **_ops(CastPolicy.LOWER, """_convolution conv1d conv2d conv3d conv_tbc conv_transpose1d conv_transpose2d
+        conv_transpose3d convolution prelu addmm addmv addr matmul einsum mm mv linalg_vecdot linear addbmm baddbmm
+        bmm chain_matmul linalg_multi_dot lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell
+        scaled_dot_product_attention"""),
+    **_ops(CastPolicy.FP32, """acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow
+        softplus layer_norm group_norm rms_norm frobenius_norm nuclear_norm cosine_similarity poisson_nll_loss
+        cosine_embedding_loss nll_loss nll_loss2d hinge_embedding_loss kl_div l1_loss smooth_l1_loss huber_loss
+        mse_loss margin_ranking_loss multilabel_margin_loss soft_margin_loss triplet_margin_loss multi_margin_loss
+        binary_cross_entropy_with_logits dist pdist cdist renorm logsumexp"""),
+    **_ops(CastPolicy.FP32_SET_OPT_DTYPE, "prod softmax log_softmax cumprod cumsum linalg_vector_norm linalg_matrix_norm sum"),
+    **_ops(CastPolicy.PROMOTE, "addcdiv addcmul atan2 bilinear cross dot grid_sampler index_put scatter_add tensordot stack cat index_copy"),
+}
+
+# Same file, TORCH_LIBRARY_IMPL(_, AutocastCPU, m).
+CPU_AUTOCAST: dict[str, CastPolicy] = {
+    **_ops(CastPolicy.LOWER, """conv1d conv2d conv3d bmm mm linalg_vecdot baddbmm addmm addbmm linear _convolution
+        matmul conv_tbc conv_transpose1d conv_transpose2d conv_transpose3d prelu scaled_dot_product_attention"""),
+    **_ops(CastPolicy.FP32, """avg_pool3d binary_cross_entropy grid_sampler polar prod quantile nanquantile stft cdist
+        trace view_as_complex cholesky cholesky_inverse cholesky_solve inverse lu_solve orgqr ormqr pinverse max_pool3d
+        max_unpool2d max_unpool3d adaptive_avg_pool3d reflection_pad1d reflection_pad2d replication_pad1d
+        replication_pad2d replication_pad3d mse_loss cosine_embedding_loss nll_loss nll_loss2d hinge_embedding_loss
+        poisson_nll_loss smooth_l1_loss cross_entropy l1_loss huber_loss margin_ranking_loss soft_margin_loss
+        triplet_margin_loss multi_margin_loss ctc_loss kl_div multilabel_margin_loss binary_cross_entropy_with_logits"""),
+    **_ops(CastPolicy.PROMOTE, "stack cat index_copy"),
+}
+
+_SDP_MATH, _SDP_FLASH, _SDP_EFFICIENT = 0, 1, 2  # at::SDPBackend (sdp_utils_cpp.h)
+
+
+def _op_name(func) -> str:
+    name = getattr(func, "__name__", "")
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+        if name.startswith("r") and name[1:] in ("matmul", "pow"):
+            name = name[1:]
+    return name
+
+
+def cuda_sdpa_backend(sm: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask, dropout_p: float,
+                      enable_gqa: bool) -> str:
+    """Backend CUDA's `select_sdp_backend` would take (sdp_utils.cpp, priority flash > efficient > math).
+
+    Flash (`use_flash_attention`): sm80+, fp16/bf16, no attn_mask, head dim <= 256 and a multiple of 8,
+    same head dim for q/k/v; on sm86/sm89 a head dim > 192 with grad is refused. GQA is accepted.
+    Memory-efficient (`use_mem_efficient_attention`): sm50+, fp16/bf16/fp32, head dim a multiple of 8 (4 for
+    fp32), masks accepted, GQA (differing head counts) refused. Otherwise math.
+    """
+    d = q.shape[-1]
+    same_d = k.shape[-1] == d and v.shape[-1] == d
+    gqa = q.shape[-3] != k.shape[-3]
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    flash_ok = (sm >= 80 and half and attn_mask is None and same_d and d <= 256 and d % 8 == 0
+                and not (sm in (86, 89) and d > 192 and needs_grad))
+    if flash_ok:
+        return "flash"
+    eff_align = 8 if half else 4
+    eff_ok = (sm >= 50 and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and same_d
+              and d % eff_align == 0 and not gqa)
+    if eff_ok:
+        return "efficient"
+    return "math"
+
+
+def _tiny_like(t: torch.Tensor) -> torch.Tensor:
+    # A real CPU tensor of t's shape and dtype that allocates only its last dim (stride 1 there, 0 elsewhere).
+    return torch.empty((1,) * (t.dim() - 1) + (t.shape[-1],), dtype=t.dtype).expand(t.shape)
+
+
+class KernelPolicyMode(TorchFunctionMode):
+    """Torch-function mode applying the target's SDPA, dropout and autocast behaviour to meta tensors.
+
+    `autocast_dtype`: the mixed-precision compute dtype, or None. Autocast is active only inside
+    `autocast_region()` and not inside `autocast_disabled()`.
+    """
+
+    def __init__(self, device: Device, sm: int, autocast_dtype: torch.dtype | None):
+        super().__init__()
+        self.device = device
+        self.sm = sm
+        self.autocast_dtype = autocast_dtype
+        self.table = CUDA_AUTOCAST if device is Device.CUDA else CPU_AUTOCAST
+        self._autocast_depth = 0
+        self._disabled_depth = 0
+        self._cast_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.sdpa_backends: dict[str, int] = {}
+        self.on_output = None  # callback(out) for every torch-function result (autograd-node module tagging)
+
+    # -- autocast regions -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def autocast_region(self):
+        self._autocast_depth += 1
+        try:
+            yield
+        finally:
+            self._autocast_depth -= 1
+            if self._autocast_depth == 0:
+                self._cast_cache.clear()  # autocast_mode.cpp: clear_cache() when the outermost region exits
+
+    @contextlib.contextmanager
+    def autocast_disabled(self):
+        self._disabled_depth += 1
+        try:
+            yield
+        finally:
+            self._disabled_depth -= 1
+
+    @property
+    def autocast_active(self) -> bool:
+        return self.autocast_dtype is not None and self._autocast_depth > 0 and self._disabled_depth == 0
+
+    def _eligible(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype is not torch.float64
+
+    def _cast(self, t, dtype: torch.dtype):
+        """autocast_mode.cpp `cached_cast`: cast eligible tensors; cache leaf fp32 weights cast to lower precision."""
+        if not self._eligible(t) or t.dtype is dtype:
+            return t
+        cacheable = (dtype is self.autocast_dtype and t.dtype is torch.float32 and t.requires_grad and t.is_leaf
+                     and not t._is_view())
+        if cacheable:
+            hit = self._cast_cache.get(id(t))
+            if hit is not None and hit[0] is t:
+                return hit[1]
+        out = t.to(dtype)
+        if cacheable:
+            self._cast_cache[id(t)] = (t, out)
+        return out
+
+    def _map(self, fn, args, kwargs):
+        def m(a):
+            if isinstance(a, (list, tuple)):
+                return type(a)(m(x) for x in a)
+            return fn(a)
+        return tuple(m(a) for a in args), {k: m(v) for k, v in kwargs.items()}
+
+    def _apply_autocast(self, func, name, args, kwargs):
+        policy = self.table.get(name)
+        if policy is None:
+            return args, kwargs
+        if policy is CastPolicy.LOWER:
+            return self._map(lambda a: self._cast(a, self.autocast_dtype), args, kwargs)
+        if policy is CastPolicy.FP32:
+            return self._map(lambda a: self._cast(a, torch.float32), args, kwargs)
+        if policy is CastPolicy.FP32_SET_OPT_DTYPE:
+            first = args[0] if args else None
+            if self._eligible(first) and kwargs.get("dtype") is None and not (len(args) > 2 and args[2] is not None):
+                kwargs = {**kwargs, "dtype": torch.float32}
+            return args, kwargs
+        # PROMOTE: widest floating dtype among the eligible tensors
+        flat = [a for a in args for a in (a if isinstance(a, (list, tuple)) else (a,))] + list(kwargs.values())
+        dts = [t.dtype for t in flat if self._eligible(t)]
+        if not dts:
+            return args, kwargs
+        widest = torch.float32 if torch.float32 in dts else dts[0]
+        return self._map(lambda a: self._cast(a, widest), args, kwargs)
+
+    # -- SDPA -----------------------------------------------------------------------------------------------
+    def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if self.autocast_active:
+            query, key, value = (self._cast(t, self.autocast_dtype) for t in (query, key, value))
+            if attn_mask is not None and attn_mask.is_floating_point():
+                attn_mask = self._cast(attn_mask, self.autocast_dtype)
+        if self.device is Device.CUDA:
+            backend = cuda_sdpa_backend(self.sm, query, key, value, attn_mask, dropout_p, enable_gqa)
+        else:
+            mask = None if attn_mask is None else _tiny_like(attn_mask)
+            choice = torch._fused_sdp_choice(_tiny_like(query), _tiny_like(key), _tiny_like(value), mask, dropout_p,
+                                             is_causal, scale=scale, enable_gqa=enable_gqa)
+            backend = "flash" if choice == _SDP_FLASH else "math"
+        self.sdpa_backends[backend] = self.sdpa_backends.get(backend, 0) + 1
+        if backend == "math":
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                  is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        if attn_mask is not None and attn_mask.dtype is torch.bool:
+            # attention.cpp convert_boolean_attn_mask: where(~mask, -inf, 0) in the query's dtype
+            attn_mask = torch.where(attn_mask.logical_not(), float("-inf"),
+                                    torch.scalar_tensor(0.0, dtype=query.dtype, device=query.device))
+        aten = torch.ops.aten
+        if self.device is Device.CPU:
+            return aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal,
+                                                                     attn_mask=attn_mask, scale=scale)[0]
+        if backend == "flash":
+            return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
+                                                            scale=scale)[0]
+        lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        return aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, lse, dropout_p, is_causal,
+                                                            scale=scale)[0]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self._sdpa(*args, **kwargs)
+        if self.device is Device.CUDA and func is F.dropout:
+            return self._cuda_dropout(*args, **kwargs)
+        if self.autocast_active:
+            name = _op_name(func)
+            if name == "cross_entropy" and self.device is Device.CUDA:
+                return self._cuda_cross_entropy(*args, **kwargs)
+            args, kwargs = self._apply_autocast(func, name, args, kwargs)
+        out = func(*args, **kwargs)
+        if self.on_output is not None and isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            self.on_output(out)
+        return out
+
+    def _cuda_dropout(self, input, p=0.5, training=True, inplace=False):
+        # Dropout.cpp: is_fused_kernel_acceptable(input, p) -> native_dropout (bool mask) for CUDA tensors
+        if training and 0 < p < 1 and input.numel() > 0:
+            out = torch.ops.aten.native_dropout(input, p, True)[0]
+            return input.copy_(out) if inplace else out
+        return F.dropout(input, p, training, inplace)
+
+    def _cuda_cross_entropy(self, input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                            reduction="mean", label_smoothing=0.0):
+        # cross_entropy_loss is composite: log_softmax (fp32_set_opt_dtype) then nll_loss (fp32).
+        if label_smoothing > 0 or input.dim() == 0 or target.is_floating_point():
+            return F.cross_entropy(self._cast(input, torch.float32), target, weight, size_average, ignore_index,
+                                   reduce, reduction, label_smoothing)
+        lsm = torch.log_softmax(input, 1 if input.dim() > 1 else 0, dtype=torch.float32)
+        return F.nll_loss(lsm, target, weight, size_average, ignore_index, reduce, reduction)

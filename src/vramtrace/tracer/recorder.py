@@ -1,0 +1,203 @@
+"""Record one eager step at the dispatch level: every aten op, every storage, and where eager frees it.
+
+The recorder is a TorchDispatchMode (below autograd, so it sees the ops that really run, forward and backward,
+and the optimizer's). For every op output whose storage is new it registers the storage and a
+`weakref.finalize` on the storage object: the finalizer fires exactly when the last reference to the storage
+dies (Python locals, autograd saved tensors, optimizer temporaries), so frees land where eager frees them.
+This is the technique of PyTorch's `test/inductor/test_mem_estimation.py` (FakeTensorMemoryProfilerMode).
+
+Storages are keyed by a recorder-assigned id (`sid`); the C++ StorageImpl address is only used while the
+storage is alive, so a reused address gets a new id.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+_MODULE_KEY = "vramtrace_module"
+
+
+@dataclass(slots=True)
+class _Storage:
+    sid: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    device: str
+    op_index: int  # -1: existed before the step
+    op: str
+    module: str
+    phase: str
+    category: str | None = None  # set for pre-existing storages, gradients, optimizer state
+    name: str = ""
+    saved: bool = False
+
+
+@dataclass(slots=True)
+class _Op:
+    index: int
+    name: str
+    phase: str
+    module: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]  # storages newly allocated by this op
+
+
+class StepRecorder(TorchDispatchMode):
+    """Dispatch mode recording ops, storages and eager frees. Set `phase` between the parts of the step."""
+
+    def __init__(self, build_graph: bool = True):
+        super().__init__()
+        self.phase = "setup"
+        self.ops: list[_Op] = []
+        self.storages: list[_Storage] = []
+        self.free_after: dict[int, int] = {}  # sid -> index of the last op completed when it was freed
+        self.last_use: dict[int, int] = {}
+        self._live: dict[int, int] = {}  # StorageImpl address -> sid
+        self._finalizers: list[weakref.finalize] = []
+        self._lock = threading.Lock()
+        self.module_stack: list[str] = []
+        self.graph = fx.Graph() if build_graph else None
+        self._node_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._n_placeholders = 0
+
+    # -- storages ----------------------------------------------------------------------------------------
+    def _on_free(self, key: int, sid: int) -> None:
+        with self._lock:
+            if self._live.get(key) == sid:
+                del self._live[key]
+            self.free_after[sid] = len(self.ops) - 1
+
+    def storage_id(self, t: torch.Tensor, *, op_index: int, op: str, category: str | None = None,
+                   name: str = "") -> int:
+        """The sid of t's storage, registering it (born at `op_index`) if it is new."""
+        st = t.untyped_storage()
+        key = st._cdata
+        sid = self._live.get(key)
+        if sid is not None:
+            return sid
+        sid = len(self.storages)
+        module = self.current_module() if op_index >= 0 else ""
+        self.storages.append(_Storage(sid, st.nbytes(), str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                                      t.device.type, op_index, op, module, self.phase, category, name))
+        self._live[key] = sid
+        self._finalizers.append(weakref.finalize(st, self._on_free, key, sid))
+        return sid
+
+    def register_existing(self, t: torch.Tensor, category: str, name: str) -> int:
+        """Register a tensor alive at step start (parameter, buffer, input, optimizer state)."""
+        sid = self.storage_id(t, op_index=-1, op="", category=category, name=name)
+        s = self.storages[sid]
+        if s.category is None or s.op_index == -1:
+            s.category, s.name = category, s.name or name
+        return sid
+
+    def set_category(self, t: torch.Tensor, category: str, name: str = "") -> None:
+        sid = self._live.get(t.untyped_storage()._cdata)
+        if sid is not None:
+            s = self.storages[sid]
+            s.category = category
+            s.name = s.name or name
+
+    def detach(self) -> None:
+        """Stop listening for frees (call after the step; later deaths are not part of it)."""
+        for f in self._finalizers:
+            f.detach()
+        self._finalizers.clear()
+
+    # -- module attribution ---------------------------------------------------------------------------------
+    def current_module(self) -> str:
+        if self.phase == "backward":
+            node = torch._C._current_autograd_node()
+            if node is not None:
+                return node.metadata.get(_MODULE_KEY, "")
+            return ""
+        if self.phase.startswith("optimizer"):
+            return "optimizer"
+        if self.phase == "zero_grad":
+            return "optimizer.zero_grad"
+        return self.module_stack[-1] if self.module_stack else ""
+
+    # -- saved tensors ------------------------------------------------------------------------------------------
+    def pack_hook(self, t: torch.Tensor) -> torch.Tensor:
+        if self.phase == "forward":
+            sid = self._live.get(t.untyped_storage()._cdata)
+            if sid is not None:
+                self.storages[sid].saved = True
+        return t
+
+    # -- the dispatch hook -----------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        index = len(self.ops)
+        name = str(func)
+        ins = []
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                sid = self.storage_id(t, op_index=index, op=name)
+                self.last_use[sid] = index
+                ins.append(sid)
+        new = []
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                n_before = len(self.storages)
+                sid = self.storage_id(t, op_index=index, op=name)
+                if sid >= n_before:
+                    new.append(sid)
+                self.last_use[sid] = index
+        self.ops.append(_Op(index, name, self.phase, self.current_module(), tuple(ins), tuple(new)))
+        if self.graph is not None and self.phase != "optimizer_first":
+            self._add_node(func, args, kwargs, out, index)
+        return out
+
+    def _add_node(self, func, args, kwargs, out, index: int) -> None:
+        def to_node(a: Any):
+            if isinstance(a, torch.Tensor):
+                node = self._node_of.get(a)
+                if node is None:
+                    node = self.graph.placeholder(f"input_{self._n_placeholders}")
+                    self._n_placeholders += 1
+                    node.meta["val_shape"] = tuple(a.shape)
+                    self._node_of[a] = node
+                return node
+            if isinstance(a, (torch.dtype, torch.device, torch.layout, torch.memory_format, int, float, bool, str,
+                              type(None))):
+                return a
+            return str(a)
+
+        node = self.graph.call_function(func, tree_map(to_node, tuple(args)), tree_map(to_node, dict(kwargs)))
+        op = self.ops[index]
+        node.meta.update({"phase": op.phase, "nn_module_stack": op.module, "step": index})
+        flat = tree_flatten(out)[0]
+        for i, t in enumerate(flat):
+            if isinstance(t, torch.Tensor):
+                self._node_of[t] = node if len(flat) == 1 else self.graph.call_function(
+                    __import__("operator").getitem, (node, i))
+
+
+def tag_autograd_nodes(outputs: Any, module_path: str) -> None:
+    """Tag the autograd nodes created inside a module's forward with its path (innermost module wins).
+
+    Walks from the outputs' grad_fn towards the inputs and stops at nodes already tagged (by inner modules or
+    earlier modules), so every node is visited once over the whole forward.
+    """
+    stack = [t.grad_fn for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        meta = node.metadata
+        if _MODULE_KEY in meta:
+            continue
+        meta[_MODULE_KEY] = module_path
+        for nxt, _ in node.next_functions:
+            if nxt is not None:
+                stack.append(nxt)

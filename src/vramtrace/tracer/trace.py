@@ -1,0 +1,236 @@
+"""Trace one training (or inference) step of a meta-device model into a TracedGraph.
+
+The step is run eagerly on meta tensors, exactly as user code runs it:
+
+    loss = model(input_ids=ids, labels=ids).loss      # under autocast for a mixed precision
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+under three layers: `KernelPolicyMode` (target device kernels and autocast, above autograd), a
+saved-tensors hook (what autograd saves), and `StepRecorder` (every aten op, storage and eager free).
+The optimizer step is run twice: first with no state (the first step, where state is created lazily),
+then in the steady state; the forward and backward are shared by both timelines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from ..analysis.categories import Category
+from ..errors import TraceError, UnsupportedOpError
+from ..spec import Device, Mode, OptimizerImpl, OptimizerKind, RunSpec
+from .building import LoadedModel
+from .kernels import KernelPolicyMode
+from .recorder import StepRecorder, tag_autograd_nodes
+
+STEADY_PHASES = ("forward", "backward", "optimizer", "zero_grad")
+FIRST_STEP_PHASES = ("forward", "backward", "optimizer_first", "zero_grad")
+
+
+@dataclass(frozen=True, slots=True)
+class OpInfo:
+    index: int
+    name: str  # aten overload, e.g. 'aten.mm.default'
+    phase: str  # forward | backward | optimizer_first | optimizer | zero_grad
+    module: str  # qualified module path ('' for the root), 'optimizer' in the optimizer step
+
+
+@dataclass(frozen=True, slots=True)
+class StorageInfo:
+    """One storage. `op_index` -1: alive at step start. `free_after`: index of the last op completed when eager
+    freed it, None if it outlives the step. `last_use`: last op reading or writing it (-1: none)."""
+
+    sid: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    device: str  # 'meta' (the target device) or 'cpu' (host tensors such as optimizer step counters)
+    category: Category
+    op_index: int
+    op: str
+    module: str
+    phase: str
+    name: str
+    free_after: int | None
+    last_use: int
+
+
+@dataclass(frozen=True, slots=True)
+class TracedGraph:
+    """The recorded step. `graph` is the FX graph of aten ops of the steady-state step (None if not built)."""
+
+    ops: tuple[OpInfo, ...]
+    storages: tuple[StorageInfo, ...]
+    counted_devices: tuple[str, ...]
+    graph: fx.GraphModule | None
+    sdpa_backends: tuple[tuple[str, int], ...]
+    has_optimizer: bool
+
+
+def make_optimizer(spec: RunSpec, params: list[torch.nn.Parameter]):
+    """The real torch.optim optimizer. Default implementation: foreach on CUDA, for-loop on CPU, as
+    `torch/optim/optimizer.py::_default_to_fused_or_foreach` picks for those devices."""
+    if spec.optimizer is OptimizerKind.NONE or not params:
+        return None
+    if spec.optimizer_impl is OptimizerImpl.DEFAULT:
+        foreach = spec.device is Device.CUDA
+    else:
+        foreach = spec.optimizer_impl is OptimizerImpl.FOREACH
+    if spec.optimizer is OptimizerKind.ADAMW:
+        return torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
+    if spec.optimizer is OptimizerKind.ADAM:
+        return torch.optim.Adam(params, lr=1e-4, foreach=foreach)
+    momentum = 0.9 if spec.optimizer is OptimizerKind.SGD_MOMENTUM else 0.0
+    return torch.optim.SGD(params, lr=1e-3, momentum=momentum, foreach=foreach)
+
+
+@contextlib.contextmanager
+def _module_hooks(model: torch.nn.Module, rec: StepRecorder):
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def pre(mod, args):
+        rec.module_stack.append(names.get(id(mod), type(mod).__name__))
+
+    def post(mod, args, out):
+        path = rec.module_stack.pop() if rec.module_stack else ""
+        if torch.is_grad_enabled():
+            tag_autograd_nodes(out, path)
+
+    h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
+    h2 = torch.nn.modules.module.register_module_forward_hook(post)
+    try:
+        yield
+    finally:
+        h1.remove()
+        h2.remove()
+
+
+@contextlib.contextmanager
+def _transformers_autocast_bridge(policy: KernelPolicyMode):
+    """transformers' `maybe_autocast(device_type='meta', enabled=False)` is a no-op on meta; make it disable our
+    emulated autocast, as the real call would on the target device (e.g. Llama's rotary embedding)."""
+    try:
+        from transformers.utils import generic
+    except ImportError:
+        yield
+        return
+    original = getattr(generic, "maybe_autocast", None)
+    if original is None:
+        yield
+        return
+
+    def bridged(device_type, dtype=None, enabled=True, cache_enabled=None):
+        if device_type == "meta":
+            return contextlib.nullcontext() if enabled else policy.autocast_disabled()
+        return original(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+    patched = [m for m in list(sys.modules.values())
+               if getattr(m, "__name__", "").startswith("transformers") and getattr(m, "maybe_autocast", None) is original]
+    for m in patched:
+        m.maybe_autocast = bridged
+    try:
+        yield
+    finally:
+        for m in patched:
+            m.maybe_autocast = original
+
+
+def _loss_of(output) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None:
+        raise TraceError("the model returned no loss for labels=input_ids; it has no language-modelling head")
+    return loss
+
+
+def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], None] | None = None) -> TracedGraph:
+    """Run the step of `spec` on `loaded` (meta device) and record it. Raises TraceError."""
+    say = progress or (lambda _msg: None)
+    model = loaded.model
+    rec = StepRecorder(build_graph=spec.build_graph)
+    policy = KernelPolicyMode(spec.device, spec.gpu_preset.sm, loaded.compute_dtype)
+    train = spec.mode is Mode.TRAIN
+    params = [p for p in model.parameters() if p.requires_grad] if train else []
+    optimizer = make_optimizer(spec, params) if train else None
+    for n, p in model.named_parameters():
+        rec.register_existing(p, Category.PARAMETER, n)
+    for n, b in model.named_buffers():
+        rec.register_existing(b, Category.INPUT, n)
+    for n, t in loaded.inputs.items():
+        rec.register_existing(t, Category.INPUT, n)
+    # Tag each autograd node with the module that created it, as soon as it is created.
+    policy.on_output = lambda out: tag_autograd_nodes(out, rec.current_module()) if rec.phase == "forward" else None
+    autocast = policy.autocast_region() if loaded.compute_dtype is not None else contextlib.nullcontext()
+    try:
+        with (_transformers_autocast_bridge(policy), _module_hooks(model, rec), policy,
+              torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, lambda t: t), rec):
+            rec.phase = "forward"
+            say("forward")
+            if train:
+                with autocast:
+                    loss = _loss_of(model(**loaded.inputs))
+                rec.phase = "backward"
+                say("backward")
+                loss.backward()
+                for p in params:
+                    if p.grad is not None:
+                        rec.set_category(p.grad, Category.GRADIENT)
+                if optimizer is not None:
+                    rec.phase = "optimizer_first"
+                    say("optimizer step (first step: state created)")
+                    optimizer.step()
+                    for p, state in optimizer.state.items():
+                        for v in state.values():
+                            if isinstance(v, torch.Tensor):
+                                rec.set_category(v, Category.OPTIMIZER_STATE)
+                    rec.phase = "optimizer"
+                    say("optimizer step (steady state)")
+                    optimizer.step()
+                rec.phase = "zero_grad"
+                if optimizer is not None:
+                    optimizer.zero_grad(set_to_none=True)
+                else:
+                    model.zero_grad(set_to_none=True)
+                del loss
+            else:
+                with torch.no_grad(), autocast:
+                    out = model(**loaded.inputs)
+                del out
+    except NotImplementedError as e:
+        where = rec.current_module() or "(root)"
+        raise UnsupportedOpError(f"an op has no meta kernel in module {where}: {str(e).splitlines()[0]}") from None
+    except (RuntimeError, TypeError, ValueError, AttributeError, IndexError) as e:
+        where = rec.current_module() or "(root)"
+        last = rec.ops[-1].name if rec.ops else "no op yet"
+        raise TraceError(f"tracing failed in phase {rec.phase}, module {where}, after {last}: "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    finally:
+        rec.detach()
+
+    storages = []
+    for s in rec.storages:
+        cat = s.category or (Category.ACTIVATION if s.saved else Category.TEMPORARY)
+        storages.append(StorageInfo(
+            sid=s.sid, nbytes=s.nbytes, dtype=s.dtype, shape=s.shape, device=s.device, category=Category(cat),
+            op_index=s.op_index, op=s.op, module=s.module, phase=s.phase if s.op_index >= 0 else "start",
+            name=s.name, free_after=rec.free_after.get(s.sid), last_use=rec.last_use.get(s.sid, -1)))
+    counted = ("meta",) if spec.device is Device.CUDA else ("meta", "cpu")
+    gm = None
+    if rec.graph is not None:
+        rec.graph.output(None)
+        gm = fx.GraphModule(torch.nn.Module(), rec.graph)
+    return TracedGraph(
+        ops=tuple(rec_op_info(o) for o in rec.ops), storages=tuple(storages), counted_devices=counted, graph=gm,
+        sdpa_backends=tuple(sorted(policy.sdpa_backends.items())), has_optimizer=optimizer is not None)
+
+
+def rec_op_info(o) -> OpInfo:
+    return OpInfo(o.index, o.name, o.phase, o.module)

@@ -1,0 +1,51 @@
+"""Byte formatting and parsing. Bytes are ints everywhere else; only this module formats them.
+
+Binary units throughout: KiB = 2**10, MiB = 2**20, GiB = 2**30. Decimal units (KB, MB, GB = 10**9)
+are accepted by `parse_bytes` and say so in their name.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import UsageError
+
+_BINARY = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+_UNITS = {
+    "b": 1,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}
+
+
+def format_bytes(n_bytes: int, *, signed: bool = False) -> str:
+    """Format an int byte count in binary units, e.g. 1610612736 -> '1.50 GiB'."""
+    sign = "-" if n_bytes < 0 else ("+" if signed and n_bytes > 0 else "")
+    a = abs(int(n_bytes))
+    for name, scale in _BINARY:
+        if a >= scale:
+            return f"{sign}{a / scale:.2f} {name}"
+    return f"{sign}{a} B"
+
+
+def parse_bytes(text: str) -> int:
+    """Parse '40GiB', '40 GB', '512MiB', '123' (bytes) into an int byte count.
+
+    Raises UsageError naming the valid units when the text is not understood.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not m:
+        raise UsageError(f"cannot read {text!r} as a size; write e.g. 40GiB, 512MiB or 80GB")
+    value, unit = float(m.group(1)), (m.group(2) or "b").lower()
+    if unit not in _UNITS:
+        valid = ", ".join(["B", "KiB", "MiB", "GiB", "TiB", "KB", "MB", "GB", "TB"])
+        raise UsageError(f"unknown unit {m.group(2)!r} in {text!r}; valid units: {valid}")
+    return int(round(value * _UNITS[unit]))
+
+
+def format_count(n: int) -> str:
+    """Format a count with thousands separators and a short scale, e.g. 6738415616 -> '6,738,415,616 (6.74B)'."""
+    for suffix, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            return f"{n:,} ({n / scale:.2f}{suffix})"
+    return f"{n:,}"

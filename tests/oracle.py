@@ -1,0 +1,77 @@
+"""Ground truth for CPU tests: run the real step on the CPU and read the allocator through torch.profiler.
+
+The truth is the bytes live at step start (every unique storage of parameters, buffers, optimizer state and
+inputs) plus the running maximum of the profiler's `[memory]` allocator events of the measured step
+(`profile_memory=True`), after one warm-up step. This mirrors a user's training loop exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import torch
+import transformers
+
+from vramtrace.spec import RunSpec
+from vramtrace.tracer.building import build_config, weight_and_compute_dtype
+from vramtrace.tracer.loading import resolve_config
+from vramtrace.tracer.trace import make_optimizer
+
+
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        st = t.untyped_storage()
+        if st._cdata not in seen:
+            seen.add(st._cdata)
+            total += st.nbytes()
+    return total
+
+
+def measure_cpu_peak(spec: RunSpec) -> int:
+    """Peak bytes of the steady-state step of `spec` run for real on the CPU (profiler allocator events)."""
+    assert spec.device.value == "cpu"
+    resolved = resolve_config(spec.model)
+    config = build_config(resolved, False)
+    param_dtype, compute_dtype = weight_and_compute_dtype(spec.effective_precision)
+    torch.manual_seed(0)
+    cls = getattr(transformers, config.architectures[0])
+    model = cls._from_config(config, dtype=param_dtype)
+    train = spec.mode.value == "train"
+    model.train(train)
+    ids = torch.randint(0, config.vocab_size, (spec.batch, spec.seq), dtype=torch.int64)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(spec, params) if train else None
+    autocast = (lambda: torch.autocast("cpu", dtype=compute_dtype)) if compute_dtype else contextlib.nullcontext
+
+    def step():
+        if train:
+            with autocast():
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                model.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad(), autocast():
+                out = model(input_ids=ids)
+            del out
+
+    step()  # warm-up: optimizer state created
+    gc.collect()
+    alive = list(model.parameters()) + list(model.buffers()) + [ids]
+    if opt is not None:
+        alive += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    start = _storage_bytes(alive)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return start + peak
