@@ -50,6 +50,7 @@ class Lifetime:
     birth: int  # timeline step
     death: int  # timeline step, inclusive
     category: Category
+    outlives_step: bool = False  # never freed during the recording (parameters, optimizer state, ...)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +61,7 @@ class Timeline:
     phases: tuple[str, ...]  # phase of each step
     lifetimes: tuple[Lifetime, ...]
     live_bytes: tuple[int, ...]  # while step i runs
-    after_bytes: tuple[int, ...]  # after step i's frees
+    after_bytes: tuple[int, ...]  # after step i's frees (storages that outlive the step stay counted)
     start_bytes: int  # alive before the first op
     peak_bytes: int
     peak_step: int
@@ -117,7 +118,7 @@ def build_timeline(ops: Iterable[_Op], storages: Iterable[_Storage], phases: tup
         if death < birth:  # existed at start, freed before any included op ran
             continue
         start += b if existed else 0
-        lifetimes.append(Lifetime(s.sid, b, birth, death, s.category))
+        lifetimes.append(Lifetime(s.sid, b, birth, death, s.category, s.free_after is None and death == end))
 
     diff = [0] * (n + 1)
     diff_after = [0] * (n + 1)
@@ -125,7 +126,8 @@ def build_timeline(ops: Iterable[_Op], storages: Iterable[_Storage], phases: tup
         diff[lt.birth] += lt.bytes
         diff[lt.death + 1] -= lt.bytes
         diff_after[lt.birth] += lt.bytes
-        diff_after[lt.death] -= lt.bytes
+        if not lt.outlives_step:
+            diff_after[lt.death] -= lt.bytes
     live, after = [], []
     acc = acc_a = 0
     for i in range(n):

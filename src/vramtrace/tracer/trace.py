@@ -180,17 +180,18 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
                 rec.phase = "backward"
                 say("backward")
                 loss.backward()
-                for p in params:
+                for n, p in model.named_parameters():
                     if p.grad is not None:
-                        rec.set_category(p.grad, Category.GRADIENT)
+                        rec.set_category(p.grad, Category.GRADIENT, f"{n}.grad")
                 if optimizer is not None:
                     rec.phase = "optimizer_first"
                     say("optimizer step (first step: state created)")
                     optimizer.step()
+                    names = {id(p): n for n, p in model.named_parameters()}
                     for p, state in optimizer.state.items():
-                        for v in state.values():
+                        for key, v in state.items():
                             if isinstance(v, torch.Tensor):
-                                rec.set_category(v, Category.OPTIMIZER_STATE)
+                                rec.set_category(v, Category.OPTIMIZER_STATE, f"{names.get(id(p), '?')}:{key}")
                     rec.phase = "optimizer"
                     say("optimizer step (steady state)")
                     optimizer.step()

@@ -1,0 +1,115 @@
+"""Summarize timelines into a MemoryReport: plain, JSON-serialisable data for the renderers."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .categories import Category
+from .liveness import Timeline
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRow:
+    """One storage on the steady-state timeline. Bytes after allocator rounding; birth/death are graph steps."""
+
+    id: int
+    bytes: int
+    category: str
+    dtype: str
+    shape: tuple[int, ...]
+    module: str
+    op: str
+    phase: str
+    birth: int
+    death: int
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseMark:
+    name: str  # e.g. 'after forward', 'peak in backward'
+    bytes: int
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    """The result of `vramtrace.analyze`. All bytes are ints; GiB in renderers means 2**30."""
+
+    model: dict[str, Any]
+    run: dict[str, Any]
+    params: int
+    peak_allocated_bytes: int
+    first_step_peak_allocated_bytes: int
+    graph_optimal_peak_bytes: int
+    peak_step: int
+    peak_phase: str
+    peak_op: str
+    peak_module: str
+    breakdown_at_peak: dict[str, int]
+    phases: tuple[PhaseMark, ...]
+    top_tensors: tuple[TensorRow, ...]
+    tensors: tuple[TensorRow, ...]
+    num_steps: int
+    fit: dict[str, Any] | None
+    unresolved: tuple[str, ...] = ()
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for row in d["tensors"] + d["top_tensors"]:
+            row["shape"] = list(row["shape"])
+        return d
+
+
+def _phase_marks(tl: Timeline) -> tuple[PhaseMark, ...]:
+    marks = [PhaseMark("start of step", tl.start_bytes, 0)]
+    by_phase: dict[str, list[int]] = {}
+    for i, ph in enumerate(tl.phases):
+        by_phase.setdefault(ph, []).append(i)
+    labels = {"forward": "forward", "backward": "backward", "optimizer": "optimizer step",
+              "optimizer_first": "optimizer step", "zero_grad": "zero_grad"}
+    for ph, idx in by_phase.items():
+        peak_i = max(idx, key=lambda i: tl.live_bytes[i])
+        if ph != "zero_grad":
+            marks.append(PhaseMark(f"peak in {labels[ph]}", tl.live_bytes[peak_i], peak_i))
+        marks.append(PhaseMark(f"after {labels[ph]}", tl.after_bytes[idx[-1]], idx[-1]))
+    return tuple(marks)
+
+
+def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: tuple, storages: tuple,
+              steady: Timeline, first: Timeline, graph_optimal: Timeline, gpu: dict[str, Any] | None,
+              top_n: int = 10) -> MemoryReport:
+    """Build the MemoryReport from the steady-state, first-step and graph-optimal timelines.
+
+    `ops`/`storages` are the recorder's OpInfo/StorageInfo rows; `gpu` is {'name', 'memory_bytes'} or None.
+    """
+    by_sid = {s.sid: s for s in storages}
+    peak = steady.peak_step
+    peak_op = ops[steady.steps[peak]]
+    rows = []
+    for lt in steady.lifetimes:
+        s = by_sid[lt.sid]
+        rows.append(TensorRow(lt.sid, lt.bytes, lt.category.value, s.dtype, tuple(s.shape), s.module, s.op,
+                              s.phase, lt.birth, lt.death, s.name))
+    live = [r for r in rows if r.birth <= peak <= r.death]
+    breakdown = {c.value: 0 for c in Category}
+    for r in live:
+        breakdown[r.category] += r.bytes
+    top = tuple(sorted(live, key=lambda r: (-r.bytes, r.id))[:top_n])
+    fit = None
+    if gpu is not None:
+        headroom = gpu["memory_bytes"] - steady.peak_bytes
+        fit = {"gpu": gpu["name"], "capacity_bytes": gpu["memory_bytes"], "headroom_bytes": headroom,
+               "fits": headroom >= 0, "basis": "peak allocated (reserved memory and CUDA context not included)"}
+    return MemoryReport(
+        model=model, run=run, params=params,
+        peak_allocated_bytes=steady.peak_bytes,
+        first_step_peak_allocated_bytes=first.peak_bytes,
+        graph_optimal_peak_bytes=graph_optimal.peak_bytes,
+        peak_step=peak, peak_phase=peak_op.phase, peak_op=peak_op.name, peak_module=peak_op.module,
+        breakdown_at_peak=breakdown, phases=_phase_marks(steady), top_tensors=top, tensors=tuple(rows),
+        num_steps=len(steady.steps), fit=fit)

@@ -1,0 +1,85 @@
+"""Command line: parse arguments, call `vramtrace.analyze`, render. Errors become one `Error: ...` line."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import click
+import typer
+from rich.console import Console
+
+from .errors import UsageError, VramtraceError
+from .spec import Device, Mode, OptimizerImpl, OptimizerKind, Precision
+
+app = typer.Typer(add_completion=False, context_settings={"help_option_names": ["-h", "--help"]},
+                  pretty_exceptions_enable=False)
+
+
+def _choices(enum_cls) -> str:
+    return "|".join(m.value for m in enum_cls)
+
+
+@app.command()
+def main_command(
+    model: str = typer.Argument(..., help="Hub id, bundled id (e.g. meta-llama/Llama-2-7b), local dir or config.json"),
+    batch: int = typer.Option(1, "--batch", "-b", help="batch size B of input_ids (B, S)"),
+    seq: int = typer.Option(..., "--seq", "-s", help="sequence length S"),
+    mode: str = typer.Option("train", help=_choices(Mode)),
+    precision: Optional[str] = typer.Option(None, help=_choices(Precision) + " [default: bf16-mixed to train, bf16 for inference]"),
+    optimizer: str = typer.Option("adamw", help=_choices(OptimizerKind)),
+    optimizer_impl: str = typer.Option("default", help=_choices(OptimizerImpl) + " (default: foreach on CUDA, for-loop on CPU)"),
+    device: str = typer.Option("cuda", help=_choices(Device) + ": the target whose kernels and allocator are modelled"),
+    gpu: str = typer.Option("H100-80GB", help="target GPU preset: H100-80GB, H200, A100-80GB, A100-40GB, L4, RTX4090, A10G, V100-32GB"),
+    checkpointing: str = typer.Option("none", help="activation checkpointing policy (none)"),
+    json_path: Optional[str] = typer.Option(None, "--json", help="write the JSON report to PATH, or '-' for stdout"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="allow configs that need remote code"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no terminal report (with --json)"),
+) -> None:
+    """Predict the peak memory of one training step (or inference forward) from a meta-device trace."""
+    from . import analyze
+    from .reports.json_report import check_writable, write_json
+    from .reports.terminal import render
+    from .spec import RunSpec
+
+    spec = RunSpec(model=model, batch=batch, seq=seq, mode=mode, precision=precision, optimizer=optimizer,
+                   optimizer_impl=optimizer_impl, device=device, gpu=gpu, checkpointing=checkpointing,
+                   trust_remote_code=trust_remote_code)
+    if json_path is not None:
+        check_writable(json_path)
+    err = Console(stderr=True)
+    with err.status("tracing", spinner="dots") as status:
+        report = analyze(spec, progress=lambda msg: status.update(f"tracing: {msg}"))
+    if not quiet and json_path != "-":
+        render(report, Console())
+    if json_path is not None:
+        write_json(report, json_path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point. Exit status: 0 ok, 1 error, 2 usage error."""
+    try:
+        app(args=argv, standalone_mode=False, prog_name="vramtrace")
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.ClickException as e:  # bad option, missing argument, not a number
+        print(f"Error: {e.format_message()} (see vramtrace --help)", file=sys.stderr)
+        return 2
+    except click.exceptions.Abort:
+        print("Error: aborted", file=sys.stderr)
+        return 1
+    except UsageError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 2
+    except VramtraceError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+def _entry() -> None:
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Renderers: they take a MemoryReport (plain data) and never import torch."""

@@ -1,0 +1,39 @@
+"""JSON renderer: the MemoryReport as stable-keyed JSON (bytes are ints)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..analysis.summary import MemoryReport
+from ..errors import ReportWriteError
+
+
+def check_writable(path: str) -> None:
+    """Fail early (before tracing) when `path` cannot be written. '-' means stdout."""
+    if path == "-":
+        return
+    p = Path(path).expanduser()
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise ReportWriteError(f"--json {path} is a directory; pass a file path or '-' for stdout")
+    if not parent.is_dir():
+        raise ReportWriteError(f"cannot write --json {path}: directory {parent} does not exist")
+    try:
+        with open(p, "a"):
+            pass
+    except OSError as e:
+        raise ReportWriteError(f"cannot write --json {path}: {e.strerror}") from None
+
+
+def write_json(report: MemoryReport, path: str) -> None:
+    """Write the report to `path` ('-' for stdout). Raises ReportWriteError."""
+    text = json.dumps(report.to_dict(), indent=1)
+    if path == "-":
+        sys.stdout.write(text + "\n")
+        return
+    try:
+        Path(path).expanduser().write_text(text + "\n")
+    except OSError as e:
+        raise ReportWriteError(f"cannot write --json {path}: {e.strerror}") from None

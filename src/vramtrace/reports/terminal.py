@@ -1,0 +1,85 @@
+"""Terminal renderer (rich): model and run, peak and where it happens, breakdown, waterfall, top storages, fit."""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from ..analysis.summary import MemoryReport
+from ..units import format_bytes, format_count
+
+_CATEGORY_LABELS = {
+    "parameter": "parameters", "gradient": "gradients", "optimizer_state": "optimizer state",
+    "activation": "activations (saved for backward)", "temporary": "temporaries", "input": "inputs / buffers",
+}
+
+
+def _shape(shape) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ")"
+
+
+def render(report: MemoryReport, console: Console) -> None:
+    """Print the report to `console`."""
+    m, r = report.model, report.run
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("model", f"{m['ref']}  [dim]({m['config_source']} config)[/]")
+    head.add_row("architecture", f"{m['architecture']} ({m['model_type']}, {m['task']})")
+    head.add_row("parameters", format_count(report.params)
+                 + ("" if m["trainable_params"] == report.params else f", trainable {m['trainable_params']:,}"))
+    head.add_row("dtypes", f"weights {m['param_dtype']}, compute {m['compute_dtype']}")
+    sdpa = ", ".join(f"{k}×{v}" for k, v in m["sdpa_backends"].items()) or "none"
+    head.add_row("attention", f"{m['attn_implementation']} (SDPA backend: {sdpa})")
+    head.add_row("run", f"{r['mode']}, {r['precision']}, optimizer {r['optimizer']} ({r['optimizer_impl']}), "
+                        f"batch {r['batch']} × seq {r['seq']}, checkpointing {r['checkpointing']}")
+    target = f"{r['device']}" + (f" ({r['gpu']}, 512 B blocks)" if r["device"] == "cuda" else " (no rounding)")
+    head.add_row("target", target)
+    console.print(Panel(head, title="vramtrace", border_style="cyan"))
+
+    peak = Text.assemble(("Peak allocated: ", "bold"), (format_bytes(report.peak_allocated_bytes), "bold magenta"),
+                         f"  ({report.peak_allocated_bytes:,} bytes)")
+    where = Text(f"at step {report.peak_step}/{report.num_steps} in {report.peak_phase}: {report.peak_op}"
+                 f" in {report.peak_module or '(root)'}")
+    extra = Text(f"first step (optimizer state created lazily): {format_bytes(report.first_step_peak_allocated_bytes)}"
+                 f"   graph-optimal (last-use freeing): {format_bytes(report.graph_optimal_peak_bytes)}", style="dim")
+    console.print(Panel(Group(peak, where, extra), border_style="magenta"))
+
+    bd = Table(title="Live at the peak, by category", title_justify="left")
+    bd.add_column("category")
+    bd.add_column("bytes", justify="right")
+    bd.add_column("share", justify="right")
+    total = max(report.peak_allocated_bytes, 1)
+    for cat, b in sorted(report.breakdown_at_peak.items(), key=lambda kv: -kv[1]):
+        bd.add_row(_CATEGORY_LABELS.get(cat, cat), format_bytes(b), f"{100 * b / total:.1f}%")
+    wf = Table(title="Step waterfall (predicted)", title_justify="left")
+    wf.add_column("moment")
+    wf.add_column("allocated", justify="right")
+    wf.add_column("step", justify="right")
+    for mark in report.phases:
+        wf.add_row(mark.name, format_bytes(mark.bytes), str(mark.step))
+    wf.add_row("first-step peak", format_bytes(report.first_step_peak_allocated_bytes), "", style="dim")
+    console.print(bd)
+    console.print(wf)
+
+    top = Table(title="Largest storages live at the peak", title_justify="left")
+    for col, just in (("module / tensor", "left"), ("op", "left"), ("category", "left"), ("shape", "left"),
+                      ("dtype", "left"), ("bytes", "right"), ("born", "right"), ("dies", "right")):
+        top.add_column(col, justify=just, overflow="fold")
+    for t in report.top_tensors:
+        top.add_row(t.name or t.module or "(root)", t.op.removeprefix("aten.") or "(exists at start)", t.category,
+                    _shape(t.shape), t.dtype, format_bytes(t.bytes), str(t.birth), str(t.death))
+    console.print(top)
+
+    if report.fit is not None:
+        f = report.fit
+        if f["fits"]:
+            msg = Text(f"Fits on {f['gpu']} ({format_bytes(f['capacity_bytes'])}) with "
+                       f"{format_bytes(f['headroom_bytes'])} spare", style="bold green")
+        else:
+            msg = Text(f"Does not fit on {f['gpu']} ({format_bytes(f['capacity_bytes'])}): over by "
+                       f"{format_bytes(-f['headroom_bytes'])}", style="bold red")
+        console.print(msg)
+        console.print(Text(f"basis: {f['basis']}", style="dim"))
