@@ -75,3 +75,62 @@ def measure_cpu_peak(spec: RunSpec) -> int:
         cur += e.nbytes()
         peak = max(peak, cur)
     return start + peak
+
+
+class _StorageCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Runtime oracle in the style of test/inductor/test_mem_estimation.py: count live storages of a real run
+    through weakref.finalize, independently of vramtrace's recorder."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.cur = self.peak = 0
+
+    def track(self, t):
+        import weakref
+
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.live:
+            return
+        self.live[key] = st.nbytes()
+        self.cur += st.nbytes()
+        self.peak = max(self.peak, self.cur)
+        weakref.finalize(st, self._free, key)
+
+    def _free(self, key):
+        self.cur -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        return out
+
+
+def measure_cpu_dispatch_peak(spec: RunSpec) -> int:
+    """Peak bytes of the steady-state step run for real on the CPU, counted by a dispatch-mode storage oracle."""
+    resolved = resolve_config(spec.model)
+    config = build_config(resolved, False)
+    param_dtype, compute_dtype = weight_and_compute_dtype(spec.effective_precision)
+    torch.manual_seed(0)
+    model = getattr(transformers, config.architectures[0])._from_config(config, dtype=param_dtype)
+    ids = torch.randint(0, config.vocab_size, (spec.batch, spec.seq), dtype=torch.int64)
+    opt = make_optimizer(spec, list(model.parameters()))
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    counter = _StorageCounter()
+    alive = list(model.parameters()) + list(model.buffers()) + [ids]
+    alive += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    for t in alive:
+        counter.track(t)
+    with counter:
+        step()
+    return counter.peak

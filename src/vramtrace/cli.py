@@ -5,8 +5,12 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-import click
 import typer
+
+try:  # typer >= 0.2x vendors its own click
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover - older typer uses click itself
+    from click import exceptions as click_exceptions
 from rich.console import Console
 
 from .errors import UsageError, VramtraceError
@@ -59,14 +63,14 @@ def main_command(
 def main(argv: list[str] | None = None) -> int:
     """Entry point. Exit status: 0 ok, 1 error, 2 usage error."""
     try:
-        app(args=argv, standalone_mode=False, prog_name="vramtrace")
-    except click.exceptions.Exit as e:
-        return e.exit_code
-    except click.ClickException as e:  # bad option, missing argument, not a number
+        rv = app(args=argv, standalone_mode=False, prog_name="vramtrace")
+        if isinstance(rv, int):  # --help and similar return an exit code in non-standalone mode
+            return rv
+    except click_exceptions.ClickException as e:  # bad option, missing argument, not a number
         print(f"Error: {e.format_message()} (see vramtrace --help)", file=sys.stderr)
         return 2
-    except click.exceptions.Abort:
-        print("Error: aborted", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("Error: interrupted", file=sys.stderr)
         return 1
     except UsageError as e:
         print(f"Error: {e}", file=sys.stderr)

@@ -1,0 +1,62 @@
+"""The CLI: a report on stdout, JSON with the stable keys, and one-line errors with the right exit status."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FIXTURES
+
+TINY = str(FIXTURES / "tiny-llama-gqa.json")
+
+
+def run(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "vramtrace.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_report_and_json(tmp_path):
+    out = tmp_path / "r.json"
+    p = run(TINY, "--batch", "2", "--seq", "16", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "Peak allocated" in p.stdout and "Step waterfall" in p.stdout
+    d = json.loads(out.read_text())
+    for key in ("schema_version", "params", "peak_allocated_bytes", "first_step_peak_allocated_bytes",
+                "graph_optimal_peak_bytes", "peak_phase", "breakdown_at_peak", "phases", "tensors"):
+        assert key in d
+    assert isinstance(d["peak_allocated_bytes"], int)
+    assert d["peak_allocated_bytes"] % 512 == 0  # CUDA target: 512 B blocks
+    t = d["tensors"][0]
+    assert {"bytes", "category", "module", "op", "birth", "death"} <= set(t)
+
+
+def test_json_to_stdout():
+    p = run(TINY, "--batch", "1", "--seq", "8", "--json", "-", "--mode", "inference")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["run"]["precision"] == "bf16"
+
+
+@pytest.mark.parametrize("args,status,needle", [
+    (["--batch", "0", "--seq", "8"], 2, "--batch must be a positive integer"),
+    (["--batch", "x", "--seq", "8"], 2, "valid integer"),
+    (["--batch", "1", "--seq", "-3"], 2, "--seq must be a positive integer"),
+    (["--batch", "1", "--seq", "8", "--precision", "fp8"], 2, "unknown precision"),
+    (["--batch", "1", "--seq", "8", "--optimizer", "lion"], 2, "unknown optimizer"),
+    (["--batch", "1", "--seq", "8", "--json", "/no/such/dir/r.json"], 1, "cannot write --json"),
+])
+def test_usage_errors(args, status, needle):
+    p = run(TINY, *args)
+    assert p.returncode == status
+    assert p.stderr.startswith("Error: ") and needle in p.stderr
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_model_errors(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{oops")
+    for ref, needle in ((str(bad), "not valid JSON"), ("./missing/config.json", "does not exist"),
+                        ("some-org/surely-not-cached-model-xyz", "local")):
+        p = run(ref, "--batch", "1", "--seq", "8")
+        assert p.returncode == 1 and p.stderr.startswith("Error: ") and needle in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr

@@ -1,0 +1,74 @@
+"""Model references: bundled configs with exact parameter counts, local paths, params.json, clear errors."""
+
+import json
+
+import pytest
+
+from vramtrace import RunSpec
+from vramtrace.errors import ModelLoadError
+from vramtrace.tracer.building import load_model
+from vramtrace.tracer.loading import meta_params_to_hf, resolve_config
+
+# Published parameter counts (model cards / the issue), not computed by vramtrace.
+EXPECTED = {
+    "meta-llama/Llama-2-7b": 6_738_415_616,
+    "meta-llama/Llama-2-7b-hf": 6_738_415_616,
+    "meta-llama/Llama-2-13b": 13_015_864_320,
+    "meta-llama/Llama-2-70b": 68_976_648_192,
+    "meta-llama/Llama-3.1-8B": 8_030_261_248,
+    "meta-llama/Llama-3.1-70B": 70_553_706_496,
+    "mistralai/Mistral-7B-v0.1": 7_241_732_096,
+    "gpt2": 124_439_808,
+    "bert-base-uncased": 109_514_298,
+}
+
+
+@pytest.mark.parametrize("ref", sorted(EXPECTED))
+def test_bundled_param_counts_exact(ref):
+    resolved = resolve_config(ref)
+    assert resolved.source == "bundled"
+    assert load_model(RunSpec(ref, 1, 8), resolved).params == EXPECTED[ref]
+
+
+def test_meta_params_json_llama2_7b():
+    cfg = meta_params_to_hf({"dim": 4096, "multiple_of": 256, "n_heads": 32, "n_layers": 32, "norm_eps": 1e-05,
+                             "vocab_size": -1})
+    assert cfg["intermediate_size"] == 11008 and cfg["vocab_size"] == 32000
+
+
+def test_local_dir_and_params_json(tmp_path):
+    (tmp_path / "params.json").write_text(json.dumps(
+        {"dim": 4096, "multiple_of": 256, "n_heads": 32, "n_layers": 32, "norm_eps": 1e-05, "vocab_size": -1}))
+    resolved = resolve_config(str(tmp_path))
+    assert resolved.source == "local"
+    assert load_model(RunSpec(str(tmp_path), 1, 8), resolved).params == EXPECTED["meta-llama/Llama-2-7b"]
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("{not json", "not valid JSON"),
+    ('{"model_type": "no-such-arch"}', "unknown model_type"),
+    ('{"hidden_size": 8}', "no model_type"),
+])
+def test_bad_configs(tmp_path, content, needle):
+    p = tmp_path / "config.json"
+    p.write_text(content)
+    with pytest.raises(ModelLoadError, match=needle):
+        load_model(RunSpec(str(p), 1, 8), resolve_config(str(p)))
+
+
+def test_remote_code_refused_without_flag(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({"model_type": "llama", "auto_map": {"AutoConfig": "evil.Config"}}))
+    with pytest.raises(ModelLoadError, match="--trust-remote-code"):
+        load_model(RunSpec(str(p), 1, 8), resolve_config(str(p)))
+
+
+def test_missing_path():
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_config("./no/such/config.json")
+
+
+def test_unknown_hub_id_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match="local"):
+        resolve_config("some-org/surely-not-cached-model-xyz")
