@@ -46,8 +46,6 @@ def analyze(spec: RunSpec, progress: Callable[[str], None] | None = None):
         return build_timeline(traced.ops, traced.storages, phases, traced.counted_devices, block, optimal)
 
     gpu = spec.gpu_preset
-    import torch  # only for dtype names
-
     model_info = {
         "ref": resolved.ref, "config_source": resolved.source, "config_location": resolved.location,
         "architecture": loaded.architecture, "model_type": loaded.model_type, "task": loaded.task,
@@ -57,7 +55,6 @@ def analyze(spec: RunSpec, progress: Callable[[str], None] | None = None):
         "attn_implementation": loaded.attn_implementation,
         "sdpa_backends": dict(traced.sdpa_backends),
     }
-    del torch
     run_info = {
         "mode": spec.mode.value, "precision": spec.effective_precision.value, "optimizer": spec.optimizer.value,
         "optimizer_impl": spec.optimizer_impl.value, "device": spec.device.value, "gpu": gpu.name,
