@@ -29,20 +29,31 @@ def _storage_bytes(tensors) -> int:
     return total
 
 
+def _real_model(spec: RunSpec):
+    """(model with random weights on the CPU, int64 input_ids (B, S), autocast dtype or None) for `spec`."""
+    config = build_config(resolve_config(spec.model), False)
+    param_dtype, compute_dtype = weight_and_compute_dtype(spec.effective_precision)
+    torch.manual_seed(0)
+    model = getattr(transformers, config.architectures[0])._from_config(config, dtype=param_dtype)
+    ids = torch.randint(0, config.vocab_size, (spec.batch, spec.seq), dtype=torch.int64)
+    return model, ids, compute_dtype
+
+
+def _alive_at_start(model, ids, opt) -> list:
+    """Tensors alive at the start of a steady-state step: parameters, buffers, the input, optimizer state."""
+    alive = list(model.parameters()) + list(model.buffers()) + [ids]
+    if opt is not None:
+        alive += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return alive
+
+
 def measure_cpu_peak(spec: RunSpec) -> int:
     """Peak bytes of the steady-state step of `spec` run for real on the CPU (profiler allocator events)."""
     assert spec.device.value == "cpu"
-    resolved = resolve_config(spec.model)
-    config = build_config(resolved, False)
-    param_dtype, compute_dtype = weight_and_compute_dtype(spec.effective_precision)
-    torch.manual_seed(0)
-    cls = getattr(transformers, config.architectures[0])
-    model = cls._from_config(config, dtype=param_dtype)
+    model, ids, compute_dtype = _real_model(spec)
     train = spec.mode.value == "train"
     model.train(train)
-    ids = torch.randint(0, config.vocab_size, (spec.batch, spec.seq), dtype=torch.int64)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(spec, params) if train else None
+    opt = make_optimizer(spec, [p for p in model.parameters() if p.requires_grad]) if train else None
     autocast = (lambda: torch.autocast("cpu", dtype=compute_dtype)) if compute_dtype else contextlib.nullcontext
 
     def step():
@@ -62,10 +73,7 @@ def measure_cpu_peak(spec: RunSpec) -> int:
 
     step()  # warm-up: optimizer state created
     gc.collect()
-    alive = list(model.parameters()) + list(model.buffers()) + [ids]
-    if opt is not None:
-        alive += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    start = _storage_bytes(alive)
+    start = _storage_bytes(_alive_at_start(model, ids, opt))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
@@ -111,12 +119,7 @@ class _StorageCounter(torch.utils._python_dispatch.TorchDispatchMode):
 
 def measure_cpu_dispatch_peak(spec: RunSpec) -> int:
     """Peak bytes of the steady-state step run for real on the CPU, counted by a dispatch-mode storage oracle."""
-    resolved = resolve_config(spec.model)
-    config = build_config(resolved, False)
-    param_dtype, compute_dtype = weight_and_compute_dtype(spec.effective_precision)
-    torch.manual_seed(0)
-    model = getattr(transformers, config.architectures[0])._from_config(config, dtype=param_dtype)
-    ids = torch.randint(0, config.vocab_size, (spec.batch, spec.seq), dtype=torch.int64)
+    model, ids, _ = _real_model(spec)
     opt = make_optimizer(spec, list(model.parameters()))
 
     def step():
@@ -127,9 +130,7 @@ def measure_cpu_dispatch_peak(spec: RunSpec) -> int:
 
     step()
     counter = _StorageCounter()
-    alive = list(model.parameters()) + list(model.buffers()) + [ids]
-    alive += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    for t in alive:
+    for t in _alive_at_start(model, ids, opt):
         counter.track(t)
     with counter:
         step()
