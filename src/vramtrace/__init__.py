@@ -59,7 +59,7 @@ def analyze(spec: RunSpec, progress: Callable[[str], None] | None = None):
         "mode": spec.mode.value, "precision": spec.effective_precision.value, "optimizer": spec.optimizer.value,
         "optimizer_impl": spec.optimizer_impl.value, "device": spec.device.value, "gpu": gpu.name,
         "batch": spec.batch, "seq": spec.seq, "checkpointing": spec.checkpointing,
-        "allocator_block_bytes": block, "num_ops": len(traced.ops),
+        "allocator_block_bytes": block, "num_ops": len(traced.ops), "trace": traced.trace_note,
     }
     return summarize(
         model=model_info, run=run_info, params=loaded.params, ops=traced.ops, storages=traced.storages,

@@ -38,6 +38,8 @@ def main_command(
     checkpointing: str = typer.Option("none", help="activation checkpointing policy (none)"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write the JSON report to PATH, or '-' for stdout"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="allow configs that need remote code"),
+    trace_every_layer: bool = typer.Option(
+        False, "--trace-every-layer", help="trace all layers instead of 4 and replicating the repeated one (slower)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no terminal report (with --json)"),
 ) -> None:
     """Predict the peak memory of one training step (or inference forward) from a meta-device trace."""
@@ -48,7 +50,7 @@ def main_command(
 
     spec = RunSpec(model=model, batch=batch, seq=seq, mode=mode, precision=precision, optimizer=optimizer,
                    optimizer_impl=optimizer_impl, device=device, gpu=gpu, checkpointing=checkpointing,
-                   trust_remote_code=trust_remote_code)
+                   trust_remote_code=trust_remote_code, replicate_layers=not trace_every_layer)
     if json_path is not None:
         check_writable(json_path)
     err = Console(stderr=True)

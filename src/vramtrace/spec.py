@@ -100,6 +100,7 @@ class RunSpec:
     batch, seq: the (B, S) of the int64 `input_ids`.
     precision: None picks the default for the mode (bf16-mixed to train, bf16 for inference).
     checkpointing: a policy name; only "none" is implemented here (seam for the checkpointing issue).
+    replicate_layers: trace 4 of a stack's identical layers and rebuild the rest (False: trace every layer).
     """
 
     model: str
@@ -113,7 +114,7 @@ class RunSpec:
     gpu: str = "H100-80GB"
     checkpointing: str = "none"
     trust_remote_code: bool = False
-    build_graph: bool = True
+    replicate_layers: bool = True
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq"):

@@ -37,6 +37,8 @@ def render(report: MemoryReport, console: Console) -> None:
                         f"batch {r['batch']} × seq {r['seq']}, checkpointing {r['checkpointing']}")
     target = f"{r['device']}" + (f" ({r['gpu']}, 512 B blocks)" if r["device"] == "cuda" else " (no rounding)")
     head.add_row("target", target)
+    if r.get("trace"):
+        head.add_row("trace", f"{r['num_ops']:,} aten ops; {r['trace']}")
     console.print(Panel(head, title="vramtrace", border_style="cyan"))
 
     peak = Text.assemble(("Peak allocated: ", "bold"), (format_bytes(report.peak_allocated_bytes), "bold magenta"),

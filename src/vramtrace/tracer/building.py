@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import logging
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import torch
 from ..errors import ModelLoadError
 from ..spec import Mode, Precision, RunSpec
 from .loading import ResolvedConfig
+from .replication import TRACED_LAYERS, LayerPlan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -38,6 +40,9 @@ class LoadedModel:
     param_dtype: torch.dtype
     compute_dtype: torch.dtype | None
     attn_implementation: str
+    layer_plan: LayerPlan | None = None  # where the repeated layers are, when the model can be traced shallow
+    traced_model: torch.nn.Module | None = None  # the same model with TRACED_LAYERS layers (with layer_plan)
+    replication_note: str = ""  # why every layer is traced, when it is
 
 
 def weight_and_compute_dtype(precision: Precision) -> tuple[torch.dtype, torch.dtype | None]:
@@ -118,8 +123,52 @@ def count_params(model: torch.nn.Module) -> tuple[int, int]:
     return total, trainable
 
 
+def _build(cls, config, kwargs, arch: str, location: str) -> torch.nn.Module:
+    try:
+        with torch.device("meta"), contextlib.redirect_stderr(io.StringIO()):
+            if hasattr(cls, "from_config"):
+                return cls.from_config(config, **kwargs)
+            return cls._from_config(config, **kwargs)
+    except Exception as e:
+        raise ModelLoadError(f"transformers could not build {arch} from {location}: {e}") from None
+
+
+def _layer_signature(layer: torch.nn.Module) -> tuple:
+    return (type(layer), tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in layer.named_parameters()),
+            tuple((n, tuple(b.shape), b.dtype) for n, b in layer.named_buffers()),
+            tuple((n, type(m).__name__, getattr(m, "training", None)) for n, m in layer.named_modules()))
+
+
+def layer_plan(model: torch.nn.Module, config) -> tuple[LayerPlan | None, dict[str, Any], str]:
+    """(plan, config overrides for the shallow model, note) for tracing `TRACED_LAYERS` of the model's layers.
+
+    The plan needs `config.num_hidden_layers` = L > TRACED_LAYERS, exactly one `nn.ModuleList` of L layers, the
+    layers alike (class, parameter and buffer shapes, submodules), and no per-layer config list whose entries
+    differ (e.g. `layer_types` alternating sliding and full attention). Otherwise the plan is None and `note`
+    says why.
+    """
+    L = getattr(config, "num_hidden_layers", None)
+    if not isinstance(L, int) or L <= TRACED_LAYERS:
+        return None, {}, f"{L} layers: every layer traced"
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == L]
+    if len(lists) != 1:
+        return None, {}, f"{len(lists)} stacks of {L} layers: every layer traced"
+    prefix, layers = lists[0]
+    first = _layer_signature(layers[0])
+    if any(_layer_signature(m) != first for m in layers):
+        return None, {}, "the layers differ: every layer traced"
+    overrides: dict[str, Any] = {"num_hidden_layers": TRACED_LAYERS}
+    for key, value in config.to_dict().items():
+        if isinstance(value, (list, tuple)) and len(value) == L and key != "architectures":
+            if any(v != value[0] for v in value):
+                return None, {}, f"config.{key} differs between layers: every layer traced"
+            overrides[key] = list(value[:TRACED_LAYERS])
+    return LayerPlan(prefix, L), overrides, ""
+
+
 def load_model(spec: RunSpec, resolved: ResolvedConfig) -> LoadedModel:
-    """Build the model of `resolved` on the meta device for `spec`. Raises ModelLoadError."""
+    """Build the model of `resolved` on the meta device for `spec`, plus its 4-layer copy for tracing when the
+    layers repeat (`layer_plan`). Raises ModelLoadError."""
     config = build_config(resolved, spec.trust_remote_code)
     cls, arch = _model_class(config, spec.trust_remote_code)
     param_dtype, compute_dtype = weight_and_compute_dtype(spec.effective_precision)
@@ -127,15 +176,20 @@ def load_model(spec: RunSpec, resolved: ResolvedConfig) -> LoadedModel:
     if spec.trust_remote_code:
         kwargs["trust_remote_code"] = True
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    try:
-        with torch.device("meta"), contextlib.redirect_stderr(io.StringIO()):
-            if hasattr(cls, "from_config"):
-                model = cls.from_config(config, **kwargs)
-            else:
-                model = cls._from_config(config, **kwargs)
-    except Exception as e:
-        raise ModelLoadError(f"transformers could not build {arch} from {resolved.location}: {e}") from None
+    model = _build(cls, config, kwargs, arch, resolved.location)
     model.train(spec.mode is Mode.TRAIN)
+    plan, traced_model, note = None, None, "layer replication off: every layer traced"
+    if spec.replicate_layers:
+        plan, overrides, note = layer_plan(model, config)
+    if plan is not None:
+        shallow = copy.deepcopy(config)
+        for key, value in overrides.items():
+            setattr(shallow, key, value)
+        traced_model = _build(cls, shallow, kwargs, arch, resolved.location)
+        traced_model.train(spec.mode is Mode.TRAIN)
+        stack = dict(traced_model.named_modules()).get(plan.prefix)
+        if not isinstance(stack, torch.nn.ModuleList) or len(stack) != TRACED_LAYERS:
+            plan, traced_model, note = None, None, "the 4-layer copy has no matching layer stack: every layer traced"
     task = _task(model)
     B, S = spec.batch, spec.seq
     max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
@@ -150,4 +204,5 @@ def load_model(spec: RunSpec, resolved: ResolvedConfig) -> LoadedModel:
         model=model, inputs=inputs, task=task, architecture=type(model).__name__, model_type=config.model_type,
         params=total, trainable_params=trainable, param_dtype=param_dtype, compute_dtype=compute_dtype,
         attn_implementation=str(getattr(config, "_attn_implementation", None) or "eager"),
+        layer_plan=plan, traced_model=traced_model, replication_note=note,
     )

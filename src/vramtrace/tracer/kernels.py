@@ -123,7 +123,8 @@ class KernelPolicyMode(TorchFunctionMode):
         self._autocast_depth = 0
         self._disabled_depth = 0
         self._cast_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.sdpa_backends: dict[str, int] = {}
+        self.sdpa_calls: list[tuple[str, str]] = []  # (backend, module path) of every SDPA call
+        self.current_module = lambda: ""  # set by the tracer
         self.on_output = None  # callback(out) for every torch-function result (autograd-node module tagging)
 
     # -- autocast regions -------------------------------------------------------------------------------
@@ -208,7 +209,7 @@ class KernelPolicyMode(TorchFunctionMode):
             choice = torch._fused_sdp_choice(_tiny_like(query), _tiny_like(key), _tiny_like(value), mask, dropout_p,
                                              is_causal, scale=scale, enable_gqa=enable_gqa)
             backend = "flash" if choice == _SDP_FLASH else "math"
-        self.sdpa_backends[backend] = self.sdpa_backends.get(backend, 0) + 1
+        self.sdpa_calls.append((backend, self.current_module()))
         if backend == "math":
             return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                                   is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)

@@ -14,61 +14,29 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.weak import WeakIdKeyDictionary
+from torch.utils._pytree import tree_flatten
+
+from .records import RecOp, RecStorage
 
 _MODULE_KEY = "vramtrace_module"
-
-
-@dataclass(slots=True)
-class _Storage:
-    sid: int
-    nbytes: int
-    dtype: str
-    shape: tuple[int, ...]
-    device: str
-    op_index: int  # -1: existed before the step
-    op: str
-    module: str
-    phase: str
-    category: str | None = None  # set for pre-existing storages, gradients, optimizer state
-    name: str = ""
-    saved: bool = False
-
-
-@dataclass(slots=True)
-class _Op:
-    index: int
-    name: str
-    phase: str
-    module: str
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]  # storages newly allocated by this op
 
 
 class StepRecorder(TorchDispatchMode):
     """Dispatch mode recording ops, storages and eager frees. Set `phase` between the parts of the step."""
 
-    def __init__(self, build_graph: bool = True):
+    def __init__(self):
         super().__init__()
         self.phase = "setup"
-        self.ops: list[_Op] = []
-        self.storages: list[_Storage] = []
+        self.ops: list[RecOp] = []
+        self.storages: list[RecStorage] = []
         self.free_after: dict[int, int] = {}  # sid -> index of the last op completed when it was freed
-        self.last_use: dict[int, int] = {}
         self._live: dict[int, int] = {}  # StorageImpl address -> sid
         self._finalizers: list[weakref.finalize] = []
         self._lock = threading.Lock()
         self.module_stack: list[str] = []
-        self.graph = fx.Graph() if build_graph else None
-        self._node_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._n_placeholders = 0
 
     # -- storages ----------------------------------------------------------------------------------------
     def _on_free(self, key: int, sid: int) -> None:
@@ -87,7 +55,7 @@ class StepRecorder(TorchDispatchMode):
             return sid
         sid = len(self.storages)
         module = self.current_module() if op_index >= 0 else ""
-        self.storages.append(_Storage(sid, st.nbytes(), str(t.dtype).removeprefix("torch."), tuple(t.shape),
+        self.storages.append(RecStorage(sid, st.nbytes(), str(t.dtype).removeprefix("torch."), tuple(t.shape),
                                       t.device.type, op_index, op, module, self.phase, category, name))
         self._live[key] = sid
         self._finalizers.append(weakref.finalize(st, self._on_free, key, sid))
@@ -109,10 +77,17 @@ class StepRecorder(TorchDispatchMode):
             s.name = s.name or name
 
     def detach(self) -> None:
-        """Stop listening for frees (call after the step; later deaths are not part of it)."""
+        """Stop listening for frees (call after the step; later deaths are not part of it), and write each op's
+        `frees`."""
         for f in self._finalizers:
             f.detach()
         self._finalizers.clear()
+        frees: dict[int, list[int]] = {}
+        for sid, index in self.free_after.items():
+            frees.setdefault(index, []).append(sid)
+        for index, sids in frees.items():
+            if index >= 0:
+                self.ops[index].frees = tuple(sorted(sids))
 
     # -- module attribution ---------------------------------------------------------------------------------
     def current_module(self) -> str:
@@ -144,45 +119,18 @@ class StepRecorder(TorchDispatchMode):
         ins = []
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor):
-                sid = self.storage_id(t, op_index=index, op=name)
-                self.last_use[sid] = index
-                ins.append(sid)
+                ins.append(self.storage_id(t, op_index=index, op=name))
         new = []
+        n_before = len(self.storages)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                n_before = len(self.storages)
                 sid = self.storage_id(t, op_index=index, op=name)
-                if sid >= n_before:
+                if sid >= n_before and sid not in new:
                     new.append(sid)
-                self.last_use[sid] = index
-        self.ops.append(_Op(index, name, self.phase, self.current_module(), tuple(ins), tuple(new)))
-        if self.graph is not None and self.phase != "optimizer_first":
-            self._add_node(func, args, kwargs, out, index)
+        first = args[0] if args else None
+        lead = len(first) if isinstance(first, (list, tuple)) else int(isinstance(first, torch.Tensor))
+        self.ops.append(RecOp(index, name, self.phase, self.current_module(), tuple(ins), tuple(new), (), lead))
         return out
-
-    def _add_node(self, func, args, kwargs, out, index: int) -> None:
-        def to_node(a: Any):
-            if isinstance(a, torch.Tensor):
-                node = self._node_of.get(a)
-                if node is None:
-                    node = self.graph.placeholder(f"input_{self._n_placeholders}")
-                    self._n_placeholders += 1
-                    node.meta["val_shape"] = tuple(a.shape)
-                    self._node_of[a] = node
-                return node
-            if isinstance(a, (torch.dtype, torch.device, torch.layout, torch.memory_format, int, float, bool, str,
-                              type(None))):
-                return a
-            return str(a)
-
-        node = self.graph.call_function(func, tree_map(to_node, tuple(args)), tree_map(to_node, dict(kwargs)))
-        op = self.ops[index]
-        node.meta.update({"phase": op.phase, "nn_module_stack": op.module, "step": index})
-        flat = tree_flatten(out)[0]
-        for i, t in enumerate(flat):
-            if isinstance(t, torch.Tensor):
-                self._node_of[t] = node if len(flat) == 1 else self.graph.call_function(
-                    __import__("operator").getitem, (node, i))
 
 
 def tag_autograd_nodes(outputs: Any, module_path: str) -> None:

@@ -28,7 +28,9 @@ from ..errors import TraceError, UnsupportedOpError
 from ..spec import Device, Mode, OptimizerImpl, OptimizerKind, RunSpec
 from .building import LoadedModel
 from .kernels import KernelPolicyMode
+from .records import RecStorage
 from .recorder import StepRecorder, tag_autograd_nodes
+from .replication import TRACED_LAYERS, NotPeriodic, replicate_layers
 
 STEADY_PHASES = ("forward", "backward", "optimizer", "zero_grad")
 FIRST_STEP_PHASES = ("forward", "backward", "optimizer_first", "zero_grad")
@@ -40,6 +42,8 @@ class OpInfo:
     name: str  # aten overload, e.g. 'aten.mm.default'
     phase: str  # forward | backward | optimizer_first | optimizer | zero_grad
     module: str  # qualified module path ('' for the root), 'optimizer' in the optimizer step
+    reads: tuple[int, ...] = ()  # storage ids of its tensor arguments
+    allocates: tuple[int, ...] = ()  # storage ids it allocated
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,14 +68,15 @@ class StorageInfo:
 
 @dataclass(frozen=True, slots=True)
 class TracedGraph:
-    """The recorded step. `graph` is the FX graph of aten ops of the steady-state step (None if not built)."""
+    """The recorded step: its aten ops in execution order and its storages. `to_fx_graph` turns it into an FX
+    graph. `trace_note` says how it was traced (every layer, or 4 layers and the middle one replicated)."""
 
     ops: tuple[OpInfo, ...]
     storages: tuple[StorageInfo, ...]
     counted_devices: tuple[str, ...]
-    graph: fx.GraphModule | None
     sdpa_backends: tuple[tuple[str, int], ...]
     has_optimizer: bool
+    trace_note: str = ""
 
 
 def make_optimizer(spec: RunSpec, params: list[torch.nn.Parameter]):
@@ -151,12 +156,12 @@ def _loss_of(output) -> torch.Tensor:
     return loss
 
 
-def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], None] | None = None) -> TracedGraph:
-    """Run the step of `spec` on `loaded` (meta device) and record it. Raises TraceError."""
-    say = progress or (lambda _msg: None)
-    model = loaded.model
-    rec = StepRecorder(build_graph=spec.build_graph)
-    policy = KernelPolicyMode(spec.device, spec.gpu_preset.sm, loaded.compute_dtype)
+def _record(spec: RunSpec, model: torch.nn.Module, inputs: dict[str, torch.Tensor],
+            compute_dtype: torch.dtype | None, say: Callable[[str], None]):
+    """Run the step on `model` under the recorder. Returns (recorder, kernel policy, optimizer or None)."""
+    rec = StepRecorder()
+    policy = KernelPolicyMode(spec.device, spec.gpu_preset.sm, compute_dtype)
+    policy.current_module = rec.current_module
     train = spec.mode is Mode.TRAIN
     params = [p for p in model.parameters() if p.requires_grad] if train else []
     optimizer = make_optimizer(spec, params) if train else None
@@ -164,11 +169,11 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
         rec.register_existing(p, Category.PARAMETER, n)
     for n, b in model.named_buffers():
         rec.register_existing(b, Category.INPUT, n)
-    for n, t in loaded.inputs.items():
+    for n, t in inputs.items():
         rec.register_existing(t, Category.INPUT, n)
     # Tag each autograd node with the module that created it, as soon as it is created.
     policy.on_output = lambda out: tag_autograd_nodes(out, rec.current_module()) if rec.phase == "forward" else None
-    autocast = policy.autocast_region() if loaded.compute_dtype is not None else contextlib.nullcontext()
+    autocast = policy.autocast_region() if compute_dtype is not None else contextlib.nullcontext()
     try:
         with (_transformers_autocast_bridge(policy), _module_hooks(model, rec), policy,
               torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, lambda t: t), rec):
@@ -176,7 +181,7 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
             say("forward")
             if train:
                 with autocast:
-                    loss = _loss_of(model(**loaded.inputs))
+                    loss = _loss_of(model(**inputs))
                 rec.phase = "backward"
                 say("backward")
                 loss.backward()
@@ -203,7 +208,7 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
                 del loss
             else:
                 with torch.no_grad(), autocast:
-                    out = model(**loaded.inputs)
+                    out = model(**inputs)
                 del out
     except NotImplementedError as e:
         where = rec.current_module() or "(root)"
@@ -215,23 +220,100 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     finally:
         rec.detach()
+    return rec, policy, optimizer
 
-    storages = []
-    for s in rec.storages:
+
+def _check_parameters(model: torch.nn.Module, storages: list[RecStorage]) -> None:
+    """The rebuilt records must hold exactly the full model's parameters (name and bytes)."""
+    want = {}
+    for n, p in model.named_parameters():
+        want[n] = p.untyped_storage().nbytes()
+    got = {s.name: s.nbytes for s in storages if s.category == Category.PARAMETER}
+    if got != want:
+        missing = sorted(set(want) - set(got))[:3] or sorted(set(got) - set(want))[:3]
+        raise NotPeriodic(f"the rebuilt parameters differ from the model's (e.g. {missing})")
+
+
+def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], None] | None = None) -> TracedGraph:
+    """Run the step of `spec` on `loaded` (meta device) and record it. Raises TraceError, UnsupportedOpError.
+
+    With a `loaded.layer_plan`, the model with 4 layers is traced and the records of all layers are rebuilt
+    (`replication.replicate_layers`); if that step turns out not to be periodic, every layer is traced.
+    """
+    say = progress or (lambda _msg: None)
+    plan, note = loaded.layer_plan, loaded.replication_note
+    result = None
+    if plan is not None:
+        say(f"tracing {TRACED_LAYERS} of {plan.num_layers} layers")
+        rec, policy, optimizer = _record(spec, loaded.traced_model, loaded.inputs, loaded.compute_dtype, say)
+        try:
+            ops, storages = replicate_layers(plan, rec.ops, rec.storages)
+            _check_parameters(loaded.model, storages)
+            sdpa: dict[str, int] = {}
+            for backend, module in policy.sdpa_calls:
+                sdpa[backend] = sdpa.get(backend, 0) + plan.weight(plan.layer_of(module))
+            result = ops, storages, sdpa, optimizer is not None
+            note = f"traced {TRACED_LAYERS} of {plan.num_layers} layers; the middle layer replicated"
+        except NotPeriodic as e:
+            note = f"traced every layer ({e})"
+            say(note)
+    if result is None:
+        rec, policy, optimizer = _record(spec, loaded.model, loaded.inputs, loaded.compute_dtype, say)
+        sdpa = {}
+        for backend, _module in policy.sdpa_calls:
+            sdpa[backend] = sdpa.get(backend, 0) + 1
+        result = rec.ops, rec.storages, sdpa, optimizer is not None
+    ops, storages, sdpa, has_optimizer = result
+
+    last_use: dict[int, int] = {}
+    for o in ops:
+        for sid in o.ins:
+            last_use[sid] = o.index
+        for sid in o.outs:
+            last_use[sid] = o.index
+    free_after = {sid: o.index for o in ops for sid in o.frees}
+    infos = []
+    for s in storages:
         cat = s.category or (Category.ACTIVATION if s.saved else Category.TEMPORARY)
-        storages.append(StorageInfo(
+        infos.append(StorageInfo(
             sid=s.sid, nbytes=s.nbytes, dtype=s.dtype, shape=s.shape, device=s.device, category=Category(cat),
             op_index=s.op_index, op=s.op, module=s.module, phase=s.phase if s.op_index >= 0 else "start",
-            name=s.name, free_after=rec.free_after.get(s.sid), last_use=rec.last_use.get(s.sid, -1)))
+            name=s.name, free_after=free_after.get(s.sid), last_use=last_use.get(s.sid, -1)))
     counted = ("meta",) if spec.device is Device.CUDA else ("meta", "cpu")
-    gm = None
-    if rec.graph is not None:
-        rec.graph.output(None)
-        gm = fx.GraphModule(torch.nn.Module(), rec.graph)
     return TracedGraph(
-        ops=tuple(rec_op_info(o) for o in rec.ops), storages=tuple(storages), counted_devices=counted, graph=gm,
-        sdpa_backends=tuple(sorted(policy.sdpa_backends.items())), has_optimizer=optimizer is not None)
+        ops=tuple(OpInfo(o.index, o.name, o.phase, o.module, o.ins, o.outs) for o in ops), storages=tuple(infos),
+        counted_devices=counted, sdpa_backends=tuple(sorted(sdpa.items())), has_optimizer=has_optimizer,
+        trace_note=note)
 
 
-def rec_op_info(o) -> OpInfo:
-    return OpInfo(o.index, o.name, o.phase, o.module)
+def to_fx_graph(traced: TracedGraph, phases: tuple[str, ...] = STEADY_PHASES) -> fx.GraphModule:
+    """The step as an FX graph of aten ops, one `call_function` node per op of `phases`, in execution order.
+
+    Edges are storage dataflow: a node's args are the nodes that allocated the storages it reads (placeholders
+    for storages alive at step start), so the graph carries exactly what liveness needs, not the ops' scalar
+    arguments. `node.meta` holds 'phase', 'nn_module_stack' (module path), 'step' (op index), 'reads' and
+    'allocates' (storage ids). Raises TraceError for an op name torch does not know.
+    """
+    graph = fx.Graph()
+    producer: dict[int, fx.Node] = {}
+    for s in traced.storages:  # alive at step start: parameters, buffers, inputs, optimizer state
+        if s.op_index < 0 or (s.phase not in phases and s.category is Category.OPTIMIZER_STATE):
+            node = graph.placeholder(f"s{s.sid}")
+            node.meta["storage"] = s.sid
+            producer[s.sid] = node
+    for o in traced.ops:
+        if o.phase not in phases:
+            continue
+        try:
+            ns, op, overload = o.name.split(".")
+            target = getattr(getattr(getattr(torch.ops, ns), op), overload)
+        except (ValueError, AttributeError):
+            raise TraceError(f"unknown op {o.name} at step {o.index}") from None
+        args = tuple(dict.fromkeys(producer[s] for s in o.reads if s in producer))
+        node = graph.call_function(target, args)
+        node.meta.update({"phase": o.phase, "nn_module_stack": o.module, "step": o.index, "reads": o.reads,
+                          "allocates": o.allocates})
+        for s in o.allocates:
+            producer[s] = node
+    graph.output(None)
+    return fx.GraphModule(torch.nn.Module(), graph)

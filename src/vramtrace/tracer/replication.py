@@ -1,0 +1,334 @@
+"""Layer replication: trace a model with 4 of its L identical layers, then rebuild the records of all L.
+
+A decoder or encoder stack repeats one layer L times. Its step is periodic: the forward runs layer 0, 1, ...,
+L-1; the backward runs them in reverse; the optimizer walks the parameters layer by layer (or, foreach, in
+lists ordered by layer). Tracing L = 32 layers op by op costs 8x what 4 layers cost, for records that differ
+only in their layer index. So the tracer runs a copy of the model with 4 layers and this module rebuilds the
+records of the full model:
+
+- Layers 0 and 3 of the trace become layers 0 and L-1; layer 1 is the template of the middle layers 1..L-2.
+  Layer 2 is the check: its records must equal layer 1's, shifted by one layer, op for op and storage for
+  storage (name, phase, module, sizes, and every reference relative to its own layer). Anything that is not
+  periodic raises `NotPeriodic`, and the caller traces every layer instead.
+- Each phase is split into sweeps over the layers (ascending in the forward, descending in the backward). In a
+  sweep, the unit of layer i is the span of ops from its first op to the next layer's first op, so ops between
+  two layers that belong to neither (an optimizer's step counter) repeat with the unit.
+- A storage belongs to a layer (it was born in that layer's unit, or it is one of that layer's parameters or
+  buffers, or it is the per-layer output of a foreach op) or is global (the embedding output, the rotary
+  tables, the loss). A middle layer F refers to its neighbours' storages (its input comes from layer F-1; in
+  the backward, its output gradient from layer F+1), so a reference is kept as (layer offset, key) and
+  resolved for each F.
+- A global op whose storage lists span layers (a foreach op over every parameter, the frees at the end of an
+  autocast region) gets layer 1's entries once per middle layer; layer 2's entries were the check.
+
+Pure data in, pure data out: no torch here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Iterable
+
+from .records import RecOp, RecStorage
+
+TRACED_LAYERS = 4  # layers 0 and 3 are the boundary layers, 1 the template, 2 the check
+_ANY_LAYER = "\0L\0"
+
+
+class NotPeriodic(Exception):
+    """The recorded step is not periodic over the layers; trace every layer instead. str(e) says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayerPlan:
+    """Where the repeated layers are: `prefix` is the qualified name of their ModuleList (e.g. 'model.layers'),
+    `num_layers` is L of the full model; the traced model has `TRACED_LAYERS` of them."""
+
+    prefix: str
+    num_layers: int
+
+    def layer_of(self, path: str) -> int | None:
+        """The traced layer index of a module path, parameter name or state name, or None (global)."""
+        m = self._re().match(path)
+        return int(m.group(1)) if m else None
+
+    def rename(self, path: str, mapping: dict[int, int]) -> str:
+        """Replace the traced layer index in `path` by its index in the full model."""
+        m = self._re().match(path)
+        if not m:
+            return path
+        i = int(m.group(1))
+        return f"{path[:m.start(1)]}{mapping.get(i, i)}{path[m.end(1):]}"
+
+    def _re(self) -> re.Pattern:
+        return re.compile(rf"^{re.escape(self.prefix)}\.(\d+)(?=[.:]|$)")
+
+    def weight(self, traced_layer: int | None) -> int:
+        """How many layers of the full model a traced layer's records stand for."""
+        if traced_layer is None or traced_layer in (0, TRACED_LAYERS - 1):
+            return 1
+        return self.num_layers - 2 if traced_layer == 1 else 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Unit:
+    layer: int
+    start: int  # op index, inclusive
+    stop: int  # op index, exclusive
+    tag: tuple  # (phase, sweep number)
+
+
+def _sweeps(phase: str, idxs: list[int], owner_layer: list[int | None], multi: list[bool]) -> list[_Unit]:
+    """The units of every sweep over the layers among the ops `idxs` of one phase. Raises NotPeriodic."""
+    units: list[_Unit] = []
+    last = TRACED_LAYERS - 1
+    runs: list[list[int]] = []  # [layer, first op, last op]
+    for k in idxs:
+        layer = owner_layer[k]
+        if layer is None:
+            continue
+        if runs and runs[-1][0] == layer:
+            runs[-1][2] = k
+        else:
+            runs.append([layer, k, k])
+    if len(runs) % TRACED_LAYERS:
+        raise NotPeriodic(f"the {phase} phase does not visit the layers in sweeps ({[r[0] for r in runs]})")
+    for n in range(0, len(runs), TRACED_LAYERS):
+        sweep = runs[n:n + TRACED_LAYERS]
+        order = [r[0] for r in sweep]
+        if order not in (list(range(TRACED_LAYERS)), list(range(last, -1, -1))):
+            raise NotPeriodic(f"the {phase} phase visits the layers in the order {order}")
+        tag = (phase, n // TRACED_LAYERS)
+        for j, (layer, first, end) in enumerate(sweep):
+            stop = sweep[j + 1][1] if j + 1 < len(sweep) else end + 1
+            units.append(_Unit(layer, first, stop, tag))
+            if any(multi[k] for k in range(first, stop)):
+                raise NotPeriodic(f"an op spanning several layers runs inside layer {layer}'s {phase}")
+    return units
+
+
+def _is_foreach(o: RecOp) -> bool:
+    return o.name.startswith("aten._foreach_")
+
+
+def _own_births(plan: LayerPlan, o: RecOp, born: list[int], unit: tuple[_Unit, int] | None,
+                storages: list[RecStorage], owner: list[tuple[int, tuple] | None]) -> None:
+    """Set the owners of the storages op `o` allocated: the layer in its name (a gradient, an optimizer state:
+    an optimizer may create the next parameter's step counter in this layer's unit), else its unit's layer, or
+    for a foreach op outside the units, the layer of the first list's matching input. Raises NotPeriodic."""
+    for s in born:
+        layer = plan.layer_of(storages[s].name)
+        if layer is not None:
+            owner[s] = (layer, ("named", plan.rename(storages[s].name, {layer: -1})))
+    if unit is not None:
+        u, off = unit
+        for slot, s in enumerate(born):
+            if owner[s] is None:
+                owner[s] = (u.layer, (u.tag, off, slot))
+        return
+    born = [s for s in born if owner[s] is None]
+    layers = {owner[s][0] for s in o.ins if owner[s] is not None}
+    if not born or not layers:
+        return
+    if _is_foreach(o) and o.lead >= len(born) and born == list(o.outs):
+        for slot, s in enumerate(o.outs):
+            src = owner[o.ins[slot]]
+            owner[s] = None if src is None else (src[0], ("list", o.index, src[1]))
+    elif 1 in layers and 2 in layers:
+        raise NotPeriodic(f"{o.name} allocates storages from every layer's storages")
+
+
+def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorage]
+                     ) -> tuple[list[RecOp], list[RecStorage]]:
+    """The records of the full model (`plan.num_layers` layers) from those of the traced 4-layer model.
+
+    Needs `ops[i].index == i` and `storages[s].sid == s`. Returns new lists, numbered the same way; storages keep
+    their category and are renamed to their layer in the full model (name and module path). A storage's birth
+    (`op_index`) is the op it was first seen at. Raises NotPeriodic.
+    """
+    L = plan.num_layers
+    if L <= TRACED_LAYERS:
+        raise NotPeriodic(f"the model has only {L} layers")
+    last = TRACED_LAYERS - 1
+    births: list[list[int]] = [[] for _ in ops]
+    for s in storages:
+        if s.op_index >= 0:
+            births[s.op_index].append(s.sid)
+
+    # 1. phase by phase: which layer each op runs for (by module path in the forward and backward, by the
+    #    storages it reads elsewhere: the optimizer step; multi: it reads several layers' storages, a foreach
+    #    op), the sweeps and units, then every storage's owner: (traced layer, key) or None (global).
+    owner: list[tuple[int, tuple] | None] = [None] * len(storages)
+    for s in storages:
+        layer = plan.layer_of(s.name) if s.op_index < 0 else None
+        if layer is not None:
+            owner[s.sid] = (layer, ("pre", plan.rename(s.name, {layer: -1})))
+    owner_layer: list[int | None] = [None] * len(ops)
+    multi = [False] * len(ops)
+    units: list[_Unit] = []
+    unit_of: dict[int, tuple[_Unit, int]] = {}  # op index -> (unit, offset in it)
+    phases: dict[str, list[int]] = {}
+    for o in ops:
+        phases.setdefault(o.phase, []).append(o.index)
+    for phase, idxs in phases.items():
+        # Ownership feeds back into the tags (an op reading a step counter born in a layer's unit belongs to
+        # that layer), so repeat until the units settle.
+        phase_units: list[_Unit] = []
+        for _ in range(4):
+            previous = phase_units
+            born_layer: dict[int, int | None] = {}
+            for k in idxs:
+                o = ops[k]
+                if phase in ("forward", "backward"):
+                    owner_layer[k] = plan.layer_of(o.module)
+                else:
+                    seen = {owner[s][0] if owner[s] is not None else born_layer.get(s) for s in o.ins} - {None}
+                    owner_layer[k] = next(iter(seen)) if len(seen) == 1 else None
+                    multi[k] = len(seen) > 1
+                for s in births[k]:
+                    born_layer[s] = owner_layer[k]
+            phase_units = _sweeps(phase, idxs, owner_layer, multi)
+            for k in idxs:
+                for s in births[k]:
+                    owner[s] = None
+                unit_of.pop(k, None)
+            for u in phase_units:
+                for k in range(u.start, u.stop):
+                    unit_of[k] = (u, k - u.start)
+            for k in idxs:
+                _own_births(plan, ops[k], births[k], unit_of.get(k), storages, owner)
+            if phase_units == previous:
+                break
+        else:
+            raise NotPeriodic(f"the layers of the {phase} phase do not settle")
+        units += phase_units
+    by_key: dict[tuple[int, tuple], int] = {own: s for s, own in enumerate(owner) if own is not None}
+
+    # 3. the check: layer 2's records equal layer 1's, shifted by one layer
+    def rel(s: int, layer: int):
+        own = owner[s]
+        if own is None:
+            return ("global", s)
+        if abs(own[0] - layer) > 1:
+            raise NotPeriodic(f"layer {layer} uses a storage of layer {own[0]} ({storages[s].name or storages[s].op})")
+        return (own[0] - layer, own[1])
+
+    def sig_op(o: RecOp, layer: int):
+        return (o.name, o.phase, o.lead, plan.rename(o.module, {layer: -1}),
+                *(tuple(rel(s, layer) for s in group) for group in (o.ins, o.outs, o.frees, births[o.index])))
+
+    def sig_storage(s: RecStorage, layer: int):
+        return (s.nbytes, s.dtype, s.shape, s.device, s.op, s.phase, s.category, s.saved, s.op_index < 0,
+                plan.rename(s.name, {layer: -1, layer + 1: -2, layer - 1: -3}), plan.rename(s.module, {layer: -1}))
+
+    check = {u.tag: u for u in units if u.layer == 2}
+    for u1 in (u for u in units if u.layer == 1):
+        u2 = check[u1.tag]
+        if u1.stop - u1.start != u2.stop - u2.start:
+            raise NotPeriodic(f"layers 1 and 2 run {u1.stop - u1.start} and {u2.stop - u2.start} ops in {u1.tag[0]}")
+        for k in range(u1.stop - u1.start):
+            if sig_op(ops[u1.start + k], 1) != sig_op(ops[u2.start + k], 2):
+                raise NotPeriodic(f"layers 1 and 2 differ at {ops[u1.start + k].name} in {u1.tag[0]}")
+    n_owned = [0] * TRACED_LAYERS
+    for (layer, key), s in by_key.items():
+        n_owned[layer] += 1
+        if layer == 1:
+            s2 = by_key.get((2, key))
+            if s2 is None or sig_storage(storages[s], 1) != sig_storage(storages[s2], 2):
+                raise NotPeriodic(f"layer 2 has no storage like layer 1's {storages[s].name or storages[s].op}")
+    if n_owned[1] != n_owned[2]:
+        raise NotPeriodic("layers 1 and 2 own different numbers of storages")
+
+    # 4. rebuild, numbering storages in order of appearance
+    new_storages: list[RecStorage] = []
+    ids: dict[tuple, int] = {}
+    kept = {0: 0, 1: 1, 2: L - 2, 3: L - 1}
+
+    def item(final: int, key: tuple) -> tuple[int, int]:
+        """(traced sid, final layer) of the storage `key` of layer `final` of the full model."""
+        traced = 0 if final == 0 else last if final == L - 1 else 1
+        s = by_key.get((traced, key))
+        if s is None:
+            raise NotPeriodic(f"layer {traced} has no storage for {key}")
+        if traced != 1 and (1, key) in by_key and \
+                sig_storage(storages[s], traced) != sig_storage(storages[by_key[(1, key)]], 1):
+            raise NotPeriodic(f"layer {traced}'s {storages[s].name or storages[s].op} is unlike layer 1's")
+        return s, final
+
+    def sid_of(it: tuple) -> int:
+        """The new id of `it`: ('global', sid) or (traced sid, final layer)."""
+        nid = ids.get(it)
+        if nid is None:
+            nid = ids[it] = len(new_storages)
+            if it[0] == "global":
+                s = storages[it[1]]
+                new_storages.append(replace(s, sid=nid, module=plan.rename(s.module, kept), name=plan.rename(s.name, kept)))
+            else:
+                s, layer = storages[it[0]], owner[it[0]][0]
+                names = {layer: it[1], layer + 1: it[1] + 1, layer - 1: it[1] - 1}
+                new_storages.append(replace(s, sid=nid, name=plan.rename(s.name, names),
+                                            module=plan.rename(s.module, names)))
+        return nid
+
+    def refs_template(sids: Iterable[int], final: int) -> list[int]:
+        return [sid_of(("global", s)) if owner[s] is None else sid_of(item(final + owner[s][0] - 1, owner[s][1]))
+                for s in sids]
+
+    def refs_kept(sids: Iterable[int]) -> list[int]:
+        sids = list(sids)
+        layers = {owner[s][0] for s in sids if owner[s] is not None}
+        spread = 1 in layers and 2 in layers  # a list over every layer: layer 1's entries once per middle layer
+        out = []
+        for s in sids:
+            own = owner[s]
+            if own is None:
+                out.append(sid_of(("global", s)))
+            elif spread and own[0] == 1:
+                out.extend(sid_of(item(f, own[1])) for f in range(1, L - 1))
+            elif not (spread and own[0] == 2):
+                out.append(sid_of(item(kept[own[0]], own[1])))
+        return out
+
+    # storages alive at step start (parameters, buffers, inputs) in the full model's order
+    pre = [s.sid for s in storages if s.op_index < 0]
+    pre_middle = [s for s in pre if owner[s] is not None and owner[s][0] == 1]
+    for s in pre:
+        own = owner[s]
+        if own is not None and own[0] in (1, 2):
+            if s == pre_middle[0]:
+                for f in range(1, L - 1):
+                    refs_template(pre_middle, f)
+            continue
+        refs_kept([s])
+
+    new_ops: list[RecOp] = []
+    new_births: list[list[int]] = []
+
+    def emit(o: RecOp, module: str, refs) -> None:
+        new_ops.append(RecOp(len(new_ops), o.name, o.phase, module, tuple(refs(o.ins)), tuple(refs(o.outs)),
+                             tuple(refs(o.frees)), o.lead))
+        new_births.append(refs(births[o.index]))
+
+    k = 0
+    while k < len(ops):
+        hit = unit_of.get(k)
+        if hit is None or hit[0].layer != 1:
+            if hit is None or hit[0].layer != 2:
+                emit(ops[k], plan.rename(ops[k].module, kept), refs_kept)
+            k += 1
+            continue
+        u = hit[0]
+        descending = any(v.tag == u.tag and v.layer == 0 and v.start > u.start for v in units)
+        for f in (range(L - 2, 0, -1) if descending else range(1, L - 1)):
+            names = {0: f - 1, 1: f, 2: f + 1}
+            for t in range(u.start, u.stop):
+                emit(ops[t], plan.rename(ops[t].module, names), lambda sids, f=f: refs_template(sids, f))
+        k = u.stop
+
+    # 5. births in the rebuilt records
+    for o, born in zip(new_ops, new_births):
+        for s in born:
+            new_storages[s].op_index = o.index
+            new_storages[s].phase = o.phase
+    return new_ops, new_storages

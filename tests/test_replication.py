@@ -1,0 +1,187 @@
+"""Layer replication: tracing 4 layers and rebuilding L must give exactly the records of tracing all L.
+
+Three levels: hand-built records (periodic ones rebuild exactly, a non-periodic one is refused), real models
+traced both ways (every timeline equal, step by step), and a replicated prediction against a real CPU run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import FIXTURES
+from oracle import measure_cpu_peak
+from vramtrace import RunSpec, analyze
+from vramtrace.analysis.liveness import build_timeline
+from vramtrace.tracer.building import load_model
+from vramtrace.tracer.loading import resolve_config
+from vramtrace.tracer.records import RecOp, RecStorage
+from vramtrace.tracer.replication import LayerPlan, NotPeriodic, replicate_layers
+from vramtrace.tracer.trace import FIRST_STEP_PHASES, STEADY_PHASES, to_fx_graph, trace_step
+
+
+# -- hand-built records --------------------------------------------------------------------------------------
+class _Builder:
+    def __init__(self):
+        self.ops: list[RecOp] = []
+        self.storages: list[RecStorage] = []
+
+    def storage(self, nbytes: int, name: str = "", born: int = -1, category: str | None = None) -> int:
+        sid = len(self.storages)
+        self.storages.append(RecStorage(sid, nbytes, "float32", (nbytes // 4,), "meta", born, "x", "", "", category,
+                                        name))
+        return sid
+
+    def op(self, name: str, phase: str, module: str, ins=(), new_bytes=(), frees=()) -> list[int]:
+        index = len(self.ops)
+        outs = [self.storage(b, born=index) for b in new_bytes]
+        self.ops.append(RecOp(index, name, phase, module, tuple(ins), tuple(outs), tuple(frees)))
+        return outs
+
+    def free(self, sid: int) -> None:
+        """Free `sid` after the last op so far."""
+        self.ops[-1].frees = self.ops[-1].frees + (sid,)
+
+
+def synthetic_step(layers: int, unit: list[int], odd_layer: int | None = None) -> _Builder:
+    """A step over `layers` identical layers: per layer a chain of ops allocating `unit` bytes (each output saved
+    for the backward), a backward that frees them in reverse, and a for-loop optimizer over one weight per
+    layer. `odd_layer` gets one extra op in its forward."""
+    b = _Builder()
+    weights = [b.storage(64, f"m.layers.{i}.w", category="parameter") for i in range(layers)]
+    x = b.op("embed", "forward", "m.embed", new_bytes=[32])[0]
+    saved: list[list[int]] = []
+    for i in range(layers):
+        mine = []
+        for nbytes in unit + ([8] if i == odd_layer else []):
+            x = b.op("mm", "forward", f"m.layers.{i}.f", ins=(x, weights[i]), new_bytes=[nbytes])[0]
+            mine.append(x)
+        saved.append(mine)
+    g = b.op("loss", "forward", "", ins=(x,), new_bytes=[4])[0]
+    grads = {}
+    for i in reversed(range(layers)):
+        for s in reversed(saved[i]):
+            g_new = b.op("mm_backward", "backward", f"m.layers.{i}.f", ins=(g, s), new_bytes=[b.storages[s].nbytes])[0]
+            b.free(g)
+            b.free(s)
+            g = g_new
+        grads[i] = b.op("grad", "backward", f"m.layers.{i}.f", ins=(g, weights[i]), new_bytes=[64])[0]
+        b.storages[grads[i]].name, b.storages[grads[i]].category = f"m.layers.{i}.w.grad", "gradient"
+    b.free(g)
+    for i in range(layers):
+        tmp = b.op("mul", "optimizer", "optimizer", ins=(grads[i],), new_bytes=[64])[0]
+        b.op("add_", "optimizer", "optimizer", ins=(weights[i], tmp))
+        b.free(tmp)
+        b.free(grads[i])
+    return b
+
+
+def _curve(ops, storages):
+    from vramtrace.tracer.trace import StorageInfo
+    from vramtrace.analysis.categories import Category
+
+    free_after = {s: o.index for o in ops for s in o.frees}
+    infos = [StorageInfo(s.sid, s.nbytes, s.dtype, s.shape, s.device, Category(s.category or "temporary"),
+                         s.op_index, s.op, s.module, s.phase, s.name, free_after.get(s.sid), -1) for s in storages]
+    return build_timeline(ops, infos, ("forward", "backward", "optimizer"), ("meta",)).live_bytes
+
+
+@settings(max_examples=30, deadline=None)
+@given(layers=st.integers(5, 12), unit=st.lists(st.sampled_from([16, 48, 128, 1000]), min_size=1, max_size=5))
+def test_periodic_records_rebuild_exactly(layers, unit):
+    traced = synthetic_step(4, unit)
+    full = synthetic_step(layers, unit)
+    ops, storages = replicate_layers(LayerPlan("m.layers", layers), traced.ops, traced.storages)
+    assert [(o.name, o.phase, o.module) for o in ops] == [(o.name, o.phase, o.module) for o in full.ops]
+    assert sorted((s.name, s.nbytes) for s in storages) == sorted((s.name, s.nbytes) for s in full.storages)
+    assert _curve(ops, storages) == _curve(full.ops, full.storages)
+
+
+def test_a_layer_unlike_the_others_is_refused():
+    traced = synthetic_step(4, [16, 48], odd_layer=2)
+    with pytest.raises(NotPeriodic, match="layers 1 and 2"):
+        replicate_layers(LayerPlan("m.layers", 8), traced.ops, traced.storages)
+
+
+def test_a_reference_two_layers_back_is_refused():
+    traced = synthetic_step(4, [16, 48])
+    skip = next(o for o in traced.ops if o.module == "m.layers.2.f")
+    skip.ins = skip.ins + (next(o.outs[0] for o in traced.ops if o.module == "m.layers.0.f"),)
+    with pytest.raises(NotPeriodic):
+        replicate_layers(LayerPlan("m.layers", 8), traced.ops, traced.storages)
+
+
+# -- real models, traced both ways ------------------------------------------------------------------------------
+def deep_config(tmp_path, config: str, layers: int) -> str:
+    cfg = json.loads((FIXTURES / f"{config}.json").read_text())
+    cfg["n_layer" if "n_layer" in cfg else "num_hidden_layers"] = layers
+    path = tmp_path / f"{config}-{layers}l.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+VARIANTS = [dict(device="cuda", precision="bf16-mixed"), dict(device="cpu", precision="fp32"),
+            dict(device="cuda", precision="fp32", optimizer_impl="for-loop", optimizer="sgd-momentum"),
+            dict(device="cpu", precision="bf16", mode="inference")]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(v.values()))
+@pytest.mark.parametrize("config", ["tiny-gpt2", "tiny-llama-gqa", "tiny-bert"])
+def test_replicated_trace_equals_full_trace(tmp_path, config, variant):
+    spec = RunSpec(deep_config(tmp_path, config, 7), batch=2, seq=16, **variant)
+    resolved = resolve_config(spec.model)
+    fast = trace_step(spec, load_model(spec, resolved))
+    full = trace_step(dataclasses.replace(spec, replicate_layers=False), load_model(
+        dataclasses.replace(spec, replicate_layers=False), resolved))
+    assert fast.trace_note.startswith("traced 4 of 7 layers"), fast.trace_note
+    assert [(o.name, o.phase, o.module) for o in fast.ops] == [(o.name, o.phase, o.module) for o in full.ops]
+    key = lambda s: (s.name, s.module, s.op, s.nbytes, s.category, s.op_index, s.free_after, s.last_use)
+    assert sorted(map(key, fast.storages)) == sorted(map(key, full.storages))
+    assert fast.sdpa_backends == full.sdpa_backends
+    block = 512 if spec.device.value == "cuda" else 1
+    phase_sets = [("forward",)] if spec.mode.value == "inference" else [STEADY_PHASES, FIRST_STEP_PHASES]
+    for phases in phase_sets:
+        for optimal in (False, True):
+            a = build_timeline(fast.ops, fast.storages, phases, fast.counted_devices, block, optimal)
+            b = build_timeline(full.ops, full.storages, phases, full.counted_devices, block, optimal)
+            assert a.live_bytes == b.live_bytes and a.after_bytes == b.after_bytes
+
+
+def test_alternating_layer_types_trace_every_layer(tmp_path):
+    cfg = json.loads((FIXTURES / "tiny-llama-gqa.json").read_text())
+    cfg["num_hidden_layers"] = 6
+    cfg["layer_types"] = ["full_attention", "sliding_attention"] * 3
+    path = tmp_path / "alternating.json"
+    path.write_text(json.dumps(cfg))
+    spec = RunSpec(str(path), batch=1, seq=8)
+    loaded = load_model(spec, resolve_config(spec.model))
+    assert loaded.layer_plan is None and "layer_types" in loaded.replication_note
+
+
+def test_replicated_prediction_matches_profiler(tmp_path):
+    spec = RunSpec(deep_config(tmp_path, "tiny-llama-gqa", 6), batch=2, seq=32, device="cpu", precision="fp32")
+    report = analyze(spec)
+    assert report.run["trace"].startswith("traced 4 of 6 layers")
+    measured = measure_cpu_peak(spec)
+    assert abs(report.peak_allocated_bytes - measured) <= 0.01 * measured, (report.peak_allocated_bytes, measured)
+
+
+def test_fx_graph_has_one_node_per_op(tmp_path):
+    spec = RunSpec(deep_config(tmp_path, "tiny-gpt2", 6), batch=1, seq=8)
+    traced = trace_step(spec, load_model(spec, resolve_config(spec.model)))
+    gm = to_fx_graph(traced)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert len(calls) == sum(1 for o in traced.ops if o.phase in STEADY_PHASES)
+    assert {"forward", "backward", "optimizer"} <= {n.meta["phase"] for n in calls} <= set(STEADY_PHASES)
+    # every storage a node reads comes from a placeholder or an earlier node
+    produced = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            produced.add(n.meta["storage"])
+        elif n.op == "call_function":
+            assert all(a.op == "placeholder" or a.meta["step"] < n.meta["step"] for a in n.args)
+            produced.update(n.meta["allocates"])
