@@ -27,6 +27,11 @@ class TensorRow:
     death: int
     name: str
 
+    def to_dict(self) -> dict[str, Any]:
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        d["shape"] = list(self.shape)
+        return d
+
 
 @dataclass(frozen=True, slots=True)
 class PhaseMark:
@@ -59,9 +64,13 @@ class MemoryReport:
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        for row in d["tensors"] + d["top_tensors"]:
-            row["shape"] = list(row["shape"])
+        """Plain JSON-ready data (lists for tuples); rows are built field by field, not by `asdict`, which is
+        slow for the ~10^5 storages of a large model."""
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__ if f not in ("phases", "top_tensors", "tensors")}
+        d["phases"] = [asdict(m) for m in self.phases]
+        d["top_tensors"] = [r.to_dict() for r in self.top_tensors]
+        d["tensors"] = [r.to_dict() for r in self.tensors]
+        d["unresolved"] = list(self.unresolved)
         return d
 
 

@@ -29,7 +29,7 @@ def check_writable(path: str) -> None:
 
 def write_json(report: MemoryReport, path: str) -> None:
     """Write the report to `path` ('-' for stdout). Raises ReportWriteError."""
-    text = json.dumps(report.to_dict(), indent=1)
+    text = json.dumps(report.to_dict())  # no indent: json's C encoder only runs without one
     if path == "-":
         sys.stdout.write(text + "\n")
         return

@@ -26,6 +26,7 @@ Pure data in, pure data out: no torch here.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, replace
 from typing import Iterable
@@ -62,13 +63,18 @@ class LayerPlan:
         return f"{path[:m.start(1)]}{mapping.get(i, i)}{path[m.end(1):]}"
 
     def _re(self) -> re.Pattern:
-        return re.compile(rf"^{re.escape(self.prefix)}\.(\d+)(?=[.:]|$)")
+        return _layer_pattern(self.prefix)
 
     def weight(self, traced_layer: int | None) -> int:
         """How many layers of the full model a traced layer's records stand for."""
         if traced_layer is None or traced_layer in (0, TRACED_LAYERS - 1):
             return 1
         return self.num_layers - 2 if traced_layer == 1 else 0
+
+
+@functools.lru_cache(maxsize=8)
+def _layer_pattern(prefix: str) -> re.Pattern:
+    return re.compile(rf"^{re.escape(prefix)}\.(\d+)(?=[.:]|$)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,6 +310,13 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
 
     new_ops: list[RecOp] = []
     new_births: list[list[int]] = []
+    renamed: dict[tuple, str] = {}
+
+    def module_of(o: RecOp, names: dict[int, int]) -> str:
+        key = (o.module, *names.items())
+        if key not in renamed:
+            renamed[key] = plan.rename(o.module, names)
+        return renamed[key]
 
     def emit(o: RecOp, module: str, refs) -> None:
         new_ops.append(RecOp(len(new_ops), o.name, o.phase, module, tuple(refs(o.ins)), tuple(refs(o.outs)),
@@ -315,7 +328,7 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
         hit = unit_of.get(k)
         if hit is None or hit[0].layer != 1:
             if hit is None or hit[0].layer != 2:
-                emit(ops[k], plan.rename(ops[k].module, kept), refs_kept)
+                emit(ops[k], module_of(ops[k], kept), refs_kept)
             k += 1
             continue
         u = hit[0]
@@ -323,7 +336,7 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
         for f in (range(L - 2, 0, -1) if descending else range(1, L - 1)):
             names = {0: f - 1, 1: f, 2: f + 1}
             for t in range(u.start, u.stop):
-                emit(ops[t], plan.rename(ops[t].module, names), lambda sids, f=f: refs_template(sids, f))
+                emit(ops[t], module_of(ops[t], names), lambda sids, f=f: refs_template(sids, f))
         k = u.stop
 
     # 5. births in the rebuilt records
