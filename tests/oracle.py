@@ -15,6 +15,7 @@ import transformers
 
 from vramtrace.spec import RunSpec
 from vramtrace.tracer.building import build_config, weight_and_compute_dtype
+from vramtrace.tracer.checkpointing import apply_checkpointing, layer_stack
 from vramtrace.tracer.loading import resolve_config
 from vramtrace.tracer.trace import make_optimizer
 
@@ -47,12 +48,19 @@ def _alive_at_start(model, ids, opt) -> list:
     return alive
 
 
-def measure_cpu_peak(spec: RunSpec) -> int:
-    """Peak bytes of the steady-state step of `spec` run for real on the CPU (profiler allocator events)."""
+def measure_cpu_peak(spec: RunSpec, setup=None) -> int:
+    """Peak bytes of the steady-state step of `spec` run for real on the CPU (profiler allocator events).
+
+    The model gets `spec.checkpointing` as a user's code applies it, or `setup(model)` when given (e.g. a
+    printed plan's snippet)."""
     assert spec.device.value == "cpu"
     model, ids, compute_dtype = _real_model(spec)
     train = spec.mode.value == "train"
     model.train(train)
+    if setup is not None:
+        setup(model)
+    elif train:
+        apply_checkpointing(model, spec.checkpointing, None, layer_stack(model))
     opt = make_optimizer(spec, [p for p in model.parameters() if p.requires_grad]) if train else None
     autocast = (lambda: torch.autocast("cpu", dtype=compute_dtype)) if compute_dtype else contextlib.nullcontext
 

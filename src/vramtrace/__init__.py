@@ -11,15 +11,74 @@ from .errors import VramtraceError
 from .spec import RunSpec
 
 __version__ = "0.1.0"
-__all__ = ["analyze", "RunSpec", "VramtraceError", "__version__"]
+__all__ = ["analyze", "compare", "RunSpec", "VramtraceError", "__version__"]
 
 
 def analyze(spec: RunSpec, progress: Callable[[str], None] | None = None):
     """Resolve, build on meta, trace and analyse the step of `spec`. Returns a MemoryReport.
 
-    Raises ModelLoadError (bad model reference or config), TraceError (the step could not run on meta),
-    UsageError (bad spec values).
+    With a checkpointing policy the step is also analysed without it, and the report's `checkpointing` holds
+    the baseline (peak and activation bytes without the policy) and a note when the policy costs memory.
+    `auto` runs the planner (`vramtrace.planner`). Raises ModelLoadError (bad model reference or config),
+    TraceError (the step could not run on meta), UsageError (bad spec values).
     """
+    from dataclasses import replace
+
+    from .tracer.checkpointing import paste_snippet
+
+    say = progress or (lambda _m: None)
+    ckpt = spec.checkpointing
+    if ckpt.kind == "auto":
+        from .planner import plan_checkpointing
+
+        return plan_checkpointing(spec, _analyze_one, say)
+    report = _analyze_one(spec, say)
+    if ckpt.kind == "none":
+        return report
+    say("the same step without checkpointing")
+    base = _analyze_one(replace(spec, checkpointing="none"), say)
+    return replace(report, checkpointing=checkpointing_summary(report, base, paste_snippet(ckpt)))
+
+
+def checkpointing_summary(report, base, snippet: str) -> dict:
+    """The JSON `checkpointing` entry: `report` (with a policy) against `base` (the same step without)."""
+    notes = []
+    if report.peak_allocated_bytes > base.peak_allocated_bytes:
+        notes.append("this policy raises the peak: the recompute in the backward costs more than it saves")
+    if report.activation_bytes > base.activation_bytes:
+        notes.append("this policy keeps more activation bytes than none")
+    return {
+        "policy": str(report.run["checkpointing"]),
+        "peak_allocated_bytes": report.peak_allocated_bytes,
+        "peak_allocated_bytes_without": base.peak_allocated_bytes,
+        "activation_bytes": report.activation_bytes,
+        "activation_bytes_without": base.activation_bytes,
+        "recompute_flops": report.recompute_flops,
+        "recompute_overhead": report.recompute_flops / report.step_flops if report.step_flops else 0.0,
+        "snippet": snippet,
+        "notes": notes,
+    }
+
+
+def compare(spec: RunSpec, policies=("none", "layers", "selective"),
+            progress: Callable[[str], None] | None = None):
+    """`spec` analysed under each checkpointing policy. Returns the report of `spec` with `comparison` rows:
+    policy, peak_allocated_bytes, activation_bytes, recompute_flops, recompute_overhead."""
+    from dataclasses import replace
+
+    say = progress or (lambda _m: None)
+    rows, main = [], None
+    for policy in policies:
+        say(f"checkpointing {policy}")
+        r = _analyze_one(replace(spec, checkpointing=policy), say)
+        main = main or r
+        rows.append({"policy": policy, "peak_allocated_bytes": r.peak_allocated_bytes,
+                     "activation_bytes": r.activation_bytes, "recompute_flops": r.recompute_flops,
+                     "recompute_overhead": r.recompute_flops / r.step_flops if r.step_flops else 0.0})
+    return replace(main, comparison=tuple(rows))
+
+
+def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
     from .analysis.liveness import CUDA_MIN_BLOCK_BYTES, build_timeline
     from .analysis.summary import summarize
     from .spec import Device, Mode
@@ -27,7 +86,6 @@ def analyze(spec: RunSpec, progress: Callable[[str], None] | None = None):
     from .tracer.loading import resolve_config
     from .tracer.trace import FIRST_STEP_PHASES, STEADY_PHASES, trace_step
 
-    say = progress or (lambda _m: None)
     say("resolving config")
     resolved = resolve_config(spec.model)
     say("building model on meta")
@@ -58,7 +116,8 @@ def analyze(spec: RunSpec, progress: Callable[[str], None] | None = None):
     run_info = {
         "mode": spec.mode.value, "precision": spec.effective_precision.value, "optimizer": spec.optimizer.value,
         "optimizer_impl": spec.optimizer_impl.value, "device": spec.device.value, "gpu": gpu.name,
-        "batch": spec.batch, "seq": spec.seq, "checkpointing": spec.checkpointing,
+        "batch": spec.batch, "seq": spec.seq, "checkpointing": str(spec.checkpointing),
+        "num_layers": loaded.num_layers,
         "allocator_block_bytes": block, "num_ops": len(traced.ops), "trace": traced.trace_note,
     }
     return summarize(

@@ -35,7 +35,11 @@ def main_command(
     optimizer_impl: str = typer.Option("default", help=_choices(OptimizerImpl) + " (default: foreach on CUDA, for-loop on CPU)"),
     device: str = typer.Option("cuda", help=_choices(Device) + ": the target whose kernels and allocator are modelled"),
     gpu: str = typer.Option("H100-80GB", help="target GPU preset: H100-80GB, H200, A100-80GB, A100-40GB, L4, RTX4090, A10G, V100-32GB"),
-    checkpointing: str = typer.Option("none", help="activation checkpointing policy (none)"),
+    checkpointing: str = typer.Option(
+        "none", help="none | layers | every:K (K layers per segment) | nth:N (every N-th layer) | selective"
+                     "[:OP,OP] | auto (needs --memory-budget)"),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="peak budget for auto, e.g. 40GiB, 42GB"),
+    compare_policies: bool = typer.Option(False, "--compare", help="compare checkpointing none, layers and selective"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write the JSON report to PATH, or '-' for stdout"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="allow configs that need remote code"),
     trace_every_layer: bool = typer.Option(
@@ -43,19 +47,22 @@ def main_command(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no terminal report (with --json)"),
 ) -> None:
     """Predict the peak memory of one training step (or inference forward) from a meta-device trace."""
-    from . import analyze
+    from . import analyze, compare
     from .reports.json_report import check_writable, write_json
     from .reports.terminal import render
     from .spec import RunSpec
+    from .units import parse_bytes
 
     spec = RunSpec(model=model, batch=batch, seq=seq, mode=mode, precision=precision, optimizer=optimizer,
                    optimizer_impl=optimizer_impl, device=device, gpu=gpu, checkpointing=checkpointing,
-                   trust_remote_code=trust_remote_code, replicate_layers=not trace_every_layer)
+                   trust_remote_code=trust_remote_code, replicate_layers=not trace_every_layer,
+                   memory_budget_bytes=parse_bytes(memory_budget) if memory_budget is not None else None)
     if json_path is not None:
         check_writable(json_path)
     err = Console(stderr=True)
     with err.status("tracing", spinner="dots") as status:
-        report = analyze(spec, progress=lambda msg: status.update(f"tracing: {msg}"))
+        say = lambda msg: status.update(f"tracing: {msg}")  # noqa: E731
+        report = compare(spec, progress=say) if compare_policies else analyze(spec, progress=say)
     if not quiet and json_path != "-":
         render(report, Console())
     if json_path is not None:

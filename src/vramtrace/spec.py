@@ -56,6 +56,45 @@ class Device(_Choice):
     CPU = "cpu"
 
 
+# Selective checkpointing's default: save the matmul outputs, recompute pointwise ops and the attention core
+# (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models").
+DEFAULT_SAVE_OPS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm")
+_CKPT_USAGE = "none, layers, every:K, nth:N, selective, selective:OP,OP (e.g. aten.mm,aten.addmm) or auto"
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpointing:
+    """An activation-checkpointing policy. kind: none | layers | every (K consecutive layers per segment) |
+    nth (every N-th layer, transformers' `every_n_layers`) | selective (save `save_ops`' outputs) | auto
+    (a planner picks one under `RunSpec.memory_budget_bytes`). `k` is K or N."""
+
+    kind: str = "none"
+    k: int = 1
+    save_ops: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, text: "str | Checkpointing") -> "Checkpointing":
+        """Parse '--checkpointing' text. Raises UsageError listing the valid forms."""
+        if isinstance(text, Checkpointing):
+            return text
+        kind, _, arg = str(text).strip().lower().partition(":")
+        if kind in ("none", "layers", "auto") and not arg:
+            return cls(kind)
+        if kind == "selective":
+            ops = tuple(o.strip() for o in arg.split(",") if o.strip()) if arg else DEFAULT_SAVE_OPS
+            return cls("selective", 1, ops)
+        if kind in ("every", "nth") and arg.isdigit() and int(arg) >= 1:
+            return cls(kind, int(arg))
+        raise UsageError(f"unknown checkpointing {text!r}; use {_CKPT_USAGE}")
+
+    def __str__(self) -> str:
+        if self.kind in ("every", "nth"):
+            return f"{self.kind}:{self.k}"
+        if self.kind == "selective" and self.save_ops != DEFAULT_SAVE_OPS:
+            return "selective:" + ",".join(self.save_ops)
+        return self.kind
+
+
 @dataclass(frozen=True, slots=True)
 class GpuPreset:
     """A target GPU. `memory_bytes` is the device's total memory in bytes as `torch.cuda.mem_get_info` reports it."""
@@ -99,7 +138,8 @@ class RunSpec:
     model: a Hub id, a bundled id, a local directory holding config.json, or a path to a config.json.
     batch, seq: the (B, S) of the int64 `input_ids`.
     precision: None picks the default for the mode (bf16-mixed to train, bf16 for inference).
-    checkpointing: a policy name; only "none" is implemented here (seam for the checkpointing issue).
+    checkpointing: a `Checkpointing` or its text ('none', 'layers', 'every:4', 'selective', 'auto', ...).
+    memory_budget_bytes: the budget `auto` checkpointing must fit (bytes of peak allocated).
     replicate_layers: trace 4 of a stack's identical layers and rebuild the rest (False: trace every layer).
     """
 
@@ -112,7 +152,8 @@ class RunSpec:
     optimizer_impl: OptimizerImpl = OptimizerImpl.DEFAULT
     device: Device = Device.CUDA
     gpu: str = "H100-80GB"
-    checkpointing: str = "none"
+    checkpointing: Checkpointing | str = "none"
+    memory_budget_bytes: int | None = None
     trust_remote_code: bool = False
     replicate_layers: bool = True
 
@@ -128,8 +169,14 @@ class RunSpec:
         object.__setattr__(self, "optimizer_impl", OptimizerImpl.parse(self.optimizer_impl, "optimizer implementation"))
         object.__setattr__(self, "device", Device.parse(self.device, "device"))
         object.__setattr__(self, "gpu", parse_gpu(self.gpu).name)
-        if self.checkpointing != "none":
-            raise UsageError(f"checkpointing policy {self.checkpointing!r} is not supported yet; use 'none'")
+        ckpt = Checkpointing.parse(self.checkpointing)
+        object.__setattr__(self, "checkpointing", ckpt)
+        if ckpt.kind != "none" and self.mode is Mode.INFERENCE:
+            raise UsageError("--checkpointing applies to training; drop it for --mode inference")
+        if ckpt.kind == "auto" and not self.memory_budget_bytes:
+            raise UsageError("--checkpointing auto needs --memory-budget, e.g. --memory-budget 40GiB")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
+            raise UsageError("--memory-budget must be positive, e.g. 40GiB")
 
     @property
     def effective_precision(self) -> Precision:

@@ -60,6 +60,11 @@ class MemoryReport:
     tensors: tuple[TensorRow, ...]
     num_steps: int
     fit: dict[str, Any] | None
+    activation_bytes: int = 0  # activations (saved or kept for the backward) live when the forward ends
+    step_flops: int = 0  # forward + backward FLOPs without recompute (torch.utils.flop_counter formulas)
+    recompute_flops: int = 0  # FLOPs of checkpointed forward ops re-run in the backward
+    checkpointing: dict[str, Any] | None = None  # policy, baseline without it, plan; see vramtrace.analyze
+    comparison: tuple[dict[str, Any], ...] = ()  # --compare: one row per policy
     unresolved: tuple[str, ...] = ()
     schema_version: int = SCHEMA_VERSION
 
@@ -109,6 +114,12 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
     for r in live:
         breakdown[r.category] += r.bytes
     top = tuple(sorted(live, key=lambda r: (-r.bytes, r.id))[:top_n])
+    forward = [i for i, ph in enumerate(steady.phases) if ph == "forward"]
+    end_fwd = forward[-1] if forward else -1
+    activation = sum(lt.bytes for lt in steady.lifetimes
+                     if lt.category is Category.ACTIVATION and lt.birth <= end_fwd < lt.death)
+    step_flops = sum(o.flops for o in ops if o.phase in ("forward", "backward") and not o.recompute)
+    recompute_flops = sum(o.flops for o in ops if o.recompute)
     fit = None
     if gpu is not None:
         headroom = gpu["memory_bytes"] - steady.peak_bytes
@@ -121,4 +132,5 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
         graph_optimal_peak_bytes=graph_optimal.peak_bytes,
         peak_step=peak, peak_phase=peak_op.phase, peak_op=peak_op.name, peak_module=peak_op.module,
         breakdown_at_peak=breakdown, phases=_phase_marks(steady), top_tensors=top, tensors=tuple(rows),
-        num_steps=len(steady.steps), fit=fit)
+        num_steps=len(steady.steps), fit=fit, activation_bytes=activation, step_flops=step_flops,
+        recompute_flops=recompute_flops)

@@ -75,6 +75,8 @@ def render(report: MemoryReport, console: Console) -> None:
                     _shape(t.shape), t.dtype, format_bytes(t.bytes), str(t.birth), str(t.death))
     console.print(top)
 
+    _render_checkpointing(report, console)
+
     if report.fit is not None:
         f = report.fit
         if f["fits"]:
@@ -85,3 +87,41 @@ def render(report: MemoryReport, console: Console) -> None:
                        f"{format_bytes(-f['headroom_bytes'])}", style="bold red")
         console.print(msg)
         console.print(Text(f"basis: {f['basis']}", style="dim"))
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _render_checkpointing(report: MemoryReport, console: Console) -> None:
+    ck = report.checkpointing
+    if ck is not None:
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="bold")
+        grid.add_column()
+        grid.add_row("policy", ck["policy"])
+        grid.add_row("peak allocated", f"{format_bytes(ck['peak_allocated_bytes'])} "
+                                       f"(without: {format_bytes(ck['peak_allocated_bytes_without'])})")
+        grid.add_row("activations", f"{format_bytes(ck['activation_bytes'])} at the end of the forward "
+                                    f"(without: {format_bytes(ck['activation_bytes_without'])})")
+        grid.add_row("recompute", f"{ck['recompute_flops']:,} FLOPs, {_pct(ck['recompute_overhead'])} of the "
+                                  "step's forward + backward FLOPs")
+        plan = ck.get("plan")
+        if plan:
+            grid.add_row("plan", f"budget {format_bytes(plan['budget_bytes'])}: {plan['verdict']}")
+            tried = ", ".join(f"{e['policy']} {format_bytes(e['peak_allocated_bytes'])}" for e in plan["evaluated"])
+            grid.add_row("traced", tried)
+        for note in ck["notes"]:
+            grid.add_row("note", Text(note, style="yellow"))
+        console.print(Panel(grid, title="Activation checkpointing", border_style="blue"))
+        if ck["snippet"]:
+            console.print(Text("Apply it in your training code (after building `model`):", style="bold"))
+            console.print(ck["snippet"], soft_wrap=True, markup=False, highlight=False)
+    if report.comparison:
+        cmp = Table(title="Checkpointing compared", title_justify="left")
+        for col in ("policy", "peak allocated", "activations", "recompute"):
+            cmp.add_column(col, justify="left" if col == "policy" else "right")
+        for row in report.comparison:
+            cmp.add_row(row["policy"], format_bytes(row["peak_allocated_bytes"]), format_bytes(row["activation_bytes"]),
+                        _pct(row["recompute_overhead"]))
+        console.print(cmp)

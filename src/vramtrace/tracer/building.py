@@ -14,6 +14,7 @@ import torch
 from ..errors import ModelLoadError
 from ..spec import Mode, Precision, RunSpec
 from .loading import ResolvedConfig
+from .checkpointing import layer_stack
 from .replication import TRACED_LAYERS, LayerPlan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,6 +44,7 @@ class LoadedModel:
     layer_plan: LayerPlan | None = None  # where the repeated layers are, when the model can be traced shallow
     traced_model: torch.nn.Module | None = None  # the same model with TRACED_LAYERS layers (with layer_plan)
     replication_note: str = ""  # why every layer is traced, when it is
+    num_layers: int = 0  # layers in the model's checkpointable stack (0: none found)
 
 
 def weight_and_compute_dtype(precision: Precision) -> tuple[torch.dtype, torch.dtype | None]:
@@ -205,4 +207,5 @@ def load_model(spec: RunSpec, resolved: ResolvedConfig) -> LoadedModel:
         params=total, trainable_params=trainable, param_dtype=param_dtype, compute_dtype=compute_dtype,
         attn_implementation=str(getattr(config, "_attn_implementation", None) or "eager"),
         layer_plan=plan, traced_model=traced_model, replication_note=note,
+        num_layers=len(stack) if (stack := layer_stack(model)) is not None else 0,
     )

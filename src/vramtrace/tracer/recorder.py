@@ -18,6 +18,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
 
 from .records import RecOp, RecStorage
 
@@ -37,6 +38,7 @@ class StepRecorder(TorchDispatchMode):
         self._finalizers: list[weakref.finalize] = []
         self._lock = threading.Lock()
         self.module_stack: list[str] = []
+        self.recomputing = 0  # > 0 while a checkpointed region's forward is re-run in the backward
 
     # -- storages ----------------------------------------------------------------------------------------
     def _on_free(self, key: int, sid: int) -> None:
@@ -92,6 +94,8 @@ class StepRecorder(TorchDispatchMode):
     # -- module attribution ---------------------------------------------------------------------------------
     def current_module(self) -> str:
         if self.phase == "backward":
+            if self.recomputing and self.module_stack:  # a checkpointed forward re-run in the backward
+                return self.module_stack[-1]
             node = torch._C._current_autograd_node()
             if node is not None:
                 return node.metadata.get(_MODULE_KEY, "")
@@ -129,7 +133,10 @@ class StepRecorder(TorchDispatchMode):
                     new.append(sid)
         first = args[0] if args else None
         lead = len(first) if isinstance(first, (list, tuple)) else int(isinstance(first, torch.Tensor))
-        self.ops.append(RecOp(index, name, self.phase, self.current_module(), tuple(ins), tuple(new), (), lead))
+        flop_rule = flop_registry.get(func.overloadpacket)
+        flops = int(flop_rule(*args, **kwargs, out_val=out)) if flop_rule is not None else 0
+        self.ops.append(RecOp(index, name, self.phase, self.current_module(), tuple(ins), tuple(new), (), lead,
+                              flops, self.recomputing > 0 and self.phase == "backward"))
         return out
 
 

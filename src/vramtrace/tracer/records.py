@@ -31,7 +31,9 @@ class RecStorage:
 class RecOp:
     """One aten op as it ran. `ins`: storage ids of its tensor arguments (flattened, in order); `outs`: storages
     it allocated; `frees`: storages eager freed right after it; `lead`: how many tensors its first argument
-    holds (a foreach op's first list; 1 for a tensor, 0 otherwise)."""
+    holds (a foreach op's first list; 1 for a tensor, 0 otherwise); `flops`: its FLOPs by
+    `torch.utils.flop_counter`'s formulas (0 for ops it has none for); `recompute`: it re-runs a checkpointed
+    forward in the backward."""
 
     index: int
     name: str
@@ -41,3 +43,5 @@ class RecOp:
     outs: tuple[int, ...]
     frees: tuple[int, ...] = ()
     lead: int = 0
+    flops: int = 0
+    recompute: bool = False

@@ -221,7 +221,7 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
         return (own[0] - layer, own[1])
 
     def sig_op(o: RecOp, layer: int):
-        return (o.name, o.phase, o.lead, plan.rename(o.module, {layer: -1}),
+        return (o.name, o.phase, o.lead, o.flops, o.recompute, plan.rename(o.module, {layer: -1}),
                 *(tuple(rel(s, layer) for s in group) for group in (o.ins, o.outs, o.frees, births[o.index])))
 
     def sig_storage(s: RecStorage, layer: int):
@@ -320,7 +320,7 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
 
     def emit(o: RecOp, module: str, refs) -> None:
         new_ops.append(RecOp(len(new_ops), o.name, o.phase, module, tuple(refs(o.ins)), tuple(refs(o.outs)),
-                             tuple(refs(o.frees)), o.lead))
+                             tuple(refs(o.frees)), o.lead, o.flops, o.recompute))
         new_births.append(refs(births[o.index]))
 
     k = 0

@@ -22,11 +22,13 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
+from torch.overrides import _get_current_function_mode_stack
 
 from ..analysis.categories import Category
 from ..errors import TraceError, UnsupportedOpError
 from ..spec import Device, Mode, OptimizerImpl, OptimizerKind, RunSpec
 from .building import LoadedModel
+from .checkpointing import apply_checkpointing, layer_stack
 from .kernels import KernelPolicyMode
 from .records import RecStorage
 from .recorder import StepRecorder, tag_autograd_nodes
@@ -44,6 +46,8 @@ class OpInfo:
     module: str  # qualified module path ('' for the root), 'optimizer' in the optimizer step
     reads: tuple[int, ...] = ()  # storage ids of its tensor arguments
     allocates: tuple[int, ...] = ()  # storage ids it allocated
+    flops: int = 0  # torch.utils.flop_counter's count for the op (0 where it has no formula)
+    recompute: bool = False  # a checkpointed forward op re-run in the backward
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +151,60 @@ def _transformers_autocast_bridge(policy: KernelPolicyMode):
             m.maybe_autocast = original
 
 
+@contextlib.contextmanager
+def _host_rng_states(rec: StepRecorder):
+    """`torch.get_rng_state()` allocates a host tensor (5,056 B for the CPU generator) without going through the
+    dispatcher. torch.utils.checkpoint stashes one per checkpointed region (preserve_rng_state) until the
+    recompute, and `torch.random.fork_rng` one during it: register them, born at the next op."""
+    original = torch.get_rng_state
+
+    def recorded():
+        state = original()
+        rec.storage_id(state, op_index=len(rec.ops), op="torch.get_rng_state", category=None)
+        return state
+
+    torch.get_rng_state = recorded
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
+
+
+@contextlib.contextmanager
+def _transformers_meta_bridge():
+    """transformers' `find_packed_sequence_indices` (masking_utils.py) ends in `bool((mask[:, -1] == 0).all())`,
+    which meta tensors cannot answer (it runs when there is no KV cache, e.g. under checkpointing). Our
+    position ids are one sequence per row, so the real check is True and it returns None: run its ops, skip the
+    `.item()`."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None or not hasattr(masking_utils, "is_tracing"):
+        yield
+        return
+    is_tracing = masking_utils.is_tracing
+
+    def bridged(position_ids):
+        if position_ids.device.type != "meta":
+            return original(position_ids)
+        masking_utils.is_tracing = lambda *a, **k: True  # returns the mask instead of checking it
+        try:
+            mask = original(position_ids)
+        finally:
+            masking_utils.is_tracing = is_tracing
+        (mask[:, -1] == 0).all()  # the check's own ops; its answer for our position ids is True
+        return None
+
+    masking_utils.find_packed_sequence_indices = bridged
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
 def _loss_of(output) -> torch.Tensor:
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, dict):
@@ -157,11 +215,33 @@ def _loss_of(output) -> torch.Tensor:
 
 
 def _record(spec: RunSpec, model: torch.nn.Module, inputs: dict[str, torch.Tensor],
-            compute_dtype: torch.dtype | None, say: Callable[[str], None]):
-    """Run the step on `model` under the recorder. Returns (recorder, kernel policy, optimizer or None)."""
+            compute_dtype: torch.dtype | None, say: Callable[[str], None], layers: torch.nn.ModuleList | None):
+    """Apply the checkpointing policy to `model`, then run the step on it under the recorder.
+    Returns (recorder, kernel policy, optimizer or None)."""
     rec = StepRecorder()
     policy = KernelPolicyMode(spec.device, spec.gpu_preset.sm, compute_dtype)
     policy.current_module = rec.current_module
+
+    def wrap_region(function):
+        """A checkpointed region's function: its re-run in the backward is marked as recompute and runs under
+        the autocast state of its forward, as torch/utils/checkpoint.py's recompute_fn restores it."""
+        autocast_at_forward = policy.autocast_active
+
+        def region(*args, **kwargs):
+            if rec.phase != "backward":
+                return function(*args, **kwargs)
+            rec.recomputing += 1
+            # The autograd engine runs the recompute without the thread's torch-function modes: push ours again.
+            mode = policy if policy not in _get_current_function_mode_stack() else contextlib.nullcontext()
+            try:
+                with mode, policy.autocast_region() if autocast_at_forward else contextlib.nullcontext():
+                    return function(*args, **kwargs)
+            finally:
+                rec.recomputing -= 1
+        return region
+
+    if spec.mode is Mode.TRAIN:
+        apply_checkpointing(model, spec.checkpointing, wrap_region, layers)
     train = spec.mode is Mode.TRAIN
     params = [p for p in model.parameters() if p.requires_grad] if train else []
     optimizer = make_optimizer(spec, params) if train else None
@@ -175,7 +255,8 @@ def _record(spec: RunSpec, model: torch.nn.Module, inputs: dict[str, torch.Tenso
     policy.on_output = lambda out: tag_autograd_nodes(out, rec.current_module()) if rec.phase == "forward" else None
     autocast = policy.autocast_region() if compute_dtype is not None else contextlib.nullcontext()
     try:
-        with (_transformers_autocast_bridge(policy), _module_hooks(model, rec), policy,
+        with (_transformers_autocast_bridge(policy), _transformers_meta_bridge(), _host_rng_states(rec),
+              _module_hooks(model, rec), policy,
               torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, lambda t: t), rec):
             rec.phase = "forward"
             say("forward")
@@ -242,10 +323,14 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
     """
     say = progress or (lambda _msg: None)
     plan, note = loaded.layer_plan, loaded.replication_note
+    ckpt = spec.checkpointing
+    if plan is not None and ckpt.kind in ("every", "nth") and ckpt.k > 1:
+        plan, note = None, f"checkpointing {ckpt} differs between layers: every layer traced"
     result = None
     if plan is not None:
         say(f"tracing {TRACED_LAYERS} of {plan.num_layers} layers")
-        rec, policy, optimizer = _record(spec, loaded.traced_model, loaded.inputs, loaded.compute_dtype, say)
+        rec, policy, optimizer = _record(spec, loaded.traced_model, loaded.inputs, loaded.compute_dtype, say,
+                                         layer_stack(loaded.traced_model))
         try:
             ops, storages = replicate_layers(plan, rec.ops, rec.storages)
             _check_parameters(loaded.model, storages)
@@ -258,7 +343,8 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
             note = f"traced every layer ({e})"
             say(note)
     if result is None:
-        rec, policy, optimizer = _record(spec, loaded.model, loaded.inputs, loaded.compute_dtype, say)
+        rec, policy, optimizer = _record(spec, loaded.model, loaded.inputs, loaded.compute_dtype, say,
+                                         layer_stack(loaded.model))
         sdpa = {}
         for backend, _module in policy.sdpa_calls:
             sdpa[backend] = sdpa.get(backend, 0) + 1
@@ -274,14 +360,18 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
     free_after = {sid: o.index for o in ops for sid in o.frees}
     infos = []
     for s in storages:
-        cat = s.category or (Category.ACTIVATION if s.saved else Category.TEMPORARY)
+        # Saved by autograd, or kept past the forward for the backward (a checkpointed region's inputs): an
+        # activation; anything else without a category is a temporary.
+        kept = s.phase == "forward" and s.sid in free_after and ops[free_after[s.sid]].phase == "backward"
+        cat = s.category or (Category.ACTIVATION if s.saved or kept else Category.TEMPORARY)
         infos.append(StorageInfo(
             sid=s.sid, nbytes=s.nbytes, dtype=s.dtype, shape=s.shape, device=s.device, category=Category(cat),
             op_index=s.op_index, op=s.op, module=s.module, phase=s.phase if s.op_index >= 0 else "start",
             name=s.name, free_after=free_after.get(s.sid), last_use=last_use.get(s.sid, -1)))
     counted = ("meta",) if spec.device is Device.CUDA else ("meta", "cpu")
     return TracedGraph(
-        ops=tuple(OpInfo(o.index, o.name, o.phase, o.module, o.ins, o.outs) for o in ops), storages=tuple(infos),
+        ops=tuple(OpInfo(o.index, o.name, o.phase, o.module, o.ins, o.outs, o.flops, o.recompute) for o in ops),
+        storages=tuple(infos),
         counted_devices=counted, sdpa_backends=tuple(sorted(sdpa.items())), has_optimizer=has_optimizer,
         trace_note=note)
 

@@ -1,0 +1,146 @@
+"""Apply an activation-checkpointing policy to a transformers model, as a user's training code would.
+
+- `layers`: `model.activation_checkpointing_enable({"use_reentrant": False})`, the transformers 5 name of
+  `gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})`: each decoder or
+  encoder layer (`GradientCheckpointingLayer`) runs its forward under non-reentrant `torch.utils.checkpoint`.
+- `nth:N`: the same with `every_n_layers=N` (transformers checkpoints layers 0, N, 2N, ...).
+- `selective[:OPS]`: the same with `context_fn=partial(create_selective_checkpoint_contexts, policy)`, PyTorch's
+  selective activation checkpointing (`torch/utils/checkpoint.py`): the outputs of OPS (default: the matmuls)
+  are saved, every other op (pointwise ops, the attention core) is recomputed.
+- `every:K`: K consecutive layers form one checkpointed segment (Chen et al. 2016; `checkpoint_sequential` does
+  this for an `nn.Sequential`): the segment's first layer runs all K under one non-reentrant checkpoint and the
+  other K-1 pass its output through.
+
+The same function applies the policy to the meta model that is traced and to a real model that a test runs, so
+both run the same checkpoint code. `wrap_region` lets the tracer see each checkpointed region's function (to
+mark the recompute and restore its emulated autocast); a real run passes none.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ..errors import UsageError
+from ..spec import Checkpointing
+
+Region = Callable[[Callable], Callable]
+
+
+def save_ops_policy(save_ops: tuple[str, ...]):
+    """A selective-checkpointing policy function: MUST_SAVE the outputs of `save_ops` ('aten.mm', ...), else
+    PREFER_RECOMPUTE. Raises UsageError for a name that is not an aten op."""
+    packets = set()
+    for name in save_ops:
+        ns, _, op = name.partition(".")
+        packet = getattr(getattr(torch.ops, ns, None), op.split(".")[0], None) if op else None
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            raise UsageError(f"--checkpointing selective: {name!r} is not an op; name ops like aten.mm,aten.addmm")
+        packets.add(packet)
+
+    def policy(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if func.overloadpacket in packets else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _checkpoint_fn(wrap_region: Region | None, **kwargs):
+    def run(function, *args, **kw):
+        return checkpoint(wrap_region(function) if wrap_region else function, *args, **kwargs, **kw)
+    return run
+
+
+def apply_checkpointing(model: torch.nn.Module, ckpt: Checkpointing, wrap_region: Region | None = None,
+                        layers: torch.nn.ModuleList | None = None) -> None:
+    """Enable `ckpt` on `model` (a transformers PreTrainedModel; `layers` is its layer stack, needed for
+    `every:K`). Raises UsageError when the model does not support checkpointing."""
+    if ckpt.kind == "none":
+        return
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise UsageError(f"{type(model).__name__} does not support activation checkpointing in transformers")
+    kwargs: dict = {"use_reentrant": False}
+    if ckpt.kind == "selective":
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, save_ops_policy(ckpt.save_ops))
+    if ckpt.kind in ("layers", "nth", "selective"):
+        model.activation_checkpointing_enable(kwargs, every_n_layers=ckpt.k if ckpt.kind == "nth" else 1)
+        if wrap_region is not None:
+            for m in model.modules():
+                if getattr(m, "_gradient_checkpointing_func", None) is not None:
+                    m._gradient_checkpointing_func = _checkpoint_fn(wrap_region, **kwargs)
+        return
+    if ckpt.kind == "every":
+        if layers is None:
+            raise UsageError("--checkpointing every:K needs a stack of identical layers; this model has none")
+        if model.main_input_name == "input_ids":
+            model.enable_input_require_grads()  # as activation_checkpointing_enable does
+        run = _checkpoint_fn(wrap_region, **kwargs)
+        for start in range(0, len(layers), ckpt.k):
+            _segment(list(layers[start:start + ckpt.k]), run)
+        return
+    raise UsageError(f"checkpointing {ckpt} cannot be applied to a model directly")
+
+
+def _segment(seg: list[torch.nn.Module], run_checkpoint) -> None:
+    """Checkpoint the layers `seg` as one region: the first layer's forward runs them all under one
+    checkpoint; the others return their input (already the segment's output). Layers return a tensor."""
+    state = {"inside": False}
+    originals = [m.forward for m in seg]
+
+    def run_all(hidden_states, *args, **kwargs):
+        state["inside"] = True
+        try:
+            for m in seg:
+                hidden_states = m(hidden_states, *args, **kwargs)
+            return hidden_states
+        finally:
+            state["inside"] = False
+
+    def first(hidden_states, *args, **kwargs):
+        if state["inside"]:
+            return originals[0](hidden_states, *args, **kwargs)
+        # as transformers' GradientCheckpointingLayer does: no KV cache under checkpointing
+        for key, off in (("use_cache", False), ("past_key_values", None), ("layer_past", None)):
+            if key in kwargs:
+                kwargs[key] = off
+        return run_checkpoint(run_all, hidden_states, *args, **kwargs)
+
+    def make_rest(original):
+        def rest(hidden_states, *args, **kwargs):
+            return original(hidden_states, *args, **kwargs) if state["inside"] else hidden_states
+        return rest
+
+    seg[0].forward = first
+    for m, original in zip(seg[1:], originals[1:]):
+        m.forward = make_rest(original)
+
+
+def layer_stack(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The model's stack of checkpointable layers: the one ModuleList of transformers
+    `GradientCheckpointingLayer`s, or None."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return None
+    stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)
+              and all(isinstance(c, GradientCheckpointingLayer) for c in m)]
+    return stacks[0] if len(stacks) == 1 else None
+
+
+def paste_snippet(ckpt: Checkpointing) -> str:
+    """Python a user pastes after building `model` (transformers) to apply `ckpt` in their training code."""
+    if ckpt.kind in ("layers", "nth"):
+        extra = f", every_n_layers={ckpt.k}" if ckpt.kind == "nth" else ""
+        return f'model.activation_checkpointing_enable({{"use_reentrant": False}}{extra})'
+    if ckpt.kind == "selective":
+        ops = ", ".join(f"torch.ops.{o}" for o in ckpt.save_ops)
+        return ("import functools, torch\n"
+                "from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts\n"
+                f"SAVE = {{{ops}}}\n"
+                "def policy(ctx, func, *args, **kwargs):\n"
+                "    return CheckpointPolicy.MUST_SAVE if func.overloadpacket in SAVE else CheckpointPolicy.PREFER_RECOMPUTE\n"
+                'model.activation_checkpointing_enable({"use_reentrant": False,\n'
+                '    "context_fn": functools.partial(create_selective_checkpoint_contexts, policy)})')
+    return ""
