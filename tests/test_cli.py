@@ -44,6 +44,10 @@ def test_json_to_stdout():
     (["--batch", "1", "--seq", "8", "--precision", "fp8"], 2, "unknown precision"),
     (["--batch", "1", "--seq", "8", "--optimizer", "lion"], 2, "unknown optimizer"),
     (["--batch", "1", "--seq", "8", "--json", "/no/such/dir/r.json"], 1, "cannot write --json"),
+    (["--batch", "1", "--seq", "8", "--checkpointing", "every:0"], 2, "unknown checkpointing"),
+    (["--batch", "1", "--seq", "8", "--checkpointing", "auto"], 2, "needs --memory-budget"),
+    (["--batch", "1", "--seq", "8", "--checkpointing", "auto", "--memory-budget", "4parsecs"], 2, "unknown unit"),
+    (["--batch", "1", "--seq", "8", "--checkpointing", "selective:aten.nope"], 2, "is not an op"),
 ])
 def test_usage_errors(args, status, needle):
     p = run(TINY, *args)
@@ -60,3 +64,17 @@ def test_model_errors(tmp_path):
         p = run(ref, "--batch", "1", "--seq", "8")
         assert p.returncode == 1 and p.stderr.startswith("Error: ") and needle in p.stderr, p.stderr
         assert "Traceback" not in p.stderr
+
+
+def test_compare_and_checkpointing_json(tmp_path):
+    out = tmp_path / "c.json"
+    p = run(TINY, "--batch", "2", "--seq", "32", "--compare", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "Checkpointing compared" in p.stdout
+    rows = json.loads(out.read_text())["comparison"]
+    assert [r["policy"] for r in rows] == ["none", "layers", "selective"]
+    assert rows[0]["recompute_flops"] == 0 < rows[1]["recompute_flops"]
+    p = run(TINY, "--batch", "2", "--seq", "32", "--checkpointing", "layers", "--json", "-")
+    d = json.loads(p.stdout)
+    assert d["checkpointing"]["policy"] == "layers" and d["recompute_flops"] == d["checkpointing"]["recompute_flops"]
+    assert d["checkpointing"]["activation_bytes"] < d["checkpointing"]["activation_bytes_without"]

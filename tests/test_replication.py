@@ -126,10 +126,12 @@ def deep_config(tmp_path, config: str, layers: int) -> str:
 
 VARIANTS = [dict(device="cuda", precision="bf16-mixed"), dict(device="cpu", precision="fp32"),
             dict(device="cuda", precision="fp32", optimizer_impl="for-loop", optimizer="sgd-momentum"),
-            dict(device="cpu", precision="bf16", mode="inference")]
+            dict(device="cpu", precision="bf16", mode="inference"),
+            dict(device="cuda", precision="bf16-mixed", checkpointing="layers"),
+            dict(device="cpu", precision="fp32", checkpointing="selective")]
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(v.values()))
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
 @pytest.mark.parametrize("config", ["tiny-gpt2", "tiny-llama-gqa", "tiny-bert"])
 def test_replicated_trace_equals_full_trace(tmp_path, config, variant):
     spec = RunSpec(deep_config(tmp_path, config, 7), batch=2, seq=16, **variant)

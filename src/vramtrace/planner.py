@@ -63,11 +63,13 @@ def plan_checkpointing(spec: RunSpec, analyze_one: Callable, say: Callable[[str]
         policy, chosen = min(candidates, key=lambda pr: (pr[1].recompute_flops, pr[1].peak_allocated_bytes))
         verdict = f"fits the budget with {policy}"
     else:
-        policy, chosen = min(seen.items(), key=lambda pr: pr[1].peak_allocated_bytes)
-        verdict = f"no plan fits; the floor is {policy}, over the budget by {chosen.peak_allocated_bytes - budget} bytes"
+        policy, chosen = min(seen.items(), key=lambda pr: (pr[1].peak_allocated_bytes, pr[1].recompute_flops))
+        verdict = (f"no plan fits; the floor is {policy}, whose peak is in the {chosen.peak_phase} phase "
+                   f"({chosen.peak_op})")
     summary = checkpointing_summary(chosen, base, paste_snippet(Checkpointing.parse(policy)))
     summary["plan"] = {
         "budget_bytes": budget, "fits": bool(candidates), "chosen": policy, "verdict": verdict,
+        "over_budget_bytes": max(0, chosen.peak_allocated_bytes - budget),
         "algorithm": "binary search over transformers' every_n_layers, plus selective and layers; every candidate traced",
         "evaluated": [{"policy": p, "peak_allocated_bytes": r.peak_allocated_bytes,
                        "recompute_flops": r.recompute_flops,

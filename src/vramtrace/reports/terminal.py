@@ -108,7 +108,8 @@ def _render_checkpointing(report: MemoryReport, console: Console) -> None:
                                   "step's forward + backward FLOPs")
         plan = ck.get("plan")
         if plan:
-            grid.add_row("plan", f"budget {format_bytes(plan['budget_bytes'])}: {plan['verdict']}")
+            over = f", over by {format_bytes(plan['over_budget_bytes'])}" if not plan["fits"] else ""
+            grid.add_row("plan", f"budget {format_bytes(plan['budget_bytes'])}: {plan['verdict']}{over}")
             tried = ", ".join(f"{e['policy']} {format_bytes(e['peak_allocated_bytes'])}" for e in plan["evaluated"])
             grid.add_row("traced", tried)
         for note in ck["notes"]:

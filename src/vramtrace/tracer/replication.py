@@ -86,8 +86,13 @@ class _Unit:
 
 
 def _sweeps(phase: str, idxs: list[int], owner_layer: list[int | None], multi: list[bool]) -> list[_Unit]:
-    """The units of every sweep over the layers among the ops `idxs` of one phase. Raises NotPeriodic."""
-    units: list[_Unit] = []
+    """The units of every sweep over the layers among the ops `idxs` of one phase. Raises NotPeriodic.
+
+    A sweep visits layers 0, 1, 2, 3 (the forward, an optimizer's loop) or 3, 2, 1, 0 (the backward). Runs of
+    two neighbouring layers may interleave (the backward of layer i+1 can still be running when a checkpointed
+    layer i starts its recompute), so the unit of layer i runs from its first op to the first op of the next
+    layer in the sweep; the last layer's unit ends at the sweep's last layer op.
+    """
     last = TRACED_LAYERS - 1
     runs: list[list[int]] = []  # [layer, first op, last op]
     for k in idxs:
@@ -98,18 +103,33 @@ def _sweeps(phase: str, idxs: list[int], owner_layer: list[int | None], multi: l
             runs[-1][2] = k
         else:
             runs.append([layer, k, k])
-    if len(runs) % TRACED_LAYERS:
-        raise NotPeriodic(f"the {phase} phase does not visit the layers in sweeps ({[r[0] for r in runs]})")
-    for n in range(0, len(runs), TRACED_LAYERS):
-        sweep = runs[n:n + TRACED_LAYERS]
-        order = [r[0] for r in sweep]
-        if order not in (list(range(TRACED_LAYERS)), list(range(last, -1, -1))):
-            raise NotPeriodic(f"the {phase} phase visits the layers in the order {order}")
-        tag = (phase, n // TRACED_LAYERS)
-        for j, (layer, first, end) in enumerate(sweep):
-            stop = sweep[j + 1][1] if j + 1 < len(sweep) else end + 1
-            units.append(_Unit(layer, first, stop, tag))
-            if any(multi[k] for k in range(first, stop)):
+    sweeps: list[list[list[int]]] = []
+    for run in runs:
+        cur = sweeps[-1] if sweeps else None
+        if cur is not None:
+            step = 1 if cur[0][0] == 0 else -1
+            front = max(r[0] for r in cur) if step == 1 else min(r[0] for r in cur)
+            done = front == (last if step == 1 else 0)
+            if run[0] in (front, front + step) or (run[0] == front - step and not done):
+                cur.append(run)
+                continue
+            if not done:
+                raise NotPeriodic(f"the {phase} phase visits layer {run[0]} after layer {front}")
+        if run[0] not in (0, last):
+            raise NotPeriodic(f"a sweep of the {phase} phase starts at layer {run[0]}")
+        sweeps.append([run])
+    units: list[_Unit] = []
+    for n, sweep in enumerate(sweeps):
+        order = [sweep[0][0]] + [r[0] for a, r in zip(sweep, sweep[1:]) if r[0] not in [x[0] for x in sweep[:sweep.index(r)]]]
+        if sorted(order) != list(range(TRACED_LAYERS)):
+            raise NotPeriodic(f"a sweep of the {phase} phase visits the layers {order}")
+        first = {layer: min(r[1] for r in sweep if r[0] == layer) for layer in order}
+        end = max(r[2] for r in sweep)
+        tag = (phase, n)
+        for j, layer in enumerate(order):
+            stop = first[order[j + 1]] if j + 1 < len(order) else end + 1
+            units.append(_Unit(layer, first[layer], stop, tag))
+            if any(multi[k] for k in range(first[layer], stop)):
                 raise NotPeriodic(f"an op spanning several layers runs inside layer {layer}'s {phase}")
     return units
 
@@ -257,8 +277,10 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
         s = by_key.get((traced, key))
         if s is None:
             raise NotPeriodic(f"layer {traced} has no storage for {key}")
+        # a boundary layer's storage may be used differently (the last layer's output is saved by the head),
+        # but it must be the same tensor as layer 1's
         if traced != 1 and (1, key) in by_key and \
-                sig_storage(storages[s], traced) != sig_storage(storages[by_key[(1, key)]], 1):
+                sig_storage(storages[s], traced)[:5] != sig_storage(storages[by_key[(1, key)]], 1)[:5]:
             raise NotPeriodic(f"layer {traced}'s {storages[s].name or storages[s].op} is unlike layer 1's")
         return s, final
 

@@ -231,6 +231,7 @@ def _record(spec: RunSpec, model: torch.nn.Module, inputs: dict[str, torch.Tenso
             if rec.phase != "backward":
                 return function(*args, **kwargs)
             rec.recomputing += 1
+            depth = len(rec.module_stack)
             # The autograd engine runs the recompute without the thread's torch-function modes: push ours again.
             mode = policy if policy not in _get_current_function_mode_stack() else contextlib.nullcontext()
             try:
@@ -238,6 +239,8 @@ def _record(spec: RunSpec, model: torch.nn.Module, inputs: dict[str, torch.Tenso
                     return function(*args, **kwargs)
             finally:
                 rec.recomputing -= 1
+                # checkpoint's early stop raises out of the recompute, past the modules' forward hooks
+                del rec.module_stack[depth:]
         return region
 
     if spec.mode is Mode.TRAIN:

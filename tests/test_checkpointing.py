@@ -1,0 +1,118 @@
+"""Activation checkpointing: predictions against real CPU runs that apply the same policy, the planner's printed
+plan applied to a real model, and the policy's effect on activation bytes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import FIXTURES
+from oracle import measure_cpu_peak
+from vramtrace import RunSpec, analyze, checkpointing_summary
+from vramtrace.errors import UsageError
+from vramtrace.spec import DEFAULT_SAVE_OPS, Checkpointing
+
+
+def _config(tmp_path, name: str, layers: int) -> str:
+    cfg = json.loads((FIXTURES / f"{name}.json").read_text())
+    cfg["n_layer" if "n_layer" in cfg else "num_hidden_layers"] = layers
+    path = tmp_path / f"{name}-{layers}l.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _within_1pct(spec: RunSpec, **kw) -> tuple[int, int]:
+    predicted = analyze(spec).peak_allocated_bytes
+    measured = measure_cpu_peak(spec, **kw)
+    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+    return predicted, measured
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("config", ["tiny-gpt2", "tiny-llama-gqa", "tiny-bert"])
+def test_layers_matches_real_run(config, precision):
+    _within_1pct(RunSpec(str(FIXTURES / f"{config}.json"), batch=4, seq=64, device="cpu", precision=precision,
+                         checkpointing="layers"))
+
+
+@pytest.mark.parametrize("config", ["tiny-gpt2", "tiny-llama-gqa", "tiny-bert"])
+def test_selective_matches_real_run(config):
+    _within_1pct(RunSpec(str(FIXTURES / f"{config}.json"), batch=4, seq=64, device="cpu", precision="bf16-mixed",
+                         checkpointing="selective"))
+
+
+def test_selective_with_named_ops_matches_real_run():
+    _within_1pct(RunSpec(str(FIXTURES / "tiny-llama-gqa.json"), batch=4, seq=64, device="cpu", precision="fp32",
+                         checkpointing="selective:aten.mm,aten._scaled_dot_product_flash_attention_for_cpu"))
+
+
+@pytest.mark.parametrize("policy", ["every:2", "nth:2"])
+def test_segments_and_every_nth_layer_match_real_run(tmp_path, policy):
+    _within_1pct(RunSpec(_config(tmp_path, "tiny-llama-gqa", 4), batch=4, seq=64, device="cpu", precision="fp32",
+                         checkpointing=policy))
+
+
+def test_replicated_layers_checkpointing_matches_real_run(tmp_path):
+    spec = RunSpec(_config(tmp_path, "tiny-gpt2", 6), batch=4, seq=64, device="cpu", precision="fp32",
+                   checkpointing="layers")
+    assert analyze(spec).run["trace"].startswith("traced 4 of 6 layers")
+    _within_1pct(spec)
+
+
+def test_auto_plan_applied_to_a_real_model_fits(tmp_path):
+    path = _config(tmp_path, "tiny-llama-gqa", 6)
+    none = analyze(RunSpec(path, batch=4, seq=96, device="cpu", precision="fp32"))
+    layers = analyze(RunSpec(path, batch=4, seq=96, device="cpu", precision="fp32", checkpointing="layers"))
+    budget = (none.peak_allocated_bytes + layers.peak_allocated_bytes) // 2
+    spec = RunSpec(path, batch=4, seq=96, device="cpu", precision="fp32", checkpointing="auto",
+                   memory_budget_bytes=budget)
+    report = analyze(spec)
+    plan = report.checkpointing["plan"]
+    assert plan["fits"] and report.peak_allocated_bytes <= budget
+    assert report.checkpointing["policy"] != "none" and report.checkpointing["snippet"]
+    # apply the printed snippet to the real model, exactly as a user would paste it
+    measured = measure_cpu_peak(spec, setup=lambda model: exec(report.checkpointing["snippet"], {"model": model}))
+    assert abs(report.peak_allocated_bytes - measured) <= 0.01 * measured, (report.peak_allocated_bytes, measured)
+    assert measured <= budget
+
+
+def test_auto_reports_the_floor_when_nothing_fits():
+    spec = RunSpec(str(FIXTURES / "tiny-llama-gqa.json"), batch=2, seq=32, device="cpu", checkpointing="auto",
+                   memory_budget_bytes=1024)
+    plan = analyze(spec).checkpointing["plan"]
+    assert not plan["fits"] and "floor" in plan["verdict"]
+    assert len(plan["evaluated"]) >= 3
+
+
+@pytest.mark.parametrize("policy", ["layers", "selective", "every:2"])
+@pytest.mark.parametrize("config", ["tiny-gpt2", "tiny-llama-gqa", "tiny-bert"])
+def test_checkpointing_never_raises_activation_bytes(config, policy):
+    spec = RunSpec(str(FIXTURES / f"{config}.json"), batch=2, seq=64, checkpointing=policy)
+    ck = analyze(spec).checkpointing
+    assert ck["activation_bytes"] <= ck["activation_bytes_without"]
+    assert ck["recompute_flops"] > 0 and 0 < ck["recompute_overhead"] < 1
+
+
+def test_a_policy_that_costs_memory_is_reported():
+    class R:
+        def __init__(self, peak, act, policy="selective"):
+            self.peak_allocated_bytes, self.activation_bytes = peak, act
+            self.run, self.recompute_flops, self.step_flops = {"checkpointing": policy}, 10, 100
+
+    ck = checkpointing_summary(R(120, 50), R(100, 40, "none"), "")
+    assert len(ck["notes"]) == 2 and "raises the peak" in ck["notes"][0]
+    assert checkpointing_summary(R(90, 30), R(100, 40, "none"), "")["notes"] == []
+
+
+def test_parse_checkpointing():
+    assert Checkpointing.parse("every:4") == Checkpointing("every", 4)
+    assert Checkpointing.parse("selective").save_ops == DEFAULT_SAVE_OPS
+    assert Checkpointing.parse("selective:aten.mm").save_ops == ("aten.mm",)
+    for bad in ("every", "every:0", "layer", "nth:x"):
+        with pytest.raises(UsageError, match="checkpointing"):
+            Checkpointing.parse(bad)
+    with pytest.raises(UsageError, match="memory-budget"):
+        RunSpec("gpt2", batch=1, seq=8, checkpointing="auto")
+    with pytest.raises(UsageError, match="inference"):
+        RunSpec("gpt2", batch=1, seq=8, checkpointing="layers", mode="inference")
