@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 from pathlib import Path
@@ -6,3 +7,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 sys.path.insert(0, str(Path(__file__).parent))
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "configs"
+
+
+def deep_config(tmp_path, config: str, layers: int) -> str:
+    """A copy of fixture `config` with `layers` layers, written under `tmp_path`; returns its path."""
+    cfg = json.loads((FIXTURES / f"{config}.json").read_text())
+    cfg["n_layer" if "n_layer" in cfg else "num_hidden_layers"] = layers
+    path = tmp_path / f"{config}-{layers}l.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)

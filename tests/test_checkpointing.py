@@ -3,23 +3,13 @@ plan applied to a real model, and the policy's effect on activation bytes."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, deep_config
 from oracle import measure_cpu_peak
 from vramtrace import RunSpec, analyze, checkpointing_summary
 from vramtrace.errors import UsageError
 from vramtrace.spec import DEFAULT_SAVE_OPS, Checkpointing
-
-
-def _config(tmp_path, name: str, layers: int) -> str:
-    cfg = json.loads((FIXTURES / f"{name}.json").read_text())
-    cfg["n_layer" if "n_layer" in cfg else "num_hidden_layers"] = layers
-    path = tmp_path / f"{name}-{layers}l.json"
-    path.write_text(json.dumps(cfg))
-    return str(path)
 
 
 def _within_1pct(spec: RunSpec, **kw) -> tuple[int, int]:
@@ -49,19 +39,19 @@ def test_selective_with_named_ops_matches_real_run():
 
 @pytest.mark.parametrize("policy", ["every:2", "nth:2"])
 def test_segments_and_every_nth_layer_match_real_run(tmp_path, policy):
-    _within_1pct(RunSpec(_config(tmp_path, "tiny-llama-gqa", 4), batch=4, seq=64, device="cpu", precision="fp32",
+    _within_1pct(RunSpec(deep_config(tmp_path, "tiny-llama-gqa", 4), batch=4, seq=64, device="cpu", precision="fp32",
                          checkpointing=policy))
 
 
 def test_replicated_layers_checkpointing_matches_real_run(tmp_path):
-    spec = RunSpec(_config(tmp_path, "tiny-gpt2", 6), batch=4, seq=64, device="cpu", precision="fp32",
+    spec = RunSpec(deep_config(tmp_path, "tiny-gpt2", 6), batch=4, seq=64, device="cpu", precision="fp32",
                    checkpointing="layers")
     assert analyze(spec).run["trace"].startswith("traced 4 of 6 layers")
     _within_1pct(spec)
 
 
 def test_auto_plan_applied_to_a_real_model_fits(tmp_path):
-    path = _config(tmp_path, "tiny-llama-gqa", 6)
+    path = deep_config(tmp_path, "tiny-llama-gqa", 6)
     none = analyze(RunSpec(path, batch=4, seq=96, device="cpu", precision="fp32"))
     layers = analyze(RunSpec(path, batch=4, seq=96, device="cpu", precision="fp32", checkpointing="layers"))
     budget = (none.peak_allocated_bytes + layers.peak_allocated_bytes) // 2

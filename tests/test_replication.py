@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import FIXTURES
+from conftest import FIXTURES, deep_config
 from oracle import measure_cpu_peak
 from vramtrace import RunSpec, analyze
 from vramtrace.analysis.liveness import build_timeline
@@ -116,14 +116,6 @@ def test_a_reference_two_layers_back_is_refused():
 
 
 # -- real models, traced both ways ------------------------------------------------------------------------------
-def deep_config(tmp_path, config: str, layers: int) -> str:
-    cfg = json.loads((FIXTURES / f"{config}.json").read_text())
-    cfg["n_layer" if "n_layer" in cfg else "num_hidden_layers"] = layers
-    path = tmp_path / f"{config}-{layers}l.json"
-    path.write_text(json.dumps(cfg))
-    return str(path)
-
-
 VARIANTS = [dict(device="cuda", precision="bf16-mixed"), dict(device="cpu", precision="fp32"),
             dict(device="cuda", precision="fp32", optimizer_impl="for-loop", optimizer="sgd-momentum"),
             dict(device="cpu", precision="bf16", mode="inference"),

@@ -65,7 +65,12 @@ def apply_checkpointing(model: torch.nn.Module, ckpt: Checkpointing, wrap_region
     if ckpt.kind == "selective":
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, save_ops_policy(ckpt.save_ops))
     if ckpt.kind in ("layers", "nth", "selective"):
-        model.activation_checkpointing_enable(kwargs, every_n_layers=ckpt.k if ckpt.kind == "nth" else 1)
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable(kwargs, every_n_layers=ckpt.k if ckpt.kind == "nth" else 1)
+        elif ckpt.kind == "nth":
+            raise UsageError("--checkpointing nth:N needs transformers >= 5 (every_n_layers)")
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if wrap_region is not None:
             for m in model.modules():
                 if getattr(m, "_gradient_checkpointing_func", None) is not None:
