@@ -55,9 +55,27 @@ def checkpointing_summary(report, base, snippet: str) -> dict:
         "activation_bytes_without": base.activation_bytes,
         "recompute_flops": report.recompute_flops,
         "recompute_overhead": report.recompute_flops / report.step_flops if report.step_flops else 0.0,
+        "checkpointed": checkpointed_modules(report.run),
         "snippet": snippet,
         "notes": notes,
     }
+
+
+def checkpointed_modules(run: dict) -> str:
+    """Which modules a policy checkpoints, e.g. 'model.layers.{0,4,8} (3 of 12 layers)'."""
+    from .spec import Checkpointing
+
+    ckpt, L, stack = Checkpointing.parse(run["checkpointing"]), run.get("num_layers", 0), run.get("layer_stack", "")
+    if ckpt.kind == "none" or not L:
+        return ""
+    if ckpt.kind == "nth":
+        idx = list(range(0, L, ckpt.k))
+        return f"{stack}.{{{','.join(map(str, idx))}}} ({len(idx)} of {L} layers)"
+    if ckpt.kind == "every":
+        return f"{stack}.{{0..{L - 1}}} in segments of {ckpt.k} layers ({-(-L // ckpt.k)} segments)"
+    if ckpt.kind == "selective":
+        return f"{stack}.{{0..{L - 1}}}, saving the outputs of {', '.join(ckpt.save_ops)}"
+    return f"{stack}.{{0..{L - 1}}} (all {L} layers)"
 
 
 def compare(spec: RunSpec, policies=("none", "layers", "selective"),
@@ -117,7 +135,7 @@ def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
         "mode": spec.mode.value, "precision": spec.effective_precision.value, "optimizer": spec.optimizer.value,
         "optimizer_impl": spec.optimizer_impl.value, "device": spec.device.value, "gpu": gpu.name,
         "batch": spec.batch, "seq": spec.seq, "checkpointing": str(spec.checkpointing),
-        "num_layers": loaded.num_layers,
+        "num_layers": loaded.num_layers, "layer_stack": loaded.layer_stack_path,
         "allocator_block_bytes": block, "num_ops": len(traced.ops), "trace": traced.trace_note,
     }
     return summarize(

@@ -99,7 +99,7 @@ def _render_checkpointing(report: MemoryReport, console: Console) -> None:
         grid = Table.grid(padding=(0, 2))
         grid.add_column(style="bold")
         grid.add_column()
-        grid.add_row("policy", ck["policy"])
+        grid.add_row("policy", ck["policy"] + (f": {ck['checkpointed']}" if ck.get("checkpointed") else ""))
         grid.add_row("peak allocated", f"{format_bytes(ck['peak_allocated_bytes'])} "
                                        f"(without: {format_bytes(ck['peak_allocated_bytes_without'])})")
         grid.add_row("activations", f"{format_bytes(ck['activation_bytes'])} at the end of the forward "

@@ -45,6 +45,7 @@ class LoadedModel:
     traced_model: torch.nn.Module | None = None  # the same model with TRACED_LAYERS layers (with layer_plan)
     replication_note: str = ""  # why every layer is traced, when it is
     num_layers: int = 0  # layers in the model's checkpointable stack (0: none found)
+    layer_stack_path: str = ""  # its qualified name, e.g. 'model.layers'
 
 
 def weight_and_compute_dtype(precision: Precision) -> tuple[torch.dtype, torch.dtype | None]:
@@ -208,4 +209,5 @@ def load_model(spec: RunSpec, resolved: ResolvedConfig) -> LoadedModel:
         attn_implementation=str(getattr(config, "_attn_implementation", None) or "eager"),
         layer_plan=plan, traced_model=traced_model, replication_note=note,
         num_layers=len(stack) if (stack := layer_stack(model)) is not None else 0,
+        layer_stack_path=next((n for n, m in model.named_modules() if m is stack), "") if stack is not None else "",
     )

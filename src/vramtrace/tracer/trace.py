@@ -234,10 +234,14 @@ def _record(spec: RunSpec, model: torch.nn.Module, inputs: dict[str, torch.Tenso
             depth = len(rec.module_stack)
             # The autograd engine runs the recompute without the thread's torch-function modes: push ours again.
             mode = policy if policy not in _get_current_function_mode_stack() else contextlib.nullcontext()
+            # recompute_fn's torch.random.fork_rng stashes the host RNG state for the recompute on the target
+            # device; on meta it does nothing (torch/random.py), so make the stash here
+            stash = torch.get_rng_state()
             try:
                 with mode, policy.autocast_region() if autocast_at_forward else contextlib.nullcontext():
                     return function(*args, **kwargs)
             finally:
+                del stash
                 rec.recomputing -= 1
                 # checkpoint's early stop raises out of the recompute, past the modules' forward hooks
                 del rec.module_stack[depth:]
