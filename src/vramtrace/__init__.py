@@ -11,7 +11,7 @@ from .errors import VramtraceError
 from .spec import RunSpec
 
 __version__ = "0.1.0"
-__all__ = ["analyze", "compare", "RunSpec", "VramtraceError", "__version__"]
+__all__ = ["analyze", "compare", "compare_reports", "with_comparison", "RunSpec", "VramtraceError", "__version__"]
 
 
 def analyze(spec: RunSpec, progress: Callable[[str], None] | None = None):
@@ -78,22 +78,36 @@ def checkpointed_modules(run: dict) -> str:
     return f"{stack}.{{0..{L - 1}}} (all {L} layers)"
 
 
-def compare(spec: RunSpec, policies=("none", "layers", "selective"),
-            progress: Callable[[str], None] | None = None):
-    """`spec` analysed under each checkpointing policy. Returns the report of `spec` with `comparison` rows:
-    policy, peak_allocated_bytes, activation_bytes, recompute_flops, recompute_overhead."""
+COMPARED_POLICIES = ("none", "layers", "selective")
+
+
+def compare_reports(spec: RunSpec, policies=COMPARED_POLICIES, progress: Callable[[str], None] | None = None) -> list:
+    """`spec` analysed under each checkpointing policy: one MemoryReport per policy, in order."""
     from dataclasses import replace
 
     say = progress or (lambda _m: None)
-    rows, main = [], None
+    reports = []
     for policy in policies:
         say(f"checkpointing {policy}")
-        r = _analyze_one(replace(spec, checkpointing=policy), say)
-        main = main or r
-        rows.append({"policy": policy, "peak_allocated_bytes": r.peak_allocated_bytes,
-                     "activation_bytes": r.activation_bytes, "recompute_flops": r.recompute_flops,
-                     "recompute_overhead": r.recompute_flops / r.step_flops if r.step_flops else 0.0})
-    return replace(main, comparison=tuple(rows))
+        reports.append(_analyze_one(replace(spec, checkpointing=policy), say))
+    return reports
+
+
+def with_comparison(reports: list, policies) -> object:
+    """The first report with `comparison` rows (policy, peak_allocated_bytes, activation_bytes, recompute_flops,
+    recompute_overhead), one per report."""
+    from dataclasses import replace
+
+    rows = [{"policy": str(p), "peak_allocated_bytes": r.peak_allocated_bytes, "activation_bytes": r.activation_bytes,
+             "recompute_flops": r.recompute_flops,
+             "recompute_overhead": r.recompute_flops / r.step_flops if r.step_flops else 0.0}
+            for p, r in zip(policies, reports)]
+    return replace(reports[0], comparison=tuple(rows))
+
+
+def compare(spec: RunSpec, policies=COMPARED_POLICIES, progress: Callable[[str], None] | None = None):
+    """`spec` analysed under each checkpointing policy: the first policy's report with `comparison` rows."""
+    return with_comparison(compare_reports(spec, policies, progress), policies)
 
 
 def _analyze_one(spec: RunSpec, say: Callable[[str], None]):

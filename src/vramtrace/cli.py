@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -26,9 +27,10 @@ def _choices(enum_cls) -> str:
 
 @app.command()
 def main_command(
-    model: str = typer.Argument(..., help="Hub id, bundled id (e.g. meta-llama/Llama-2-7b), local dir or config.json"),
+    model: list[str] = typer.Argument(..., help="Hub id, bundled id (e.g. meta-llama/Llama-2-7b), local dir or "
+                                            "config.json; or saved --json reports to re-render (several: compared)"),
     batch: int = typer.Option(1, "--batch", "-b", help="batch size B of input_ids (B, S)"),
-    seq: int = typer.Option(..., "--seq", "-s", help="sequence length S"),
+    seq: Optional[int] = typer.Option(None, "--seq", "-s", help="sequence length S (required to trace)"),
     mode: str = typer.Option("train", help=_choices(Mode)),
     precision: Optional[str] = typer.Option(None, help=_choices(Precision) + " [default: bf16-mixed to train, bf16 for inference]"),
     optimizer: str = typer.Option("adamw", help=_choices(OptimizerKind)),
@@ -41,32 +43,58 @@ def main_command(
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="peak budget for auto, e.g. 40GiB, 42GB"),
     compare_policies: bool = typer.Option(False, "--compare", help="compare checkpointing none, layers and selective"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write the JSON report to PATH, or '-' for stdout"),
+    html_path: Optional[str] = typer.Option(None, "--html", help="write the self-contained HTML liveness report to PATH"),
+    snapshot_path: Optional[str] = typer.Option(
+        None, "--snapshot", help="write the predicted timeline as a torch.cuda.memory._snapshot() pickle"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="allow configs that need remote code"),
     trace_every_layer: bool = typer.Option(
         False, "--trace-every-layer", help="trace all layers instead of 4 and replicating the repeated one (slower)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no terminal report (with --json)"),
 ) -> None:
     """Predict the peak memory of one training step (or inference forward) from a meta-device trace."""
-    from . import analyze, compare
-    from .reports.json_report import check_writable, write_json
+    from . import COMPARED_POLICIES, analyze, compare_reports, with_comparison
+    from .reports.json_report import check_writable, read_json_report, write_json
     from .reports.terminal import render
     from .spec import RunSpec
     from .units import parse_bytes
 
-    spec = RunSpec(model=model, batch=batch, seq=seq, mode=mode, precision=precision, optimizer=optimizer,
-                   optimizer_impl=optimizer_impl, device=device, gpu=gpu, checkpointing=checkpointing,
-                   trust_remote_code=trust_remote_code, replicate_layers=not trace_every_layer,
-                   memory_budget_bytes=parse_bytes(memory_budget) if memory_budget is not None else None)
-    if json_path is not None:
-        check_writable(json_path)
-    err = Console(stderr=True)
-    with err.status("tracing", spinner="dots") as status:
-        say = lambda msg: status.update(f"tracing: {msg}")  # noqa: E731
-        report = compare(spec, progress=say) if compare_policies else analyze(spec, progress=say)
+    for path in (json_path, html_path, snapshot_path):
+        if path is not None:
+            check_writable(path)
+    saved = [read_json_report(m) for m in model]
+    if all(r is not None for r in saved):  # re-render saved reports, no trace
+        reports, labels = saved, [Path(m).name for m in model]
+    elif len(model) > 1:
+        raise UsageError("give one model to trace, or only saved --json reports to re-render")
+    else:
+        if seq is None:
+            raise UsageError("--seq is required, e.g. --seq 2048")
+        spec = RunSpec(model=model[0], batch=batch, seq=seq, mode=mode, precision=precision, optimizer=optimizer,
+                       optimizer_impl=optimizer_impl, device=device, gpu=gpu, checkpointing=checkpointing,
+                       trust_remote_code=trust_remote_code, replicate_layers=not trace_every_layer,
+                       memory_budget_bytes=parse_bytes(memory_budget) if memory_budget is not None else None)
+        err = Console(stderr=True)
+        with err.status("tracing", spinner="dots") as status:
+            say = lambda msg: status.update(f"tracing: {msg}")  # noqa: E731
+            if compare_policies:
+                labels = list(COMPARED_POLICIES)
+                reports = compare_reports(spec, labels, progress=say)
+                reports[0] = with_comparison(reports, labels)
+            else:
+                reports, labels = [analyze(spec, progress=say)], None
+    report = reports[0]
     if not quiet and json_path != "-":
         render(report, Console())
     if json_path is not None:
         write_json(report, json_path)
+    if html_path is not None:
+        from .reports.html import write_html
+
+        write_html(reports, html_path, labels if len(reports) > 1 else None)
+    if snapshot_path is not None:
+        from .reports.snapshot import write_snapshot
+
+        write_snapshot(report, snapshot_path)
 
 
 def main(argv: list[str] | None = None) -> int:

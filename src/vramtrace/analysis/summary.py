@@ -65,8 +65,23 @@ class MemoryReport:
     recompute_flops: int = 0  # FLOPs of checkpointed forward ops re-run in the backward
     checkpointing: dict[str, Any] | None = None  # policy, baseline without it, plan; see vramtrace.analyze
     comparison: tuple[dict[str, Any], ...] = ()  # --compare: one row per policy
+    steps: tuple[tuple[str, str, str], ...] = ()  # per timeline step: (op, module path, phase)
     unresolved: tuple[str, ...] = ()
     schema_version: int = SCHEMA_VERSION
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "MemoryReport":
+        """The report back from `to_dict`'s data (a saved JSON report). Raises KeyError/TypeError on bad data."""
+        known = set(cls.__dataclass_fields__)
+        kw = {k: v for k, v in d.items() if k in known}
+        kw["phases"] = tuple(PhaseMark(**m) for m in d["phases"])
+        row = lambda t: TensorRow(**{**t, "shape": tuple(t["shape"])})  # noqa: E731
+        kw["top_tensors"] = tuple(map(row, d["top_tensors"]))
+        kw["tensors"] = tuple(map(row, d["tensors"]))
+        kw["steps"] = tuple(tuple(s) for s in d.get("steps", ()))
+        kw["comparison"] = tuple(d.get("comparison", ()))
+        kw["unresolved"] = tuple(d.get("unresolved", ()))
+        return cls(**kw)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data (lists for tuples); rows are built field by field, not by `asdict`, which is
@@ -76,6 +91,7 @@ class MemoryReport:
         d["top_tensors"] = [r.to_dict() for r in self.top_tensors]
         d["tensors"] = [r.to_dict() for r in self.tensors]
         d["unresolved"] = list(self.unresolved)
+        d["steps"] = [list(s) for s in self.steps]
         return d
 
 
@@ -133,4 +149,5 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
         peak_step=peak, peak_phase=peak_op.phase, peak_op=peak_op.name, peak_module=peak_op.module,
         breakdown_at_peak=breakdown, phases=_phase_marks(steady), top_tensors=top, tensors=tuple(rows),
         num_steps=len(steady.steps), fit=fit, activation_bytes=activation, step_flops=step_flops,
-        recompute_flops=recompute_flops)
+        recompute_flops=recompute_flops,
+        steps=tuple((ops[i].name, ops[i].module, ops[i].phase) for i in steady.steps))

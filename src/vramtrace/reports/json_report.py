@@ -37,3 +37,21 @@ def write_json(report: MemoryReport, path: str) -> None:
         Path(path).expanduser().write_text(text + "\n")
     except OSError as e:
         raise ReportWriteError(f"cannot write --json {path}: {e.strerror}") from None
+
+
+def read_json_report(path: str) -> MemoryReport | None:
+    """The MemoryReport saved at `path` by `--json`, or None when `path` is not a vramtrace JSON report
+    (e.g. a model's config.json). Raises ReportWriteError for a report it cannot read."""
+    p = Path(path).expanduser()
+    if p.suffix != ".json" or not p.is_file():
+        return None
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or "schema_version" not in data or "peak_allocated_bytes" not in data:
+        return None
+    try:
+        return MemoryReport.from_dict(data)
+    except (KeyError, TypeError) as e:
+        raise ReportWriteError(f"{path} looks like a vramtrace report but cannot be read ({e}); write it again") from None

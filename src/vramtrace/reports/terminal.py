@@ -47,7 +47,9 @@ def render(report: MemoryReport, console: Console) -> None:
                  f" in {report.peak_module or '(root)'}")
     extra = Text(f"first step (optimizer state created lazily): {format_bytes(report.first_step_peak_allocated_bytes)}"
                  f"   graph-optimal (last-use freeing): {format_bytes(report.graph_optimal_peak_bytes)}", style="dim")
-    console.print(Panel(Group(peak, where, extra), border_style="magenta"))
+    console.print(Panel(Group(peak, where, extra, Text(f"timeline {sparkline(report)}  (max per column, 0 to "
+                                                          f"{format_bytes(report.peak_allocated_bytes)})", style="dim")),
+                        border_style="magenta"))
 
     bd = Table(title="Live at the peak, by category", title_justify="left")
     bd.add_column("category")
@@ -126,3 +128,25 @@ def _render_checkpointing(report: MemoryReport, console: Console) -> None:
             cmp.add_row(row["policy"], format_bytes(row["peak_allocated_bytes"]), format_bytes(row["activation_bytes"]),
                         _pct(row["recompute_overhead"]))
         console.print(cmp)
+
+
+_BARS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(report: MemoryReport, width: int = 48) -> str:
+    """A one-line sketch of live bytes over the step: each character is the maximum of its column of steps."""
+    n = report.num_steps
+    if n == 0:
+        return ""
+    diff = [0] * (n + 1)
+    for t in report.tensors:
+        diff[t.birth] += t.bytes
+        diff[t.death + 1] -= t.bytes
+    live, acc = [], 0
+    for i in range(n):
+        acc += diff[i]
+        live.append(acc)
+    width = min(width, n)
+    top = max(live) or 1
+    cols = [max(live[c * n // width:max((c + 1) * n // width, c * n // width + 1)]) for c in range(width)]
+    return "".join(_BARS[min(len(_BARS) - 1, v * len(_BARS) // (top + 1))] for v in cols)
