@@ -51,6 +51,7 @@ class Lifetime:
     death: int  # timeline step, inclusive
     category: Category
     outlives_step: bool = False  # never freed during the recording (parameters, optimizer state, ...)
+    at_start: bool = False  # alive before the first op (not allocated by it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +119,7 @@ def build_timeline(ops: Iterable[_Op], storages: Iterable[_Storage], phases: tup
         if death < birth:  # existed at start, freed before any included op ran
             continue
         start += b if existed else 0
-        lifetimes.append(Lifetime(s.sid, b, birth, death, s.category, s.free_after is None and death == end))
+        lifetimes.append(Lifetime(s.sid, b, birth, death, s.category, s.free_after is None and death == end, existed))
 
     diff = [0] * (n + 1)
     diff_after = [0] * (n + 1)

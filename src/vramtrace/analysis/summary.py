@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .categories import Category
+from .allocator import replay_steps
 from .liveness import Timeline
 
 SCHEMA_VERSION = 1
@@ -66,6 +67,8 @@ class MemoryReport:
     checkpointing: dict[str, Any] | None = None  # policy, baseline without it, plan; see vramtrace.analyze
     comparison: tuple[dict[str, Any], ...] = ()  # --compare: one row per policy
     steps: tuple[tuple[str, str, str], ...] = ()  # per timeline step: (op, module path, phase)
+    peak_reserved_bytes: int | None = None  # CUDA target: the caching-allocator model's peak reserved
+    allocator: dict[str, Any] | None = None  # CUDA target: the allocator model and its segments
     unresolved: tuple[str, ...] = ()
     schema_version: int = SCHEMA_VERSION
 
@@ -113,7 +116,9 @@ def _phase_marks(tl: Timeline) -> tuple[PhaseMark, ...]:
 def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: tuple, storages: tuple,
               steady: Timeline, first: Timeline, graph_optimal: Timeline, gpu: dict[str, Any] | None,
               top_n: int = 10) -> MemoryReport:
-    """Build the MemoryReport from the steady-state, first-step and graph-optimal timelines.
+    """Build the MemoryReport from the steady-state, first-step and graph-optimal timelines. With a `gpu`
+    (a CUDA target) the two steps are replayed through the caching-allocator model for peak reserved bytes,
+    and the fit verdict is on reserved memory.
 
     `ops`/`storages` are the recorder's OpInfo/StorageInfo rows; `gpu` is {'name', 'memory_bytes'} or None.
     """
@@ -136,11 +141,19 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
                      if lt.category is Category.ACTIVATION and lt.birth <= end_fwd < lt.death)
     step_flops = sum(o.flops for o in ops if o.phase in ("forward", "backward") and not o.recompute)
     recompute_flops = sum(o.flops for o in ops if o.recompute)
-    fit = None
+    fit = reserved = allocator = None
     if gpu is not None:
-        headroom = gpu["memory_bytes"] - steady.peak_bytes
+        est = replay_steps(first, steady)
+        reserved = est.peak_reserved_bytes
+        allocator = {"model": "c10/cuda/CUDACachingAllocator.cpp defaults (512 B blocks, 2 MiB small and 20 MiB "
+                              "large segments, best fit, splitting)", "segments": est.segments,
+                     "peak_reserved_bytes": reserved,
+                     # the allocator counts a whole block when it does not split off a remainder <= 1 MiB
+                     "peak_allocated_bytes": est.peak_allocated_bytes}
+        headroom = gpu["memory_bytes"] - reserved
         fit = {"gpu": gpu["name"], "capacity_bytes": gpu["memory_bytes"], "headroom_bytes": headroom,
-               "fits": headroom >= 0, "basis": "peak allocated (reserved memory and CUDA context not included)"}
+               "fits": headroom >= 0, "basis": "peak reserved (caching-allocator model; the CUDA context and "
+                                                "cuBLAS workspaces are not included)"}
     return MemoryReport(
         model=model, run=run, params=params,
         peak_allocated_bytes=steady.peak_bytes,
@@ -149,5 +162,5 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
         peak_step=peak, peak_phase=peak_op.phase, peak_op=peak_op.name, peak_module=peak_op.module,
         breakdown_at_peak=breakdown, phases=_phase_marks(steady), top_tensors=top, tensors=tuple(rows),
         num_steps=len(steady.steps), fit=fit, activation_bytes=activation, step_flops=step_flops,
-        recompute_flops=recompute_flops,
+        recompute_flops=recompute_flops, peak_reserved_bytes=reserved, allocator=allocator,
         steps=tuple((ops[i].name, ops[i].module, ops[i].phase) for i in steady.steps))

@@ -45,6 +45,8 @@ def render(report: MemoryReport, console: Console) -> None:
                          f"  ({report.peak_allocated_bytes:,} bytes)")
     where = Text(f"at step {report.peak_step}/{report.num_steps} in {report.peak_phase}: {report.peak_op}"
                  f" in {report.peak_module or '(root)'}")
+    if report.peak_reserved_bytes is not None:
+        peak.append(f"   reserved: {format_bytes(report.peak_reserved_bytes)} (caching-allocator model)")
     extra = Text(f"first step (optimizer state created lazily): {format_bytes(report.first_step_peak_allocated_bytes)}"
                  f"   graph-optimal (last-use freeing): {format_bytes(report.graph_optimal_peak_bytes)}", style="dim")
     console.print(Panel(Group(peak, where, extra, Text(f"timeline {sparkline(report)}  (max per column, 0 to "

@@ -1,0 +1,231 @@
+"""A model of PyTorch's CUDA caching allocator, for peak *reserved* memory (what `max_memory_reserved()` and,
+plus the CUDA context, nvidia-smi show; what an OOM is about).
+
+Mirrors `c10/cuda/CUDACachingAllocator.cpp` (DeviceCachingAllocator), default configuration:
+
+- `round_size`: requests round up to a multiple of kMinBlockSize = 512 B (at least 512 B).
+- `get_pool`: requests of at most kSmallSize = 1 MiB go to the small pool, larger ones to the large pool.
+- `get_allocation_size`: a new segment (cudaMalloc) is kSmallBuffer = 2 MiB for the small pool,
+  kLargeBuffer = 20 MiB for requests below kMinLargeAlloc = 10 MiB, else the request rounded up to
+  kRoundLarge = 2 MiB.
+- `get_free_block`: best fit, the smallest cached block of the pool at least as large (ties: lowest address);
+  with `max_split_size`, blocks at least that large are not used for smaller requests, and a large request
+  takes an oversize block only if it wastes less than kLargeBuffer.
+- `should_split`: the found block is split when the rest is at least 512 B (small pool) or more than 1 MiB
+  (large pool, and the request below `max_split_size`); the request takes the block's front.
+- `free_block` / `try_merge_blocks`: a freed block merges with free neighbours of its segment.
+- `malloc`: when no cached block fits and cudaMalloc fails (the device is full), `release_cached_blocks`
+  frees every fully free segment and the allocation is retried once; then it is an OOM.
+
+Not modelled: streams other than the default one, expandable segments, garbage-collection threshold,
+CUDA graphs' private pools, and the addresses cudaMalloc really returns.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+K_MIN_BLOCK_SIZE = 512  # kMinBlockSize
+K_SMALL_SIZE = 1 << 20  # kSmallSize: largest "small" allocation, 1 MiB
+K_SMALL_BUFFER = 2 << 20  # kSmallBuffer: small-pool segment size, 2 MiB
+K_LARGE_BUFFER = 20 << 20  # kLargeBuffer: segment size for requests below kMinLargeAlloc, 20 MiB
+K_MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc: 10 MiB
+K_ROUND_LARGE = 2 << 20  # kRoundLarge: larger segments round up to 2 MiB
+
+
+def round_size(nbytes: int) -> int:
+    """CUDACachingAllocator.cpp `round_size` (no roundup_power2_divisions)."""
+    if nbytes < K_MIN_BLOCK_SIZE:
+        return K_MIN_BLOCK_SIZE
+    return K_MIN_BLOCK_SIZE * ((nbytes + K_MIN_BLOCK_SIZE - 1) // K_MIN_BLOCK_SIZE)
+
+
+def allocation_size(size: int) -> int:
+    """CUDACachingAllocator.cpp `get_allocation_size`: the cudaMalloc size for a rounded request."""
+    if size <= K_SMALL_SIZE:
+        return K_SMALL_BUFFER
+    if size < K_MIN_LARGE_ALLOC:
+        return K_LARGE_BUFFER
+    return K_ROUND_LARGE * ((size + K_ROUND_LARGE - 1) // K_ROUND_LARGE)
+
+
+class AllocatorOOM(Exception):
+    """The modelled device ran out of memory: str(e) says for which request."""
+
+
+@dataclass(eq=False)
+class _Block:
+    addr: int
+    size: int
+    small: bool
+    allocated: bool = False
+    prev: "_Block | None" = None
+    next: "_Block | None" = None
+
+
+@dataclass
+class CachingAllocatorModel:
+    """Replay allocations and frees. `capacity_bytes`: device memory cudaMalloc may use (None: unlimited).
+    `max_split_size`: PYTORCH_CUDA_ALLOC_CONF max_split_size_mb, in bytes (None: unlimited, the default)."""
+
+    capacity_bytes: int | None = None
+    max_split_size: int | None = None
+    allocated_bytes: int = 0
+    reserved_bytes: int = 0
+    peak_allocated_bytes: int = 0
+    peak_reserved_bytes: int = 0
+    num_segments: int = 0
+    num_alloc_retries: int = 0
+    _pools: dict = field(default_factory=lambda: {True: [], False: []})  # small? -> sorted [(size, addr, block)]
+    _live: dict = field(default_factory=dict)  # key -> block
+    _next_addr: int = 1 << 40
+
+    def reset_peaks(self) -> None:
+        """As `torch.cuda.reset_peak_memory_stats()`."""
+        self.peak_allocated_bytes, self.peak_reserved_bytes = self.allocated_bytes, self.reserved_bytes
+
+    def malloc(self, key, nbytes: int) -> None:
+        """Allocate `nbytes` for `key`. Raises AllocatorOOM."""
+        size = round_size(nbytes)
+        small = size <= K_SMALL_SIZE
+        block = self._find(small, size)
+        if block is None:
+            seg = allocation_size(size)
+            if not self._cuda_malloc(seg):
+                self.num_alloc_retries += 1
+                self._release_cached()
+                if not self._cuda_malloc(seg):
+                    raise AllocatorOOM(f"{nbytes} B requested; {self.reserved_bytes} B reserved, "
+                                       f"{self.allocated_bytes} B allocated of {self.capacity_bytes} B")
+            block = _Block(self._next_addr, seg, small)
+            self._next_addr += seg
+            self.num_segments += 1
+        if self._should_split(block, size):
+            rest = _Block(block.addr + size, block.size - size, small, prev=block, next=block.next)
+            if block.next is not None:
+                block.next.prev = rest
+            block.next, block.size = rest, size
+            self._insert(rest)
+        block.allocated = True
+        self._live[key] = block
+        self.allocated_bytes += block.size
+        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+
+    def free(self, key) -> None:
+        """Free `key`'s block back to its pool, merging it with free neighbours (`free_block`)."""
+        block = self._live.pop(key)
+        block.allocated = False
+        self.allocated_bytes -= block.size
+        for other in (block.prev, block.next):
+            if other is not None and not other.allocated:
+                self._remove(other)
+                if other is block.prev:
+                    block.addr, block.prev = other.addr, other.prev
+                    if other.prev is not None:
+                        other.prev.next = block
+                else:
+                    block.next = other.next
+                    if other.next is not None:
+                        other.next.prev = block
+                block.size += other.size
+        self._insert(block)
+
+    # -- internals ---------------------------------------------------------------------------------------
+    def _cuda_malloc(self, seg: int) -> bool:
+        if self.capacity_bytes is not None and self.reserved_bytes + seg > self.capacity_bytes:
+            return False
+        self.reserved_bytes += seg
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+        return True
+
+    def _find(self, small: bool, size: int) -> _Block | None:
+        pool = self._pools[small]
+        i = bisect.bisect_left(pool, (size, -1))
+        if i == len(pool):
+            return None
+        block = pool[i][2]
+        mss = self.max_split_size
+        if mss is not None and ((size < mss <= block.size) or (size >= mss and block.size >= size + K_LARGE_BUFFER)):
+            return None
+        del pool[i]
+        return block
+
+    def _should_split(self, block: _Block, size: int) -> bool:
+        remaining = block.size - size
+        if block.small:
+            return remaining >= K_MIN_BLOCK_SIZE
+        return (self.max_split_size is None or size < self.max_split_size) and remaining > K_SMALL_SIZE
+
+    def _insert(self, block: _Block) -> None:
+        bisect.insort(self._pools[block.small], (block.size, block.addr, block))
+
+    def _remove(self, block: _Block) -> None:
+        pool = self._pools[block.small]
+        i = bisect.bisect_left(pool, (block.size, block.addr))
+        assert pool[i][2] is block
+        del pool[i]
+
+    def _release_cached(self) -> None:
+        """`release_cached_blocks`: cudaFree every cached block that is a whole segment."""
+        for small, pool in self._pools.items():
+            keep = []
+            for size, addr, block in pool:
+                if block.prev is None and block.next is None:
+                    self.reserved_bytes -= size
+                    self.num_segments -= 1
+                else:
+                    keep.append((size, addr, block))
+            self._pools[small] = keep
+
+
+@dataclass(frozen=True, slots=True)
+class ReservedEstimate:
+    """The caching-allocator replay of a steady-state step. Bytes are ints."""
+
+    peak_reserved_bytes: int
+    peak_allocated_bytes: int  # the replay's own peak allocated: equals the timeline's (a self-check)
+    segments: int  # cudaMalloc segments held at the end of the step
+    alloc_retries: int  # cudaMalloc failures that released the cache and retried
+    oom: str  # '' or the request that found no memory
+
+
+def replay_steps(first, steady, capacity_bytes: int | None = None, max_split_size: int | None = None
+                 ) -> ReservedEstimate:
+    """Replay a first step then a steady-state step (two `liveness.Timeline`s of the same recording, CUDA block
+    rounding applied) through `CachingAllocatorModel`, as a training loop runs them; the peaks are the steady
+    step's (`reset_peak_memory_stats()` between the steps, as the measurement does).
+
+    Per step: storages alive at its start are allocated first (parameters, buffers, inputs; in the steady step
+    the optimizer state already is), then at each graph step the storages born there are allocated and those
+    dying there are freed; whatever the first step leaves that is not persistent is freed before the second.
+    """
+    sim = CachingAllocatorModel(capacity_bytes, max_split_size)
+    oom = ""
+    try:
+        for tag, tl in (("first", first), ("steady", steady)):
+            if tag == "steady":
+                for key in [k for k in sim._live if k[0] == "first"]:
+                    sim.free(key)
+                sim.reset_peaks()
+            key_of = {lt.sid: (("persistent", lt.sid) if lt.at_start or lt.outlives_step else (tag, lt.sid))
+                      for lt in tl.lifetimes}
+            births: dict[int, list] = {}
+            deaths: dict[int, list] = {}
+            for lt in tl.lifetimes:
+                if lt.at_start:
+                    if key_of[lt.sid] not in sim._live:
+                        sim.malloc(key_of[lt.sid], lt.bytes)
+                else:
+                    births.setdefault(lt.birth, []).append(lt)
+                if not lt.outlives_step:
+                    deaths.setdefault(lt.death, []).append(lt)
+            for step in range(len(tl.steps)):
+                for lt in births.get(step, ()):
+                    sim.malloc(key_of[lt.sid], lt.bytes)
+                for lt in deaths.get(step, ()):
+                    sim.free(key_of[lt.sid])
+    except AllocatorOOM as e:
+        oom = str(e)
+    return ReservedEstimate(sim.peak_reserved_bytes, sim.peak_allocated_bytes, sim.num_segments,
+                            sim.num_alloc_retries, oom)
