@@ -44,6 +44,8 @@ def test_json_to_stdout():
     (["--batch", "1", "--seq", "8", "--precision", "fp8"], 2, "unknown precision"),
     (["--batch", "1", "--seq", "8", "--optimizer", "lion"], 2, "unknown optimizer"),
     (["--batch", "1", "--seq", "8", "--json", "/no/such/dir/r.json"], 1, "cannot write --json"),
+    (["--batch", "1", "--seq", "8", "--html", "/no/such/dir/r.html"], 1, "cannot write --html"),
+    (["--batch", "1"], 2, "--seq is required"),
     (["--batch", "1", "--seq", "8", "--checkpointing", "every:0"], 2, "unknown checkpointing"),
     (["--batch", "1", "--seq", "8", "--checkpointing", "auto"], 2, "needs --memory-budget"),
     (["--batch", "1", "--seq", "8", "--checkpointing", "auto", "--memory-budget", "4parsecs"], 2, "unknown unit"),

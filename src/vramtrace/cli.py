@@ -58,9 +58,9 @@ def main_command(
     from .spec import RunSpec
     from .units import parse_bytes
 
-    for path in (json_path, html_path, snapshot_path):
+    for option, path in (("--json", json_path), ("--html", html_path), ("--snapshot", snapshot_path)):
         if path is not None:
-            check_writable(path)
+            check_writable(path, option)
     saved = [read_json_report(m) for m in model]
     if all(r is not None for r in saved):  # re-render saved reports, no trace
         reports, labels = saved, [Path(m).name for m in model]

@@ -10,21 +10,21 @@ from ..analysis.summary import MemoryReport
 from ..errors import ReportWriteError
 
 
-def check_writable(path: str) -> None:
-    """Fail early (before tracing) when `path` cannot be written. '-' means stdout."""
+def check_writable(path: str, option: str = "--json") -> None:
+    """Fail early (before tracing) when `path` (given to `option`) cannot be written. '-' means stdout."""
     if path == "-":
         return
     p = Path(path).expanduser()
     parent = p.parent if str(p.parent) else Path(".")
     if p.is_dir():
-        raise ReportWriteError(f"--json {path} is a directory; pass a file path or '-' for stdout")
+        raise ReportWriteError(f"{option} {path} is a directory; pass a file path")
     if not parent.is_dir():
-        raise ReportWriteError(f"cannot write --json {path}: directory {parent} does not exist")
+        raise ReportWriteError(f"cannot write {option} {path}: directory {parent} does not exist")
     try:
         with open(p, "a"):
             pass
     except OSError as e:
-        raise ReportWriteError(f"cannot write --json {path}: {e.strerror}") from None
+        raise ReportWriteError(f"cannot write {option} {path}: {e.strerror}") from None
 
 
 def write_json(report: MemoryReport, path: str) -> None:
