@@ -50,6 +50,7 @@ def main_command(
     trace_every_layer: bool = typer.Option(
         False, "--trace-every-layer", help="trace all layers instead of 4 and replicating the repeated one (slower)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no terminal report (with --json)"),
+    validate_run: bool = typer.Option(False, "--validate", hidden=True, help="set by `vramtrace validate ...`"),
 ) -> None:
     """Predict the peak memory of one training step (or inference forward) from a meta-device trace."""
     from . import COMPARED_POLICIES, analyze, compare_reports, with_comparison
@@ -74,6 +75,9 @@ def main_command(
                        trust_remote_code=trust_remote_code, replicate_layers=not trace_every_layer,
                        memory_budget_bytes=parse_bytes(memory_budget) if memory_budget is not None else None)
         err = Console(stderr=True)
+        if validate_run:
+            _validate(spec, json_path, quiet, err)
+            return
         with err.status("tracing", spinner="dots") as status:
             say = lambda msg: status.update(f"tracing: {msg}")  # noqa: E731
             if compare_policies:
@@ -97,8 +101,40 @@ def main_command(
         write_snapshot(report, snapshot_path)
 
 
+def _validate(spec, json_path: str | None, quiet: bool, err: Console) -> None:
+    """`vramtrace validate MODEL ...`: predicted vs measured on the local device (vramtrace.validate)."""
+    import json
+
+    from rich.table import Table
+
+    from .units import format_bytes
+    from .validate import validate
+
+    with err.status("validating", spinner="dots") as status:
+        result = validate(spec, progress=lambda msg: status.update(f"validate: {msg}"))
+    if not quiet and json_path != "-":
+        table = Table(title=f"Predicted vs measured on {result['device']} (steady-state step)", title_justify="left")
+        for col in ("", "predicted", "measured", "error"):
+            table.add_column(col, justify="right" if col else "left")
+        for key in ("allocated", "reserved"):
+            if f"measured_peak_{key}_bytes" in result:
+                table.add_row(f"peak {key}", format_bytes(result[f"predicted_peak_{key}_bytes"]),
+                              format_bytes(result[f"measured_peak_{key}_bytes"]), f"{100 * result[f'{key}_error']:+.3f}%")
+        Console().print(table)
+    if json_path is not None:
+        text = json.dumps(result)
+        if json_path == "-":
+            print(text)
+        else:
+            Path(json_path).expanduser().write_text(text + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point. Exit status: 0 ok, 1 error, 2 usage error."""
+    """Entry point. Exit status: 0 ok, 1 error, 2 usage error. `vramtrace validate ...` predicts, then runs the
+    step for real on the local device."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["validate"]:
+        argv = argv[1:] + ["--validate"]
     try:
         rv = app(args=argv, standalone_mode=False, prog_name="vramtrace")
         if isinstance(rv, int):  # --help and similar return an exit code in non-standalone mode

@@ -1,0 +1,176 @@
+"""`vramtrace validate`: predict, then run the same step for real on the local device and compare.
+
+The measured step is a user's training loop: the model built for real with random weights, one warm-up step
+(the optimizer creates its state), then the measured steady-state step.
+
+- CPU: the bytes live at step start (every unique storage of parameters, buffers, optimizer state and the
+  input) plus the running maximum of torch.profiler's `[memory]` allocator events (`profile_memory=True`) of
+  the measured step.
+- CUDA: `torch.cuda.max_memory_allocated()` and `max_memory_reserved()` after `reset_peak_memory_stats()`
+  between the two steps.
+
+Nothing is allocated when the prediction does not fit the local device's free memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from dataclasses import dataclass
+from typing import Callable
+
+from .errors import UsageError
+from .spec import Device, Mode, RunSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """A real step's peak bytes on `device` ('cpu' or 'cuda'); `peak_reserved_bytes` on CUDA only."""
+
+    device: str
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int | None = None
+
+
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        st = t.untyped_storage()
+        if st._cdata not in seen:
+            seen.add(st._cdata)
+            total += st.nbytes()
+    return total
+
+
+def real_model(spec: RunSpec, device: str = "cpu"):
+    """(model with random weights on `device`, int64 input_ids (B, S), autocast dtype or None) for `spec`."""
+    import torch
+
+    from .tracer.building import _model_class, build_config, weight_and_compute_dtype
+    from .tracer.loading import resolve_config
+
+    config = build_config(resolve_config(spec.model), spec.trust_remote_code)
+    cls, _ = _model_class(config, spec.trust_remote_code)
+    param_dtype, compute_dtype = weight_and_compute_dtype(spec.effective_precision)
+    torch.manual_seed(0)
+    build = cls.from_config if hasattr(cls, "from_config") else cls._from_config
+    model = build(config, dtype=param_dtype).to(device)
+    ids = torch.randint(0, config.vocab_size, (spec.batch, spec.seq), dtype=torch.int64, device=device)
+    return model, ids, compute_dtype
+
+
+def alive_at_start(model, ids, opt) -> list:
+    """Tensors alive at the start of a steady-state step: parameters, buffers, the input, optimizer state."""
+    import torch
+
+    alive = list(model.parameters()) + list(model.buffers()) + [ids]
+    if opt is not None:
+        alive += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return alive
+
+
+def measure_step(spec: RunSpec, setup: Callable | None = None) -> Measurement:
+    """Run the step of `spec` for real on `spec.device` and measure it. The model gets `spec.checkpointing` as
+    a user's code applies it, or `setup(model)` when given. Raises UsageError when CUDA is asked for and absent."""
+    import torch
+
+    from .tracer.checkpointing import apply_checkpointing, layer_stack
+    from .tracer.trace import make_optimizer
+
+    device = spec.device.value
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("validate --device cuda needs a CUDA GPU here; use --device cpu")
+    model, ids, compute_dtype = real_model(spec, device)
+    train = spec.mode is Mode.TRAIN
+    model.train(train)
+    if setup is not None:
+        setup(model)
+    elif train:
+        apply_checkpointing(model, spec.checkpointing, None, layer_stack(model))
+    opt = make_optimizer(spec, [p for p in model.parameters() if p.requires_grad]) if train else None
+
+    def autocast():
+        return torch.autocast(device, dtype=compute_dtype) if compute_dtype else contextlib.nullcontext()
+
+    def step():
+        if train:
+            with autocast():
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                model.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad(), autocast():
+                out = model(input_ids=ids)
+            del out
+
+    step()  # warm-up: the optimizer creates its state
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return Measurement("cuda", torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+    start = _storage_bytes(alive_at_start(model, ids, opt))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return Measurement("cpu", start + peak)
+
+
+def free_bytes(device: Device) -> int:
+    """Free memory of the local device in bytes: CUDA `mem_get_info`, or MemAvailable of /proc/meminfo."""
+    if device is Device.CUDA:
+        import torch
+
+        return torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def validate(spec: RunSpec, progress: Callable[[str], None] | None = None) -> dict:
+    """Predict `spec`, then measure it for real. Returns predicted vs measured bytes and the relative errors.
+    Raises UsageError when the prediction does not fit the free memory (before allocating anything)."""
+    from . import analyze
+    from .units import format_bytes
+
+    say = progress or (lambda _m: None)
+    report = analyze(spec, say)
+    needed = report.peak_reserved_bytes or report.peak_allocated_bytes
+    if spec.device is Device.CUDA:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("validate --device cuda needs a CUDA GPU here; use --device cpu")
+    free = free_bytes(spec.device)
+    if needed > free:
+        raise UsageError(f"the predicted step needs {format_bytes(needed)} but {spec.device.value} has "
+                         f"{format_bytes(free)} free; validate a smaller config or a smaller --batch")
+    say("running the step for real")
+    m = measure_step(spec)
+    out = {"device": m.device, "predicted_peak_allocated_bytes": report.peak_allocated_bytes,
+           "measured_peak_allocated_bytes": m.peak_allocated_bytes,
+           "allocated_error": (report.peak_allocated_bytes - m.peak_allocated_bytes) / m.peak_allocated_bytes}
+    if m.peak_reserved_bytes is not None:
+        out.update({"predicted_peak_reserved_bytes": report.peak_reserved_bytes,
+                    "measured_peak_reserved_bytes": m.peak_reserved_bytes,
+                    "reserved_error": (report.peak_reserved_bytes - m.peak_reserved_bytes) / m.peak_reserved_bytes})
+    out["run"] = report.run
+    return out

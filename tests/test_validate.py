@@ -1,0 +1,53 @@
+"""`vramtrace validate`: predicted vs measured on the local device, refusal before allocating, CUDA when lent."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FIXTURES
+from vramtrace import RunSpec
+from vramtrace import validate as validate_mod
+from vramtrace.errors import UsageError
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "vramtrace.cli", "validate", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.parametrize("config", ["tiny-gpt2", "tiny-llama-gqa", "tiny-bert"])
+def test_validate_on_the_cpu_agrees_within_1pct(config):
+    p = _cli(str(FIXTURES / f"{config}.json"), "--batch", "2", "--seq", "32", "--device", "cpu", "--json", "-", "-q")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["device"] == "cpu" and out["measured_peak_allocated_bytes"] > 0
+    assert abs(out["allocated_error"]) <= 0.01, out
+
+
+def test_validate_refuses_before_allocating_when_the_prediction_does_not_fit(monkeypatch):
+    monkeypatch.setattr(validate_mod, "free_bytes", lambda device: 1024)
+    monkeypatch.setattr(validate_mod, "measure_step", lambda *a, **k: pytest.fail("allocated despite the refusal"))
+    spec = RunSpec(str(FIXTURES / "tiny-gpt2.json"), batch=2, seq=16, device="cpu")
+    with pytest.raises(UsageError, match="smaller"):
+        validate_mod.validate(spec)
+
+
+def test_validate_cuda_without_a_gpu_is_a_clear_error():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    p = _cli(str(FIXTURES / "tiny-gpt2.json"), "--batch", "1", "--seq", "8")
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("Error: validate --device cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["tiny-gpt2", "tiny-llama-gqa", "tiny-bert"])
+def test_validate_on_cuda(config):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    out = validate_mod.validate(RunSpec(str(FIXTURES / f"{config}.json"), batch=2, seq=64))
+    assert abs(out["allocated_error"]) <= 0.01, out
