@@ -52,7 +52,11 @@ def main_command(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no terminal report (with --json)"),
     validate_run: bool = typer.Option(False, "--validate", hidden=True, help="set by `vramtrace validate ...`"),
 ) -> None:
-    """Predict the peak memory of one training step (or inference forward) from a meta-device trace."""
+    """Predict the peak memory of one training step (or inference forward) from a meta-device trace.
+
+    `vramtrace validate MODEL --seq S ...` also runs the step for real on this machine and compares.
+    `vramtrace REPORT.json [...] --html PATH` re-renders saved reports.
+    """
     from . import COMPARED_POLICIES, analyze, compare_reports, with_comparison
     from .reports.json_report import check_writable, read_json_report, write_json
     from .reports.terminal import render
