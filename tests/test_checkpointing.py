@@ -101,6 +101,7 @@ def test_a_policy_that_costs_memory_is_reported():
         def __init__(self, peak, act, policy="selective"):
             self.peak_allocated_bytes, self.activation_bytes = peak, act
             self.run, self.recompute_flops, self.step_flops = {"checkpointing": policy}, 10, 100
+            self.recompute_overhead = self.recompute_flops / self.step_flops
 
     ck = checkpointing_summary(R(120, 50), R(100, 40, "none"), "")
     assert len(ck["notes"]) == 2 and "raises the peak" in ck["notes"][0]

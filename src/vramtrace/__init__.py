@@ -54,7 +54,7 @@ def checkpointing_summary(report, base, snippet: str) -> dict:
         "activation_bytes": report.activation_bytes,
         "activation_bytes_without": base.activation_bytes,
         "recompute_flops": report.recompute_flops,
-        "recompute_overhead": report.recompute_flops / report.step_flops if report.step_flops else 0.0,
+        "recompute_overhead": report.recompute_overhead,
         "checkpointed": checkpointed_modules(report.run),
         "snippet": snippet,
         "notes": notes,
@@ -100,7 +100,7 @@ def with_comparison(reports: list, policies) -> object:
 
     rows = [{"policy": str(p), "peak_allocated_bytes": r.peak_allocated_bytes, "activation_bytes": r.activation_bytes,
              "recompute_flops": r.recompute_flops,
-             "recompute_overhead": r.recompute_flops / r.step_flops if r.step_flops else 0.0}
+             "recompute_overhead": r.recompute_overhead}
             for p, r in zip(policies, reports)]
     return replace(reports[0], comparison=tuple(rows))
 

@@ -107,10 +107,9 @@ def main_command(
 
 def _validate(spec, json_path: str | None, quiet: bool, err: Console) -> None:
     """`vramtrace validate MODEL ...`: predicted vs measured on the local device (vramtrace.validate)."""
-    import json
-
     from rich.table import Table
 
+    from .reports.json_report import write_json
     from .units import format_bytes
     from .validate import validate
 
@@ -126,11 +125,7 @@ def _validate(spec, json_path: str | None, quiet: bool, err: Console) -> None:
                               format_bytes(result[f"measured_peak_{key}_bytes"]), f"{100 * result[f'{key}_error']:+.3f}%")
         Console().print(table)
     if json_path is not None:
-        text = json.dumps(result)
-        if json_path == "-":
-            print(text)
-        else:
-            Path(json_path).expanduser().write_text(text + "\n")
+        write_json(result, json_path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,7 +73,7 @@ def plan_checkpointing(spec: RunSpec, analyze_one: Callable, say: Callable[[str]
         "algorithm": "binary search over transformers' every_n_layers, plus selective and layers; every candidate traced",
         "evaluated": [{"policy": p, "peak_allocated_bytes": r.peak_allocated_bytes,
                        "recompute_flops": r.recompute_flops,
-                       "recompute_overhead": r.recompute_flops / r.step_flops if r.step_flops else 0.0}
+                       "recompute_overhead": r.recompute_overhead}
                       for p, r in seen.items()],
     }
     return replace(chosen, checkpointing=summary)

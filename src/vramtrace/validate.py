@@ -78,8 +78,7 @@ def measure_step(spec: RunSpec, setup: Callable | None = None) -> Measurement:
     from .tracer.trace import make_optimizer
 
     device = spec.device.value
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("validate --device cuda needs a CUDA GPU here; use --device cpu")
+    _require_local(spec.device)
     model, ids, compute_dtype = real_model(spec, device)
     train = spec.mode is Mode.TRAIN
     model.train(train)
@@ -127,6 +126,14 @@ def measure_step(spec: RunSpec, setup: Callable | None = None) -> Measurement:
     return Measurement("cpu", start + peak)
 
 
+def _require_local(device: Device) -> None:
+    """Raise UsageError when the target device is not on this machine (CUDA without a GPU)."""
+    import torch
+
+    if device is Device.CUDA and not torch.cuda.is_available():
+        raise UsageError("validate --device cuda needs a CUDA GPU here; use --device cpu")
+
+
 def free_bytes(device: Device) -> int:
     """Free memory of the local device in bytes: CUDA `mem_get_info`, or MemAvailable of /proc/meminfo."""
     if device is Device.CUDA:
@@ -154,11 +161,7 @@ def validate(spec: RunSpec, progress: Callable[[str], None] | None = None) -> di
     say = progress or (lambda _m: None)
     report = analyze(spec, say)
     needed = report.peak_reserved_bytes or report.peak_allocated_bytes
-    if spec.device is Device.CUDA:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError("validate --device cuda needs a CUDA GPU here; use --device cpu")
+    _require_local(spec.device)
     free = free_bytes(spec.device)
     if needed > free:
         raise UsageError(f"the predicted step needs {format_bytes(needed)} but {spec.device.value} has "

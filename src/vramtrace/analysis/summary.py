@@ -72,6 +72,11 @@ class MemoryReport:
     unresolved: tuple[str, ...] = ()
     schema_version: int = SCHEMA_VERSION
 
+    @property
+    def recompute_overhead(self) -> float:
+        """Recompute FLOPs as a fraction of the step's forward + backward FLOPs (0.0 without a policy)."""
+        return self.recompute_flops / self.step_flops if self.step_flops else 0.0
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "MemoryReport":
         """The report back from `to_dict`'s data (a saved JSON report). Raises KeyError/TypeError on bad data."""

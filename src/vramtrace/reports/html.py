@@ -68,7 +68,7 @@ def _summary(report: MemoryReport, label: str) -> dict:
         "peak": f"{format_bytes(report.peak_allocated_bytes)} ({report.peak_allocated_bytes:,} bytes)",
         "where": f"step {report.peak_step} of {report.num_steps}, {report.peak_phase}: {report.peak_op} in "
                  f"{report.peak_module or '(root)'}",
-        "reserved": format_bytes(report.peak_reserved_bytes) if getattr(report, "peak_reserved_bytes", None) else "",
+        "reserved": format_bytes(report.peak_reserved_bytes) if report.peak_reserved_bytes is not None else "",
         "optimal": format_bytes(report.graph_optimal_peak_bytes),
         "first": format_bytes(report.first_step_peak_allocated_bytes),
         "fit": ("" if fit is None else

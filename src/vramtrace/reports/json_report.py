@@ -27,9 +27,11 @@ def check_writable(path: str, option: str = "--json") -> None:
         raise ReportWriteError(f"cannot write {option} {path}: {e.strerror}") from None
 
 
-def write_json(report: MemoryReport, path: str) -> None:
-    """Write the report to `path` ('-' for stdout). Raises ReportWriteError."""
-    text = json.dumps(report.to_dict())  # no indent: json's C encoder only runs without one
+def write_json(report: MemoryReport | dict, path: str) -> None:
+    """Write the report (or plain JSON data, e.g. a validate result) to `path` ('-' for stdout).
+    Raises ReportWriteError."""
+    data = report.to_dict() if isinstance(report, MemoryReport) else report
+    text = json.dumps(data)  # no indent: json's C encoder only runs without one
     if path == "-":
         sys.stdout.write(text + "\n")
         return

@@ -182,7 +182,10 @@ def load_model(spec: RunSpec, resolved: ResolvedConfig) -> LoadedModel:
     model = _build(cls, config, kwargs, arch, resolved.location)
     model.train(spec.mode is Mode.TRAIN)
     plan, traced_model, note = None, None, "layer replication off: every layer traced"
-    if spec.replicate_layers:
+    ckpt = spec.checkpointing
+    if spec.replicate_layers and ckpt.kind in ("every", "nth") and ckpt.k > 1:
+        note = f"checkpointing {ckpt} differs between layers: every layer traced"
+    elif spec.replicate_layers:
         plan, overrides, note = layer_plan(model, config)
     if plan is not None:
         shallow = copy.deepcopy(config)

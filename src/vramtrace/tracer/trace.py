@@ -32,7 +32,7 @@ from .checkpointing import apply_checkpointing, layer_stack
 from .kernels import KernelPolicyMode
 from .records import RecStorage
 from .recorder import StepRecorder, tag_autograd_nodes
-from .replication import TRACED_LAYERS, NotPeriodic, replicate_layers
+from .replication import TRACED_LAYERS, LayerPlan, NotPeriodic, replicate_layers
 
 STEADY_PHASES = ("forward", "backward", "optimizer", "zero_grad")
 FIRST_STEP_PHASES = ("forward", "backward", "optimizer_first", "zero_grad")
@@ -322,6 +322,14 @@ def _check_parameters(model: torch.nn.Module, storages: list[RecStorage]) -> Non
         raise NotPeriodic(f"the rebuilt parameters differ from the model's (e.g. {missing})")
 
 
+def _sdpa_counts(policy: KernelPolicyMode, plan: LayerPlan | None) -> dict[str, int]:
+    """SDPA calls per backend in the full model: with a plan, a traced call counts for the layers it stands for."""
+    counts: dict[str, int] = {}
+    for backend, module in policy.sdpa_calls:
+        counts[backend] = counts.get(backend, 0) + (plan.weight(plan.layer_of(module)) if plan else 1)
+    return counts
+
+
 def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], None] | None = None) -> TracedGraph:
     """Run the step of `spec` on `loaded` (meta device) and record it. Raises TraceError, UnsupportedOpError.
 
@@ -330,9 +338,6 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
     """
     say = progress or (lambda _msg: None)
     plan, note = loaded.layer_plan, loaded.replication_note
-    ckpt = spec.checkpointing
-    if plan is not None and ckpt.kind in ("every", "nth") and ckpt.k > 1:
-        plan, note = None, f"checkpointing {ckpt} differs between layers: every layer traced"
     result = None
     if plan is not None:
         say(f"tracing {TRACED_LAYERS} of {plan.num_layers} layers")
@@ -341,10 +346,7 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
         try:
             ops, storages = replicate_layers(plan, rec.ops, rec.storages)
             _check_parameters(loaded.model, storages)
-            sdpa: dict[str, int] = {}
-            for backend, module in policy.sdpa_calls:
-                sdpa[backend] = sdpa.get(backend, 0) + plan.weight(plan.layer_of(module))
-            result = ops, storages, sdpa, optimizer is not None
+            result = ops, storages, _sdpa_counts(policy, plan), optimizer is not None
             note = f"traced {TRACED_LAYERS} of {plan.num_layers} layers; the middle layer replicated"
         except NotPeriodic as e:
             note = f"traced every layer ({e})"
@@ -352,10 +354,7 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
     if result is None:
         rec, policy, optimizer = _record(spec, loaded.model, loaded.inputs, loaded.compute_dtype, say,
                                          layer_stack(loaded.model))
-        sdpa = {}
-        for backend, _module in policy.sdpa_calls:
-            sdpa[backend] = sdpa.get(backend, 0) + 1
-        result = rec.ops, rec.storages, sdpa, optimizer is not None
+        result = rec.ops, rec.storages, _sdpa_counts(policy, None), optimizer is not None
     ops, storages, sdpa, has_optimizer = result
 
     last_use: dict[int, int] = {}
