@@ -56,18 +56,19 @@ class _StorageCounter(torch.utils._python_dispatch.TorchDispatchMode):
 
 def measure_cpu_dispatch_peak(spec: RunSpec) -> int:
     """Peak bytes of the steady-state step run for real on the CPU, counted by a dispatch-mode storage oracle."""
-    model, ids, _ = real_model(spec)
+    loaded = real_model(spec)
+    model, inputs = loaded.model, loaded.inputs
     opt = make_optimizer(spec, list(model.parameters()))
 
     def step():
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(**inputs).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     step()
     counter = _StorageCounter()
-    for t in alive_at_start(model, ids, opt):
+    for t in alive_at_start(model, list(inputs.values()), opt):
         counter.track(t)
     with counter:
         step()

@@ -110,6 +110,18 @@ def compare(spec: RunSpec, policies=COMPARED_POLICIES, progress: Callable[[str],
     return with_comparison(compare_reports(spec, policies, progress), policies)
 
 
+def adapters_summary(spec: RunSpec) -> str:
+    """'LoRA r=8 (alpha 16) on q_proj,v_proj; frozen: model.embed_tokens.*' or ''."""
+    parts = []
+    if spec.lora_rank is not None:
+        alpha = f", alpha {spec.lora_alpha:g}" if spec.lora_alpha is not None else ""
+        targets = ",".join(spec.lora_targets) if spec.lora_targets else "peft's default targets"
+        parts.append(f"peft LoRA r={spec.lora_rank}{alpha} on {targets}")
+    if spec.freeze:
+        parts.append("frozen: " + ", ".join(spec.freeze))
+    return "; ".join(parts)
+
+
 def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
     from .analysis.liveness import CUDA_MIN_BLOCK_BYTES, build_timeline
     from .analysis.summary import summarize
@@ -151,8 +163,11 @@ def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
         "batch": spec.batch, "seq": spec.seq, "checkpointing": str(spec.checkpointing),
         "num_layers": loaded.num_layers, "layer_stack": loaded.layer_stack_path,
         "allocator_block_bytes": block, "num_ops": len(traced.ops), "trace": traced.trace_note,
+        "inputs": [f"{n}={d}{list(s)}" for n, d, s in loaded.input_summary()] if loaded.task == "custom" else [],
+        "adapters": adapters_summary(spec), "image_size": loaded.image_size,
     }
     return summarize(
         model=model_info, run=run_info, params=loaded.params, ops=traced.ops, storages=traced.storages,
         steady=timeline(steady_phases), first=timeline(first_phases), graph_optimal=timeline(steady_phases, True),
-        gpu={"name": gpu.name, "memory_bytes": gpu.memory_bytes} if spec.device is Device.CUDA else None)
+        gpu={"name": gpu.name, "memory_bytes": gpu.memory_bytes} if spec.device is Device.CUDA else None,
+        unresolved=traced.unresolved)

@@ -28,9 +28,15 @@ def _choices(enum_cls) -> str:
 @app.command()
 def main_command(
     model: list[str] = typer.Argument(..., help="Hub id, bundled id (e.g. meta-llama/Llama-2-7b), local dir or "
-                                            "config.json; or saved --json reports to re-render (several: compared)"),
+                                            "config.json, custom module path/model.py:NAME or package.module:NAME; "
+                                            "or saved --json reports to re-render (several: compared)"),
     batch: int = typer.Option(1, "--batch", "-b", help="batch size B of input_ids (B, S)"),
-    seq: Optional[int] = typer.Option(None, "--seq", "-s", help="sequence length S (required to trace)"),
+    seq: Optional[int] = typer.Option(None, "--seq", "-s", help="sequence length S (required for text models)"),
+    inputs: list[str] = typer.Option([], "--input", help="custom module input NAME=DTYPE[DIMS][:LO..HI], repeatable; "
+                                     "DIMS: ints, B, S; e.g. x=float32[B,3,224,224], ids=int64[B,S]:0..32000 "
+                                     "(integers without a range: 0..2)"),
+    image_size: Optional[int] = typer.Option(None, "--image-size", help="H = W of vision models' pixel_values (B, 3, H, W) "
+                                             "[default: the config's image_size, else 224]"),
     mode: str = typer.Option("train", help=_choices(Mode)),
     precision: Optional[str] = typer.Option(None, help=_choices(Precision) + " [default: bf16-mixed to train, bf16 for inference]"),
     optimizer: str = typer.Option("adamw", help=_choices(OptimizerKind)),
@@ -39,8 +45,17 @@ def main_command(
     gpu: str = typer.Option("H100-80GB", help="target GPU preset: H100-80GB, H200, A100-80GB, A100-40GB, L4, RTX4090, A10G, V100-32GB"),
     checkpointing: str = typer.Option(
         "none", help="none | layers | every:K (K layers per segment) | nth:N (every N-th layer) | selective"
-                     "[:OP,OP] | auto (needs --memory-budget)"),
+                     "[:OP,OP] | modules:PATTERN (submodules whose name matches the glob) | auto (needs --memory-budget)"),
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="peak budget for auto, e.g. 40GiB, 42GB"),
+    freeze: list[str] = typer.Option([], "--freeze", help="freeze parameters matching a glob, e.g. 'model.embed_tokens.*' "
+                                     "(repeatable): no gradient, no optimizer state"),
+    lora_rank: Optional[int] = typer.Option(None, "--lora-rank", help="add peft LoRA adapters of rank R (base weights frozen)"),
+    lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA alpha [default: peft's]"),
+    lora_targets: Optional[str] = typer.Option(None, "--lora-targets", help="LoRA target modules, e.g. q_proj,v_proj "
+                                               "[default: peft's for the architecture]"),
+    moe_routing: str = typer.Option("balanced", "--moe-routing", help="tokens per MoE expert: balanced (equal share) | "
+                                    "worst (all tokens to the same top-k experts: an upper bound)"),
+    strict: bool = typer.Option(False, "--strict", help="an op without a meta kernel is an error, not an unresolved entry"),
     compare_policies: bool = typer.Option(False, "--compare", help="compare checkpointing none, layers and selective"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write the JSON report to PATH, or '-' for stdout"),
     html_path: Optional[str] = typer.Option(None, "--html", help="write the self-contained HTML liveness report to PATH"),
@@ -72,11 +87,12 @@ def main_command(
     elif len(model) > 1:
         raise UsageError("give one model to trace, or only saved --json reports to re-render")
     else:
-        if seq is None:
-            raise UsageError("--seq is required, e.g. --seq 2048")
+        targets = tuple(t.strip() for t in lora_targets.split(",") if t.strip()) if lora_targets else None
         spec = RunSpec(model=model[0], batch=batch, seq=seq, mode=mode, precision=precision, optimizer=optimizer,
                        optimizer_impl=optimizer_impl, device=device, gpu=gpu, checkpointing=checkpointing,
                        trust_remote_code=trust_remote_code, replicate_layers=not trace_every_layer,
+                       inputs=tuple(inputs), image_size=image_size, freeze=tuple(freeze), lora_rank=lora_rank,
+                       lora_alpha=lora_alpha, lora_targets=targets, moe_routing=moe_routing, strict=strict,
                        memory_budget_bytes=parse_bytes(memory_budget) if memory_budget is not None else None)
         err = Console(stderr=True)
         if validate_run:

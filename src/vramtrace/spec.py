@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 
 from .errors import UsageError
@@ -59,25 +60,31 @@ class Device(_Choice):
 # Selective checkpointing's default: save the matmul outputs, recompute pointwise ops and the attention core
 # (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models").
 DEFAULT_SAVE_OPS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm")
-_CKPT_USAGE = "none, layers, every:K, nth:N, selective, selective:OP,OP (e.g. aten.mm,aten.addmm) or auto"
+_CKPT_USAGE = ("none, layers, every:K, nth:N, selective, selective:OP,OP (e.g. aten.mm,aten.addmm), "
+               "modules:PATTERN (e.g. modules:blocks.*) or auto")
 
 
 @dataclass(frozen=True, slots=True)
 class Checkpointing:
     """An activation-checkpointing policy. kind: none | layers | every (K consecutive layers per segment) |
-    nth (every N-th layer, transformers' `every_n_layers`) | selective (save `save_ops`' outputs) | auto
-    (a planner picks one under `RunSpec.memory_budget_bytes`). `k` is K or N."""
+    nth (every N-th layer, transformers' `every_n_layers`) | selective (save `save_ops`' outputs) | modules
+    (the submodules whose qualified name matches the fnmatch `pattern`, outermost match only) | auto (a planner
+    picks one under `RunSpec.memory_budget_bytes`). `k` is K or N."""
 
     kind: str = "none"
     k: int = 1
     save_ops: tuple[str, ...] = ()
+    pattern: str = ""
 
     @classmethod
     def parse(cls, text: "str | Checkpointing") -> "Checkpointing":
         """Parse '--checkpointing' text. Raises UsageError listing the valid forms."""
         if isinstance(text, Checkpointing):
             return text
-        kind, _, arg = str(text).strip().lower().partition(":")
+        kind, _, arg = str(text).strip().partition(":")
+        kind = kind.lower()
+        if kind == "modules" and arg.strip():
+            return cls("modules", pattern=arg.strip())
         if kind in ("none", "layers", "auto") and not arg:
             return cls(kind)
         if kind == "selective":
@@ -90,9 +97,97 @@ class Checkpointing:
     def __str__(self) -> str:
         if self.kind in ("every", "nth"):
             return f"{self.kind}:{self.k}"
+        if self.kind == "modules":
+            return f"modules:{self.pattern}"
         if self.kind == "selective" and self.save_ops != DEFAULT_SAVE_OPS:
             return "selective:" + ",".join(self.save_ops)
         return self.kind
+
+
+# `--input` dtype names: torch's names and the usual aliases, mapped to the canonical torch name.
+INPUT_DTYPES = {
+    "float32": "float32", "float": "float32", "fp32": "float32", "float16": "float16", "half": "float16",
+    "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16", "float64": "float64", "double": "float64",
+    "int64": "int64", "long": "int64", "int32": "int32", "int": "int32", "int16": "int16", "int8": "int8",
+    "uint8": "uint8", "bool": "bool",
+}
+# Values of an integer input without a range: [0, 2), valid indices of any embedding or class count >= 2.
+DEFAULT_INT_RANGE = (0, 2)
+_INPUT_RE = re.compile(r"^(?:(?P<name>[A-Za-z_]\w*)=)?(?P<dtype>\w+)\[(?P<dims>[^\]]*)\](?::(?P<lo>-?\d+)\.\.(?P<hi>-?\d+))?$")
+_INPUT_USAGE = "NAME=DTYPE[DIMS] or NAME=int64[DIMS]:LO..HI, e.g. x=float32[B,3,224,224] or ids=int64[B,S]:0..32000"
+
+
+@dataclass(frozen=True, slots=True)
+class InputSpec:
+    """One model input of `--input NAME=DTYPE[DIMS][:LO..HI]`. `dims` holds ints and the symbols 'B' and 'S'
+    (bound to --batch and --seq). Integer and bool inputs draw values from [low, high) as `torch.randint` does;
+    without a range, `DEFAULT_INT_RANGE`. Values matter only to a real run (`vramtrace validate`)."""
+
+    name: str
+    dtype: str  # canonical torch dtype name, e.g. 'float32', 'int64'
+    dims: tuple[int | str, ...]
+    low: int | None = None
+    high: int | None = None
+
+    @classmethod
+    def parse(cls, text: str, need_name: bool = True) -> "InputSpec":
+        """Parse `NAME=DTYPE[DIMS][:LO..HI]` (NAME optional when `need_name` is False). Raises UsageError."""
+        m = _INPUT_RE.match(text.strip().replace(" ", ""))
+        if m is None or (need_name and not m["name"]):
+            raise UsageError(f"bad --input {text!r}; use {_INPUT_USAGE}")
+        dtype = INPUT_DTYPES.get(m["dtype"].lower())
+        if dtype is None:
+            raise UsageError(f"bad --input {text!r}: unknown dtype {m['dtype']!r}; use one of: {', '.join(sorted(set(INPUT_DTYPES.values())))}")
+        dims: list[int | str] = []
+        for d in filter(None, m["dims"].split(",")):
+            if d in ("B", "S"):
+                dims.append(d)
+            elif d.isdigit():
+                dims.append(int(d))
+            else:
+                raise UsageError(f"bad --input {text!r}: dimension {d!r} is neither an int nor B or S")
+        low = high = None
+        if m["lo"] is not None:
+            if dtype.startswith("float") or dtype == "bfloat16":
+                raise UsageError(f"bad --input {text!r}: a range LO..HI applies to integer inputs only")
+            low, high = int(m["lo"]), int(m["hi"])
+            if high <= low:
+                raise UsageError(f"bad --input {text!r}: the range {low}..{high} is empty (HI is exclusive)")
+        return cls(m["name"] or "", dtype, tuple(dims), low, high)
+
+    def shape(self, batch: int, seq: int | None) -> tuple[int, ...]:
+        """The concrete shape. Raises UsageError when a dim is S and `seq` is None."""
+        if "S" in self.dims and seq is None:
+            raise UsageError(f"input {self.name or self.dtype} uses S: pass --seq")
+        return tuple(batch if d == "B" else seq if d == "S" else d for d in self.dims)  # type: ignore[misc]
+
+    @property
+    def value_range(self) -> tuple[int, int]:
+        return (self.low, self.high) if self.low is not None else DEFAULT_INT_RANGE
+
+    def __str__(self) -> str:
+        rng = f":{self.low}..{self.high}" if self.low is not None else ""
+        name = f"{self.name}=" if self.name else ""
+        return f"{name}{self.dtype}[{','.join(map(str, self.dims))}]{rng}"
+
+
+class MoeRouting(_Choice):
+    """How many tokens each expert of a mixture-of-experts layer receives (data-dependent, so a policy):
+    balanced sends an equal share of the B*S*top_k assignments to every expert; worst sends every token to the
+    same top_k experts (an upper bound on the largest expert batch)."""
+
+    BALANCED = "balanced"
+    WORST = "worst"
+
+
+_CUSTOM_REF = re.compile(r"^(?P<target>.+\.py|[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*):(?P<name>[A-Za-z_]\w*)$")
+
+
+def custom_ref(model: str) -> tuple[str, str] | None:
+    """(file or module, NAME) for a custom-module reference `path/to/model.py:NAME` or `package.module:NAME`,
+    else None (a Hub id, bundled id or path)."""
+    m = _CUSTOM_REF.match(model.strip())
+    return (m["target"], m["name"]) if m else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +230,17 @@ def parse_gpu(name: str) -> GpuPreset:
 class RunSpec:
     """What to analyse.
 
-    model: a Hub id, a bundled id, a local directory holding config.json, or a path to a config.json.
-    batch, seq: the (B, S) of the int64 `input_ids`.
+    model: a Hub id, a bundled id, a local directory holding config.json, a path to a config.json, or a custom
+        module `path/to/model.py:NAME` / `package.module:NAME` (an nn.Module class or a function returning one).
+    batch, seq: the (B, S) of the int64 `input_ids` (and the symbols B, S of `inputs`); seq may be None for
+        models without a sequence (vision models, custom inputs without S).
+    inputs: `--input` texts for custom modules (`InputSpec` grammar).
+    freeze: glob patterns (fnmatch) of parameter names to freeze (requires_grad=False).
+    lora_rank, lora_alpha, lora_targets: a peft LoRA adapter (rank None: no LoRA; targets None: peft's default
+        target modules for the architecture).
+    image_size: H = W of vision models' `pixel_values` (B, 3, H, W); None: the config's image_size.
+    moe_routing: the tokens-per-expert policy of mixture-of-experts layers.
+    strict: an op without a meta kernel is an error (else the report lists it as unresolved).
     precision: None picks the default for the mode (bf16-mixed to train, bf16 for inference).
     checkpointing: a `Checkpointing` or its text ('none', 'layers', 'every:4', 'selective', 'auto', ...).
     memory_budget_bytes: the budget `auto` checkpointing must fit (bytes of peak allocated).
@@ -145,7 +249,7 @@ class RunSpec:
 
     model: str
     batch: int
-    seq: int
+    seq: int | None
     mode: Mode = Mode.TRAIN
     precision: Precision | None = None
     optimizer: OptimizerKind = OptimizerKind.ADAMW
@@ -156,12 +260,30 @@ class RunSpec:
     memory_budget_bytes: int | None = None
     trust_remote_code: bool = False
     replicate_layers: bool = True
+    inputs: tuple[str, ...] = ()
+    freeze: tuple[str, ...] = ()
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    lora_targets: tuple[str, ...] | None = None
+    image_size: int | None = None
+    moe_routing: MoeRouting = MoeRouting.BALANCED
+    strict: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("batch", "seq"):
+        for name in ("batch", "seq", "lora_rank", "image_size"):
             v = getattr(self, name)
+            if v is None and name != "batch":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise UsageError(f"--{name} must be a positive integer, got {v!r}")
+                raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+        object.__setattr__(self, "inputs", tuple(str(InputSpec.parse(t)) if not isinstance(t, InputSpec) else str(t)
+                                                 for t in self.inputs))
+        if self.inputs and custom_ref(self.model) is None:
+            raise UsageError("--input applies to custom modules (path/to/model.py:NAME); transformers models get "
+                             "their inputs from the config")
+        if self.lora_rank is None and (self.lora_alpha is not None or self.lora_targets):
+            raise UsageError("--lora-alpha and --lora-targets need --lora-rank")
+        object.__setattr__(self, "moe_routing", MoeRouting.parse(self.moe_routing, "MoE routing"))
         object.__setattr__(self, "mode", Mode.parse(self.mode, "mode"))
         if self.precision is not None:
             object.__setattr__(self, "precision", Precision.parse(self.precision, "precision"))

@@ -43,27 +43,20 @@ def _storage_bytes(tensors) -> int:
 
 
 def real_model(spec: RunSpec, device: str = "cpu"):
-    """(model with random weights on `device`, int64 input_ids (B, S), autocast dtype or None) for `spec`."""
-    import torch
-
-    from .tracer.building import _model_class, build_config, weight_and_compute_dtype
+    """`spec`'s model built for real on `device` with random weights (seed 0), its step inputs (random, in
+    range), loss and autocast dtype: a `LoadedModel`, the same code path as the meta build."""
+    from .tracer.building import load_model
     from .tracer.loading import resolve_config
 
-    config = build_config(resolve_config(spec.model), spec.trust_remote_code)
-    cls, _ = _model_class(config, spec.trust_remote_code)
-    param_dtype, compute_dtype = weight_and_compute_dtype(spec.effective_precision)
-    torch.manual_seed(0)
-    build = cls.from_config if hasattr(cls, "from_config") else cls._from_config
-    model = build(config, dtype=param_dtype).to(device)
-    ids = torch.randint(0, config.vocab_size, (spec.batch, spec.seq), dtype=torch.int64, device=device)
-    return model, ids, compute_dtype
+    return load_model(spec, resolve_config(spec.model), device)
 
 
-def alive_at_start(model, ids, opt) -> list:
-    """Tensors alive at the start of a steady-state step: parameters, buffers, the input, optimizer state."""
+def alive_at_start(model, inputs, opt) -> list:
+    """Tensors alive at the start of a steady-state step: parameters, buffers, the inputs (a list of values;
+    non-tensors are skipped), optimizer state."""
     import torch
 
-    alive = list(model.parameters()) + list(model.buffers()) + [ids]
+    alive = list(model.parameters()) + list(model.buffers()) + [t for t in inputs if isinstance(t, torch.Tensor)]
     if opt is not None:
         alive += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     return alive
@@ -75,11 +68,13 @@ def measure_step(spec: RunSpec, setup: Callable | None = None) -> Measurement:
     import torch
 
     from .tracer.checkpointing import apply_checkpointing, layer_stack
+    from .tracer.kernels import profiled_peak_bytes
     from .tracer.trace import make_optimizer
 
     device = spec.device.value
     _require_local(spec.device)
-    model, ids, compute_dtype = real_model(spec, device)
+    loaded = real_model(spec, device)
+    model, args, kwargs, compute_dtype = loaded.model, loaded.args, loaded.inputs, loaded.compute_dtype
     train = spec.mode is Mode.TRAIN
     model.train(train)
     if setup is not None:
@@ -94,7 +89,7 @@ def measure_step(spec: RunSpec, setup: Callable | None = None) -> Measurement:
     def step():
         if train:
             with autocast():
-                loss = model(input_ids=ids, labels=ids).loss
+                loss = loaded.loss(model(*args, **kwargs))
             loss.backward()
             if opt is not None:
                 opt.step()
@@ -103,7 +98,7 @@ def measure_step(spec: RunSpec, setup: Callable | None = None) -> Measurement:
                 model.zero_grad(set_to_none=True)
         else:
             with torch.no_grad(), autocast():
-                out = model(input_ids=ids)
+                out = model(*args, **kwargs)
             del out
 
     step()  # warm-up: the optimizer creates its state
@@ -114,16 +109,10 @@ def measure_step(spec: RunSpec, setup: Callable | None = None) -> Measurement:
         step()
         torch.cuda.synchronize()
         return Measurement("cuda", torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
-    start = _storage_bytes(alive_at_start(model, ids, opt))
+    start = _storage_bytes(alive_at_start(model, [*args, *kwargs.values()], opt))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    cur = peak = 0
-    for e in events:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return Measurement("cpu", start + peak)
+    return Measurement("cpu", start + profiled_peak_bytes(prof))
 
 
 def _require_local(device: Device) -> None:

@@ -120,7 +120,7 @@ def _phase_marks(tl: Timeline) -> tuple[PhaseMark, ...]:
 
 def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: tuple, storages: tuple,
               steady: Timeline, first: Timeline, graph_optimal: Timeline, gpu: dict[str, Any] | None,
-              top_n: int = 10) -> MemoryReport:
+              top_n: int = 10, unresolved: tuple[str, ...] = ()) -> MemoryReport:
     """Build the MemoryReport from the steady-state, first-step and graph-optimal timelines. With a `gpu`
     (a CUDA target) the two steps are replayed through the caching-allocator model for peak reserved bytes,
     and the fit verdict is on reserved memory.
@@ -168,4 +168,4 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
         breakdown_at_peak=breakdown, phases=_phase_marks(steady), top_tensors=top, tensors=tuple(rows),
         num_steps=len(steady.steps), fit=fit, activation_bytes=activation, step_flops=step_flops,
         recompute_flops=recompute_flops, peak_reserved_bytes=reserved, allocator=allocator,
-        steps=tuple((ops[i].name, ops[i].module, ops[i].phase) for i in steady.steps))
+        steps=tuple((ops[i].name, ops[i].module, ops[i].phase) for i in steady.steps), unresolved=unresolved)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -26,15 +27,25 @@ def render(report: MemoryReport, console: Console) -> None:
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
-    head.add_row("model", f"{m['ref']}  [dim]({m['config_source']} config)[/]")
+    source = "custom module" if m["config_source"] == "custom" else f"{m['config_source']} config"
+    head.add_row("model", f"{m['ref']}  [dim]({source})[/]")
     head.add_row("architecture", f"{m['architecture']} ({m['model_type']}, {m['task']})")
-    head.add_row("parameters", format_count(report.params)
-                 + ("" if m["trainable_params"] == report.params else f", trainable {m['trainable_params']:,}"))
+    trainable = m["trainable_params"]
+    head.add_row("parameters", format_count(report.params) + ("" if trainable == report.params else
+                 f", trainable {format_count(trainable)} ({100 * trainable / max(report.params, 1):.2f}%), "
+                 f"frozen {format_count(report.params - trainable)}"))
+    if r.get("adapters"):
+        head.add_row("adapters", r["adapters"])
+    if r.get("inputs"):
+        head.add_row("inputs", ", ".join(r["inputs"]))
     head.add_row("dtypes", f"weights {m['param_dtype']}, compute {m['compute_dtype']}")
     sdpa = ", ".join(f"{k}×{v}" for k, v in m["sdpa_backends"].items()) or "none"
     head.add_row("attention", f"{m['attn_implementation']} (SDPA backend: {sdpa})")
     head.add_row("run", f"{r['mode']}, {r['precision']}, optimizer {r['optimizer']} ({r['optimizer_impl']}), "
-                        f"batch {r['batch']} × seq {r['seq']}, checkpointing {r['checkpointing']}")
+                        f"batch {r['batch']}" + (f" × seq {r['seq']}" if r.get("seq") else "")
+                 + (f", image {'×'.join(map(str, r['image_size']))}" if r.get("image_size") else "")
+                 + f", checkpointing {r['checkpointing']}"
+                 + (f", MoE routing {r['moe_routing']}" if r.get("moe_layers") else ""))
     target = f"{r['device']}" + (f" ({r['gpu']}, 512 B blocks)" if r["device"] == "cuda" else " (no rounding)")
     head.add_row("target", target)
     if r.get("trace"):
@@ -130,6 +141,10 @@ def _render_checkpointing(report: MemoryReport, console: Console) -> None:
             cmp.add_row(row["policy"], format_bytes(row["peak_allocated_bytes"]), format_bytes(row["activation_bytes"]),
                         _pct(row["recompute_overhead"]))
         console.print(cmp)
+    if report.unresolved:
+        console.print(Panel("\n".join(escape(u) for u in report.unresolved),
+                            title=f"Unresolved ({len(report.unresolved)}): not in the figures above", title_align="left",
+                            border_style="red"))
 
 
 _BARS = "▁▂▃▄▅▆▇█"

@@ -7,14 +7,15 @@ import copy
 import io
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, UsageError
 from ..spec import Mode, Precision, RunSpec
 from .loading import ResolvedConfig
 from .checkpointing import layer_stack
+from .custom import output_loss
 from .replication import TRACED_LAYERS, LayerPlan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -24,9 +25,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 class LoadedModel:
     """The model on meta, the inputs of one step, and its parameter names.
 
-    model: `nn.Module` whose parameters and buffers are on the meta device.
-    inputs: keyword arguments of the forward; `input_ids` is int64 (B, S).
-    task: 'causal-lm', 'masked-lm' or 'seq2seq-lm'.
+    model: `nn.Module` whose parameters and buffers are on the meta device (or a real device for a real run).
+    inputs: keyword arguments of the forward (`step_inputs`; a custom module's `--input`s); `args`: positional
+        ones (a custom module's `example_inputs`).
+    loss: the training loss of the forward's output (`custom.output_loss`, or a custom file's `loss`).
+    task: 'causal-lm', 'masked-lm', 'seq2seq-lm', 'image-classification', 'contrastive' or 'custom'.
     param_dtype: dtype the weights are stored in (fp32 under a mixed precision).
     compute_dtype: autocast dtype for mixed precision, else None.
     """
@@ -46,6 +49,19 @@ class LoadedModel:
     replication_note: str = ""  # why every layer is traced, when it is
     num_layers: int = 0  # layers in the model's checkpointable stack (0: none found)
     layer_stack_path: str = ""  # its qualified name, e.g. 'model.layers'
+    args: tuple = ()
+    loss: Callable[[Any], torch.Tensor] = output_loss
+
+    def input_summary(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, dtype, shape) of each tensor input, positional ones named args[i]."""
+        named = [*((f"args[{i}]", a) for i, a in enumerate(self.args)), *self.inputs.items()]
+        return [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named if isinstance(t, torch.Tensor)]
+
+    @property
+    def image_size(self) -> list[int] | None:
+        """[H, W] of `pixel_values`, or None."""
+        pv = self.inputs.get("pixel_values")
+        return list(pv.shape[-2:]) if isinstance(pv, torch.Tensor) else None
 
 
 def weight_and_compute_dtype(precision: Precision) -> tuple[torch.dtype, torch.dtype | None]:
@@ -96,24 +112,36 @@ def _model_class(config, trust_remote_code: bool):
         cls = getattr(transformers, arch, None)
         if cls is not None:
             return cls, arch
-    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForSeq2SeqLM, transformers.AutoModelForMaskedLM):
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForSeq2SeqLM,
+                 transformers.AutoModelForMaskedLM, transformers.AutoModelForImageClassification):
         if type(config) in auto._model_mapping:
             return auto, auto._model_mapping[type(config)].__name__
     if trust_remote_code and getattr(config, "auto_map", None):
         return transformers.AutoModelForCausalLM, "AutoModelForCausalLM (remote code)"
     raise ModelLoadError(
-        f"transformers has no causal-LM, seq2seq-LM or masked-LM head for model_type {config.model_type!r}")
+        f"transformers has no causal-LM, seq2seq-LM, masked-LM or image-classification head for model_type "
+        f"{config.model_type!r}; set config.architectures to the class to build")
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a peft wrapper (or `model` itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _task(model: torch.nn.Module) -> str:
     import transformers
 
+    model = unwrap(model)
     if isinstance(model, transformers.PreTrainedModel):
         name = type(model).__name__
         if getattr(model.config, "is_encoder_decoder", False):
             return "seq2seq-lm"
         if "MaskedLM" in name or name.endswith("ForPreTraining"):
             return "masked-lm"
+        if "ForImageClassification" in name:
+            return "image-classification"
+        if hasattr(model, "get_image_features") and hasattr(model, "get_text_features"):
+            return "contrastive"
     return "causal-lm"
 
 
@@ -126,14 +154,16 @@ def count_params(model: torch.nn.Module) -> tuple[int, int]:
     return total, trainable
 
 
-def _build(cls, config, kwargs, arch: str, location: str) -> torch.nn.Module:
+def _build(cls, config, kwargs, arch: str, location: str, device: str = "meta") -> torch.nn.Module:
+    """Build `cls` from `config`: under `torch.device('meta')`, or on the CPU and moved to `device`."""
     try:
-        with torch.device("meta"), contextlib.redirect_stderr(io.StringIO()):
-            if hasattr(cls, "from_config"):
-                return cls.from_config(config, **kwargs)
-            return cls._from_config(config, **kwargs)
+        with torch.device("meta") if device == "meta" else contextlib.nullcontext(), \
+                contextlib.redirect_stderr(io.StringIO()):
+            build = cls.from_config if hasattr(cls, "from_config") else cls._from_config
+            model = build(config, **kwargs)
     except Exception as e:
         raise ModelLoadError(f"transformers could not build {arch} from {location}: {e}") from None
+    return model if device in ("meta", "cpu") else model.to(device)
 
 
 def _layer_signature(layer: torch.nn.Module) -> tuple:
@@ -169,48 +199,123 @@ def layer_plan(model: torch.nn.Module, config) -> tuple[LayerPlan | None, dict[s
     return LayerPlan(prefix, L), overrides, ""
 
 
-def load_model(spec: RunSpec, resolved: ResolvedConfig) -> LoadedModel:
-    """Build the model of `resolved` on the meta device for `spec`, plus its 4-layer copy for tracing when the
-    layers repeat (`layer_plan`). Raises ModelLoadError."""
+def _image_size(spec: RunSpec, config) -> tuple[int, int]:
+    if spec.image_size is not None:
+        return spec.image_size, spec.image_size
+    size = getattr(config, "image_size", None) or 224  # ResNet and ConvNeXt configs name none: ImageNet's 224
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
+def step_inputs(spec: RunSpec, config, task: str, device: str, float_dtype: torch.dtype) -> dict[str, Any]:
+    """Keyword inputs of one step of a transformers model of `task`, on `device` (empty on meta; random,
+    seeded, in range on a real device):
+
+    - LMs: `input_ids` int64 (B, S) in [0, vocab_size), plus `labels` = input_ids to train;
+    - image-classification: `pixel_values` (B, C, H, W) in `float_dtype` (C: config.num_channels, H = W:
+      --image-size or config.image_size), plus `labels` int64 (B,) in [0, num_labels) to train;
+    - contrastive (CLIP): `input_ids` (B, S) and `pixel_values`, plus `return_loss=True` to train.
+    Raises UsageError when --seq is needed and missing.
+    """
+    train = spec.mode is Mode.TRAIN
+    real = device != "meta"
+
+    def ints(shape, high):
+        if real:
+            return torch.randint(0, high, shape, dtype=torch.int64, device=device)
+        return torch.empty(shape, dtype=torch.int64, device="meta")
+
+    inputs: dict[str, Any] = {}
+    if task in ("image-classification", "contrastive"):
+        vision = getattr(config, "vision_config", config)
+        h, w = _image_size(spec, vision)
+        shape = (spec.batch, getattr(vision, "num_channels", 3), h, w)
+        inputs["pixel_values"] = (torch.randn(shape, dtype=float_dtype, device=device) if real
+                                  else torch.empty(shape, dtype=float_dtype, device="meta"))
+        if task == "image-classification":
+            if train:
+                inputs["labels"] = ints((spec.batch,), config.num_labels)
+            return inputs
+    if spec.seq is None:
+        raise UsageError("--seq is required for this model, e.g. --seq 2048")
+    text = getattr(config, "text_config", config)
+    inputs["input_ids"] = ids = ints((spec.batch, spec.seq), text.vocab_size)  # (B, S)
+    if task == "contrastive":
+        if train:
+            inputs["return_loss"] = True
+    elif train:
+        inputs["labels"] = ids
+    return inputs
+
+
+def load_model(spec: RunSpec, resolved: ResolvedConfig, device: str = "meta") -> LoadedModel:
+    """Build the model of `resolved` for `spec` on `device`: on the meta device (no weights, no memory) plus
+    its 4-layer copy for tracing when the layers repeat (`layer_plan`); on 'cpu' or 'cuda' for real, with
+    random weights (seed 0), as `vramtrace validate` runs it. Freezing and LoRA (`adapters.apply_adapters`) are
+    applied before the plan. Raises ModelLoadError, UsageError."""
+    from .adapters import apply_adapters
+
+    param_dtype, compute_dtype = weight_and_compute_dtype(spec.effective_precision)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    if resolved.source == "custom":
+        from .custom import build_custom
+
+        built = build_custom(spec, device, param_dtype if param_dtype is not torch.float32 else None)
+        model = apply_adapters(spec, built.model, device)
+        model.train(spec.mode is Mode.TRAIN)
+        total, trainable = count_params(model)
+        stack = layer_stack(model)
+        return LoadedModel(
+            model=model, inputs=built.kwargs, args=built.args, loss=built.loss, task="custom",
+            architecture=type(built.model).__name__, model_type="custom", params=total, trainable_params=trainable,
+            param_dtype=param_dtype, compute_dtype=compute_dtype, attn_implementation="custom",
+            replication_note="custom module: every layer traced", num_layers=len(stack) if stack is not None else 0,
+            layer_stack_path=_path_of(model, stack))
     config = build_config(resolved, spec.trust_remote_code)
     cls, arch = _model_class(config, spec.trust_remote_code)
-    param_dtype, compute_dtype = weight_and_compute_dtype(spec.effective_precision)
     kwargs: dict[str, Any] = {"dtype": param_dtype}
     if spec.trust_remote_code:
         kwargs["trust_remote_code"] = True
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    model = _build(cls, config, kwargs, arch, resolved.location)
+    if device != "meta":
+        torch.manual_seed(0)
+    model = apply_adapters(spec, _build(cls, config, kwargs, arch, resolved.location, device), device)
     model.train(spec.mode is Mode.TRAIN)
     plan, traced_model, note = None, None, "layer replication off: every layer traced"
     ckpt = spec.checkpointing
-    if spec.replicate_layers and ckpt.kind in ("every", "nth") and ckpt.k > 1:
+    if device != "meta":
+        note = "built for real"
+    elif spec.replicate_layers and ckpt.kind in ("every", "nth") and ckpt.k > 1:
         note = f"checkpointing {ckpt} differs between layers: every layer traced"
+    elif spec.replicate_layers and ckpt.kind == "modules":
+        note = f"checkpointing {ckpt} may differ between layers: every layer traced"
     elif spec.replicate_layers:
         plan, overrides, note = layer_plan(model, config)
     if plan is not None:
         shallow = copy.deepcopy(config)
         for key, value in overrides.items():
             setattr(shallow, key, value)
-        traced_model = _build(cls, shallow, kwargs, arch, resolved.location)
+        traced_model = apply_adapters(spec, _build(cls, shallow, kwargs, arch, resolved.location, device), device)
         traced_model.train(spec.mode is Mode.TRAIN)
         stack = dict(traced_model.named_modules()).get(plan.prefix)
         if not isinstance(stack, torch.nn.ModuleList) or len(stack) != TRACED_LAYERS:
             plan, traced_model, note = None, None, "the 4-layer copy has no matching layer stack: every layer traced"
     task = _task(model)
-    B, S = spec.batch, spec.seq
     max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if max_pos and S > max_pos and config.model_type in ("gpt2", "bert", "roberta", "opt", "bart"):
-        raise ModelLoadError(f"--seq {S} exceeds {arch}'s learned position embeddings ({max_pos}); use --seq <= {max_pos}")
-    input_ids = torch.empty((B, S), dtype=torch.int64, device="meta")  # (B, S)
-    inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
-    if spec.mode is Mode.TRAIN:
-        inputs["labels"] = input_ids
+    if (max_pos and spec.seq and spec.seq > max_pos
+            and config.model_type in ("gpt2", "bert", "roberta", "opt", "bart", "xlm-roberta", "deberta-v2")):
+        raise ModelLoadError(f"--seq {spec.seq} exceeds {arch}'s learned position embeddings ({max_pos}); "
+                             f"use --seq <= {max_pos}")
+    inputs = step_inputs(spec, config, task, device, param_dtype)
     total, trainable = count_params(model)
+    stack = layer_stack(model)
     return LoadedModel(
-        model=model, inputs=inputs, task=task, architecture=type(model).__name__, model_type=config.model_type,
-        params=total, trainable_params=trainable, param_dtype=param_dtype, compute_dtype=compute_dtype,
+        model=model, inputs=inputs, task=task, architecture=type(unwrap(model)).__name__,
+        model_type=config.model_type, params=total, trainable_params=trainable, param_dtype=param_dtype,
+        compute_dtype=compute_dtype,
         attn_implementation=str(getattr(config, "_attn_implementation", None) or "eager"),
         layer_plan=plan, traced_model=traced_model, replication_note=note,
-        num_layers=len(stack) if (stack := layer_stack(model)) is not None else 0,
-        layer_stack_path=next((n for n, m in model.named_modules() if m is stack), "") if stack is not None else "",
+        num_layers=len(stack) if stack is not None else 0, layer_stack_path=_path_of(model, stack),
     )
+
+
+def _path_of(model: torch.nn.Module, sub: torch.nn.Module | None) -> str:
+    return next((n for n, m in model.named_modules() if m is sub), "") if sub is not None else ""

@@ -7,6 +7,9 @@
 - `selective[:OPS]`: the same with `context_fn=partial(create_selective_checkpoint_contexts, policy)`, PyTorch's
   selective activation checkpointing (`torch/utils/checkpoint.py`): the outputs of OPS (default: the matmuls)
   are saved, every other op (pointwise ops, the attention core) is recomputed.
+- `modules:PATTERN`: every submodule whose qualified name matches the fnmatch PATTERN (outermost matches only:
+  a match inside a matched module is already checkpointed) runs its forward under non-reentrant
+  `torch.utils.checkpoint`; works for any `nn.Module`, custom modules included.
 - `every:K`: K consecutive layers form one checkpointed segment (Chen et al. 2016; `checkpoint_sequential` does
   this for an `nn.Sequential`): the segment's first layer runs all K under one non-reentrant checkpoint and the
   other K-1 pass its output through.
@@ -18,6 +21,7 @@ mark the recompute and restore its emulated autocast); a real run passes none.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 from typing import Callable
 
@@ -59,9 +63,19 @@ def apply_checkpointing(model: torch.nn.Module, ckpt: Checkpointing, wrap_region
     `every:K`). Raises UsageError when the model does not support checkpointing."""
     if ckpt.kind == "none":
         return
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        raise UsageError(f"{type(model).__name__} does not support activation checkpointing in transformers")
     kwargs: dict = {"use_reentrant": False}
+    if ckpt.kind == "modules":
+        matched = matching_modules(model, ckpt.pattern)
+        if not matched:
+            raise UsageError(f"--checkpointing {ckpt}: no submodule's qualified name matches {ckpt.pattern!r} "
+                             f"(names look like {_example_names(model)})")
+        run = _checkpoint_fn(wrap_region, **kwargs)
+        for _, m in matched:
+            _checkpoint_module(m, run)
+        return
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise UsageError(f"{type(model).__name__} does not support activation checkpointing in transformers; "
+                         "use --checkpointing modules:PATTERN")
     if ckpt.kind == "selective":
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, save_ops_policy(ckpt.save_ops))
     if ckpt.kind in ("layers", "nth", "selective"):
@@ -88,6 +102,39 @@ def apply_checkpointing(model: torch.nn.Module, ckpt: Checkpointing, wrap_region
     raise UsageError(f"checkpointing {ckpt} cannot be applied to a model directly")
 
 
+def matching_modules(model: torch.nn.Module, pattern: str) -> list[tuple[str, torch.nn.Module]]:
+    """(qualified name, module) of the outermost submodules whose name matches the fnmatch `pattern`."""
+    out: list[tuple[str, torch.nn.Module]] = []
+    for name, m in model.named_modules():
+        if name and fnmatch.fnmatchcase(name, pattern) and not any(name.startswith(p + ".") for p, _ in out):
+            out.append((name, m))
+    return out
+
+
+def _example_names(model: torch.nn.Module) -> str:
+    names = [n for n, _ in model.named_children()][:4]
+    return ", ".join(names) if names else "(the model has no submodules)"
+
+
+def _no_kv_cache(kwargs: dict) -> None:
+    """As transformers' GradientCheckpointingLayer does: no KV cache under checkpointing (a recompute would
+    append to it a second time)."""
+    for key, off in (("use_cache", False), ("past_key_values", None), ("layer_past", None)):
+        if key in kwargs:
+            kwargs[key] = off
+
+
+def _checkpoint_module(module: torch.nn.Module, run_checkpoint) -> None:
+    """Run `module`'s forward (any signature, any outputs) under one checkpoint."""
+    original = module.forward
+
+    def forward(*args, **kwargs):
+        _no_kv_cache(kwargs)
+        return run_checkpoint(original, *args, **kwargs)
+
+    module.forward = forward
+
+
 def _segment(seg: list[torch.nn.Module], run_checkpoint) -> None:
     """Checkpoint the layers `seg` as one region: the first layer's forward runs them all under one
     checkpoint; the others return their input (already the segment's output). Layers return a tensor."""
@@ -107,9 +154,7 @@ def _segment(seg: list[torch.nn.Module], run_checkpoint) -> None:
         if state["inside"]:
             return originals[0](hidden_states, *args, **kwargs)
         # as transformers' GradientCheckpointingLayer does: no KV cache under checkpointing
-        for key, off in (("use_cache", False), ("past_key_values", None), ("layer_past", None)):
-            if key in kwargs:
-                kwargs[key] = off
+        _no_kv_cache(kwargs)
         return run_checkpoint(run_all, hidden_states, *args, **kwargs)
 
     def make_rest(original):
@@ -136,6 +181,14 @@ def layer_stack(model: torch.nn.Module) -> torch.nn.ModuleList | None:
 
 def paste_snippet(ckpt: Checkpointing) -> str:
     """Python a user pastes after building `model` (transformers) to apply `ckpt` in their training code."""
+    if ckpt.kind == "modules":
+        return ("import fnmatch, functools\n"
+                "from torch.utils.checkpoint import checkpoint\n"
+                "done = []\n"
+                "for name, m in model.named_modules():\n"
+                f"    if name and fnmatch.fnmatchcase(name, {ckpt.pattern!r}) and not any(name.startswith(d + '.') for d in done):\n"
+                "        done.append(name)\n"
+                "        m.forward = functools.partial(checkpoint, m.forward, use_reentrant=False)")
     if ckpt.kind in ("layers", "nth"):
         extra = f", every_n_layers={ckpt.k}" if ckpt.kind == "nth" else ""
         return f'model.activation_checkpointing_enable({{"use_reentrant": False}}{extra})'

@@ -11,6 +11,11 @@ above autograd (so that what it changes is what autograd records and saves) and 
   (a noise tensor of the input's dtype). The meta device already follows the CPU path.
 * Autocast (mixed precision): per-op cast policies mirrored from `aten/src/ATen/autocast_mode.cpp`
   (CUDA and CPU lists), including the weight-cast cache that lives until the autocast region exits.
+
+`CpuWorkspaceProbe` (CPU target) measures what a CPU kernel allocates and frees inside one op: oneDNN's
+reorders of input, weight and output to blocked layouts (`aten/src/ATen/native/mkldnn/Conv.cpp`) or the im2col
+buffer of the slow convolution (`aten/src/ATen/native/ConvolutionMM2d.cpp`, `finput`), which depend on the
+local CPU's ISA; the meta kernels allocate only the outputs.
 """
 
 from __future__ import annotations
@@ -259,3 +264,77 @@ class KernelPolicyMode(TorchFunctionMode):
                                    reduce, reduction, label_smoothing)
         lsm = torch.log_softmax(input, 1 if input.dim() > 1 else 0, dtype=torch.float32)
         return F.nll_loss(lsm, target, weight, size_average, ignore_index, reduce, reduction)
+
+
+def profiled_peak_bytes(prof) -> int:
+    """The running maximum of the allocation sum over a torch.profiler run's `[memory]` allocator events
+    (`profile_memory=True`), in bytes, relative to its start."""
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+class CpuWorkspaceProbe:
+    """Bytes a CPU kernel allocates and frees inside one op (its workspace), beyond its outputs.
+
+    Measured, not modelled: the op is run once on real CPU tensors of the same sizes, strides and dtypes
+    (zeros), under torch.profiler's allocator events (`profile_memory=True`); the workspace is the peak of the
+    running allocation sum inside the op minus the bytes of its output storages. Cached per signature (op,
+    shapes, strides, dtypes, other arguments), so each distinct convolution of a model runs once. Only `OPS`
+    (convolutions and batch norm, forward and backward) are probed; their workspace is 0 on the meta device.
+    """
+
+    OPS = frozenset(f"aten.{n}" for n in (
+        "convolution.default", "convolution_backward.default", "_native_batch_norm_legit.default",
+        "_native_batch_norm_legit_functional.default", "native_batch_norm.default",
+        "native_batch_norm_backward.default"))
+
+    def __init__(self):
+        self._cache: dict[tuple, int] = {}
+        self.failures: dict[str, str] = {}  # op -> why its workspace could not be measured (counted as 0)
+
+    @staticmethod
+    def _key(x):
+        if isinstance(x, torch.Tensor):
+            return ("T", tuple(x.shape), x.stride(), x.dtype, x.requires_grad)
+        if isinstance(x, (list, tuple)):
+            return tuple(CpuWorkspaceProbe._key(v) for v in x)
+        return x
+
+    @staticmethod
+    def _real(x):
+        if isinstance(x, torch.Tensor):
+            return torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype).zero_()
+        if isinstance(x, (list, tuple)):
+            return type(x)(CpuWorkspaceProbe._real(v) for v in x)
+        return x
+
+    def __call__(self, func, args, kwargs) -> int:
+        """Workspace bytes of `func(*args, **kwargs)` (meta tensors) on this machine's CPU; 0 for ops not probed."""
+        if str(func) not in self.OPS:
+            return 0
+        key = (str(func), self._key(args), self._key(tuple(sorted(kwargs.items()))))
+        if key not in self._cache:
+            try:
+                self._cache[key] = self._measure(func, self._real(args), self._real(kwargs))
+            except RuntimeError as e:  # the meta kernel's outputs differ from the CPU kernel's expectations
+                self._cache[key] = 0
+                self.failures[str(func)] = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return self._cache[key]
+
+    @staticmethod
+    def _measure(func, args, kwargs) -> int:
+        with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                     profile_memory=True) as prof:
+            out = func(*args, **kwargs)
+        peak = profiled_peak_bytes(prof)
+        seen, out_bytes = set(), 0
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in seen:
+                seen.add(t.untyped_storage()._cdata)
+                out_bytes += t.untyped_storage().nbytes()
+        return max(peak - out_bytes, 0)

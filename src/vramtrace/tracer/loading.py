@@ -1,6 +1,7 @@
 """Resolve a model reference to a transformers config, offline-first, never downloading weights.
 
 Resolution order:
+0. a custom module `path/to/model.py:NAME` or `package.module:NAME` (source 'custom', built by `custom.py`);
 1. a local path: a directory holding `config.json` (or Meta's `params.json`), or a path to such a file;
 2. a bundled id (`configs/index.json`): answers at once, offline, with no network call;
 3. a Hub id: only `config.json` (else `params.json`) through `huggingface_hub.hf_hub_download`, which honours
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelLoadError
+from ..spec import custom_ref
 
 _CONFIG_DIR = resources.files("vramtrace.tracer") / "configs"
 
@@ -147,4 +149,7 @@ def resolve_config(ref: str) -> ResolvedConfig:
     """Resolve `ref` (local path, bundled id or Hub id) to a config dict. Raises ModelLoadError."""
     if not ref or not ref.strip():
         raise ModelLoadError("empty model reference; pass a Hub id, a bundled id or a path to a config.json")
+    custom = custom_ref(ref)
+    if custom is not None:
+        return ResolvedConfig(ref=ref, config={}, source="custom", location=custom[0])
     return _local(ref) or _bundled(ref) or _hub(ref)

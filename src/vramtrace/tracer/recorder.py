@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -39,6 +40,8 @@ class StepRecorder(TorchDispatchMode):
         self._lock = threading.Lock()
         self.module_stack: list[str] = []
         self.recomputing = 0  # > 0 while a checkpointed region's forward is re-run in the backward
+        # (func, args, kwargs) -> bytes the target's kernel allocates and frees inside the op (kernels.py)
+        self.workspace: Callable[[Any, tuple, dict], int] | None = None
 
     # -- storages ----------------------------------------------------------------------------------------
     def _on_free(self, key: int, sid: int) -> None:
@@ -131,6 +134,13 @@ class StepRecorder(TorchDispatchMode):
                 sid = self.storage_id(t, op_index=index, op=name)
                 if sid >= n_before and sid not in new:
                     new.append(sid)
+        ws = self.workspace(func, args, kwargs) if self.workspace is not None else 0
+        if ws > 0:  # a storage born and freed within the op: what the kernel holds while it runs
+            sid = len(self.storages)
+            self.storages.append(RecStorage(sid, ws, "uint8", (ws,), "meta", index, name, self.current_module(),
+                                            self.phase, None, "kernel workspace"))
+            self.free_after[sid] = index
+            new.append(sid)
         first = args[0] if args else None
         lead = len(first) if isinstance(first, (list, tuple)) else int(isinstance(first, torch.Tensor))
         flop_rule = flop_registry.get(func.overloadpacket)

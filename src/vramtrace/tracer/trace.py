@@ -2,7 +2,7 @@
 
 The step is run eagerly on meta tensors, exactly as user code runs it:
 
-    loss = model(input_ids=ids, labels=ids).loss      # under autocast for a mixed precision
+    loss = loss_of(model(**inputs))                   # under autocast for a mixed precision
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -29,7 +29,7 @@ from ..errors import TraceError, UnsupportedOpError
 from ..spec import Device, Mode, OptimizerImpl, OptimizerKind, RunSpec
 from .building import LoadedModel
 from .checkpointing import apply_checkpointing, layer_stack
-from .kernels import KernelPolicyMode
+from .kernels import CpuWorkspaceProbe, KernelPolicyMode
 from .records import RecStorage
 from .recorder import StepRecorder, tag_autograd_nodes
 from .replication import TRACED_LAYERS, LayerPlan, NotPeriodic, replicate_layers
@@ -81,6 +81,7 @@ class TracedGraph:
     sdpa_backends: tuple[tuple[str, int], ...]
     has_optimizer: bool
     trace_note: str = ""
+    unresolved: tuple[str, ...] = ()  # what the trace could not size, one line each (never counted silently)
 
 
 def make_optimizer(spec: RunSpec, params: list[torch.nn.Parameter]):
@@ -205,22 +206,16 @@ def _transformers_meta_bridge():
         masking_utils.find_packed_sequence_indices = original
 
 
-def _loss_of(output) -> torch.Tensor:
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if loss is None:
-        raise TraceError("the model returned no loss for labels=input_ids; it has no language-modelling head")
-    return loss
-
-
-def _record(spec: RunSpec, model: torch.nn.Module, inputs: dict[str, torch.Tensor],
-            compute_dtype: torch.dtype | None, say: Callable[[str], None], layers: torch.nn.ModuleList | None):
-    """Apply the checkpointing policy to `model`, then run the step on it under the recorder.
-    Returns (recorder, kernel policy, optimizer or None)."""
+def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Callable[[str], None],
+            layers: torch.nn.ModuleList | None):
+    """Apply the checkpointing policy to `model` (`loaded.model` or its shallow copy), then run the step on it
+    with `loaded`'s inputs and loss under the recorder. Returns (recorder, kernel policy, optimizer or None)."""
+    inputs, args, compute_dtype = loaded.inputs, loaded.args, loaded.compute_dtype
     rec = StepRecorder()
     policy = KernelPolicyMode(spec.device, spec.gpu_preset.sm, compute_dtype)
     policy.current_module = rec.current_module
+    if spec.device is Device.CPU:
+        rec.workspace = CpuWorkspaceProbe()
 
     def wrap_region(function):
         """A checkpointed region's function: its re-run in the backward is marked as recompute and runs under
@@ -256,8 +251,9 @@ def _record(spec: RunSpec, model: torch.nn.Module, inputs: dict[str, torch.Tenso
         rec.register_existing(p, Category.PARAMETER, n)
     for n, b in model.named_buffers():
         rec.register_existing(b, Category.INPUT, n)
-    for n, t in inputs.items():
-        rec.register_existing(t, Category.INPUT, n)
+    for n, t in [*inputs.items(), *((f"args[{i}]", a) for i, a in enumerate(args))]:
+        if isinstance(t, torch.Tensor):
+            rec.register_existing(t, Category.INPUT, n)
     # Tag each autograd node with the module that created it, as soon as it is created.
     policy.on_output = lambda out: tag_autograd_nodes(out, rec.current_module()) if rec.phase == "forward" else None
     autocast = policy.autocast_region() if compute_dtype is not None else contextlib.nullcontext()
@@ -269,7 +265,7 @@ def _record(spec: RunSpec, model: torch.nn.Module, inputs: dict[str, torch.Tenso
             say("forward")
             if train:
                 with autocast:
-                    loss = _loss_of(model(**inputs))
+                    loss = loaded.loss(model(*args, **inputs))
                 rec.phase = "backward"
                 say("backward")
                 loss.backward()
@@ -296,7 +292,7 @@ def _record(spec: RunSpec, model: torch.nn.Module, inputs: dict[str, torch.Tenso
                 del loss
             else:
                 with torch.no_grad(), autocast:
-                    out = model(**inputs)
+                    out = model(*args, **inputs)
                 del out
     except NotImplementedError as e:
         where = rec.current_module() or "(root)"
@@ -341,8 +337,7 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
     result = None
     if plan is not None:
         say(f"tracing {TRACED_LAYERS} of {plan.num_layers} layers")
-        rec, policy, optimizer = _record(spec, loaded.traced_model, loaded.inputs, loaded.compute_dtype, say,
-                                         layer_stack(loaded.traced_model))
+        rec, policy, optimizer = _record(spec, loaded.traced_model, loaded, say, layer_stack(loaded.traced_model))
         try:
             ops, storages = replicate_layers(plan, rec.ops, rec.storages)
             _check_parameters(loaded.model, storages)
@@ -352,10 +347,11 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
             note = f"traced every layer ({e})"
             say(note)
     if result is None:
-        rec, policy, optimizer = _record(spec, loaded.model, loaded.inputs, loaded.compute_dtype, say,
-                                         layer_stack(loaded.model))
+        rec, policy, optimizer = _record(spec, loaded.model, loaded, say, layer_stack(loaded.model))
         result = rec.ops, rec.storages, _sdpa_counts(policy, None), optimizer is not None
     ops, storages, sdpa, has_optimizer = result
+    unresolved = tuple(f"{op}: CPU kernel workspace not measured, counted as 0 bytes ({why})"
+                       for op, why in getattr(rec.workspace, "failures", {}).items())
 
     last_use: dict[int, int] = {}
     for o in ops:
@@ -379,7 +375,7 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
         ops=tuple(OpInfo(o.index, o.name, o.phase, o.module, o.ins, o.outs, o.flops, o.recompute) for o in ops),
         storages=tuple(infos),
         counted_devices=counted, sdpa_backends=tuple(sorted(sdpa.items())), has_optimizer=has_optimizer,
-        trace_note=note)
+        trace_note=note, unresolved=unresolved)
 
 
 def to_fx_graph(traced: TracedGraph, phases: tuple[str, ...] = STEADY_PHASES) -> fx.GraphModule:

@@ -1,0 +1,66 @@
+"""Frozen weights and LoRA: what a fine-tuning script does to the model before it builds the optimizer.
+
+- `--freeze PATTERN`: parameters whose qualified name matches an fnmatch pattern get `requires_grad=False`, so
+  they get no gradient and no optimizer state (the optimizer is built over trainable parameters only, as
+  fine-tuning scripts do: `[p for p in model.parameters() if p.requires_grad]`).
+- `--lora-rank R [--lora-alpha A] [--lora-targets q_proj,v_proj]`: peft's own `get_peft_model(model,
+  LoraConfig(r=R, lora_alpha=A, target_modules=...))`, on the meta device for a trace, so the traced forward is
+  the real peft forward. Without targets, peft picks its default target modules for the architecture
+  (`peft/utils/constants.py`, TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING). peft freezes every base
+  parameter; the adapters' A and B matrices are trainable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import warnings
+
+import torch
+
+from ..errors import UsageError
+from ..spec import RunSpec
+
+
+def freeze(model: torch.nn.Module, patterns: tuple[str, ...]) -> int:
+    """Set `requires_grad=False` on the parameters whose name matches one of `patterns` (fnmatch). Returns the
+    number of parameters frozen. Raises UsageError for a pattern that matches no parameter."""
+    params = dict(model.named_parameters())
+    frozen: set[str] = set()
+    for pattern in patterns:
+        hits = [n for n in params if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise UsageError(f"--freeze {pattern!r} matches no parameter; names look like "
+                             f"{', '.join(list(params)[:3])} (use globs such as 'model.embed_tokens.*' or '*.layers.0.*')")
+        for n in hits:
+            params[n].requires_grad_(False)
+        frozen.update(hits)
+    return len(frozen)
+
+
+def apply_adapters(spec: RunSpec, model: torch.nn.Module, device: str) -> torch.nn.Module:
+    """`model` with `spec.freeze` applied, then wrapped by peft LoRA when `spec.lora_rank` is set (the returned
+    module is then a `peft.PeftModel`). New adapter weights are created on `device`. Raises UsageError for a
+    LoRA config peft refuses (e.g. no target modules known for a custom module)."""
+    if spec.freeze:
+        freeze(model, spec.freeze)
+    if spec.lora_rank is None:
+        return model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise UsageError("--lora-rank needs peft: pip install peft") from None
+    kwargs: dict = {"r": spec.lora_rank, "lora_dropout": 0.0}
+    if spec.lora_alpha is not None:
+        kwargs["lora_alpha"] = spec.lora_alpha
+    if spec.lora_targets:
+        kwargs["target_modules"] = list(spec.lora_targets)
+    try:
+        config = LoraConfig(**kwargs)
+        with torch.device(device) if device == "meta" else contextlib.nullcontext(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # peft reads transformers' deprecated names
+            return get_peft_model(model, config)
+    except ValueError as e:
+        text = str(e).splitlines()[0] if str(e) else "invalid LoRA config"
+        raise UsageError(f"peft refused the LoRA config: {text} (name the modules with --lora-targets, "
+                         "e.g. --lora-targets q_proj,v_proj)") from None
