@@ -122,6 +122,19 @@ def adapters_summary(spec: RunSpec) -> str:
     return "; ".join(parts)
 
 
+def moe_summary(spec: RunSpec, model) -> dict:
+    """{'moe_layers', 'moe_experts_implementation', 'moe_routing'} for a mixture-of-experts model, else {}.
+    Under transformers' grouped_mm experts (its default) memory does not depend on the routing."""
+    from .tracer.trace import experts_modules
+
+    experts = experts_modules(model)
+    if not experts:
+        return {}
+    impl = getattr(getattr(experts[0], "config", None), "_experts_implementation", None) or "grouped_mm"
+    routing = spec.moe_routing.value if impl == "eager" else f"{spec.moe_routing.value} (no effect: {impl} sizes by tokens × top_k)"
+    return {"moe_layers": len(experts), "moe_experts_implementation": impl, "moe_routing": routing}
+
+
 def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
     from .analysis.liveness import CUDA_MIN_BLOCK_BYTES, build_timeline
     from .analysis.summary import summarize
@@ -164,7 +177,7 @@ def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
         "num_layers": loaded.num_layers, "layer_stack": loaded.layer_stack_path,
         "allocator_block_bytes": block, "num_ops": len(traced.ops), "trace": traced.trace_note,
         "inputs": [f"{n}={d}{list(s)}" for n, d, s in loaded.input_summary()] if loaded.task == "custom" else [],
-        "adapters": adapters_summary(spec), "image_size": loaded.image_size,
+        "adapters": adapters_summary(spec), "image_size": loaded.image_size, **moe_summary(spec, loaded.model),
     }
     return summarize(
         model=model_info, run=run_info, params=loaded.params, ops=traced.ops, storages=traced.storages,

@@ -112,6 +112,41 @@ def _tiny_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty((1,) * (t.dim() - 1) + (t.shape[-1],), dtype=t.dtype).expand(t.shape)
 
 
+class MoeRoutingPolicy:
+    """Token counts of a mixture-of-experts layer's data-dependent ops, by a stated policy (`spec.MoeRouting`).
+
+    Inside an experts module's eager forward (transformers' `eager` experts implementation, e.g.
+    `MixtralExperts.forward`), `nonzero` of the (E,) or (E+1,) hit vector returns the experts that receive
+    tokens, and each `where`/`nonzero` of an expert's (top_k, T) mask its assignments:
+    balanced: the T * top_k assignments spread evenly over all E experts (the first (T*k) mod E get one more);
+    worst: all T tokens go to the same top_k experts (T each): the largest per-expert batches (an upper bound
+    on any expert's temporaries; the step's peak can still be lower than balanced, where every expert is hit
+    and each hit expert adds its weight-gradient buffer).
+    A truth test of a meta tensor there (`if expert_idx == num_experts`) is False: the policy's experts are
+    real ones; indexing by a 0-dim expert id selects a row, as the real id would. Sizes come from the policy,
+    never 0 by default.
+    """
+
+    def __init__(self, routing: str, num_experts: int, top_k: int, tokens: int):
+        self.routing, self.E, self.k, self.T = routing, num_experts, top_k, tokens
+        if routing == "worst":
+            self.counts = [tokens if e < top_k else 0 for e in range(num_experts)]
+        else:
+            q, r = divmod(tokens * top_k, num_experts)
+            self.counts = [q + (e < r) for e in range(num_experts)]
+        self.hit = [e for e, c in enumerate(self.counts) if c > 0]
+        self._next = 0  # index into `hit` of the expert whose mask is asked next
+
+    def nonzero(self, t: torch.Tensor) -> torch.Tensor:
+        """The nonzero() result, (n, t.dim()) int64, of the hit vector or of the next expert's mask."""
+        if t.dim() == 1 and t.shape[0] in (self.E, self.E + 1):
+            n = len(self.hit)
+        else:
+            n = self.counts[self.hit[self._next % len(self.hit)]]
+            self._next += 1
+        return torch.empty((n, t.dim()), dtype=torch.int64, device=t.device)
+
+
 class KernelPolicyMode(TorchFunctionMode):
     """Torch-function mode applying the target's SDPA, dropout and autocast behaviour to meta tensors.
 
@@ -131,6 +166,7 @@ class KernelPolicyMode(TorchFunctionMode):
         self.sdpa_calls: list[tuple[str, str]] = []  # (backend, module path) of every SDPA call
         self.current_module = lambda: ""  # set by the tracer
         self.on_output = None  # callback(out) for every torch-function result (autograd-node module tagging)
+        self.moe: MoeRoutingPolicy | None = None  # set while an experts module's eager forward runs
 
     # -- autocast regions -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -233,8 +269,31 @@ class KernelPolicyMode(TorchFunctionMode):
         return aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, lse, dropout_p, is_causal,
                                                             scale=scale)[0]
 
+    def _moe_op(self, func, args, kwargs):
+        """An MoE data-dependent op answered by the routing policy, or NotImplemented."""
+        first = args[0] if args else None
+        if not isinstance(first, torch.Tensor) or first.device.type != "meta":
+            return NotImplemented
+        if func in (torch.nonzero, torch.Tensor.nonzero) and not kwargs.get("as_tuple"):
+            return self.moe.nonzero(first)
+        if (func is torch.where and len(args) == 1) or (func in (torch.nonzero, torch.Tensor.nonzero) and kwargs.get("as_tuple")):
+            idx = self.moe.nonzero(first)
+            return tuple(idx[:, d] for d in range(first.dim()))
+        if func is torch.Tensor.__bool__:
+            return False
+        index = args[1] if len(args) > 1 else None
+        if (func is torch.Tensor.__getitem__ and isinstance(index, torch.Tensor) and index.dim() == 0
+                and not index.is_floating_point() and index.device.type == "meta"):
+            # an expert id as a 0-dim tensor selects one row (a view, as with the real id); any id has its shape
+            return func(first, 0)
+        return NotImplemented
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.moe is not None:
+            out = self._moe_op(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
         if func is F.scaled_dot_product_attention:
             return self._sdpa(*args, **kwargs)
         if self.device is Device.CUDA and func is F.dropout:

@@ -29,7 +29,7 @@ from ..errors import TraceError, UnsupportedOpError
 from ..spec import Device, Mode, OptimizerImpl, OptimizerKind, RunSpec
 from .building import LoadedModel
 from .checkpointing import apply_checkpointing, layer_stack
-from .kernels import CpuWorkspaceProbe, KernelPolicyMode
+from .kernels import CpuWorkspaceProbe, KernelPolicyMode, MoeRoutingPolicy
 from .records import RecStorage
 from .recorder import StepRecorder, tag_autograd_nodes
 from .replication import TRACED_LAYERS, LayerPlan, NotPeriodic, replicate_layers
@@ -206,6 +206,58 @@ def _transformers_meta_bridge():
         masking_utils.find_packed_sequence_indices = original
 
 
+@contextlib.contextmanager
+def _transformers_moe_bridge():
+    """transformers' default MoE experts implementation, `grouped_mm` (integrations/moe.py), calls
+    `torch.nn.functional.grouped_mm`, whose meta kernel accepts only bf16 while the CPU and CUDA kernels take
+    the model's dtype. On meta weights, take transformers' own `grouped_mm_fallback` custom op instead: its
+    registered fake kernel allocates the same (S, out) output, S = tokens * top_k, and its backward the same
+    gradients, so memory does not depend on the routing."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        yield
+        return
+    original = getattr(moe, "_can_use_grouped_mm", None)
+    if original is None:
+        yield
+        return
+    moe._can_use_grouped_mm = lambda input, weight, offs: weight.device.type != "meta" and original(input, weight, offs)
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+
+
+def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """transformers' MoE experts modules (classes decorated with `use_experts_implementation`)."""
+    return [m for m in model.modules() if hasattr(m, "num_experts") and hasattr(type(m), "_apply_gate")]
+
+
+@contextlib.contextmanager
+def _moe_routing(model: torch.nn.Module, spec: RunSpec, policy: KernelPolicyMode):
+    """While an experts module runs transformers' `eager` experts forward (a loop over the experts hit, with
+    data-dependent `nonzero`/`where`), answer those ops by `spec.moe_routing` (kernels.MoeRoutingPolicy)."""
+    handles = []
+
+    def pre(mod, args):
+        tokens = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) else 0
+        top_k = getattr(mod.config, "num_experts_per_tok", None) or getattr(mod.config, "top_k", 1)
+        policy.moe = MoeRoutingPolicy(spec.moe_routing.value, mod.num_experts, top_k, tokens)
+
+    def post(mod, args, out):
+        policy.moe = None
+
+    for m in experts_modules(model):
+        if getattr(getattr(m, "config", None), "_experts_implementation", None) == "eager":
+            handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Callable[[str], None],
             layers: torch.nn.ModuleList | None):
     """Apply the checkpointing policy to `model` (`loaded.model` or its shallow copy), then run the step on it
@@ -258,7 +310,8 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
     policy.on_output = lambda out: tag_autograd_nodes(out, rec.current_module()) if rec.phase == "forward" else None
     autocast = policy.autocast_region() if compute_dtype is not None else contextlib.nullcontext()
     try:
-        with (_transformers_autocast_bridge(policy), _transformers_meta_bridge(), _host_rng_states(rec),
+        with (_transformers_autocast_bridge(policy), _transformers_meta_bridge(), _transformers_moe_bridge(),
+              _moe_routing(model, spec, policy), _host_rng_states(rec),
               _module_hooks(model, rec), policy,
               torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, lambda t: t), rec):
             rec.phase = "forward"
