@@ -72,3 +72,16 @@ def test_unknown_hub_id_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelLoadError, match="local"):
         resolve_config("some-org/surely-not-cached-model-xyz")
+
+
+@pytest.mark.parametrize("ref,params", [
+    ("mistralai/Mixtral-8x7B-v0.1", 46_702_792_704),  # the figures
+    ("Qwen/Qwen2.5-7B", 7_615_616_512),
+    ("meta-llama/Llama-3.1-405B", 405_853_388_800),  # Meta's model card: 405.85B
+    ("google/gemma-2-9b", 9_241_705_984),
+    ("t5-base", 222_903_552),
+    ("google/vit-base-patch16-224", 86_567_656),
+    ("gpt2-medium", 354_823_168), ("gpt2-large", 774_030_080), ("gpt2-xl", 1_557_611_200),
+])
+def test_bundled_parameter_counts(ref, params):
+    assert load_model(RunSpec(ref, batch=1, seq=8), resolve_config(ref)).params == params
