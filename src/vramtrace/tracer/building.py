@@ -210,7 +210,8 @@ def step_inputs(spec: RunSpec, config, task: str, device: str, float_dtype: torc
     """Keyword inputs of one step of a transformers model of `task`, on `device` (empty on meta; random,
     seeded, in range on a real device):
 
-    - LMs: `input_ids` int64 (B, S) in [0, vocab_size), plus `labels` = input_ids to train;
+    - LMs: `input_ids` int64 (B, S) in [0, vocab_size), plus `labels` = input_ids to train (seq2seq inference:
+      `decoder_input_ids` = input_ids);
     - image-classification: `pixel_values` (B, C, H, W) in `float_dtype` (C: config.num_channels, H = W:
       --image-size or config.image_size), plus `labels` int64 (B,) in [0, num_labels) to train;
     - contrastive (CLIP): `input_ids` (B, S) and `pixel_values`, plus `return_loss=True` to train.
@@ -219,10 +220,13 @@ def step_inputs(spec: RunSpec, config, task: str, device: str, float_dtype: torc
     train = spec.mode is Mode.TRAIN
     real = device != "meta"
 
-    def ints(shape, high):
-        if real:
-            return torch.randint(0, high, shape, dtype=torch.int64, device=device)
-        return torch.empty(shape, dtype=torch.int64, device="meta")
+    def ints(shape, high, pad=None):
+        if not real:
+            return torch.empty(shape, dtype=torch.int64, device="meta")
+        ids = torch.randint(0, high, shape, dtype=torch.int64, device=device)
+        if pad is not None and 0 <= pad < high and high > 1:  # no padding tokens: the trace assumes none
+            ids[ids == pad] = (pad + 1) % high
+        return ids
 
     inputs: dict[str, Any] = {}
     if task in ("image-classification", "contrastive"):
@@ -238,12 +242,14 @@ def step_inputs(spec: RunSpec, config, task: str, device: str, float_dtype: torc
     if spec.seq is None:
         raise UsageError("--seq is required for this model, e.g. --seq 2048")
     text = getattr(config, "text_config", config)
-    inputs["input_ids"] = ids = ints((spec.batch, spec.seq), text.vocab_size)  # (B, S)
+    inputs["input_ids"] = ids = ints((spec.batch, spec.seq), text.vocab_size, getattr(text, "pad_token_id", None))  # (B, S)
     if task == "contrastive":
         if train:
             inputs["return_loss"] = True
     elif train:
         inputs["labels"] = ids
+    elif task == "seq2seq-lm":
+        inputs["decoder_input_ids"] = ids  # inference: the decoder reads S tokens too
     return inputs
 
 

@@ -109,7 +109,10 @@ def cuda_sdpa_backend(sm: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 def _tiny_like(t: torch.Tensor) -> torch.Tensor:
     # A real CPU tensor of t's shape and dtype that allocates only its last dim (stride 1 there, 0 elsewhere).
-    return torch.empty((1,) * (t.dim() - 1) + (t.shape[-1],), dtype=t.dtype).expand(t.shape)
+    # requires_grad carries over: the CPU backend check refuses the fused kernel for an attn_mask that needs
+    # a gradient (e.g. Swin's learned relative-position bias)
+    base = torch.empty((1,) * (t.dim() - 1) + (t.shape[-1],), dtype=t.dtype, requires_grad=t.requires_grad)
+    return base.expand(t.shape)
 
 
 class MoeRoutingPolicy:

@@ -176,7 +176,8 @@ def _transformers_meta_bridge():
     """transformers' `find_packed_sequence_indices` (masking_utils.py) ends in `bool((mask[:, -1] == 0).all())`,
     which meta tensors cannot answer (it runs when there is no KV cache, e.g. under checkpointing). Our
     position ids are one sequence per row, so the real check is True and it returns None: run its ops, skip the
-    `.item()`."""
+    `.item()`. Likewise `fast_all(padding_mask)` (a decoder's padding mask, e.g. BART's) is True: the inputs
+    carry no padding token (`building.step_inputs` draws none)."""
     try:
         from transformers import masking_utils
     except ImportError:
@@ -199,11 +200,51 @@ def _transformers_meta_bridge():
         (mask[:, -1] == 0).all()  # the check's own ops; its answer for our position ids is True
         return None
 
+    fast_all = getattr(masking_utils, "fast_all", None)
+
+    def bridged_all(tensor):  # `padding_mask is None or fast_all(padding_mask)`: our inputs carry no padding
+        out = fast_all(tensor)
+        return True if tensor.device.type == "meta" else out
+
     masking_utils.find_packed_sequence_indices = bridged
+    if fast_all is not None:
+        masking_utils.fast_all = bridged_all
+    with _padding_warning_bridge():
+        try:
+            yield
+        finally:
+            masking_utils.find_packed_sequence_indices = original
+            if fast_all is not None:
+                masking_utils.fast_all = fast_all
+
+
+@contextlib.contextmanager
+def _padding_warning_bridge():
+    """`PreTrainedModel.warn_if_padding_and_no_attention_mask` (modeling_utils.py) asks
+    `pad_token_id in input_ids[:, [-1, 0]]`, a `.item()` meta tensors cannot answer, only to log a warning. On
+    meta, run the check's ops and skip the answer (our inputs carry no padding)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        yield
+        return
+    original = getattr(PreTrainedModel, "warn_if_padding_and_no_attention_mask", None)
+    if original is None:
+        yield
+        return
+
+    def bridged(self, input_ids, attention_mask):
+        if not isinstance(input_ids, torch.Tensor) or input_ids.device.type != "meta":
+            return original(self, input_ids, attention_mask)
+        pad = getattr(self.config, "pad_token_id", None)
+        if attention_mask is None and pad is not None:
+            (input_ids[:, [-1, 0]] == pad).any()  # the check's ops, as `Tensor.__contains__` runs them
+
+    PreTrainedModel.warn_if_padding_and_no_attention_mask = bridged
     try:
         yield
     finally:
-        masking_utils.find_packed_sequence_indices = original
+        PreTrainedModel.warn_if_padding_and_no_attention_mask = original
 
 
 @contextlib.contextmanager
