@@ -170,8 +170,12 @@ def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
         "attn_implementation": loaded.attn_implementation,
         "sdpa_backends": dict(traced.sdpa_backends),
     }
+    if resolved.checkpoint is not None:
+        from .tracer.checkpoint_headers import cross_check
+
+        model_info["checkpoint"] = cross_check(resolved.checkpoint, loaded.params)
     run_info = {
-        "mode": spec.mode.value, "precision": spec.effective_precision.value, "optimizer": spec.optimizer.value,
+        "mode": spec.mode.value, "precision": loaded.precision.value, "optimizer": spec.optimizer.value,
         "optimizer_impl": spec.optimizer_impl.value, "device": spec.device.value, "gpu": gpu.name,
         "batch": spec.batch, "seq": spec.seq, "checkpointing": str(spec.checkpointing),
         "num_layers": loaded.num_layers, "layer_stack": loaded.layer_stack_path,

@@ -34,6 +34,11 @@ def render(report: MemoryReport, console: Console) -> None:
     head.add_row("parameters", format_count(report.params) + ("" if trainable == report.params else
                  f", trainable {format_count(trainable)} ({100 * trainable / max(report.params, 1):.2f}%), "
                  f"frozen {format_count(report.params - trainable)}"))
+    ck = m.get("checkpoint")
+    if ck:
+        dtypes = ", ".join(f"{k} {v:,}" for k, v in ck["dtypes"].items())
+        head.add_row("checkpoint", f"{ck['files']} {ck['source']} file(s): {dtypes}; "
+                     + (ck["note"] if ck["matches"] else f"[bold red]{escape(ck['note'])}[/]"))
     if r.get("adapters"):
         head.add_row("adapters", r["adapters"])
     if r.get("inputs"):

@@ -14,6 +14,7 @@ import torch
 from ..errors import ModelLoadError, UsageError
 from ..spec import Mode, Precision, RunSpec
 from .loading import ResolvedConfig
+from .checkpoint_headers import PRECISION_OF_DTYPE
 from .checkpointing import layer_stack
 from .custom import output_loss
 from .replication import TRACED_LAYERS, LayerPlan
@@ -51,6 +52,7 @@ class LoadedModel:
     layer_stack_path: str = ""  # its qualified name, e.g. 'model.layers'
     args: tuple = ()
     loss: Callable[[Any], torch.Tensor] = output_loss
+    precision: Precision = Precision.BF16_MIXED  # effective: --precision, else the checkpoint's dtype, else the default
 
     def input_summary(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype, shape) of each tensor input, positional ones named args[i]."""
@@ -260,7 +262,10 @@ def load_model(spec: RunSpec, resolved: ResolvedConfig, device: str = "meta") ->
     applied before the plan. Raises ModelLoadError, UsageError."""
     from .adapters import apply_adapters
 
-    param_dtype, compute_dtype = weight_and_compute_dtype(spec.effective_precision)
+    precision = spec.effective_precision
+    if spec.precision is None and resolved.checkpoint is not None and resolved.checkpoint.dtype in PRECISION_OF_DTYPE:
+        precision = Precision(PRECISION_OF_DTYPE[resolved.checkpoint.dtype])  # the weights as stored
+    param_dtype, compute_dtype = weight_and_compute_dtype(precision)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if resolved.source == "custom":
         from .custom import build_custom
@@ -271,7 +276,7 @@ def load_model(spec: RunSpec, resolved: ResolvedConfig, device: str = "meta") ->
         total, trainable = count_params(model)
         stack = layer_stack(model)
         return LoadedModel(
-            model=model, inputs=built.kwargs, args=built.args, loss=built.loss, task="custom",
+            model=model, inputs=built.kwargs, args=built.args, loss=built.loss, task="custom", precision=precision,
             architecture=type(built.model).__name__, model_type="custom", params=total, trainable_params=trainable,
             param_dtype=param_dtype, compute_dtype=compute_dtype, attn_implementation="custom",
             replication_note="custom module: every layer traced", num_layers=len(stack) if stack is not None else 0,
@@ -314,7 +319,7 @@ def load_model(spec: RunSpec, resolved: ResolvedConfig, device: str = "meta") ->
     total, trainable = count_params(model)
     stack = layer_stack(model)
     return LoadedModel(
-        model=model, inputs=inputs, task=task, architecture=type(unwrap(model)).__name__,
+        model=model, inputs=inputs, task=task, architecture=type(unwrap(model)).__name__, precision=precision,
         model_type=config.model_type, params=total, trainable_params=trainable, param_dtype=param_dtype,
         compute_dtype=compute_dtype,
         attn_implementation=str(getattr(config, "_attn_implementation", None) or "eager"),

@@ -2,10 +2,11 @@
 
 Resolution order:
 0. a custom module `path/to/model.py:NAME` or `package.module:NAME` (source 'custom', built by `custom.py`);
-1. a local path: a directory holding `config.json` (or Meta's `params.json`), or a path to such a file;
+1. a local path: a directory holding `config.json` (or Meta's `params.json`), or a path to such a file; a
+   directory's safetensors headers are read too (`checkpoint_headers.py`);
 2. a bundled id (`configs/index.json`): answers at once, offline, with no network call;
 3. a Hub id: only `config.json` (else `params.json`) through `huggingface_hub.hf_hub_download`, which honours
-   `HF_HUB_OFFLINE` and the HF cache.
+   `HF_HUB_OFFLINE` and the HF cache; online, also the safetensors headers (`get_safetensors_metadata`).
 A config with `auto_map` (remote code) is refused unless `trust_remote_code` is set; none of its code is run.
 """
 
@@ -14,13 +15,14 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from ..errors import ModelLoadError
 from ..spec import custom_ref
+from .checkpoint_headers import hub_header, local_header
 
 _CONFIG_DIR = resources.files("vramtrace.tracer") / "configs"
 
@@ -33,6 +35,7 @@ class ResolvedConfig:
     config: dict[str, Any]
     source: str
     location: str
+    checkpoint: Any = None  # checkpoint_headers.CheckpointHeader of the weights beside the config, if any
 
 
 def bundled_ids() -> dict[str, str]:
@@ -101,7 +104,8 @@ def _local(ref: str) -> ResolvedConfig | None:
     if p.is_dir():
         for name in ("config.json", "params.json"):
             if (p / name).is_file():
-                return _from_file(p / name, ref, "local")
+                resolved = _from_file(p / name, ref, "local")
+                return replace(resolved, checkpoint=local_header(p))
         raise ModelLoadError(f"directory {ref} holds no config.json; pass a directory with a config.json or the file itself")
     if p.is_file():
         return _from_file(p, ref, "local")
@@ -141,7 +145,7 @@ def _hub(ref: str) -> ResolvedConfig:
             offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
             why = "HF_HUB_OFFLINE is set and it is not in the HF cache" if offline else "the Hub cannot be reached and it is not in the HF cache"
             raise ModelLoadError(f"cannot fetch the config of {ref!r}: {why}; {hint}") from None
-        return _from_file(Path(path), ref, "hub")
+        return replace(_from_file(Path(path), ref, "hub"), checkpoint=hub_header(ref))
     raise ModelLoadError(f"Hub repo {ref!r} has neither config.json nor params.json; {hint}") from last
 
 

@@ -1,0 +1,112 @@
+"""What a checkpoint stores, from its safetensors headers only (never the tensors).
+
+- A local directory with `*.safetensors` files (or `model.safetensors.index.json` naming the shards): each
+  file's header is read with the safetensors library (`safe_open(...).get_slice(name)`: shape and dtype, no
+  data loaded).
+- A Hub id, when online: `huggingface_hub.get_safetensors_metadata` fetches the headers only (HTTP range
+  requests), never the weights.
+
+The element count is cross-checked against the built model's parameters, and the stored dtype becomes the
+weight dtype when the user gave no `--precision`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ModelLoadError
+
+# safetensors dtype codes (safetensors' Rust `Dtype`) -> torch dtype names
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+           "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+           "BOOL": "bool"}
+# a stored floating dtype -> the precision that keeps the weights in it
+PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointHeader:
+    """Elements per stored dtype over every tensor of a checkpoint. `source`: 'local safetensors' or 'hub'."""
+
+    files: int
+    elements_by_dtype: tuple[tuple[str, int], ...]  # (torch dtype name, elements), most elements first
+    source: str
+
+    @property
+    def elements(self) -> int:
+        return sum(n for _, n in self.elements_by_dtype)
+
+    @property
+    def dtype(self) -> str:
+        """The dtype holding the most elements (the weights' dtype)."""
+        return self.elements_by_dtype[0][0]
+
+
+def _header(counts: dict[str, int], files: int, source: str) -> CheckpointHeader | None:
+    if not counts:
+        return None
+    return CheckpointHeader(files, tuple(sorted(counts.items(), key=lambda kv: -kv[1])), source)
+
+
+def local_header(directory: Path) -> CheckpointHeader | None:
+    """The safetensors headers of `directory` (None without safetensors files). Raises ModelLoadError for a
+    file that is not safetensors or a shard the index names but the directory lacks."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise ModelLoadError(f"{index} is not a safetensors index (no weight_map): {e}") from None
+        files = [directory / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} names shards that {directory} lacks: {', '.join(missing[:3])}")
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    counts: dict[str, int] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for name in h.keys():
+                    sl = h.get_slice(name)
+                    n = 1
+                    for d in sl.get_shape():
+                        n *= d
+                    dtype = _DTYPES.get(sl.get_dtype(), sl.get_dtype().lower())
+                    counts[dtype] = counts.get(dtype, 0) + n
+        except Exception as e:  # safetensors raises its own SafetensorError
+            raise ModelLoadError(f"cannot read the safetensors header of {f}: {e}") from None
+    return _header(counts, len(files), "local safetensors")
+
+
+def hub_header(repo_id: str) -> CheckpointHeader | None:
+    """The Hub repo's safetensors headers through `huggingface_hub.get_safetensors_metadata`, or None when
+    offline (`HF_HUB_OFFLINE`), unreachable, or the repo has no safetensors."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return None
+    try:
+        import huggingface_hub
+
+        meta = huggingface_hub.get_safetensors_metadata(repo_id)
+    except Exception:  # no safetensors, gated, offline: the config alone still answers
+        return None
+    counts = {_DTYPES.get(k, k.lower()): int(v) for k, v in meta.parameter_count.items()}
+    return _header(counts, len(meta.files_metadata), "hub")
+
+
+def cross_check(header: CheckpointHeader, params: int) -> dict:
+    """The report's `checkpoint` entry: what is stored against the built model's parameter count."""
+    diff = header.elements - params
+    note = "matches the built model" if diff == 0 else (
+        f"MISMATCH: the checkpoint holds {header.elements:,} elements, the model built from the config has "
+        f"{params:,} parameters ({diff:+,}); the config may not belong to these weights, or the checkpoint "
+        "stores extra buffers")
+    return {"source": header.source, "files": header.files, "elements": header.elements,
+            "dtypes": dict(header.elements_by_dtype), "matches": diff == 0, "note": note}
