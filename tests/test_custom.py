@@ -133,3 +133,14 @@ def test_freeze_drops_gradients_and_optimizer_state():
 def test_custom_module_build_failure_is_reported():
     with pytest.raises(ModelLoadError, match="built with no arguments"):
         analyze(RunSpec(f"{CUSTOM}/mixer.py:MixerBlock", batch=2, seq=8, device="cpu"))
+
+
+def test_op_without_meta_kernel_is_listed_or_refused_under_strict(capsys):
+    spec = dict(batch=4, seq=None, inputs=("x=float32[B,8]",), device="cpu", precision="fp32", mode="inference")
+    report = analyze(RunSpec(f"{CUSTOM}/nometa.py:Net", **spec))
+    assert len(report.unresolved) == 1 and "vt_test.twice.default" in report.unresolved[0]
+    assert any(t.op == "vt_test.twice.default" and t.bytes == 4 * 8 * 4 for t in report.tensors)  # sized, not 0
+    code = main([f"{CUSTOM}/nometa.py:Net", "--input", "x=float32[B,8]", "--batch", "4", "--device", "cpu",
+                 "--mode", "inference", "--strict"])
+    err = capsys.readouterr().err
+    assert code == 1 and "no meta kernel: vt_test.twice.default in module (root)" in err and "register_fake" in err

@@ -148,7 +148,7 @@ def _render_checkpointing(report: MemoryReport, console: Console) -> None:
         console.print(cmp)
     if report.unresolved:
         console.print(Panel("\n".join(escape(u) for u in report.unresolved),
-                            title=f"Unresolved ({len(report.unresolved)}): not in the figures above", title_align="left",
+                            title=f"Unresolved ({len(report.unresolved)}): sizes the trace could not determine exactly", title_align="left",
                             border_style="red"))
 
 

@@ -54,6 +54,8 @@ def import_target(target: str):
         if not path.is_file():
             raise ModelLoadError(f"custom module file {target} does not exist; pass path/to/model.py:NAME")
         name = f"vramtrace_custom_{path.stem}_{abs(hash(str(path)))}"
+        if name in sys.modules:  # imported once per process (a file may register ops or classes globally)
+            return sys.modules[name]
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
         sys.modules[name] = module  # dataclasses and pickling look modules up here

@@ -18,10 +18,13 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
+from ..errors import UnsupportedOpError
 from .records import RecOp, RecStorage
+
+FALLBACK_LIMIT_BYTES = 256 << 20  # inputs of an op without a meta kernel that the CPU fallback may run
 
 _MODULE_KEY = "vramtrace_module"
 
@@ -42,6 +45,8 @@ class StepRecorder(TorchDispatchMode):
         self.recomputing = 0  # > 0 while a checkpointed region's forward is re-run in the backward
         # (func, args, kwargs) -> bytes the target's kernel allocates and frees inside the op (kernels.py)
         self.workspace: Callable[[Any, tuple, dict], int] | None = None
+        self.strict = False  # an op without a meta kernel raises UnsupportedOpError (else: CPU fallback, listed)
+        self.unresolved: list[str] = []
 
     # -- storages ----------------------------------------------------------------------------------------
     def _on_free(self, key: int, sid: int) -> None:
@@ -118,9 +123,35 @@ class StepRecorder(TorchDispatchMode):
         return t
 
     # -- the dispatch hook -----------------------------------------------------------------------------------
+    def _no_meta_kernel(self, func, args, kwargs, error: NotImplementedError):
+        """An op without a meta kernel: under `strict` an UnsupportedOpError; else run the CPU kernel on zeros of
+        the same sizes (inputs up to FALLBACK_LIMIT_BYTES) and give its outputs' sizes on meta, listed in
+        `unresolved` (a data-dependent size may differ from the real data's)."""
+        where = self.current_module() or "(root)"
+        hint = f"an op has no meta kernel: {func} in module {where} ({str(error).splitlines()[0][:120]})"
+        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        size = sum(t.untyped_storage().nbytes() for t in leaves)
+        if self.strict or size > FALLBACK_LIMIT_BYTES or any(t.device.type not in ("meta", "cpu") for t in leaves):
+            raise UnsupportedOpError(f"{hint}; register one with torch.library.register_fake, or replace the op"
+                                     + ("" if self.strict else f" (its inputs exceed the {FALLBACK_LIMIT_BYTES >> 20} "
+                                                               "MiB CPU fallback)")) from None
+        real = lambda x: (torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype).zero_()  # noqa: E731
+                          if isinstance(x, torch.Tensor) else x)
+        try:
+            out = func(*tree_map(real, args), **tree_map(real, kwargs))
+        except Exception as e:
+            raise UnsupportedOpError(f"{hint}; the CPU fallback failed too: {str(e).splitlines()[0][:120]}") from None
+        self.unresolved.append(f"{func} in {where}: no meta kernel; output sized by the CPU kernel on zeros "
+                               "(a data-dependent size may differ); --strict makes this an error")
+        return tree_map(lambda x: torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype, device="meta")
+                        if isinstance(x, torch.Tensor) else x, out)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except NotImplementedError as e:
+            out = self._no_meta_kernel(func, args, kwargs, e)
         index = len(self.ops)
         name = str(func)
         ins = []

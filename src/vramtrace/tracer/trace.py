@@ -307,6 +307,7 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
     rec = StepRecorder()
     policy = KernelPolicyMode(spec.device, spec.gpu_preset.sm, compute_dtype)
     policy.current_module = rec.current_module
+    rec.strict = spec.strict
     if spec.device is Device.CPU:
         rec.workspace = CpuWorkspaceProbe()
 
@@ -444,8 +445,9 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
         rec, policy, optimizer = _record(spec, loaded.model, loaded, say, layer_stack(loaded.model))
         result = rec.ops, rec.storages, _sdpa_counts(policy, None), optimizer is not None
     ops, storages, sdpa, has_optimizer = result
-    unresolved = tuple(f"{op}: CPU kernel workspace not measured, counted as 0 bytes ({why})"
-                       for op, why in getattr(rec.workspace, "failures", {}).items())
+    unresolved = tuple(dict.fromkeys(rec.unresolved)) + tuple(
+        f"{op}: CPU kernel workspace not measured, counted as 0 bytes ({why})"
+        for op, why in getattr(rec.workspace, "failures", {}).items())
 
     last_use: dict[int, int] = {}
     for o in ops:
