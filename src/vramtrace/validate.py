@@ -68,7 +68,7 @@ def measure_step(spec: RunSpec, setup: Callable | None = None) -> Measurement:
     import torch
 
     from .tracer.checkpointing import apply_checkpointing, layer_stack
-    from .tracer.kernels import profiled_peak_bytes
+    from .tracer.kernels import run_profiled
     from .tracer.trace import make_optimizer
 
     device = spec.device.value
@@ -110,9 +110,8 @@ def measure_step(spec: RunSpec, setup: Callable | None = None) -> Measurement:
         torch.cuda.synchronize()
         return Measurement("cuda", torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
     start = _storage_bytes(alive_at_start(model, [*args, *kwargs.values()], opt))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    return Measurement("cpu", start + profiled_peak_bytes(prof))
+    _, peak = run_profiled(step)
+    return Measurement("cpu", start + peak)
 
 
 def _require_local(device: Device) -> None:

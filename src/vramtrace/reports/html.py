@@ -60,11 +60,17 @@ def _summary(report: MemoryReport, label: str) -> dict:
     ck = report.checkpointing
     return {
         "label": label,
-        "model": f"{m['ref']}: {m['architecture']}, {report.params:,} parameters, weights {m['param_dtype']}, "
-                 f"compute {m['compute_dtype']}",
+        "model": f"{m['ref']}: {m['architecture']}, {report.params:,} parameters"
+                 + (f" ({m['trainable_params']:,} trainable)" if m["trainable_params"] != report.params else "")
+                 + f", weights {m['param_dtype']}, compute {m['compute_dtype']}"
+                 + (f"; {r['adapters']}" if r.get("adapters") else "")
+                 + (f"; checkpoint: {m['checkpoint']['note']}" if m.get("checkpoint") else ""),
         "run": f"{r['mode']}, {r['precision']}, optimizer {r['optimizer']} ({r['optimizer_impl']}), batch {r['batch']}"
-               f" × seq {r['seq']}, target {r['device']}" + (f" ({r['gpu']})" if r["device"] == "cuda" else "")
-               + f", checkpointing {r['checkpointing']}",
+               + (f" × seq {r['seq']}" if r.get("seq") else "")
+               + (f", image {'×'.join(map(str, r['image_size']))}" if r.get("image_size") else "")
+               + f", target {r['device']}" + (f" ({r['gpu']})" if r["device"] == "cuda" else "")
+               + f", checkpointing {r['checkpointing']}"
+               + (f", MoE routing {r['moe_routing']}" if r.get("moe_layers") else ""),
         "peak": f"{format_bytes(report.peak_allocated_bytes)} ({report.peak_allocated_bytes:,} bytes)",
         "where": f"step {report.peak_step} of {report.num_steps}, {report.peak_phase}: {report.peak_op} in "
                  f"{report.peak_module or '(root)'}",

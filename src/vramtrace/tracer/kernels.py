@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -328,16 +330,38 @@ class KernelPolicyMode(TorchFunctionMode):
         return F.nll_loss(lsm, target, weight, size_average, ignore_index, reduce, reduction)
 
 
-def profiled_peak_bytes(prof) -> int:
-    """The running maximum of the allocation sum over a torch.profiler run's `[memory]` allocator events
-    (`profile_memory=True`), in bytes, relative to its start."""
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """Silence file descriptor 2 (kineto writes a 'profiler_start/stop' line per profiler run from C++)."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        sys.stderr.flush()
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def run_profiled(fn):
+    """(fn(), peak bytes): the running maximum of the allocation sum over torch.profiler's `[memory]` allocator
+    events (`profile_memory=True`) while `fn` runs, relative to its start."""
+    with _quiet_native_stderr(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                        profile_memory=True) as prof:
+        out = fn()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())
     cur = peak = 0
     for e in events:
         cur += e.nbytes()
         peak = max(peak, cur)
-    return peak
+    return out, peak
 
 
 class CpuWorkspaceProbe:
@@ -390,10 +414,8 @@ class CpuWorkspaceProbe:
 
     @staticmethod
     def _measure(func, args, kwargs) -> int:
-        with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                                     profile_memory=True) as prof:
-            out = func(*args, **kwargs)
-        peak = profiled_peak_bytes(prof)
+        with torch.no_grad():
+            out, peak = run_profiled(lambda: func(*args, **kwargs))
         seen, out_bytes = set(), 0
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in seen:
