@@ -54,7 +54,7 @@ def main_command(
     lora_targets: Optional[str] = typer.Option(None, "--lora-targets", help="LoRA target modules, e.g. q_proj,v_proj "
                                                "[default: peft's for the architecture]"),
     moe_routing: str = typer.Option("balanced", "--moe-routing", help="tokens per MoE expert: balanced (equal share) | "
-                                    "worst (all tokens to the same top-k experts: an upper bound)"),
+                                    "worst (all tokens to the same top-k experts: the largest per-expert batches)"),
     strict: bool = typer.Option(False, "--strict", help="an op without a meta kernel is an error, not an unresolved entry"),
     compare_policies: bool = typer.Option(False, "--compare", help="compare checkpointing none, layers and selective"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write the JSON report to PATH, or '-' for stdout"),
