@@ -32,16 +32,6 @@ class Measurement:
     peak_reserved_bytes: int | None = None
 
 
-def _storage_bytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        st = t.untyped_storage()
-        if st._cdata not in seen:
-            seen.add(st._cdata)
-            total += st.nbytes()
-    return total
-
-
 def real_model(spec: RunSpec, device: str = "cpu"):
     """`spec`'s model built for real on `device` with random weights (seed 0), its step inputs (random, in
     range), loss and autocast dtype: a `LoadedModel`, the same code path as the meta build."""
@@ -68,7 +58,7 @@ def measure_step(spec: RunSpec, setup: Callable | None = None) -> Measurement:
     import torch
 
     from .tracer.checkpointing import apply_checkpointing, layer_stack
-    from .tracer.kernels import run_profiled
+    from .tracer.kernels import run_profiled, unique_storage_bytes
     from .tracer.trace import make_optimizer
 
     device = spec.device.value
@@ -109,7 +99,7 @@ def measure_step(spec: RunSpec, setup: Callable | None = None) -> Measurement:
         step()
         torch.cuda.synchronize()
         return Measurement("cuda", torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
-    start = _storage_bytes(alive_at_start(model, [*args, *kwargs.values()], opt))
+    start = unique_storage_bytes(alive_at_start(model, [*args, *kwargs.values()], opt))
     _, peak = run_profiled(step)
     return Measurement("cpu", start + peak)
 

@@ -133,7 +133,7 @@ class MoeRoutingPolicy:
     """
 
     def __init__(self, routing: str, num_experts: int, top_k: int, tokens: int):
-        self.routing, self.E, self.k, self.T = routing, num_experts, top_k, tokens
+        self.E = num_experts
         if routing == "worst":
             self.counts = [tokens if e < top_k else 0 for e in range(num_experts)]
         else:
@@ -349,6 +349,25 @@ def _quiet_native_stderr():
         os.close(devnull)
 
 
+def cpu_zeros_like(tree):
+    """`tree` with every tensor replaced by CPU zeros of its sizes, strides and dtype (a real stand-in for a
+    meta tensor); other leaves unchanged."""
+    return torch.utils._pytree.tree_map(
+        lambda x: torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype).zero_()
+        if isinstance(x, torch.Tensor) else x, tree)
+
+
+def unique_storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views and aliases counted once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        st = t.untyped_storage()
+        if st._cdata not in seen:
+            seen.add(st._cdata)
+            total += st.nbytes()
+    return total
+
+
 def run_profiled(fn):
     """(fn(), peak bytes): the running maximum of the allocation sum over torch.profiler's `[memory]` allocator
     events (`profile_memory=True`) while `fn` runs, relative to its start."""
@@ -391,14 +410,6 @@ class CpuWorkspaceProbe:
             return tuple(CpuWorkspaceProbe._key(v) for v in x)
         return x
 
-    @staticmethod
-    def _real(x):
-        if isinstance(x, torch.Tensor):
-            return torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype).zero_()
-        if isinstance(x, (list, tuple)):
-            return type(x)(CpuWorkspaceProbe._real(v) for v in x)
-        return x
-
     def __call__(self, func, args, kwargs) -> int:
         """Workspace bytes of `func(*args, **kwargs)` (meta tensors) on this machine's CPU; 0 for ops not probed."""
         if str(func) not in self.OPS:
@@ -406,7 +417,7 @@ class CpuWorkspaceProbe:
         key = (str(func), self._key(args), self._key(tuple(sorted(kwargs.items()))))
         if key not in self._cache:
             try:
-                self._cache[key] = self._measure(func, self._real(args), self._real(kwargs))
+                self._cache[key] = self._measure(func, cpu_zeros_like(args), cpu_zeros_like(kwargs))
             except RuntimeError as e:  # the meta kernel's outputs differ from the CPU kernel's expectations
                 self._cache[key] = 0
                 self.failures[str(func)] = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -416,9 +427,5 @@ class CpuWorkspaceProbe:
     def _measure(func, args, kwargs) -> int:
         with torch.no_grad():
             out, peak = run_profiled(lambda: func(*args, **kwargs))
-        seen, out_bytes = set(), 0
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in seen:
-                seen.add(t.untyped_storage()._cdata)
-                out_bytes += t.untyped_storage().nbytes()
-        return max(peak - out_bytes, 0)
+        outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return max(peak - unique_storage_bytes(outs), 0)

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from ..errors import UnsupportedOpError
+from .kernels import cpu_zeros_like
 from .records import RecOp, RecStorage
 
 FALLBACK_LIMIT_BYTES = 256 << 20  # inputs of an op without a meta kernel that the CPU fallback may run
@@ -135,10 +136,8 @@ class StepRecorder(TorchDispatchMode):
             raise UnsupportedOpError(f"{hint}; register one with torch.library.register_fake, or replace the op"
                                      + ("" if self.strict else f" (its inputs exceed the {FALLBACK_LIMIT_BYTES >> 20} "
                                                                "MiB CPU fallback)")) from None
-        real = lambda x: (torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype).zero_()  # noqa: E731
-                          if isinstance(x, torch.Tensor) else x)
         try:
-            out = func(*tree_map(real, args), **tree_map(real, kwargs))
+            out = func(*cpu_zeros_like(args), **cpu_zeros_like(kwargs))
         except Exception as e:
             raise UnsupportedOpError(f"{hint}; the CPU fallback failed too: {str(e).splitlines()[0][:120]}") from None
         self.unresolved.append(f"{func} in {where}: no meta kernel; output sized by the CPU kernel on zeros "

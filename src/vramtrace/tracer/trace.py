@@ -2,7 +2,7 @@
 
 The step is run eagerly on meta tensors, exactly as user code runs it:
 
-    loss = loss_of(model(**inputs))                   # under autocast for a mixed precision
+    loss = loaded.loss(model(*args, **inputs))        # under autocast for a mixed precision
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
