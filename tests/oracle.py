@@ -1,30 +1,371 @@
-"""Ground truth for CPU tests: the real step run on the CPU.
+"""Ground truth for the CPU tests: the real step, written from public APIs only.
 
-`measure_cpu_peak` is `vramtrace.validate.measure_step`: the bytes live at step start (every unique storage of
-parameters, buffers, optimizer state and inputs) plus the running maximum of the profiler's `[memory]`
-allocator events of the measured step (`profile_memory=True`), after one warm-up step, as a user's training
-loop runs it. `measure_cpu_dispatch_peak` is a second, independent runtime oracle.
+This module imports nothing from vramtrace (a test asserts it), so a bug in vramtrace's model building,
+inputs, optimizer or checkpointing cannot hide behind itself. It reads a case description (a `RunSpec` is
+passed in, but only its plain fields are read: model reference, batch, seq, mode, precision, optimizer,
+checkpointing, inputs, freeze, LoRA, image size) and builds everything itself:
+
+- transformers models: `AutoConfig` and the class its `architectures` names (`getattr(transformers, arch)`),
+  built with `from_config`, random weights (seed 0); inputs drawn here per head;
+- custom modules (`path.py:NAME`): the file imported with importlib, `NAME()` called;
+- the optimizer: a plain `torch.optim.AdamW(params)` (or the case's Adam/SGD, for-loop or foreach);
+- the literal loop, one warm-up step then the measured one:
+
+      with torch.autocast("cpu", dtype):   # mixed precision only
+          loss = model(**batch).loss
+      loss.backward()
+      opt.step()
+      opt.zero_grad(set_to_none=True)
+
+- the measurement: the bytes of every unique storage alive at step start (parameters, buffers, inputs,
+  optimizer state) plus the running maximum of torch.profiler's `[memory]` allocator events
+  (`profile_memory=True`) during the measured step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
+import functools
+import gc
+import importlib
+import importlib.util
+import json
+import os
+import re
+import sys
+import weakref
+from pathlib import Path
+
 import torch
+import transformers
 
-from vramtrace.spec import RunSpec
-from vramtrace.tracer.trace import make_optimizer
-from vramtrace.validate import alive_at_start, measure_step, real_model
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MIXED = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+INPUT_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16, "int64": torch.int64, "long": torch.int64, "int32": torch.int32,
+                "bool": torch.bool}
 
 
-def measure_cpu_peak(spec: RunSpec, setup=None) -> int:
-    """Peak bytes of the steady-state step of `spec` run for real on the CPU (profiler allocator events), as
-    `vramtrace validate` measures it. `setup(model)` replaces applying `spec.checkpointing`."""
-    assert spec.device.value == "cpu"
-    return measure_step(spec, setup).peak_allocated_bytes
+def _v(x):
+    """An enum's value, or the thing itself."""
+    return getattr(x, "value", x)
+
+
+# -- the model ----------------------------------------------------------------------------------------------
+def hf_config(ref: str):
+    """The transformers config of a config.json path or a local directory."""
+    path = Path(ref)
+    if path.is_dir():
+        return transformers.AutoConfig.from_pretrained(str(path))
+    cfg = json.loads(path.read_text())
+    return transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+
+
+AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM", "AutoModelForImageClassification",
+                "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
+                "AutoModelForQuestionAnswering", "AutoModelForMultipleChoice", "AutoModelForPreTraining", "AutoModel")
+
+
+def hf_model(config, dtype: torch.dtype) -> torch.nn.Module:
+    """`AutoModelFor<head>.from_config(config, dtype=dtype)` for the head `config.architectures[0]` names, with
+    random weights (seed 0), as a user builds it."""
+    arch = config.architectures[0]
+    for name in AUTO_CLASSES:
+        auto = getattr(transformers, name)
+        if auto._model_mapping.get(type(config), type(None)).__name__ == arch:
+            torch.manual_seed(0)
+            return auto.from_config(config, dtype=dtype)
+    raise ValueError(f"oracle: no Auto class builds {arch}")
+
+
+def _import_custom(ref: str):
+    target, _, name = ref.rpartition(":")
+    if target.endswith(".py"):
+        spec = importlib.util.spec_from_file_location(f"oracle_custom_{abs(hash(target))}", target)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    return module, getattr(module, name)
+
+
+def _input_tensor(text: str, batch: int, seq: int | None) -> tuple[str, torch.Tensor]:
+    """`NAME=DTYPE[DIMS][:LO..HI]` (vramtrace's --input grammar, parsed here on its own) as a random tensor."""
+    m = re.fullmatch(r"(\w+)=(\w+)\[([^\]]*)\](?::(-?\d+)\.\.(-?\d+))?", text.strip())
+    name, dtype, dims, lo, hi = m.groups()
+    shape = tuple(batch if d == "B" else seq if d == "S" else int(d) for d in (x.strip() for x in dims.split(",")))
+    dt = INPUT_DTYPES[dtype]
+    if dt.is_floating_point:
+        return name, torch.randn(shape, dtype=dt)
+    low, high = (int(lo), int(hi)) if lo is not None else (0, 2)
+    return name, torch.randint(low, high, shape).to(dt)
+
+
+def _as_tensor(x, batch: int, seq: int | None):
+    return _input_tensor(f"_={x}", batch, seq)[1] if isinstance(x, str) else x
+
+
+# -- inputs per head --------------------------------------------------------------------------------------------
+def _ids(shape, vocab: int, pad) -> torch.Tensor:
+    ids = torch.randint(0, vocab, shape)
+    if pad is not None and 0 <= pad < vocab and vocab > 1:
+        ids[ids == pad] = (pad + 1) % vocab  # no padding tokens
+    return ids
+
+
+def hf_batch(model: torch.nn.Module, config, batch: int, seq: int | None, train: bool, image_size: int | None,
+             float_dtype: torch.dtype) -> dict:
+    """The keyword inputs a user feeds this head (transformers' documented forward arguments)."""
+    name = type(model).__name__
+    out: dict = {}
+    if "ForImageClassification" in name or hasattr(model, "get_image_features"):
+        vision = getattr(config, "vision_config", config)
+        size = image_size or getattr(vision, "image_size", None) or 224
+        out["pixel_values"] = torch.randn(batch, getattr(vision, "num_channels", 3), size, size, dtype=float_dtype)
+        if "ForImageClassification" in name:
+            if train:
+                out["labels"] = torch.randint(0, config.num_labels, (batch,))
+            return out
+    text = getattr(config, "text_config", config)
+    ids = _ids((batch, seq), text.vocab_size, getattr(text, "pad_token_id", None))  # (B, S)
+    if "ForMultipleChoice" in name:
+        choices = 2
+        out["input_ids"] = _ids((batch, choices, seq), text.vocab_size, getattr(text, "pad_token_id", None))
+        if train:
+            out["labels"] = torch.randint(0, choices, (batch,))
+        return out
+    out["input_ids"] = ids
+    if hasattr(model, "get_image_features"):  # CLIP
+        if train:
+            out["return_loss"] = True
+        return out
+    if not train:
+        if getattr(config, "is_encoder_decoder", False):
+            out["decoder_input_ids"] = ids
+        return out
+    if "ForSequenceClassification" in name:
+        out["labels"] = torch.randint(0, config.num_labels, (batch,))
+    elif "ForTokenClassification" in name:
+        out["labels"] = torch.randint(0, config.num_labels, (batch, seq))
+    elif "ForQuestionAnswering" in name:
+        out["start_positions"] = torch.randint(0, seq, (batch,))
+        out["end_positions"] = torch.randint(0, seq, (batch,))
+    else:  # causal, masked and seq2seq LM
+        out["labels"] = ids
+    return out
+
+
+# -- checkpointing, written as a user writes it --------------------------------------------------------------------
+def _decoder_layers(model):
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)
+                and all(isinstance(c, GradientCheckpointingLayer) for c in m))
+
+
+def apply_checkpointing(model, policy: str) -> None:
+    """`policy` in vramtrace's grammar, applied through transformers' and torch's public APIs."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    kind, _, arg = policy.partition(":")
+    if kind == "none":
+        return
+    if kind in ("layers", "nth"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False},
+                                            **({"every_n_layers": int(arg)} if kind == "nth" else {}))
+    elif kind == "selective":
+        names = arg.split(",") if arg else ["aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm"]
+        save = {getattr(torch.ops.aten, n.split(".")[1]) for n in names}
+
+        def save_matmuls(ctx, func, *args, **kwargs):
+            return CheckpointPolicy.MUST_SAVE if func.overloadpacket in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+            "use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts, save_matmuls)})
+    elif kind == "modules":
+        done: list[str] = []
+        for name, m in model.named_modules():
+            if name and fnmatch.fnmatchcase(name, arg) and not any(name.startswith(d + ".") for d in done):
+                done.append(name)
+                m.forward = functools.partial(checkpoint, m.forward, use_reentrant=False)
+    elif kind == "every":  # K consecutive layers under one checkpoint
+        layers, k = _decoder_layers(model), int(arg)
+        model.enable_input_require_grads()
+        for start in range(0, len(layers), k):
+            seg = list(layers[start:start + k])
+            forwards = [m.forward for m in seg]
+
+            def run_segment(h, *args, _fw=forwards, **kwargs):
+                # as transformers' GradientCheckpointingLayer does under checkpointing: no KV cache
+                kwargs.update({k: v for k, v in (("use_cache", False), ("past_key_values", None)) if k in kwargs})
+                for f in _fw:
+                    h = f(h, *args, **kwargs)
+                return h
+
+            seg[0].forward = functools.partial(checkpoint, run_segment, use_reentrant=False)
+            for m in seg[1:]:
+                m.forward = lambda h, *args, **kwargs: h
+    else:
+        raise ValueError(f"oracle: unknown checkpointing {policy!r}")
+
+
+# -- the step -----------------------------------------------------------------------------------------------------
+def make_optimizer(kind: str, impl: str, params):
+    foreach = impl == "foreach"  # vramtrace's default on the CPU is the for-loop implementation
+    if kind == "none" or not params:
+        return None
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=1e-4, foreach=foreach)
+    return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if kind == "sgd-momentum" else 0.0, foreach=foreach)
+
+
+@contextlib.contextmanager
+def _quiet_fd2():
+    """kineto prints a line per profiler run on fd 2."""
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    sys.stderr.flush()
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def profiled_peak(fn) -> int:
+    """Running maximum of the allocation sum over the profiler's `[memory]` events while `fn` runs."""
+    with _quiet_fd2(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                              profile_memory=True) as prof:
+        fn()
+    cur = peak = 0
+    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns()):
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+def storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+class RealStep:
+    """A case built for real on the CPU: `model`, `args`/`kwargs` of its forward, `loss_of(output)`, the
+    optimizer and the autocast dtype. `run()` is one literal step."""
+
+    def __init__(self, spec, setup=None):
+        mode = _v(spec.mode)
+        self.train = mode == "train"
+        precision = _v(spec.precision) or ("bf16-mixed" if self.train else "bf16")
+        self.autocast = MIXED.get(precision)
+        weight_dtype = torch.float32 if self.autocast else DTYPES[precision]
+        self.args, self.kwargs = (), {}
+        self.loss_of = lambda out: out.loss
+        ref = spec.model
+        if re.search(r"\.py:\w+$|^[\w.]+:\w+$", ref):
+            module, build = _import_custom(ref)
+            torch.manual_seed(0)
+            model = build()
+            if weight_dtype is not torch.float32:
+                model = model.to(weight_dtype)
+            if getattr(spec, "inputs", ()):
+                named = dict(_input_tensor(t, spec.batch, spec.seq) for t in spec.inputs)
+                import inspect
+                params = inspect.signature(model.forward).parameters
+                if all(n in params for n in named):
+                    self.kwargs = named
+                else:
+                    self.args = tuple(named.values())
+            else:
+                ex = module.example_inputs(spec.batch, spec.seq)
+                if isinstance(ex, dict):
+                    self.kwargs = {k: _as_tensor(v, spec.batch, spec.seq) for k, v in ex.items()}
+                else:
+                    self.args = tuple(_as_tensor(v, spec.batch, spec.seq) for v in (ex if isinstance(ex, tuple) else (ex,)))
+            if hasattr(module, "loss"):
+                self.loss_of = lambda out: module.loss(out, *self.args, *self.kwargs.values())
+            else:
+                self.loss_of = _first_float_mean
+        else:
+            config = hf_config(ref)
+            model = hf_model(config, weight_dtype)
+            self.kwargs = hf_batch(model, config, spec.batch, spec.seq, self.train, getattr(spec, "image_size", None),
+                                   weight_dtype)
+        for pattern in getattr(spec, "freeze", ()) or ():
+            for n, p in model.named_parameters():
+                if fnmatch.fnmatchcase(n, pattern):
+                    p.requires_grad_(False)
+        if getattr(spec, "lora_rank", None):
+            import peft
+
+            lora = {"r": spec.lora_rank}
+            if spec.lora_alpha is not None:
+                lora["lora_alpha"] = spec.lora_alpha
+            if spec.lora_targets:
+                lora["target_modules"] = list(spec.lora_targets)
+            model = peft.get_peft_model(model, peft.LoraConfig(**lora))
+        model.train(self.train)
+        if setup is not None:
+            setup(model)
+        elif self.train:
+            apply_checkpointing(model, str(spec.checkpointing))
+        self.model = model
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = make_optimizer(_v(spec.optimizer), _v(spec.optimizer_impl), params) if self.train else None
+
+    def _autocast(self):
+        return torch.autocast("cpu", dtype=self.autocast) if self.autocast else contextlib.nullcontext()
+
+    def run(self) -> None:
+        model, opt = self.model, self.opt
+        if self.train:
+            with self._autocast():
+                loss = self.loss_of(model(*self.args, **self.kwargs))
+            loss.backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                model.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad(), self._autocast():
+                out = model(*self.args, **self.kwargs)
+            del out
+
+    def alive_at_start(self) -> list:
+        alive = [*self.model.parameters(), *self.model.buffers(), *self.args, *self.kwargs.values()]
+        if self.opt is not None:
+            alive += [v for st in self.opt.state.values() for v in st.values()]
+        return [t for t in alive if isinstance(t, torch.Tensor)]
+
+
+def _first_float_mean(out):
+    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return leaves[0].mean()
+
+
+def measure_cpu_peak(spec, setup=None) -> int:
+    """Peak bytes of the case's steady-state step run for real on the CPU: bytes alive at step start plus the
+    profiler's allocator peak of the step. `setup(model)` replaces applying the case's checkpointing."""
+    assert _v(spec.device) == "cpu"
+    step = RealStep(spec, setup)
+    step.run()  # warm-up: the optimizer creates its state
+    gc.collect()
+    return storage_bytes(step.alive_at_start()) + profiled_peak(step.run)
 
 
 class _StorageCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    """Runtime oracle in the style of test/inductor/test_mem_estimation.py: count live storages of a real run
-    through weakref.finalize, independently of vramtrace's recorder."""
+    """Runtime oracle in the style of test/inductor/test_mem_estimation.py: live storages of a real run
+    counted through weakref.finalize."""
 
     def __init__(self):
         super().__init__()
@@ -32,8 +373,6 @@ class _StorageCounter(torch.utils._python_dispatch.TorchDispatchMode):
         self.cur = self.peak = 0
 
     def track(self, t):
-        import weakref
-
         st = t.untyped_storage()
         key = st._cdata
         if key in self.live:
@@ -54,22 +393,14 @@ class _StorageCounter(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def measure_cpu_dispatch_peak(spec: RunSpec) -> int:
-    """Peak bytes of the steady-state step run for real on the CPU, counted by a dispatch-mode storage oracle."""
-    loaded = real_model(spec)
-    model, inputs = loaded.model, loaded.inputs
-    opt = make_optimizer(spec, list(model.parameters()))
-
-    def step():
-        loss = model(**inputs).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()
+def measure_cpu_dispatch_peak(spec) -> int:
+    """Peak bytes of the steady-state step run for real on the CPU, counted by the dispatch-mode oracle (op
+    outputs only: kernel workspaces are invisible to it)."""
+    step = RealStep(spec)
+    step.run()
     counter = _StorageCounter()
-    for t in alive_at_start(model, list(inputs.values()), opt):
+    for t in step.alive_at_start():
         counter.track(t)
     with counter:
-        step()
+        step.run()
     return counter.peak

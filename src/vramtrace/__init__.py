@@ -183,6 +183,8 @@ def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
         "inputs": [f"{n}={d}{list(s)}" for n, d, s in loaded.input_summary()] if loaded.task == "custom" else [],
         "adapters": adapters_summary(spec), "image_size": loaded.image_size, **moe_summary(spec, loaded.model),
     }
+    if traced.cpu_environment:
+        run_info["cpu_kernels"] = dict(traced.cpu_environment)
     return summarize(
         model=model_info, run=run_info, params=loaded.params, ops=traced.ops, storages=traced.storages,
         steady=timeline(steady_phases), first=timeline(first_phases), graph_optimal=timeline(steady_phases, True),

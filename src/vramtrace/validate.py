@@ -113,21 +113,14 @@ def _require_local(device: Device) -> None:
 
 
 def free_bytes(device: Device) -> int:
-    """Free memory of the local device in bytes: CUDA `mem_get_info`, or MemAvailable of /proc/meminfo."""
+    """Free memory of the local device in bytes: CUDA `mem_get_info`, or the host's MemAvailable."""
     if device is Device.CUDA:
         import torch
 
         return torch.cuda.mem_get_info()[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
+    from .tracer.kernels import available_host_bytes
 
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available_host_bytes()
 
 
 def validate(spec: RunSpec, progress: Callable[[str], None] | None = None) -> dict:

@@ -55,6 +55,10 @@ def render(report: MemoryReport, console: Console) -> None:
     head.add_row("target", target)
     if r.get("trace"):
         head.add_row("trace", f"{r['num_ops']:,} aten ops; {r['trace']}")
+    if r.get("cpu_kernels"):
+        c = r["cpu_kernels"]
+        head.add_row("CPU kernels", f"measured on {c['cpu']} ({c['cpu_flags'] or 'no AVX flags'}), oneDNN ISA "
+                     f"{c['onednn_max_isa']}, ATen {c['aten_capability']}, {c['threads']} threads, torch {c['torch']}")
     console.print(Panel(head, title="vramtrace", border_style="cyan"))
 
     peak = Text.assemble(("Peak allocated: ", "bold"), (format_bytes(report.peak_allocated_bytes), "bold magenta"),

@@ -12,10 +12,9 @@ above autograd (so that what it changes is what autograd records and saves) and 
 * Autocast (mixed precision): per-op cast policies mirrored from `aten/src/ATen/autocast_mode.cpp`
   (CUDA and CPU lists), including the weight-cast cache that lives until the autocast region exits.
 
-`CpuWorkspaceProbe` (CPU target) measures what a CPU kernel allocates and frees inside one op: oneDNN's
-reorders of input, weight and output to blocked layouts (`aten/src/ATen/native/mkldnn/Conv.cpp`) or the im2col
-buffer of the slow convolution (`aten/src/ATen/native/ConvolutionMM2d.cpp`, `finput`), which depend on the
-local CPU's ISA; the meta kernels allocate only the outputs.
+`CpuWorkspaceProbe` (CPU target) measures what a CPU kernel allocates and frees inside one op, for every op
+but views: oneDNN's matmul scratchpads and reorders, flash-attention buffers, im2col buffers, upcast copies.
+They depend on the local CPU's ISA and thread count; the meta kernels allocate only the outputs.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import contextlib
 import enum
 import os
 import sys
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +61,8 @@ CUDA_AUTOCAST: dict[str, CastPolicy] = {
 # Same file, TORCH_LIBRARY_IMPL(_, AutocastCPU, m).
 CPU_AUTOCAST: dict[str, CastPolicy] = {
     **_ops(CastPolicy.LOWER, """conv1d conv2d conv3d bmm mm linalg_vecdot baddbmm addmm addbmm linear _convolution
-        matmul conv_tbc conv_transpose1d conv_transpose2d conv_transpose3d prelu scaled_dot_product_attention"""),
+        matmul conv_tbc conv_transpose1d conv_transpose2d conv_transpose3d prelu scaled_dot_product_attention
+        _native_multi_head_attention"""),
     **_ops(CastPolicy.FP32, """avg_pool3d binary_cross_entropy grid_sampler polar prod quantile nanquantile stft cdist
         trace view_as_complex cholesky cholesky_inverse cholesky_solve inverse lu_solve orgqr ormqr pinverse max_pool3d
         max_unpool2d max_unpool3d adaptive_avg_pool3d reflection_pad1d reflection_pad2d replication_pad1d
@@ -166,12 +167,14 @@ class KernelPolicyMode(TorchFunctionMode):
         self.autocast_dtype = autocast_dtype
         self.table = CUDA_AUTOCAST if device is Device.CUDA else CPU_AUTOCAST
         self._autocast_depth = 0
+        self._below_autocast_kernel = 0  # > 0 while an op autocast handled runs (its inner calls are not cast)
         self._disabled_depth = 0
         self._cast_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.sdpa_calls: list[tuple[str, str]] = []  # (backend, module path) of every SDPA call
         self.current_module = lambda: ""  # set by the tracer
         self.on_output = None  # callback(out) for every torch-function result (autograd-node module tagging)
         self.moe: MoeRoutingPolicy | None = None  # set while an experts module's eager forward runs
+        self.unresolved: list[str] = []  # what the target's kernels do that the trace cannot size
 
     # -- autocast regions -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -191,6 +194,21 @@ class KernelPolicyMode(TorchFunctionMode):
             yield
         finally:
             self._disabled_depth -= 1
+
+    @contextlib.contextmanager
+    def _autocast_kernel(self, active: bool):
+        """While an op that autocast casts runs: autocast_mode.cpp's wrappers call the op with the Autocast key
+        excluded (`ExcludeDispatchKeyGuard`), so the kernels below it are not cast again."""
+        self._below_autocast_kernel += active
+        try:
+            yield
+        finally:
+            self._below_autocast_kernel -= active
+
+    @property
+    def kernel_autocast_dtype(self) -> torch.dtype | None:
+        """The autocast dtype a C++ kernel running now sees for its own inner op calls (None: not active)."""
+        return self.autocast_dtype if self.autocast_active and not self._below_autocast_kernel else None
 
     @property
     def autocast_active(self) -> bool:
@@ -300,15 +318,28 @@ class KernelPolicyMode(TorchFunctionMode):
             if out is not NotImplemented:
                 return out
         if func is F.scaled_dot_product_attention:
-            return self._sdpa(*args, **kwargs)
+            with self._autocast_kernel(self.autocast_active):
+                return self._sdpa(*args, **kwargs)
+        if func is F.multi_head_attention_forward:
+            # nn.MultiheadAttention's (and nn.Transformer*Layer's) training and autocast path: run its body with
+            # this mode active, so its SDPA call and matmuls get the target's backend and autocast policy
+            with _skip_next_torch_function_check(), self:
+                return func(*args, **kwargs)
+        if self.device is Device.CUDA and func in (torch._native_multi_head_attention,
+                                                   torch._transformer_encoder_layer_fwd):
+            self.unresolved.append(f"{func.__name__} in {self.current_module() or '(root)'}: the eval fast path's "
+                                   "CUDA kernel is traced as one op; its internal buffers are not counted")
         if self.device is Device.CUDA and func is F.dropout:
             return self._cuda_dropout(*args, **kwargs)
+        cast = False
         if self.autocast_active:
             name = _op_name(func)
             if name == "cross_entropy" and self.device is Device.CUDA:
                 return self._cuda_cross_entropy(*args, **kwargs)
             args, kwargs = self._apply_autocast(func, name, args, kwargs)
-        out = func(*args, **kwargs)
+            cast = name in self.table
+        with self._autocast_kernel(cast):
+            out = func(*args, **kwargs)
         if self.on_output is not None and isinstance(out, torch.Tensor) and out.grad_fn is not None:
             self.on_output(out)
         return out
@@ -328,6 +359,96 @@ class KernelPolicyMode(TorchFunctionMode):
                                    reduce, reduction, label_smoothing)
         lsm = torch.log_softmax(input, 1 if input.dim() > 1 else 0, dtype=torch.float32)
         return F.nll_loss(lsm, target, weight, size_average, ignore_index, reduce, reduction)
+
+
+@contextlib.contextmanager
+def _skip_next_torch_function_check():
+    """Bridge (torch 2.4-2.13, `torch/nn/functional.py`, module global `has_torch_function`): the next
+    `has_torch_function(...)` check in torch.nn.functional answers False, then the original is back. A Python
+    composite such as `multi_head_attention_forward` first hands itself to the active torch-function mode as a
+    whole; called from inside the mode with the mode pushed again, it must skip that hand-off once and run its
+    body, whose own calls (`linear`, `scaled_dot_product_attention`) the mode then sees. Raises TraceError when
+    the target is gone."""
+    from ..errors import TraceError
+
+    original = getattr(F, "has_torch_function", None)
+    if original is None:
+        raise TraceError(f"torch {torch.__version__}: torch.nn.functional.has_torch_function is gone; "
+                         "vramtrace cannot trace into nn.MultiheadAttention (please report)")
+
+    def once(*args, **kwargs):
+        F.has_torch_function = original
+        return False
+
+    F.has_torch_function = once
+    try:
+        yield
+    finally:
+        F.has_torch_function = original
+
+
+_FAST_PATH_MODULES = ("MultiheadAttention", "TransformerEncoderLayer")
+
+
+@contextlib.contextmanager
+def mha_fast_path_bridge(policy: "KernelPolicyMode"):
+    """Bridge (torch 2.1-2.13, `torch/nn/modules/activation.py::MultiheadAttention.forward`,
+    `torch/nn/modules/transformer.py::TransformerEncoderLayer.forward`): let their eval fast path
+    (`torch._native_multi_head_attention`, `torch._transformer_encoder_layer_fwd`) be decided on meta tensors as
+    on the target device. Their checks refuse meta tensors (`_check_arg_device`, the device-type list) and any
+    active torch-function mode (`torch.overrides.has_torch_function`); a real run on CPU or CUDA takes the fast
+    path. Patched for the trace, answered as on the target only when called from those two forwards:
+    `torch.overrides.has_torch_function` (no override on the target: False), `torch.is_autocast_enabled()` (CUDA
+    autocast: the emulated autocast on a CUDA target; False on a CPU target, as the real call asks about CUDA),
+    and `torch.utils.backend_registration._privateuse1_backend_name` reads 'meta' while such a module runs.
+    Raises TraceError when a target is gone."""
+    import torch.nn.modules.activation as activation
+    import torch.nn.modules.transformer as transformer
+    from torch.utils import backend_registration
+
+    from ..errors import TraceError
+
+    try:
+        codes = {activation.MultiheadAttention.forward.__code__, transformer.TransformerEncoderLayer.forward.__code__}
+        originals = (torch.overrides.has_torch_function, torch.is_autocast_enabled,
+                     backend_registration._privateuse1_backend_name)
+    except AttributeError as e:
+        raise TraceError(f"torch {torch.__version__} changed nn.MultiheadAttention's fast-path checks ({e}); "
+                         "vramtrace cannot decide its eval fast path (please report)") from e
+    has_tf, autocast_enabled, pu1 = originals
+
+    def from_fast_path_check() -> bool:
+        return sys._getframe(2).f_code in codes
+
+    def has_torch_function(args):
+        if from_fast_path_check() and any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in args):
+            return False
+        return has_tf(args)
+
+    def is_autocast_enabled(*args):
+        if not args and from_fast_path_check():
+            return policy.device is Device.CUDA and policy.autocast_active
+        return autocast_enabled(*args)
+
+    def pre(module, args):
+        if type(module).__name__ in _FAST_PATH_MODULES and not module.training:
+            backend_registration._privateuse1_backend_name = "meta"
+
+    def post(module, args, out):
+        if type(module).__name__ in _FAST_PATH_MODULES:
+            backend_registration._privateuse1_backend_name = pu1
+
+    torch.overrides.has_torch_function = has_torch_function
+    torch.is_autocast_enabled = is_autocast_enabled
+    h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
+    h2 = torch.nn.modules.module.register_module_forward_hook(post)
+    try:
+        yield
+    finally:
+        h1.remove()
+        h2.remove()
+        torch.overrides.has_torch_function, torch.is_autocast_enabled = has_tf, autocast_enabled
+        backend_registration._privateuse1_backend_name = pu1
 
 
 @contextlib.contextmanager
@@ -383,49 +504,126 @@ def run_profiled(fn):
     return out, peak
 
 
-class CpuWorkspaceProbe:
-    """Bytes a CPU kernel allocates and frees inside one op (its workspace), beyond its outputs.
+def cpu_environment() -> dict[str, str | int]:
+    """What a CPU target's kernel workspaces depend on, as plain data: the CPU model, its flags that change
+    oneDNN's kernels (avx512_bf16, avx512_fp16, amx_*), the oneDNN ISA cap in effect (`ONEDNN_MAX_CPU_ISA`,
+    else every ISA the CPU has), ATen's vectorisation level (`torch.backends.cpu.get_cpu_capability()`), the
+    intra-op thread count (`torch.get_num_threads()`) and the torch version."""
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not model:
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = sorted(f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni")
+                    or f.startswith("amx"))
+    return {"cpu": model or "unknown", "cpu_flags": " ".join(wanted),
+            "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA") or "(all the CPU has)",
+            "aten_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
 
-    Measured, not modelled: the op is run once on real CPU tensors of the same sizes, strides and dtypes
-    (zeros), under torch.profiler's allocator events (`profile_memory=True`); the workspace is the peak of the
-    running allocation sum inside the op minus the bytes of its output storages. Cached per signature (op,
-    shapes, strides, dtypes, other arguments), so each distinct convolution of a model runs once. Only `OPS`
-    (convolutions and batch norm, forward and backward) are probed; their workspace is 0 on the meta device.
+
+def available_host_bytes() -> int:
+    """MemAvailable of /proc/meminfo (bytes), else the free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class CpuWorkspaceProbe:
+    """Bytes a CPU kernel allocates and frees inside one op (its workspace), beyond its new outputs.
+
+    Measured, not modelled, for every op that computes (all but views): the op is run once on real CPU
+    tensors of the same sizes, strides and dtypes (zeros), in this process (same thread count, same oneDNN ISA),
+    under torch.profiler's allocator events (`profile_memory=True`); the workspace is the peak of the running
+    allocation sum inside the op minus the bytes of the output storages it allocated (an in-place op's output
+    is its input: not subtracted). Cached per signature (op, shapes, strides, dtypes, other arguments).
+
+    What this catches, found on real runs (issue 11): oneDNN's user scratchpad of bf16 matmuls
+    (`aten/src/ATen/native/mkldnn/Matmul.cpp` sends bf16 mm/addmm/bmm/baddbmm to `ideep::matmul_forward` when
+    oneDNN's ISA is at least avx512_core; its size depends on the kernel, the strides and the thread count),
+    the CPU flash attention's per-thread buffers (`aten/src/ATen/native/cpu/FlashAttentionKernel.cpp`),
+    upcast copies of mixed-dtype pointwise ops, oneDNN reorders and im2col buffers of convolutions
+    (`aten/src/ATen/native/mkldnn/Conv.cpp`, `ConvolutionMM2d.cpp`). An op too large to run here (its inputs
+    and outputs over half the available memory) or failing on zeros is listed in `failures` (reported as
+    unresolved), never counted as 0 silently.
     """
 
-    OPS = frozenset(f"aten.{n}" for n in (
-        "convolution.default", "convolution_backward.default", "_native_batch_norm_legit.default",
-        "_native_batch_norm_legit_functional.default", "native_batch_norm.default",
-        "native_batch_norm_backward.default"))
-
-    def __init__(self):
+    def __init__(self, limit_bytes: int | None = None, autocast_dtype: Callable[[], torch.dtype | None] = lambda: None):
         self._cache: dict[tuple, int] = {}
+        # the dtype of the (emulated) CPU autocast active where the op runs: the probe runs under the real one,
+        # since a kernel outside autocast's op lists (e.g. `_transformer_encoder_layer_fwd`) calls ops that
+        # autocast casts (`_native_multi_head_attention`); for the ops autocast already handled it is a no-op
+        self.autocast_dtype = autocast_dtype
         self.failures: dict[str, str] = {}  # op -> why its workspace could not be measured (counted as 0)
+        self.notes: dict[str, str] = {}  # op -> where the CPU kernel's outputs differ from the meta kernel's
+        self.limit_bytes = available_host_bytes() // 2 if limit_bytes is None else limit_bytes
 
     @staticmethod
     def _key(x):
         if isinstance(x, torch.Tensor):
-            return ("T", tuple(x.shape), x.stride(), x.dtype, x.requires_grad)
+            return ("T", tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.requires_grad)
         if isinstance(x, (list, tuple)):
             return tuple(CpuWorkspaceProbe._key(v) for v in x)
         return x
 
-    def __call__(self, func, args, kwargs) -> int:
-        """Workspace bytes of `func(*args, **kwargs)` (meta tensors) on this machine's CPU; 0 for ops not probed."""
-        if str(func) not in self.OPS:
+    @staticmethod
+    def probed(func) -> bool:
+        """Whether `func` is probed: every op but views (their output is an input's storage)."""
+        return not getattr(func, "is_view", False)
+
+    def __call__(self, func, args, kwargs, out=None) -> int:
+        """Workspace bytes of `func(*args, **kwargs)` (meta tensors) on this machine's CPU; `out` is the op's
+        meta output. When the CPU kernel's new outputs differ in bytes from the meta kernel's (a kernel that
+        autocast casts inside, such as `_transformer_encoder_layer_fwd`), the workspace is taken against the
+        meta outputs, so the op's in-kernel peak is the measured one, and the op is listed in `notes`."""
+        if not self.probed(func):
             return 0
-        key = (str(func), self._key(args), self._key(tuple(sorted(kwargs.items()))))
+        autocast = self.autocast_dtype()
+        key = (str(func), self._key(args), self._key(tuple(sorted(kwargs.items()))), autocast)
         if key not in self._cache:
+            tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            size = sum(t.untyped_storage().nbytes() for t in tensors)
+            if size > self.limit_bytes:
+                self._cache[key] = 0
+                self.failures[str(func)] = (f"its tensors ({size >> 20} MiB) exceed half of this machine's "
+                                            "available memory")
+                return 0
             try:
-                self._cache[key] = self._measure(func, cpu_zeros_like(args), cpu_zeros_like(kwargs))
-            except RuntimeError as e:  # the meta kernel's outputs differ from the CPU kernel's expectations
+                peak, cpu_out = self._measure(func, cpu_zeros_like(args), cpu_zeros_like(kwargs), autocast)
+            except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError) as e:
+                # the meta kernel's outputs differ from the CPU kernel's expectations
                 self._cache[key] = 0
                 self.failures[str(func)] = str(e).splitlines()[0] if str(e) else type(e).__name__
+                return 0
+            meta_out = _new_output_bytes(args, kwargs, out)
+            if meta_out != cpu_out:
+                self.notes[str(func)] = (f"the CPU kernel's outputs take {cpu_out:,} B, the meta kernel's "
+                                         f"{meta_out:,} B; the op's in-kernel peak is the measured one")
+            self._cache[key] = max(peak - meta_out, 0)
         return self._cache[key]
 
     @staticmethod
-    def _measure(func, args, kwargs) -> int:
-        with torch.no_grad():
+    def _measure(func, args, kwargs, autocast: torch.dtype | None) -> tuple[int, int]:
+        """(in-op allocation peak, bytes of the new output storages) of one real run of the op."""
+        with torch.no_grad(), torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
             out, peak = run_profiled(lambda: func(*args, **kwargs))
-        outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        return max(peak - unique_storage_bytes(outs), 0)
+        return peak, _new_output_bytes(args, kwargs, out)
+
+
+def _new_output_bytes(args, kwargs, out) -> int:
+    """Bytes of the storages of `out` that are not storages of the inputs (an in-place op's output is not new)."""
+    ins = {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves((args, kwargs))
+           if isinstance(t, torch.Tensor)}
+    return unique_storage_bytes(t for t in torch.utils._pytree.tree_leaves(out)
+                                if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in ins)

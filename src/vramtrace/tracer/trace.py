@@ -29,7 +29,7 @@ from ..errors import TraceError, UnsupportedOpError
 from ..spec import Device, Mode, OptimizerImpl, OptimizerKind, RunSpec
 from .building import LoadedModel
 from .checkpointing import apply_checkpointing, layer_stack
-from .kernels import CpuWorkspaceProbe, KernelPolicyMode, MoeRoutingPolicy
+from .kernels import CpuWorkspaceProbe, KernelPolicyMode, MoeRoutingPolicy, cpu_environment, mha_fast_path_bridge
 from .records import RecStorage
 from .recorder import StepRecorder, tag_autograd_nodes
 from .replication import TRACED_LAYERS, LayerPlan, NotPeriodic, replicate_layers
@@ -82,6 +82,7 @@ class TracedGraph:
     has_optimizer: bool
     trace_note: str = ""
     unresolved: tuple[str, ...] = ()  # what the trace could not size, one line each (never counted silently)
+    cpu_environment: tuple[tuple[str, str | int], ...] = ()  # CPU target: what its kernel workspaces depend on
 
 
 def make_optimizer(spec: RunSpec, params: list[torch.nn.Parameter]):
@@ -309,7 +310,7 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
     policy.current_module = rec.current_module
     rec.strict = spec.strict
     if spec.device is Device.CPU:
-        rec.workspace = CpuWorkspaceProbe()
+        rec.workspace = CpuWorkspaceProbe(autocast_dtype=lambda: policy.kernel_autocast_dtype)
 
     def wrap_region(function):
         """A checkpointed region's function: its re-run in the backward is marked as recompute and runs under
@@ -353,7 +354,7 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
     autocast = policy.autocast_region() if compute_dtype is not None else contextlib.nullcontext()
     try:
         with (_transformers_autocast_bridge(policy), _transformers_meta_bridge(), _transformers_moe_bridge(),
-              _moe_routing(model, spec, policy), _host_rng_states(rec),
+              _moe_routing(model, spec, policy), _host_rng_states(rec), mha_fast_path_bridge(policy),
               _module_hooks(model, rec), policy,
               torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, lambda t: t), rec):
             rec.phase = "forward"
@@ -445,9 +446,10 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
         rec, policy, optimizer = _record(spec, loaded.model, loaded, say, layer_stack(loaded.model))
         result = rec.ops, rec.storages, _sdpa_counts(policy, None), optimizer is not None
     ops, storages, sdpa, has_optimizer = result
-    unresolved = tuple(dict.fromkeys(rec.unresolved)) + tuple(
+    unresolved = tuple(dict.fromkeys(rec.unresolved + policy.unresolved)) + tuple(
         f"{op}: CPU kernel workspace not measured, counted as 0 bytes ({why})"
-        for op, why in getattr(rec.workspace, "failures", {}).items())
+        for op, why in getattr(rec.workspace, "failures", {}).items()) + tuple(
+        f"{op}: {why}" for op, why in getattr(rec.workspace, "notes", {}).items())
 
     last_use: dict[int, int] = {}
     for o in ops:
@@ -471,7 +473,8 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
         ops=tuple(OpInfo(o.index, o.name, o.phase, o.module, o.ins, o.outs, o.flops, o.recompute) for o in ops),
         storages=tuple(infos),
         counted_devices=counted, sdpa_backends=tuple(sorted(sdpa.items())), has_optimizer=has_optimizer,
-        trace_note=note, unresolved=unresolved)
+        trace_note=note, unresolved=unresolved,
+        cpu_environment=tuple(cpu_environment().items()) if spec.device is Device.CPU else ())
 
 
 def to_fx_graph(traced: TracedGraph, phases: tuple[str, ...] = STEADY_PHASES) -> fx.GraphModule:

@@ -1,0 +1,15 @@
+"""The tests' oracle shares no code with vramtrace: tests/oracle.py imports nothing from it."""
+
+import ast
+from pathlib import Path
+
+
+def test_oracle_imports_nothing_from_vramtrace():
+    tree = ast.parse((Path(__file__).parent / "oracle.py").read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+    assert imported and not any(m.split(".")[0] in ("vramtrace", "conftest") for m in imported), imported
