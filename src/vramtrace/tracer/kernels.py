@@ -269,9 +269,11 @@ class KernelPolicyMode(TorchFunctionMode):
         if self.device is Device.CUDA:
             backend = cuda_sdpa_backend(self.sm, query, key, value, attn_mask, dropout_p, enable_gqa)
         else:
-            mask = None if attn_mask is None else _tiny_like(attn_mask)
-            choice = torch._fused_sdp_choice(_tiny_like(query), _tiny_like(key), _tiny_like(value), mask, dropout_p,
-                                             is_causal, scale=scale, enable_gqa=enable_gqa)
+            # the stand-ins are the tracer's own, not the step's: made and asked with no mode recording them
+            with torch.utils._python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction():
+                mask = None if attn_mask is None else _tiny_like(attn_mask)
+                choice = torch._fused_sdp_choice(_tiny_like(query), _tiny_like(key), _tiny_like(value), mask,
+                                                 dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
             backend = "flash" if choice == _SDP_FLASH else "math"
         self.sdpa_calls.append((backend, self.current_module()))
         if backend == "math":
@@ -582,48 +584,73 @@ class CpuWorkspaceProbe:
         """Whether `func` is probed: every op but views (their output is an input's storage)."""
         return not getattr(func, "is_view", False)
 
-    def __call__(self, func, args, kwargs, out=None) -> int:
-        """Workspace bytes of `func(*args, **kwargs)` (meta tensors) on this machine's CPU; `out` is the op's
-        meta output. When the CPU kernel's new outputs differ in bytes from the meta kernel's (a kernel that
-        autocast casts inside, such as `_transformer_encoder_layer_fwd`), the workspace is taken against the
-        meta outputs, so the op's in-kernel peak is the measured one, and the op is listed in `notes`."""
+    def __call__(self, func, args, kwargs, out):
+        """(workspace bytes, output) of `func(*args, **kwargs)` (meta tensors) on this machine's CPU. `out` is the
+        meta kernel's output; where the CPU kernel's new outputs have another dtype or shape (CPU
+        `native_layer_norm` returns a bf16 input's mean and rstd in bf16, the meta kernel in fp32; a kernel that
+        autocast casts inside, such as `_transformer_encoder_layer_fwd`), the returned output is `out` with
+        those leaves replaced by meta tensors laid out as the CPU kernel's, since they are what the real step
+        holds (listed in `notes`)."""
         if not self.probed(func):
-            return 0
+            return 0, out
         autocast = self.autocast_dtype()
         key = (str(func), self._key(args), self._key(tuple(sorted(kwargs.items()))), autocast)
         if key not in self._cache:
-            tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-            size = sum(t.untyped_storage().nbytes() for t in tensors)
-            if size > self.limit_bytes:
-                self._cache[key] = 0
-                self.failures[str(func)] = (f"its tensors ({size >> 20} MiB) exceed half of this machine's "
-                                            "available memory")
-                return 0
-            try:
-                peak, cpu_out = self._measure(func, cpu_zeros_like(args), cpu_zeros_like(kwargs), autocast)
-            except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError) as e:
-                # the meta kernel's outputs differ from the CPU kernel's expectations
-                self._cache[key] = 0
-                self.failures[str(func)] = str(e).splitlines()[0] if str(e) else type(e).__name__
-                return 0
-            meta_out = _new_output_bytes(args, kwargs, out)
-            if meta_out != cpu_out:
-                self.notes[str(func)] = (f"the CPU kernel's outputs take {cpu_out:,} B, the meta kernel's "
-                                         f"{meta_out:,} B; the op's in-kernel peak is the measured one")
-            self._cache[key] = max(peak - meta_out, 0)
-        return self._cache[key]
+            self._cache[key] = self._probe(func, args, kwargs, out, autocast)
+        ws, layouts = self._cache[key]
+        if layouts:
+            leaves, spec = torch.utils._pytree.tree_flatten(out)
+            for i, shape, stride, dtype in layouts:
+                leaves[i] = torch.empty_strided(shape, stride, dtype=dtype, device=leaves[i].device)
+            out = torch.utils._pytree.tree_unflatten(leaves, spec)
+        return ws, out
+
+    def _probe(self, func, args, kwargs, out, autocast) -> tuple[int, tuple]:
+        """(workspace bytes, ((leaf index, shape, stride, dtype), ...) of outputs to lay out as the CPU's)."""
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        size = sum(t.untyped_storage().nbytes() for t in tensors)
+        if size > self.limit_bytes:
+            self.failures[str(func)] = f"its tensors ({size >> 20} MiB) exceed half of this machine's available memory"
+            return 0, ()
+        cpu_args, cpu_kwargs = cpu_zeros_like(args), cpu_zeros_like(kwargs)
+        try:
+            peak, cpu_out = self._measure(func, cpu_args, cpu_kwargs, autocast)
+        except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError) as e:
+            # the meta kernel's outputs differ from the CPU kernel's expectations
+            self.failures[str(func)] = str(e).splitlines()[0] if str(e) else type(e).__name__
+            return 0, ()
+        meta_leaves = torch.utils._pytree.tree_leaves(out)
+        cpu_leaves = torch.utils._pytree.tree_leaves(cpu_out)
+        ins = _storages(args, kwargs)  # meta inputs: an output among them is in place, never relaid
+        layouts = []
+        if len(meta_leaves) == len(cpu_leaves):
+            for i, (m, c) in enumerate(zip(meta_leaves, cpu_leaves)):
+                if (isinstance(m, torch.Tensor) and isinstance(c, torch.Tensor) and m.untyped_storage()._cdata not in ins
+                        and (m.dtype != c.dtype or m.shape != c.shape)):
+                    layouts.append((i, tuple(c.shape), c.stride(), c.dtype))
+        if layouts:
+            self.notes[str(func)] = ("the CPU kernel's outputs are laid out otherwise than the meta kernel's ("
+                                     + ", ".join(f"{str(c.dtype).removeprefix('torch.')}{list(c.shape)} for "
+                                                 f"{str(meta_leaves[i].dtype).removeprefix('torch.')}"
+                                                 f"{list(meta_leaves[i].shape)}" for i, *_ in layouts
+                                                 for c in [cpu_leaves[i]])
+                                     + "); the trace holds the CPU's")
+        return max(peak - _new_output_bytes(cpu_out, _storages(cpu_args, cpu_kwargs)), 0), tuple(layouts)
 
     @staticmethod
-    def _measure(func, args, kwargs, autocast: torch.dtype | None) -> tuple[int, int]:
-        """(in-op allocation peak, bytes of the new output storages) of one real run of the op."""
+    def _measure(func, args, kwargs, autocast: torch.dtype | None):
+        """(in-op allocation peak in bytes, the output) of one real run of the op."""
         with torch.no_grad(), torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
             out, peak = run_profiled(lambda: func(*args, **kwargs))
-        return peak, _new_output_bytes(args, kwargs, out)
+        return peak, out
 
 
-def _new_output_bytes(args, kwargs, out) -> int:
-    """Bytes of the storages of `out` that are not storages of the inputs (an in-place op's output is not new)."""
-    ins = {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves((args, kwargs))
-           if isinstance(t, torch.Tensor)}
+def _storages(*trees) -> set[int]:
+    return {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves(trees) if isinstance(t, torch.Tensor)}
+
+
+def _new_output_bytes(out, ins: set[int]) -> int:
+    """Bytes of the storages of `out` that are not among the input storages `ins` (an in-place op's output is
+    its input: not new)."""
     return unique_storage_bytes(t for t in torch.utils._pytree.tree_leaves(out)
                                 if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in ins)

@@ -44,8 +44,9 @@ class StepRecorder(TorchDispatchMode):
         self._lock = threading.Lock()
         self.module_stack: list[str] = []
         self.recomputing = 0  # > 0 while a checkpointed region's forward is re-run in the backward
-        # (func, args, kwargs, out) -> bytes the target's kernel allocates and frees inside the op (kernels.py)
-        self.workspace: Callable[[Any, tuple, dict], int] | None = None
+        # (func, args, kwargs, meta out) -> (bytes the target's kernel allocates and frees inside the op, the
+        # output laid out as the target's kernel lays it out) (kernels.CpuWorkspaceProbe)
+        self.workspace: Callable[[Any, tuple, dict, Any], tuple[int, Any]] | None = None
         self.strict = False  # an op without a meta kernel raises UnsupportedOpError (else: CPU fallback, listed)
         self.unresolved: list[str] = []
 
@@ -151,6 +152,9 @@ class StepRecorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         except NotImplementedError as e:
             out = self._no_meta_kernel(func, args, kwargs, e)
+        ws = 0
+        if self.workspace is not None:  # may lay outputs out as the target's kernel does (kernels.py)
+            ws, out = self.workspace(func, args, kwargs, out)
         index = len(self.ops)
         name = str(func)
         ins = []
@@ -164,7 +168,6 @@ class StepRecorder(TorchDispatchMode):
                 sid = self.storage_id(t, op_index=index, op=name)
                 if sid >= n_before and sid not in new:
                     new.append(sid)
-        ws = self.workspace(func, args, kwargs, out) if self.workspace is not None else 0
         if ws > 0:  # a storage born and freed within the op: what the kernel holds while it runs
             sid = len(self.storages)
             self.storages.append(RecStorage(sid, ws, "uint8", (ws,), "meta", index, name, self.current_module(),
