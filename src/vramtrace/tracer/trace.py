@@ -28,7 +28,7 @@ from .. import bridges
 from ..analysis.categories import Category
 from ..errors import TraceError, UnsupportedOpError
 from ..spec import Device, Mode, OptimizerImpl, OptimizerKind, RunSpec
-from .building import LoadedModel
+from .building import LoadedModel, quiet_transformers_logs
 from .checkpointing import apply_checkpointing, layer_stack
 from .kernels import CpuWorkspaceProbe, KernelPolicyMode, MoeRoutingPolicy
 from .records import RecStorage
@@ -283,7 +283,8 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
     result = None
     if plan is not None:
         say(f"tracing {TRACED_LAYERS} of {plan.num_layers} layers")
-        rec, policy, optimizer = _record(spec, loaded.traced_model, loaded, say, layer_stack(loaded.traced_model))
+        with quiet_transformers_logs():
+            rec, policy, optimizer = _record(spec, loaded.traced_model, loaded, say, layer_stack(loaded.traced_model))
         try:
             ops, storages = replicate_layers(plan, rec.ops, rec.storages)
             _check_parameters(loaded.model, storages)
@@ -293,7 +294,8 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
             note = f"traced every layer ({e})"
             say(note)
     if result is None:
-        rec, policy, optimizer = _record(spec, loaded.model, loaded, say, layer_stack(loaded.model))
+        with quiet_transformers_logs():
+            rec, policy, optimizer = _record(spec, loaded.model, loaded, say, layer_stack(loaded.model))
         result = rec.ops, rec.storages, _sdpa_counts(policy, None), optimizer is not None
     ops, storages, sdpa, has_optimizer = result
     unresolved = tuple(dict.fromkeys(rec.unresolved)) + tuple(
