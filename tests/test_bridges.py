@@ -86,7 +86,12 @@ def test_a_missing_target_is_a_bridge_error_and_nothing_is_patched(monkeypatch, 
     message = str(e.value)
     assert f"{module}.{attribute} is missing in {bridge.library} {library.__version__}" in message
     assert f"bridge {bridge.name}, written for {bridge.written_for}" in message and "\n" not in message
-    if bridge is not bridges.CHECKPOINT_FUNCTION:  # that one is checked when checkpointing is applied
+    if bridge is bridges.CHECKPOINT_FUNCTION:  # used when looking for the layer stack, not while tracing
+        from vramtrace.tracer.checkpointing import layer_stack
+
+        with pytest.raises(BridgeError, match=name):
+            layer_stack(torch.nn.Sequential())
+    else:
         with pytest.raises(BridgeError, match=name):
             with _installed():
                 pytest.fail("installed() went on without its target")

@@ -18,7 +18,7 @@ from conftest import FIXTURES
 from vramtrace import RunSpec, analyze
 from vramtrace.cli import main
 from vramtrace.errors import UsageError
-from vramtrace.validate import real_model
+from vramtrace.validate import measure_step, real_model
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_GPT2 = str(FIXTURES / "tiny-gpt2.json")
@@ -40,11 +40,12 @@ def _global_state() -> dict:
         "global_backward_hooks": dict(hooks._global_backward_hooks),
         "sys_stderr": sys.stderr,
         "fd2": (fd2.st_dev, fd2.st_ino),
+        "open_fds": len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None,
         "sys_path": list(sys.path),
     }
 
 
-def test_analyze_and_a_real_build_leave_global_state_as_found():
+def test_analyze_a_real_build_and_a_measured_step_leave_global_state_as_found():
     torch.manual_seed(1234)  # a caller's RNG state, not the seed 0 of a real build
     transformers.logging.set_verbosity_info()  # a caller's verbosity, not ERROR (what vramtrace logs at)
     try:
@@ -55,6 +56,8 @@ def test_analyze_and_a_real_build_leave_global_state_as_found():
         first = real_model(RunSpec(TINY_GPT2, batch=2, seq=16, device="cpu"))
         assert _global_state() == before
         custom = real_model(RunSpec(CONVNET, batch=2, seq=None, device="cpu", inputs=("x=float32[B,3,8,8]",)))
+        assert _global_state() == before
+        measure_step(RunSpec(TINY_GPT2, batch=2, seq=16, device="cpu"))  # profiler (fd 2 silenced), autocast
         assert _global_state() == before
     finally:
         transformers.logging.set_verbosity_warning()

@@ -257,6 +257,12 @@ def installed(policy: KernelPolicyMode, rec: StepRecorder) -> Iterator[None]:
         yield
 
 
+def gradient_checkpointing_layer() -> type:
+    """transformers' `GradientCheckpointingLayer` (modeling_layers.py), the class of the layers that
+    activation_checkpointing_enable checkpoints. Raises BridgeError when it is missing."""
+    return resolve(CHECKPOINT_FUNCTION)["transformers.modeling_layers.GradientCheckpointingLayer"]
+
+
 def route_checkpoint_functions(model: torch.nn.Module, function: Callable) -> int:
     """After `activation_checkpointing_enable`, replace each module's `_gradient_checkpointing_func` (where
     transformers' GradientCheckpointingLayer looks up the checkpoint function) by `function`. The model is the

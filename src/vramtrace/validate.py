@@ -54,11 +54,12 @@ def alive_at_start(model, inputs, opt) -> list:
 
 def measure_step(spec: RunSpec, setup: Callable | None = None) -> Measurement:
     """Run the step of `spec` for real on `spec.device` and measure it. The model gets `spec.checkpointing` as
-    a user's code applies it, or `setup(model)` when given. Raises UsageError when CUDA is asked for and absent."""
-    from .tracer.building import quiet_transformers_logs
+    a user's code applies it, or `setup(model)` when given. Runs seeded (0) inside `torch.random.fork_rng`: the
+    caller's RNG state is left as it was. Raises UsageError when CUDA is asked for and absent."""
+    from .tracer.building import quiet_transformers_logs, seeded
 
     _require_local(spec.device)
-    with quiet_transformers_logs():
+    with quiet_transformers_logs(), seeded(spec.device.value):  # dropout draws from seed 0, not the caller's RNG
         return _measure(spec, setup)
 
 

@@ -165,12 +165,9 @@ def _segment(seg: list[torch.nn.Module], run_checkpoint) -> None:
 def layer_stack(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     """The model's stack of checkpointable layers: the one ModuleList of transformers
     `GradientCheckpointingLayer`s, or None."""
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:
-        return None
+    layer_class = bridges.gradient_checkpointing_layer()
     stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)
-              and all(isinstance(c, GradientCheckpointingLayer) for c in m)]
+              and all(isinstance(c, layer_class) for c in m)]
     return stacks[0] if len(stacks) == 1 else None
 
 
