@@ -133,3 +133,20 @@ def test_checkpoint_functions_are_routed_or_the_error_names_the_attribute():
     n = bridges.route_checkpoint_functions(model, marker)
     layers = [m for m in model.modules() if getattr(m, "_gradient_checkpointing_func", None) is marker]
     assert n == len(layers) >= model.config.n_layer
+
+
+def test_a_patched_inherited_method_is_removed_again_not_copied_onto_the_class():
+    class Base:
+        def f(self):
+            return "base"
+
+    class Child(Base):
+        pass
+
+    with bridges._set(Child, "f", lambda self: "bridged"):
+        assert Child().f() == "bridged"
+    assert "f" not in vars(Child) and Child().f() == "base"
+    with pytest.raises(RuntimeError):
+        with bridges._set(Base, "f", lambda self: "bridged"):
+            raise RuntimeError
+    assert Base().f() == "base"

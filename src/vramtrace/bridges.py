@@ -143,13 +143,18 @@ def status() -> list[tuple[str, str]]:
 # -- the patches ---------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _set(owner, attribute: str, value) -> Iterator[None]:
-    """`owner.attribute = value` until exit (also on an exception), then the original again."""
-    original = getattr(owner, attribute)
+    """`owner.attribute = value` until exit (also on an exception), then as it was: the original again, or no
+    attribute of its own when `owner` (a class) only inherited it."""
+    own = attribute in vars(owner)
+    original = vars(owner)[attribute] if own else None
     setattr(owner, attribute, value)
     try:
         yield
     finally:
-        setattr(owner, attribute, original)
+        if own:
+            setattr(owner, attribute, original)
+        else:
+            delattr(owner, attribute)
 
 
 def _host_rng_state(stack: contextlib.ExitStack, rec: StepRecorder) -> None:
