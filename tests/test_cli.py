@@ -78,5 +78,8 @@ def test_compare_and_checkpointing_json(tmp_path):
     assert rows[0]["recompute_flops"] == 0 < rows[1]["recompute_flops"]
     p = run(TINY, "--batch", "2", "--seq", "32", "--checkpointing", "layers", "--json", "-")
     d = json.loads(p.stdout)
-    assert d["checkpointing"]["policy"] == "layers" and d["recompute_flops"] == d["checkpointing"]["recompute_flops"]
+    assert d["checkpointing"]["policy"] == "layers"
+    # the same policy analysed on its own and in --compare; the recompute re-runs (part of) the forward only,
+    # at most a third of forward + backward
+    assert d["recompute_flops"] == rows[1]["recompute_flops"] and 0 < d["recompute_flops"] < d["step_flops"] / 3
     assert d["checkpointing"]["activation_bytes"] < d["checkpointing"]["activation_bytes_without"]

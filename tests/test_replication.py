@@ -171,11 +171,26 @@ def test_fx_graph_has_one_node_per_op(tmp_path):
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert len(calls) == sum(1 for o in traced.ops if o.phase in STEADY_PHASES)
     assert {"forward", "backward", "optimizer"} <= {n.meta["phase"] for n in calls} <= set(STEADY_PHASES)
-    # every storage a node reads comes from a placeholder or an earlier node
-    produced = set()
+    # every storage a node reads comes from a placeholder or an earlier node, or was first seen as an input of
+    # an op up to this one (made outside the dispatcher, e.g. the constant that lift_fresh lifts: recorded as born
+    # at that op, which it did not allocate, so it has no producer node); args are exactly the producers, and no
+    # storage is produced twice
+    born = {s.sid: s.op_index for s in traced.storages}
+
+    def first_seen_as_input(sid, step):
+        first = traced.ops[born[sid]] if 0 <= born[sid] <= step else None
+        return first is not None and sid in first.reads and sid not in first.allocates
+
+    producer = {}
     for n in gm.graph.nodes:
         if n.op == "placeholder":
-            produced.add(n.meta["storage"])
+            assert n.meta["storage"] not in producer
+            producer[n.meta["storage"]] = n
         elif n.op == "call_function":
             assert all(a.op == "placeholder" or a.meta["step"] < n.meta["step"] for a in n.args)
-            produced.update(n.meta["allocates"])
+            unproduced = [sid for sid in n.meta["reads"] if sid not in producer]
+            assert all(first_seen_as_input(sid, n.meta["step"]) for sid in unproduced), (n.meta["step"], unproduced)
+            assert list(n.args) == list(dict.fromkeys(producer[sid] for sid in n.meta["reads"] if sid in producer))
+            for sid in n.meta["allocates"]:
+                assert sid not in producer and born[sid] == n.meta["step"], (sid, n.meta["step"])
+                producer[sid] = n

@@ -21,5 +21,10 @@ class UnsupportedOpError(TraceError):
     """An op has no meta kernel or an aliasing behaviour we cannot model."""
 
 
+class BridgeError(VramtraceError):
+    """A transformers or torch symbol that a bridge (`vramtrace.bridges`) patches is missing in the installed
+    version; the message names the symbol, the installed version and the versions the bridge was written for."""
+
+
 class ReportWriteError(VramtraceError):
     """A report file could not be written."""

@@ -54,7 +54,16 @@ def alive_at_start(model, inputs, opt) -> list:
 
 def measure_step(spec: RunSpec, setup: Callable | None = None) -> Measurement:
     """Run the step of `spec` for real on `spec.device` and measure it. The model gets `spec.checkpointing` as
-    a user's code applies it, or `setup(model)` when given. Raises UsageError when CUDA is asked for and absent."""
+    a user's code applies it, or `setup(model)` when given. Runs seeded (0) inside `torch.random.fork_rng`: the
+    caller's RNG state is left as it was. Raises UsageError when CUDA is asked for and absent."""
+    from .tracer.building import quiet_transformers_logs, seeded
+
+    _require_local(spec.device)
+    with quiet_transformers_logs(), seeded(spec.device.value):  # dropout draws from seed 0, not the caller's RNG
+        return _measure(spec, setup)
+
+
+def _measure(spec: RunSpec, setup: Callable | None) -> Measurement:
     import torch
 
     from .tracer.checkpointing import apply_checkpointing, layer_stack
@@ -62,7 +71,6 @@ def measure_step(spec: RunSpec, setup: Callable | None = None) -> Measurement:
     from .tracer.trace import make_optimizer
 
     device = spec.device.value
-    _require_local(spec.device)
     loaded = real_model(spec, device)
     model, args, kwargs, compute_dtype = loaded.model, loaded.args, loaded.inputs, loaded.compute_dtype
     train = spec.mode is Mode.TRAIN

@@ -40,8 +40,9 @@ def freeze(model: torch.nn.Module, patterns: tuple[str, ...]) -> int:
 
 def apply_adapters(spec: RunSpec, model: torch.nn.Module, device: str) -> torch.nn.Module:
     """`model` with `spec.freeze` applied, then wrapped by peft LoRA when `spec.lora_rank` is set (the returned
-    module is then a `peft.PeftModel`). New adapter weights are created on `device`. Raises UsageError for a
-    LoRA config peft refuses (e.g. no target modules known for a custom module)."""
+    module is then a `peft.PeftModel`). New adapter weights are created on `device`. peft (the optional extra
+    `vramtrace[lora]`) is imported only here. Raises UsageError when peft is not installed, or for a LoRA config
+    peft refuses (e.g. no target modules known for a custom module)."""
     if spec.freeze:
         freeze(model, spec.freeze)
     if spec.lora_rank is None:
@@ -49,7 +50,7 @@ def apply_adapters(spec: RunSpec, model: torch.nn.Module, device: str) -> torch.
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
-        raise UsageError("--lora-rank needs peft: pip install peft") from None
+        raise UsageError("--lora-rank needs peft: pip install 'vramtrace[lora]'") from None
     kwargs: dict = {"r": spec.lora_rank, "lora_dropout": 0.0}
     if spec.lora_alpha is not None:
         kwargs["lora_alpha"] = spec.lora_alpha

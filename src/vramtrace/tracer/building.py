@@ -255,18 +255,48 @@ def step_inputs(spec: RunSpec, config, task: str, device: str, float_dtype: torc
     return inputs
 
 
+@contextlib.contextmanager
+def quiet_transformers_logs():
+    """transformers' logger at ERROR until exit (its warnings about deprecated names or `use_cache` under
+    checkpointing are noise in a trace), then at the level it had: the caller's logging is left as it was."""
+    logger = logging.getLogger("transformers")  # transformers.utils.logging's library root logger
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def seeded(device: str):
+    """Seed 0 for a real build on `device` ('cpu', 'cuda', 'cuda:N'; nothing for 'meta'), inside
+    `torch.random.fork_rng`: the caller's CPU (and CUDA) RNG state is restored on exit."""
+    if device == "meta":
+        yield
+        return
+    cuda = range(torch.cuda.device_count()) if device.startswith("cuda") else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(0)
+        yield
+
+
 def load_model(spec: RunSpec, resolved: ResolvedConfig, device: str = "meta") -> LoadedModel:
     """Build the model of `resolved` for `spec` on `device`: on the meta device (no weights, no memory) plus
     its 4-layer copy for tracing when the layers repeat (`layer_plan`); on 'cpu' or 'cuda' for real, with
-    random weights (seed 0), as `vramtrace validate` runs it. Freezing and LoRA (`adapters.apply_adapters`) are
-    applied before the plan. Raises ModelLoadError, UsageError."""
+    random weights and inputs (seed 0, the caller's RNG state untouched), as `vramtrace validate` runs it.
+    Freezing and LoRA (`adapters.apply_adapters`) are applied before the plan. Raises ModelLoadError, UsageError."""
+    with quiet_transformers_logs(), seeded(device):
+        return _load_model(spec, resolved, device)
+
+
+def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedModel:
     from .adapters import apply_adapters
 
     precision = spec.effective_precision
     if spec.precision is None and resolved.checkpoint is not None and resolved.checkpoint.dtype in PRECISION_OF_DTYPE:
         precision = Precision(PRECISION_OF_DTYPE[resolved.checkpoint.dtype])  # the weights as stored
     param_dtype, compute_dtype = weight_and_compute_dtype(precision)
-    logging.getLogger("transformers").setLevel(logging.ERROR)
     if resolved.source == "custom":
         from .custom import build_custom
 
@@ -286,8 +316,6 @@ def load_model(spec: RunSpec, resolved: ResolvedConfig, device: str = "meta") ->
     kwargs: dict[str, Any] = {"dtype": param_dtype}
     if spec.trust_remote_code:
         kwargs["trust_remote_code"] = True
-    if device != "meta":
-        torch.manual_seed(0)
     model = apply_adapters(spec, _build(cls, config, kwargs, arch, resolved.location, device), device)
     model.train(spec.mode is Mode.TRAIN)
     plan, traced_model, note = None, None, "layer replication off: every layer traced"

@@ -1,7 +1,7 @@
 """Apply an activation-checkpointing policy to a transformers model, as a user's training code would.
 
-- `layers`: `model.activation_checkpointing_enable({"use_reentrant": False})`, the transformers 5 name of
-  `gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})`: each decoder or
+- `layers`: `model.activation_checkpointing_enable({"use_reentrant": False})` (transformers >= 5.23; before,
+  `gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})`): each decoder or
   encoder layer (`GradientCheckpointingLayer`) runs its forward under non-reentrant `torch.utils.checkpoint`.
 - `nth:N`: the same with `every_n_layers=N` (transformers checkpoints layers 0, N, 2N, ...).
 - `selective[:OPS]`: the same with `context_fn=partial(create_selective_checkpoint_contexts, policy)`, PyTorch's
@@ -16,7 +16,8 @@
 
 The same function applies the policy to the meta model that is traced and to a real model that a test runs, so
 both run the same checkpoint code. `wrap_region` lets the tracer see each checkpointed region's function (to
-mark the recompute and restore its emulated autocast); a real run passes none.
+mark the recompute and restore its emulated autocast; for transformers' own checkpointing through the
+`checkpoint_function` bridge, `vramtrace.bridges.route_checkpoint_functions`); a real run passes none.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .. import bridges
 from ..errors import UsageError
 from ..spec import Checkpointing
 
@@ -79,16 +81,9 @@ def apply_checkpointing(model: torch.nn.Module, ckpt: Checkpointing, wrap_region
     if ckpt.kind == "selective":
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, save_ops_policy(ckpt.save_ops))
     if ckpt.kind in ("layers", "nth", "selective"):
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
-            model.activation_checkpointing_enable(kwargs, every_n_layers=ckpt.k if ckpt.kind == "nth" else 1)
-        elif ckpt.kind == "nth":
-            raise UsageError("--checkpointing nth:N needs transformers >= 5 (every_n_layers)")
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.activation_checkpointing_enable(kwargs, every_n_layers=ckpt.k if ckpt.kind == "nth" else 1)
         if wrap_region is not None:
-            for m in model.modules():
-                if getattr(m, "_gradient_checkpointing_func", None) is not None:
-                    m._gradient_checkpointing_func = _checkpoint_fn(wrap_region, **kwargs)
+            bridges.route_checkpoint_functions(model, _checkpoint_fn(wrap_region, **kwargs))
         return
     if ckpt.kind == "every":
         if layers is None:
@@ -170,12 +165,9 @@ def _segment(seg: list[torch.nn.Module], run_checkpoint) -> None:
 def layer_stack(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     """The model's stack of checkpointable layers: the one ModuleList of transformers
     `GradientCheckpointingLayer`s, or None."""
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:
-        return None
+    layer_class = bridges.gradient_checkpointing_layer()
     stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)
-              and all(isinstance(c, GradientCheckpointingLayer) for c in m)]
+              and all(isinstance(c, layer_class) for c in m)]
     return stacks[0] if len(stacks) == 1 else None
 
 

@@ -1,7 +1,8 @@
 """Custom architectures: `path/to/model.py:NAME` or `package.module:NAME`, built with no arguments.
 
 NAME is an `nn.Module` subclass or a function returning an `nn.Module`. It is built under `torch.device(...)`
-(the meta device for a trace: no weights, no memory; the CPU or CUDA for a real run, seeded with 0).
+(the meta device for a trace: no weights, no memory; the CPU or CUDA for a real run, seeded with 0 by
+`building.load_model`).
 
 Inputs, in this order of precedence:
 1. `--input NAME=DTYPE[DIMS][:LO..HI]` (repeatable): keyword arguments when every NAME is a parameter of the
@@ -145,8 +146,6 @@ def build_custom(spec: RunSpec, device: str, dtype: torch.dtype | None) -> Custo
         raise ModelLoadError(f"{target} defines no {name!r}" + (f"; its nn.Module classes: {', '.join(found)}" if found else ""))
     if not callable(obj):
         raise ModelLoadError(f"{target}:{name} is a {type(obj).__name__}, not an nn.Module class or a function")
-    if device != "meta":
-        torch.manual_seed(0)
     try:
         with torch.device(device):
             model = obj()

@@ -8,7 +8,8 @@ The step is run eagerly on meta tensors, exactly as user code runs it:
     optimizer.zero_grad(set_to_none=True)
 
 under three layers: `KernelPolicyMode` (target device kernels and autocast, above autograd), a
-saved-tensors hook (what autograd saves), and `StepRecorder` (every aten op, storage and eager free).
+saved-tensors hook (what autograd saves), and `StepRecorder` (every aten op, storage and eager free), with
+the patches of `vramtrace.bridges` installed (transformers code that asks meta tensors for a value).
 The optimizer step is run twice: first with no state (the first step, where state is created lazily),
 then in the steady state; the forward and backward are shared by both timelines.
 """
@@ -16,7 +17,6 @@ then in the steady state; the forward and backward are shared by both timelines.
 from __future__ import annotations
 
 import contextlib
-import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,10 +24,11 @@ import torch
 import torch.fx as fx
 from torch.overrides import _get_current_function_mode_stack
 
+from .. import bridges
 from ..analysis.categories import Category
 from ..errors import TraceError, UnsupportedOpError
 from ..spec import Device, Mode, OptimizerImpl, OptimizerKind, RunSpec
-from .building import LoadedModel
+from .building import LoadedModel, quiet_transformers_logs
 from .checkpointing import apply_checkpointing, layer_stack
 from .kernels import CpuWorkspaceProbe, KernelPolicyMode, MoeRoutingPolicy, cpu_environment, mha_fast_path_bridge
 from .records import RecStorage
@@ -123,154 +124,6 @@ def _module_hooks(model: torch.nn.Module, rec: StepRecorder):
         h2.remove()
 
 
-@contextlib.contextmanager
-def _transformers_autocast_bridge(policy: KernelPolicyMode):
-    """transformers' `maybe_autocast(device_type='meta', enabled=False)` is a no-op on meta; make it disable our
-    emulated autocast, as the real call would on the target device (e.g. Llama's rotary embedding)."""
-    try:
-        from transformers.utils import generic
-    except ImportError:
-        yield
-        return
-    original = getattr(generic, "maybe_autocast", None)
-    if original is None:
-        yield
-        return
-
-    def bridged(device_type, dtype=None, enabled=True, cache_enabled=None):
-        if device_type == "meta":
-            return contextlib.nullcontext() if enabled else policy.autocast_disabled()
-        return original(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
-
-    patched = [m for m in list(sys.modules.values())
-               if getattr(m, "__name__", "").startswith("transformers") and getattr(m, "maybe_autocast", None) is original]
-    for m in patched:
-        m.maybe_autocast = bridged
-    try:
-        yield
-    finally:
-        for m in patched:
-            m.maybe_autocast = original
-
-
-@contextlib.contextmanager
-def _host_rng_states(rec: StepRecorder):
-    """`torch.get_rng_state()` allocates a host tensor (5,056 B for the CPU generator) without going through the
-    dispatcher. torch.utils.checkpoint stashes one per checkpointed region (preserve_rng_state) until the
-    recompute, and `torch.random.fork_rng` one during it: register them, born at the next op."""
-    original = torch.get_rng_state
-
-    def recorded():
-        state = original()
-        rec.storage_id(state, op_index=len(rec.ops), op="torch.get_rng_state", category=None)
-        return state
-
-    torch.get_rng_state = recorded
-    try:
-        yield
-    finally:
-        torch.get_rng_state = original
-
-
-@contextlib.contextmanager
-def _transformers_meta_bridge():
-    """transformers' `find_packed_sequence_indices` (masking_utils.py) ends in `bool((mask[:, -1] == 0).all())`,
-    which meta tensors cannot answer (it runs when there is no KV cache, e.g. under checkpointing). Our
-    position ids are one sequence per row, so the real check is True and it returns None: run its ops, skip the
-    `.item()`. Likewise `fast_all(padding_mask)` (a decoder's padding mask, e.g. BART's) is True: the inputs
-    carry no padding token (`building.step_inputs` draws none)."""
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        yield
-        return
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None or not hasattr(masking_utils, "is_tracing"):
-        yield
-        return
-    is_tracing = masking_utils.is_tracing
-
-    def bridged(position_ids):
-        if position_ids.device.type != "meta":
-            return original(position_ids)
-        masking_utils.is_tracing = lambda *a, **k: True  # returns the mask instead of checking it
-        try:
-            mask = original(position_ids)
-        finally:
-            masking_utils.is_tracing = is_tracing
-        (mask[:, -1] == 0).all()  # the check's own ops; its answer for our position ids is True
-        return None
-
-    fast_all = getattr(masking_utils, "fast_all", None)
-
-    def bridged_all(tensor):  # `padding_mask is None or fast_all(padding_mask)`: our inputs carry no padding
-        out = fast_all(tensor)
-        return True if tensor.device.type == "meta" else out
-
-    masking_utils.find_packed_sequence_indices = bridged
-    if fast_all is not None:
-        masking_utils.fast_all = bridged_all
-    with _padding_warning_bridge():
-        try:
-            yield
-        finally:
-            masking_utils.find_packed_sequence_indices = original
-            if fast_all is not None:
-                masking_utils.fast_all = fast_all
-
-
-@contextlib.contextmanager
-def _padding_warning_bridge():
-    """`PreTrainedModel.warn_if_padding_and_no_attention_mask` (modeling_utils.py) asks
-    `pad_token_id in input_ids[:, [-1, 0]]`, a `.item()` meta tensors cannot answer, only to log a warning. On
-    meta, run the check's ops and skip the answer (our inputs carry no padding)."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        yield
-        return
-    original = getattr(PreTrainedModel, "warn_if_padding_and_no_attention_mask", None)
-    if original is None:
-        yield
-        return
-
-    def bridged(self, input_ids, attention_mask):
-        if not isinstance(input_ids, torch.Tensor) or input_ids.device.type != "meta":
-            return original(self, input_ids, attention_mask)
-        pad = getattr(self.config, "pad_token_id", None)
-        if attention_mask is None and pad is not None:
-            (input_ids[:, [-1, 0]] == pad).any()  # the check's ops, as `Tensor.__contains__` runs them
-
-    PreTrainedModel.warn_if_padding_and_no_attention_mask = bridged
-    try:
-        yield
-    finally:
-        PreTrainedModel.warn_if_padding_and_no_attention_mask = original
-
-
-@contextlib.contextmanager
-def _transformers_moe_bridge():
-    """transformers' default MoE experts implementation, `grouped_mm` (integrations/moe.py), calls
-    `torch.nn.functional.grouped_mm`, whose meta kernel accepts only bf16 while the CPU and CUDA kernels take
-    the model's dtype. On meta weights, take transformers' own `grouped_mm_fallback` custom op instead: its
-    registered fake kernel allocates the same (S, out) output, S = tokens * top_k, and its backward the same
-    gradients, so memory does not depend on the routing."""
-    try:
-        from transformers.integrations import moe
-    except ImportError:
-        yield
-        return
-    original = getattr(moe, "_can_use_grouped_mm", None)
-    if original is None:
-        yield
-        return
-    moe._can_use_grouped_mm = lambda input, weight, offs: weight.device.type != "meta" and original(input, weight, offs)
-    try:
-        yield
-    finally:
-        moe._can_use_grouped_mm = original
-
-
 def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """transformers' MoE experts modules (classes decorated with `use_experts_implementation`)."""
     return [m for m in model.modules() if hasattr(m, "num_experts") and hasattr(type(m), "_apply_gate")]
@@ -353,9 +206,7 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
     policy.on_output = lambda out: tag_autograd_nodes(out, rec.current_module()) if rec.phase == "forward" else None
     autocast = policy.autocast_region() if compute_dtype is not None else contextlib.nullcontext()
     try:
-        with (_transformers_autocast_bridge(policy), _transformers_meta_bridge(), _transformers_moe_bridge(),
-              _moe_routing(model, spec, policy), _host_rng_states(rec), mha_fast_path_bridge(policy),
-              _module_hooks(model, rec), policy,
+        with (bridges.installed(policy, rec), _moe_routing(model, spec, policy), _module_hooks(model, rec), policy,
               torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, lambda t: t), rec):
             rec.phase = "forward"
             say("forward")
@@ -433,7 +284,8 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
     result = None
     if plan is not None:
         say(f"tracing {TRACED_LAYERS} of {plan.num_layers} layers")
-        rec, policy, optimizer = _record(spec, loaded.traced_model, loaded, say, layer_stack(loaded.traced_model))
+        with quiet_transformers_logs():
+            rec, policy, optimizer = _record(spec, loaded.traced_model, loaded, say, layer_stack(loaded.traced_model))
         try:
             ops, storages = replicate_layers(plan, rec.ops, rec.storages)
             _check_parameters(loaded.model, storages)
@@ -443,7 +295,8 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
             note = f"traced every layer ({e})"
             say(note)
     if result is None:
-        rec, policy, optimizer = _record(spec, loaded.model, loaded, say, layer_stack(loaded.model))
+        with quiet_transformers_logs():
+            rec, policy, optimizer = _record(spec, loaded.model, loaded, say, layer_stack(loaded.model))
         result = rec.ops, rec.storages, _sdpa_counts(policy, None), optimizer is not None
     ops, storages, sdpa, has_optimizer = result
     unresolved = tuple(dict.fromkeys(rec.unresolved + policy.unresolved)) + tuple(

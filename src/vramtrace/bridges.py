@@ -1,0 +1,284 @@
+"""Every patch vramtrace makes to transformers or torch internals, in one place.
+
+A trace runs real transformers and torch code on meta tensors. A few places in that code ask a question meta
+tensors cannot answer (a `.item()`), or take a path the target device would not take. Each bridge below
+replaces one such symbol while a step is recorded (`installed`) and puts the original back on exit, also when
+the step raises. Each declares what it patches (`targets`: module and attribute) and the library versions it
+was written for (`written_for`).
+
+When a target is missing (an upgrade renamed or removed it), the bridge does not quietly do nothing: the
+trace stops with a `BridgeError` naming the target and the installed version, before anything is patched.
+The one exception is `padding_warning` (see its `when_absent`): a symbol that exists only to log a warning,
+which no transformers code can call once it is gone.
+
+`tests/test_bridges.py` checks that every target exists in the installed versions (so CI fails when an
+upgrade removes one) and that a missing target raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import torch
+
+from .errors import BridgeError
+
+if TYPE_CHECKING:
+    from .tracer.kernels import KernelPolicyMode
+    from .tracer.recorder import StepRecorder
+
+# The versions the bridges were written and tested against. Targets were also checked present in the
+# released wheels of transformers 5.17.0, 5.18.0, 5.20.0, 5.21.0 and 5.22.0 (absent in 5.0.0: no `fast_all`,
+# `is_tracing` import in masking_utils, nor `integrations.moe._can_use_grouped_mm`).
+TRANSFORMERS_WRITTEN_FOR = "transformers 5.23"
+TORCH_WRITTEN_FOR = "torch 2.13"
+
+
+@dataclass(frozen=True, slots=True)
+class Bridge:
+    """One patch. `targets`: ('module', 'attribute') pairs it replaces ('Class.method' for a method);
+    `when_absent`: '' (a missing target is a BridgeError) or why the bridge is not needed without it."""
+
+    name: str
+    library: str  # 'transformers' | 'torch'
+    targets: tuple[tuple[str, str], ...]
+    written_for: str
+    why: str
+    when_absent: str = ""
+
+
+HOST_RNG_STATE = Bridge(
+    "host_rng_state", "torch", (("torch", "get_rng_state"),), TORCH_WRITTEN_FOR,
+    "torch.get_rng_state() allocates a host tensor outside the dispatcher (torch.utils.checkpoint's "
+    "preserve_rng_state, torch.random.fork_rng): register it with the recorder")
+MAYBE_AUTOCAST = Bridge(
+    "maybe_autocast", "transformers", (("transformers.utils.generic", "maybe_autocast"),), TRANSFORMERS_WRITTEN_FOR,
+    "maybe_autocast(device_type='meta', enabled=False) is a no-op on meta: make it disable the emulated "
+    "autocast, as the real call does on the target device (e.g. Llama's rotary embedding)")
+PACKED_SEQUENCE_CHECK = Bridge(
+    "packed_sequence_check", "transformers",
+    (("transformers.masking_utils", "find_packed_sequence_indices"), ("transformers.masking_utils", "is_tracing")),
+    TRANSFORMERS_WRITTEN_FOR,
+    "find_packed_sequence_indices ends in bool((mask[:, -1] == 0).all()), a .item() meta cannot answer: run "
+    "its ops, answer None (our position ids are one sequence per row)")
+PADDING_MASK_CHECK = Bridge(
+    "padding_mask_check", "transformers", (("transformers.masking_utils", "fast_all"),), TRANSFORMERS_WRITTEN_FOR,
+    "`padding_mask is None or fast_all(padding_mask)` needs a .item(): on meta it is True (the inputs carry "
+    "no padding token: building.step_inputs draws none)")
+PADDING_WARNING = Bridge(
+    "padding_warning", "transformers",
+    (("transformers.modeling_utils", "PreTrainedModel.warn_if_padding_and_no_attention_mask"),),
+    TRANSFORMERS_WRITTEN_FOR,
+    "warn_if_padding_and_no_attention_mask asks `pad_token_id in input_ids[:, [-1, 0]]` (a .item()) only to "
+    "log a warning: on meta, run the check's ops and skip the answer",
+    when_absent="models call it as self.warn_if_padding_and_no_attention_mask, which fails for real runs too "
+                "once PreTrainedModel lacks it, so a transformers without it does not call it")
+MOE_GROUPED_MM = Bridge(
+    "moe_grouped_mm", "transformers", (("transformers.integrations.moe", "_can_use_grouped_mm"),),
+    TRANSFORMERS_WRITTEN_FOR,
+    "torch.nn.functional.grouped_mm's meta kernel takes bf16 only: on meta weights take transformers' "
+    "grouped_mm_fallback custom op, whose fake kernel allocates the same outputs")
+CHECKPOINT_FUNCTION = Bridge(
+    "checkpoint_function", "transformers",
+    (("transformers.modeling_layers", "GradientCheckpointingLayer"),), TRANSFORMERS_WRITTEN_FOR,
+    "activation_checkpointing_enable stores the checkpoint function as the instance attribute "
+    "`_gradient_checkpointing_func` of each module GradientCheckpointingLayer.__call__ checkpoints: route it "
+    "through the tracer's region wrapper (recompute marking, autocast); none found is a BridgeError")
+
+BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_CHECK, PADDING_MASK_CHECK,
+                               PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION)
+
+
+def _installed_version(library: str) -> str:
+    try:
+        return importlib.import_module(library).__version__
+    except (ImportError, AttributeError):
+        return "(not installed)"
+
+
+def _missing(bridge: Bridge, what: str) -> BridgeError:
+    return BridgeError(
+        f"{what} is missing in {bridge.library} {_installed_version(bridge.library)} "
+        f"(bridge {bridge.name}, written for {bridge.written_for}): this vramtrace does not support that "
+        f"{bridge.library} version; install {bridge.written_for.replace(' ', '==')}.*")
+
+
+def _lookup(module: str, attribute: str):
+    """The object at `module`.`attribute` ('Class.method' allowed), or raise LookupError."""
+    try:
+        obj = importlib.import_module(module)
+    except ImportError:
+        raise LookupError(module) from None
+    for part in attribute.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise LookupError(attribute) from None
+    return obj
+
+
+def resolve(bridge: Bridge) -> dict[str, object] | None:
+    """{'module.attribute': current object} of each target of `bridge`; None when a target is absent and the
+    bridge says it is then not needed. Raises BridgeError when a target is absent otherwise."""
+    found = {}
+    for module, attribute in bridge.targets:
+        try:
+            found[f"{module}.{attribute}"] = _lookup(module, attribute)
+        except LookupError:
+            if bridge.when_absent:
+                return None
+            raise _missing(bridge, f"{module}.{attribute}") from None
+    return found
+
+
+def status() -> list[tuple[str, str]]:
+    """(bridge name, 'ok' or 'not needed: why') for every bridge. Raises BridgeError for a missing target."""
+    return [(b.name, "ok" if resolve(b) is not None else f"not needed: {b.when_absent}") for b in BRIDGES]
+
+
+# -- the patches ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _set(owner, attribute: str, value) -> Iterator[None]:
+    """`owner.attribute = value` until exit (also on an exception), then as it was: the original again, or no
+    attribute of its own when `owner` (a class) only inherited it."""
+    own = attribute in vars(owner)
+    original = vars(owner)[attribute] if own else None
+    setattr(owner, attribute, value)
+    try:
+        yield
+    finally:
+        if own:
+            setattr(owner, attribute, original)
+        else:
+            delattr(owner, attribute)
+
+
+def _host_rng_state(stack: contextlib.ExitStack, rec: StepRecorder) -> None:
+    """A `torch.get_rng_state()` state (5,056 B for the CPU generator) is born at the next op: torch.utils.
+    checkpoint stashes one per checkpointed region until the recompute, torch.random.fork_rng one during it."""
+    original = torch.get_rng_state
+
+    def recorded():
+        state = original()
+        rec.storage_id(state, op_index=len(rec.ops), op="torch.get_rng_state", category=None)
+        return state
+
+    stack.enter_context(_set(torch, "get_rng_state", recorded))
+
+
+def _maybe_autocast(stack: contextlib.ExitStack, policy: KernelPolicyMode) -> None:
+    """Modeling files import `maybe_autocast` by name: replace it in every transformers module holding it."""
+    from transformers.utils import generic
+
+    original = generic.maybe_autocast
+
+    def bridged(device_type, dtype=None, enabled=True, cache_enabled=None):
+        if device_type == "meta":
+            return contextlib.nullcontext() if enabled else policy.autocast_disabled()
+        return original(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+    for m in list(sys.modules.values()):
+        if getattr(m, "__name__", "").startswith("transformers") and getattr(m, "maybe_autocast", None) is original:
+            stack.enter_context(_set(m, "maybe_autocast", bridged))
+
+
+def _packed_sequence_check(stack: contextlib.ExitStack) -> None:
+    from transformers import masking_utils
+
+    original, is_tracing = masking_utils.find_packed_sequence_indices, masking_utils.is_tracing
+
+    def bridged(position_ids):
+        if position_ids.device.type != "meta":
+            return original(position_ids)
+        masking_utils.is_tracing = lambda *a, **k: True  # returns the mask instead of checking it
+        try:
+            mask = original(position_ids)
+        finally:
+            masking_utils.is_tracing = is_tracing
+        (mask[:, -1] == 0).all()  # the check's own ops; its answer for our position ids is True
+        return None
+
+    stack.enter_context(_set(masking_utils, "find_packed_sequence_indices", bridged))
+
+
+def _padding_mask_check(stack: contextlib.ExitStack) -> None:
+    from transformers import masking_utils
+
+    fast_all = masking_utils.fast_all
+
+    def bridged(tensor):  # `padding_mask is None or fast_all(padding_mask)`: our inputs carry no padding
+        out = fast_all(tensor)
+        return True if tensor.device.type == "meta" else out
+
+    stack.enter_context(_set(masking_utils, "fast_all", bridged))
+
+
+def _padding_warning(stack: contextlib.ExitStack) -> None:
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.warn_if_padding_and_no_attention_mask
+
+    def bridged(self, input_ids, attention_mask):
+        if not isinstance(input_ids, torch.Tensor) or input_ids.device.type != "meta":
+            return original(self, input_ids, attention_mask)
+        pad = getattr(self.config, "pad_token_id", None)
+        if attention_mask is None and pad is not None:
+            (input_ids[:, [-1, 0]] == pad).any()  # the check's ops, as `Tensor.__contains__` runs them
+
+    stack.enter_context(_set(PreTrainedModel, "warn_if_padding_and_no_attention_mask", bridged))
+
+
+def _moe_grouped_mm(stack: contextlib.ExitStack) -> None:
+    """transformers' default MoE experts (`grouped_mm`, integrations/moe.py): on meta weights take its
+    `grouped_mm_fallback` custom op; its fake kernel allocates the same (S, out) output, S = tokens * top_k,
+    and its backward the same gradients, so memory does not depend on the routing."""
+    from transformers.integrations import moe
+
+    original = moe._can_use_grouped_mm
+    stack.enter_context(_set(moe, "_can_use_grouped_mm",
+                             lambda input, weight, offs: weight.device.type != "meta" and original(input, weight, offs)))
+
+
+@contextlib.contextmanager
+def installed(policy: KernelPolicyMode, rec: StepRecorder) -> Iterator[None]:
+    """Every bridge patched in while a step is recorded by `rec` under `policy`; every target restored on exit,
+    also when the step raises. Raises BridgeError, with nothing patched, when a target is missing."""
+    apply: dict[Bridge, Callable[[contextlib.ExitStack], None]] = {
+        HOST_RNG_STATE: lambda s: _host_rng_state(s, rec),
+        MAYBE_AUTOCAST: lambda s: _maybe_autocast(s, policy),
+        PACKED_SEQUENCE_CHECK: _packed_sequence_check,
+        PADDING_MASK_CHECK: _padding_mask_check,
+        PADDING_WARNING: _padding_warning,
+        MOE_GROUPED_MM: _moe_grouped_mm,
+    }
+    needed = [b for b in apply if resolve(b) is not None]  # all targets checked before anything is patched
+    with contextlib.ExitStack() as stack:
+        for b in needed:
+            apply[b](stack)
+        yield
+
+
+def gradient_checkpointing_layer() -> type:
+    """transformers' `GradientCheckpointingLayer` (modeling_layers.py), the class of the layers that
+    activation_checkpointing_enable checkpoints. Raises BridgeError when it is missing."""
+    return resolve(CHECKPOINT_FUNCTION)["transformers.modeling_layers.GradientCheckpointingLayer"]
+
+
+def route_checkpoint_functions(model: torch.nn.Module, function: Callable) -> int:
+    """After `activation_checkpointing_enable`, replace each module's `_gradient_checkpointing_func` (where
+    transformers' GradientCheckpointingLayer looks up the checkpoint function) by `function`. The model is the
+    trace's own, so nothing is restored. Returns how many modules; raises BridgeError when none holds one."""
+    resolve(CHECKPOINT_FUNCTION)
+    count = 0
+    for m in model.modules():
+        if getattr(m, "_gradient_checkpointing_func", None) is not None:
+            m._gradient_checkpointing_func = function
+            count += 1
+    if count == 0:
+        raise _missing(CHECKPOINT_FUNCTION, f"_gradient_checkpointing_func on {type(model).__name__}'s modules after "
+                                            "activation_checkpointing_enable")
+    return count

@@ -1,0 +1,152 @@
+"""The patches of `vramtrace.bridges`: every target exists in the installed transformers and torch (so an upgrade
+that removes one fails here), a missing target is a one-line BridgeError naming it and the installed version
+(nothing patched), and every target is restored on exit, also when the step raises."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import torch
+import transformers
+
+from conftest import FIXTURES
+from vramtrace import RunSpec, analyze, bridges
+from vramtrace.cli import main
+from vramtrace.errors import BridgeError, VramtraceError
+from vramtrace.spec import Device
+from vramtrace.tracer.kernels import KernelPolicyMode
+from vramtrace.tracer.recorder import StepRecorder
+
+TINY_GPT2 = str(FIXTURES / "tiny-gpt2.json")
+RAISING = [b for b in bridges.BRIDGES if not b.when_absent]
+
+
+def _owner_and_name(module: str, attribute: str):
+    owner = importlib.import_module(module)
+    *path, name = attribute.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
+
+
+def _targets() -> dict[tuple[str, str], object]:
+    """(module, attribute) -> current object, for every target, plus every transformers module's
+    `maybe_autocast` binding (the bridge replaces those too)."""
+    out = {}
+    for b in bridges.BRIDGES:
+        for module, attribute in b.targets:
+            owner, name = _owner_and_name(module, attribute)
+            out[module, attribute] = getattr(owner, name)
+    for m in list(sys.modules.values()):
+        if getattr(m, "__name__", "").startswith("transformers") and hasattr(m, "maybe_autocast"):
+            out[m.__name__, "maybe_autocast"] = m.maybe_autocast
+    return out
+
+
+def _installed():
+    return bridges.installed(KernelPolicyMode(Device.CUDA, 90, torch.bfloat16), StepRecorder())
+
+
+@pytest.mark.parametrize("bridge", bridges.BRIDGES, ids=lambda b: b.name)
+def test_every_target_exists_in_the_installed_versions(bridge):
+    assert bridge.written_for.split()[0] == bridge.library and bridge.why
+    assert bridges.resolve(bridge) is not None, f"{bridge.name}: a target is gone; see its when_absent"
+    for module, attribute in bridge.targets:
+        owner, name = _owner_and_name(module, attribute)
+        assert callable(getattr(owner, name)), (module, attribute)
+
+
+def test_every_target_is_patched_while_installed_and_restored_after_an_error():
+    before = _targets()
+    with pytest.raises(KeyError, match="inside the step"):
+        with _installed():
+            during = _targets()
+            raise KeyError("inside the step")
+    patched = {k for k in before if during[k] is not before[k]}
+    for b in bridges.BRIDGES:
+        if b is not bridges.CHECKPOINT_FUNCTION:  # patched on the model instance, see test below
+            assert (b.targets[0]) in patched, b.name
+    assert all(k in patched for k in before if k[1] == "maybe_autocast")  # every module's binding
+    after = _targets()
+    assert all(after[k] is before[k] for k in before), [k for k in before if after[k] is not before[k]]
+
+
+@pytest.mark.parametrize("bridge,target", [(b, t) for b in RAISING for t in b.targets],
+                         ids=lambda x: x.name if isinstance(x, bridges.Bridge) else x[1])
+def test_a_missing_target_is_a_bridge_error_and_nothing_is_patched(monkeypatch, bridge, target):
+    module, attribute = target
+    owner, name = _owner_and_name(module, attribute)
+    before = _targets()
+    monkeypatch.delattr(owner, name)
+    library = importlib.import_module(bridge.library)
+    with pytest.raises(BridgeError) as e:
+        bridges.resolve(bridge)
+    message = str(e.value)
+    assert f"{module}.{attribute} is missing in {bridge.library} {library.__version__}" in message
+    assert f"bridge {bridge.name}, written for {bridge.written_for}" in message and "\n" not in message
+    if bridge is bridges.CHECKPOINT_FUNCTION:  # used when looking for the layer stack, not while tracing
+        from vramtrace.tracer.checkpointing import layer_stack
+
+        with pytest.raises(BridgeError, match=name):
+            layer_stack(torch.nn.Sequential())
+    else:
+        with pytest.raises(BridgeError, match=name):
+            with _installed():
+                pytest.fail("installed() went on without its target")
+    monkeypatch.undo()
+    after = _targets()
+    assert all(after[k] is before[k] for k in before), [k for k in before if after[k] is not before[k]]
+
+
+def test_a_missing_target_stops_analyze_and_the_cli_says_which(monkeypatch, capsys):
+    from transformers import masking_utils
+
+    monkeypatch.delattr(masking_utils, "fast_all")
+    with pytest.raises(BridgeError, match="transformers.masking_utils.fast_all is missing in transformers"):
+        analyze(RunSpec(TINY_GPT2, batch=1, seq=8))
+    assert issubclass(BridgeError, VramtraceError)
+    assert main([TINY_GPT2, "--batch", "1", "--seq", "8"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("Error: transformers.masking_utils.fast_all is missing") and "\n" not in err
+
+
+def test_a_target_whose_absence_is_not_needed(monkeypatch):
+    monkeypatch.delattr(transformers.PreTrainedModel, "warn_if_padding_and_no_attention_mask")
+    assert bridges.resolve(bridges.PADDING_WARNING) is None
+    assert dict(bridges.status())["padding_warning"].startswith("not needed: ")
+    with _installed():
+        assert not hasattr(transformers.PreTrainedModel, "warn_if_padding_and_no_attention_mask")
+
+
+def test_checkpoint_functions_are_routed_or_the_error_names_the_attribute():
+    from vramtrace.tracer.building import load_model
+    from vramtrace.tracer.loading import resolve_config
+
+    spec = RunSpec(TINY_GPT2, batch=1, seq=8)
+    model = load_model(spec, resolve_config(spec.model)).model
+    with pytest.raises(BridgeError, match="_gradient_checkpointing_func on GPT2LMHeadModel's modules"):
+        bridges.route_checkpoint_functions(model, lambda *a, **k: None)  # checkpointing not enabled
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    marker = lambda *a, **k: None  # noqa: E731
+    n = bridges.route_checkpoint_functions(model, marker)
+    layers = [m for m in model.modules() if getattr(m, "_gradient_checkpointing_func", None) is marker]
+    assert n == len(layers) >= model.config.n_layer
+
+
+def test_a_patched_inherited_method_is_removed_again_not_copied_onto_the_class():
+    class Base:
+        def f(self):
+            return "base"
+
+    class Child(Base):
+        pass
+
+    with bridges._set(Child, "f", lambda self: "bridged"):
+        assert Child().f() == "bridged"
+    assert "f" not in vars(Child) and Child().f() == "base"
+    with pytest.raises(RuntimeError):
+        with bridges._set(Base, "f", lambda self: "bridged"):
+            raise RuntimeError
+    assert Base().f() == "base"
