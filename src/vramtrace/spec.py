@@ -16,9 +16,9 @@ class _Choice(str, enum.Enum):
             return value
         try:
             return cls(str(value).lower())
-        except ValueError:
+        except ValueError as e:
             valid = ", ".join(m.value for m in cls)
-            raise UsageError(f"unknown {what} {value!r}; choose one of: {valid}") from None
+            raise UsageError(f"unknown {what} {value!r}; choose one of: {valid}") from e
 
 
 class Mode(_Choice):

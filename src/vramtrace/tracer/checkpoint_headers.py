@@ -59,7 +59,7 @@ def local_header(directory: Path) -> CheckpointHeader | None:
         try:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (json.JSONDecodeError, KeyError, AttributeError) as e:
-            raise ModelLoadError(f"{index} is not a safetensors index (no weight_map): {e}") from None
+            raise ModelLoadError(f"{index} is not a safetensors index (no weight_map): {e}") from e
         files = [directory / n for n in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -82,7 +82,7 @@ def local_header(directory: Path) -> CheckpointHeader | None:
                     dtype = _DTYPES.get(sl.get_dtype(), sl.get_dtype().lower())
                     counts[dtype] = counts.get(dtype, 0) + n
         except Exception as e:  # safetensors raises its own SafetensorError
-            raise ModelLoadError(f"cannot read the safetensors header of {f}: {e}") from None
+            raise ModelLoadError(f"cannot read the safetensors header of {f}: {e}") from e
     return _header(counts, len(files), "local safetensors")
 
 

@@ -47,9 +47,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); fix or re-download it") from None
+        raise ModelLoadError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); fix or re-download it") from e
     except OSError as e:
-        raise ModelLoadError(f"cannot read {path}: {e.strerror}") from None
+        raise ModelLoadError(f"cannot read {path}: {e.strerror}") from e
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path} must hold a JSON object, found {type(data).__name__}")
     return data
@@ -65,7 +65,7 @@ def meta_params_to_hf(params: dict[str, Any]) -> dict[str, Any]:
     try:
         dim, n_layers, n_heads = int(params["dim"]), int(params["n_layers"]), int(params["n_heads"])
     except KeyError as e:
-        raise ModelLoadError(f"params.json lacks {e.args[0]!r}; it does not look like a Meta Llama params.json") from None
+        raise ModelLoadError(f"params.json lacks {e.args[0]!r}; it does not look like a Meta Llama params.json") from e
     multiple_of = int(params.get("multiple_of", 256))
     mult = float(params.get("ffn_dim_multiplier") or 1.0)
     inter = multiple_of * math.ceil(int(mult * int(8 * dim / 3)) / multiple_of)
@@ -132,19 +132,19 @@ def _hub(ref: str) -> ResolvedConfig:
     for filename in ("config.json", "params.json"):
         try:
             path = huggingface_hub.hf_hub_download(ref, filename)
-        except hf_errors.GatedRepoError:
-            raise ModelLoadError(f"Hub repo {ref!r} is gated: run `hf auth login` after accepting its licence, or {hint}") from None
-        except hf_errors.RepositoryNotFoundError:
-            raise ModelLoadError(f"no Hub repo {ref!r} (or it is private): check the id, or {hint}") from None
-        except hf_errors.HFValidationError:
-            raise ModelLoadError(f"{ref!r} is neither an existing path nor a valid Hub id; {hint}") from None
+        except hf_errors.GatedRepoError as e:
+            raise ModelLoadError(f"Hub repo {ref!r} is gated: run `hf auth login` after accepting its licence, or {hint}") from e
+        except hf_errors.RepositoryNotFoundError as e:
+            raise ModelLoadError(f"no Hub repo {ref!r} (or it is private): check the id, or {hint}") from e
+        except hf_errors.HFValidationError as e:
+            raise ModelLoadError(f"{ref!r} is neither an existing path nor a valid Hub id; {hint}") from e
         except hf_errors.EntryNotFoundError as e:
             last = e
             continue
         except (hf_errors.LocalEntryNotFoundError, OSError) as e:
             offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
             why = "HF_HUB_OFFLINE is set and it is not in the HF cache" if offline else "the Hub cannot be reached and it is not in the HF cache"
-            raise ModelLoadError(f"cannot fetch the config of {ref!r}: {why}; {hint}") from None
+            raise ModelLoadError(f"cannot fetch the config of {ref!r}: {why}; {hint}") from e
         return replace(_from_file(Path(path), ref, "hub"), checkpoint=hub_header(ref))
     raise ModelLoadError(f"Hub repo {ref!r} has neither config.json nor params.json; {hint}") from last
 
