@@ -86,3 +86,99 @@ def test_measure_step_keeps_the_cause():
     assert isinstance(info.value.__cause__, KeyError)
 
 
+# --- 4. Hub ids offline or unreachable, `vramtrace models` -------------------------------------------------------
+
+def test_offline_unknown_hub_id_says_offline():
+    # conftest sets HF_HUB_OFFLINE=1 before huggingface_hub is imported
+    with pytest.raises(ModelLoadError) as info:
+        resolve_config("microsoft/phi-2")
+    msg = str(info.value)
+    assert "HF_HUB_OFFLINE is set" in msg and "neither config.json" not in msg
+    assert "vramtrace models" in msg and "local directory" in msg
+
+
+def test_offline_suggests_close_bundled_ids(capsys):
+    assert main(["meta-llama/Llama-3-8B", "--seq", "8"]) == 1
+    err = _one_line(capsys.readouterr().err)
+    assert "did you mean meta-llama/Llama-3.1-8B" in err
+
+
+def _fake_cache(cache: Path, repo: str) -> None:
+    """An HF hub cache (huggingface_hub's layout) holding `repo`'s config.json: tiny-llama-gqa's."""
+    folder = cache / ("models--" + repo.replace("/", "--"))
+    commit = "0" * 40
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(commit)
+    (folder / "snapshots" / commit).mkdir(parents=True)
+    shutil.copy(TINY, folder / "snapshots" / commit / "config.json")
+
+
+def test_offline_reads_the_hf_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    _fake_cache(tmp_path, "acme/tiny-llama")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    resolved = resolve_config("acme/tiny-llama")
+    assert resolved.source == "hub" and resolved.config["model_type"] == "llama" and resolved.checkpoint is None
+
+
+class _SilentServer:
+    """A local TCP port that accepts connections and never answers (a Hub that hangs), or None: a closed port
+    (connection refused). No traffic leaves the machine."""
+
+    def __init__(self, answers: bool):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        if answers:
+            self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+
+    def close(self):
+        self.sock.close()
+
+
+def _cli_online(tmp_path, endpoint: str, *args) -> tuple[subprocess.CompletedProcess, float]:
+    """The CLI in a subprocess, online (no HF_HUB_OFFLINE), against `endpoint`, with an empty HF home."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf"), PYTHONPATH=SRC)
+    start = time.monotonic()
+    # the timeout keeps a regression (huggingface_hub's retries: 48 s) from hanging the suite
+    p = subprocess.run([sys.executable, "-m", "vramtrace.cli", *args], capture_output=True, text=True, env=env,
+                       timeout=60)
+    return p, time.monotonic() - start
+
+
+@pytest.mark.parametrize("answers", [True, False], ids=["hangs", "refused"])
+def test_unreachable_hub_answers_within_5s(tmp_path, answers):
+    server = _SilentServer(answers)
+    try:
+        p, seconds = _cli_online(tmp_path, f"http://127.0.0.1:{server.port}", "microsoft/phi-2", "--seq", "8")
+    finally:
+        server.close()
+    assert p.returncode == 1
+    err = _one_line(p.stderr)
+    assert "the Hub cannot be reached" in err and "local directory" in err
+    assert seconds < 5, seconds
+
+
+def test_unreachable_hub_falls_back_to_the_cache(tmp_path):
+    server = _SilentServer(answers=True)
+    _fake_cache(tmp_path / "hf" / "hub", "acme/tiny-llama")
+    try:
+        p, _ = _cli_online(tmp_path, f"http://127.0.0.1:{server.port}", "acme/tiny-llama", "--seq", "8",
+                           "--device", "cpu", "--json", "-", "-q")
+    finally:
+        server.close()
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["model"]["config_source"] == "hub" and d["model"]["model_type"] == "llama"
+
+
+def test_models_lists_the_bundled_ids(capsys):
+    assert main(["models"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == len(bundled_ids())
+    assert any(line.split() == ["meta-llama/Llama-3.1-8B", "llama"] for line in lines)
+    assert main(["models", "extra"]) == 2
+
+

@@ -74,7 +74,7 @@ def main_command(
     """Predict the peak memory of one training step (or inference forward) from a meta-device trace.
 
     `vramtrace validate MODEL --seq S ...` also runs the step for real on this machine and compares.
-    `vramtrace REPORT.json [...] --html PATH` re-renders saved reports.
+    `vramtrace REPORT.json [...] --html PATH` re-renders saved reports. `vramtrace models` lists the bundled ids.
     """
     del debug  # read by main() from the arguments, so that it also covers errors raised while parsing them
     from . import COMPARED_POLICIES, analyze, compare_reports, with_comparison
@@ -149,6 +149,22 @@ def _validate(spec, json_path: str | None, quiet: bool, err: Console) -> None:
         write_json(result, json_path)
 
 
+def _models(argv: list[str]) -> int:
+    """`vramtrace models`: the bundled ids (answer offline, at once), one a line with their model_type."""
+    from .tracer.loading import bundled_models
+
+    if argv and argv[0] in ("-h", "--help"):
+        print("Usage: vramtrace models\n\n  List the bundled model ids (no network needed) and their model_type.")
+        return 0
+    if argv:
+        raise UsageError(f"`vramtrace models` takes no arguments, got {' '.join(argv)!r}")
+    models = bundled_models()
+    width = max(len(ref) for ref, _ in models)
+    for ref, model_type in models:
+        print(f"{ref:<{width}}  {model_type}")
+    return 0
+
+
 def _error(e: BaseException, debug: bool, text: str | None = None) -> None:
     """Print `Error: ...` (one line) on stderr; with `debug`, the traceback with its chained causes first."""
     if debug:
@@ -158,7 +174,7 @@ def _error(e: BaseException, debug: bool, text: str | None = None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point. Exit status: 0 ok, 1 error, 2 usage error. `vramtrace validate ...` predicts, then runs the
-    step for real on the local device. `--debug` (or VRAMTRACE_DEBUG=1)
+    step for real on the local device; `vramtrace models` lists the bundled ids. `--debug` (or VRAMTRACE_DEBUG=1)
     adds the traceback, with its chained causes, to an error's line."""
     argv = list(sys.argv[1:] if argv is None else argv)
     # read before parsing, so that an error anywhere (parsing included) can honour it
@@ -166,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["validate"]:
         argv = argv[1:] + ["--validate"]
     try:
+        if argv[:1] == ["models"]:
+            return _models(argv[1:])
         rv = app(args=argv, standalone_mode=False, prog_name="vramtrace")
         if isinstance(rv, int):  # --help and similar return an exit code in non-standalone mode
             return rv

@@ -13,7 +13,6 @@ weight dtype when the user gave no `--precision`.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,16 +85,19 @@ def local_header(directory: Path) -> CheckpointHeader | None:
     return _header(counts, len(files), "local safetensors")
 
 
-def hub_header(repo_id: str) -> CheckpointHeader | None:
-    """The Hub repo's safetensors headers through `huggingface_hub.get_safetensors_metadata`, or None when
-    offline (`HF_HUB_OFFLINE`), unreachable, or the repo has no safetensors."""
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+def hub_header(repo_id: str, timeout_s: float | None = None) -> CheckpointHeader | None:
+    """The Hub repo's safetensors headers through `huggingface_hub.get_safetensors_metadata` (each request
+    bounded by `timeout_s` seconds), or None when offline (`huggingface_hub.constants.is_offline_mode()`),
+    unreachable, gated, or the repo has no safetensors: the config alone still answers, and the header is
+    information only (`precision_for`)."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    if constants.is_offline_mode():
         return None
     try:
-        import huggingface_hub
-
-        meta = huggingface_hub.get_safetensors_metadata(repo_id)
-    except Exception:  # no safetensors, gated, offline: the config alone still answers
+        meta = huggingface_hub.get_safetensors_metadata(repo_id, timeout=timeout_s)
+    except Exception:  # no safetensors, gated, unreachable: the config alone still answers
         return None
     counts = {_DTYPES.get(k, k.lower()): int(v) for k, v in meta.parameter_count.items()}
     return _header(counts, len(meta.files_metadata), "hub")
