@@ -182,3 +182,61 @@ def test_models_lists_the_bundled_ids(capsys):
     assert main(["models", "extra"]) == 2
 
 
+# --- 5. where the precision comes from ---------------------------------------------------------------------------
+
+def precision_for(spec, resolved):
+    from vramtrace.tracer.checkpoint_headers import precision_for as resolve_precision
+
+    return resolve_precision(spec, resolved)
+
+
+def _resolved(source: str, dtype: str | None) -> ResolvedConfig:
+    from vramtrace.tracer.checkpoint_headers import CheckpointHeader
+
+    header = CheckpointHeader(1, ((dtype, 1000),), "hub" if source == "hub" else "local safetensors") if dtype else None
+    return ResolvedConfig("acme/x", {}, source, "somewhere", header)
+
+
+def test_hub_stored_dtype_is_information_only():
+    precision, source = precision_for(RunSpec(TINY, 1, 8), _resolved("hub", "bfloat16"))
+    assert precision.value == "bf16-mixed"
+    assert source == "default for train (the hub checkpoint stores bfloat16; --precision stored uses it)"
+    # the same without a header (offline): the same precision
+    assert precision_for(RunSpec(TINY, 1, 8), _resolved("hub", None))[0] is precision
+
+
+@pytest.mark.parametrize("source,dtype,want", [("hub", "bfloat16", "bf16"), ("hub", "float32", "fp32"),
+                                               ("local", "float16", "fp16")])
+def test_precision_stored_uses_the_header(source, dtype, want):
+    precision, why = precision_for(RunSpec(TINY, 1, 8, precision="stored"), _resolved(source, dtype))
+    assert precision.value == want and why.startswith("--precision stored")
+
+
+@pytest.mark.parametrize("source,dtype,needle", [
+    ("bundled", None, "comes with a config only"), ("hub", None, "offline, unreachable"),
+    ("custom", None, "custom module"), ("local", None, "has no *.safetensors"),
+    ("hub", "float8_e4m3fn", "stores float8_e4m3fn")])
+def test_precision_stored_without_a_usable_header_is_an_error(source, dtype, needle):
+    with pytest.raises(UsageError, match=needle.replace("*", r"\*")):
+        precision_for(RunSpec(TINY, 1, 8, precision="stored"), _resolved(source, dtype))
+
+
+def test_hub_id_online_keeps_the_default_precision(monkeypatch):
+    # a Hub id whose safetensors headers (bf16) were fetched: the default precision stays bf16-mixed
+    from vramtrace.tracer import loading
+    from vramtrace.tracer.checkpoint_headers import CheckpointHeader
+
+    header = CheckpointHeader(1, (("bfloat16", 10**6),), "hub")
+    monkeypatch.setattr(loading, "_hub", lambda ref: ResolvedConfig(ref, json.loads(Path(TINY).read_text()), "hub",
+                                                                     "cache", header))
+    report = analyze(RunSpec("acme/tiny-llama", batch=1, seq=8, device="cpu"))
+    assert report.run["precision"] == "bf16-mixed" and "stores bfloat16" in report.run["precision_source"]
+    stored = analyze(RunSpec("acme/tiny-llama", batch=1, seq=8, device="cpu", precision="stored"))
+    assert stored.run["precision"] == "bf16" and stored.model["param_dtype"] == "bfloat16"
+
+
+def test_precision_stored_on_a_bundled_id_is_a_usage_error(capsys):
+    assert main(["gpt2", "--seq", "8", "--precision", "stored"]) == 2
+    assert "bundled id 'gpt2' comes with a config only" in _one_line(capsys.readouterr().err)
+
+

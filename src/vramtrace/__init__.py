@@ -136,10 +136,15 @@ def moe_summary(spec: RunSpec, model) -> dict:
 
 
 def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
+    from dataclasses import replace
+
+    from .tracer.checkpoint_headers import precision_for
     from .tracer.loading import resolve_config
 
     say("resolving config")  # before torch is imported: a bad model reference answers at once
     resolved = resolve_config(spec.model)
+    precision, precision_source = precision_for(spec, resolved)
+    spec = replace(spec, precision=precision)
 
     from .analysis.liveness import CUDA_MIN_BLOCK_BYTES, build_timeline
     from .analysis.summary import summarize
@@ -177,7 +182,8 @@ def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
 
         model_info["checkpoint"] = cross_check(resolved.checkpoint, loaded.params)
     run_info = {
-        "mode": spec.mode.value, "precision": loaded.precision.value, "optimizer": spec.optimizer.value,
+        "mode": spec.mode.value, "precision": loaded.precision.value, "precision_source": precision_source,
+        "optimizer": spec.optimizer.value,
         "optimizer_impl": spec.optimizer_impl.value, "device": spec.device.value, "gpu": gpu.name,
         "batch": spec.batch, "seq": spec.seq, "checkpointing": str(spec.checkpointing),
         "num_layers": loaded.num_layers, "layer_stack": loaded.layer_stack_path,

@@ -32,6 +32,9 @@ class Precision(_Choice):
     FP16 = "fp16"
     BF16_MIXED = "bf16-mixed"
     FP16_MIXED = "fp16-mixed"
+    # pure precision in the checkpoint's stored dtype (its safetensors headers); resolved to one of the above
+    # before the model is built (tracer/checkpoint_headers.py::precision_for)
+    STORED = "stored"
 
     @property
     def is_mixed(self) -> bool:

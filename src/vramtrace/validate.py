@@ -34,11 +34,16 @@ class Measurement:
 
 def real_model(spec: RunSpec, device: str = "cpu"):
     """`spec`'s model built for real on `device` with random weights (seed 0), its step inputs (random, in
-    range), loss and autocast dtype: a `LoadedModel`, the same code path as the meta build."""
+    range), loss and autocast dtype: a `LoadedModel`, the same code path as the meta build (and the same
+    precision, `checkpoint_headers.precision_for`)."""
+    from dataclasses import replace
+
     from .tracer.building import load_model
+    from .tracer.checkpoint_headers import precision_for
     from .tracer.loading import resolve_config
 
-    return load_model(spec, resolve_config(spec.model), device)
+    resolved = resolve_config(spec.model)
+    return load_model(replace(spec, precision=precision_for(spec, resolved)[0]), resolved, device)
 
 
 def alive_at_start(model, inputs, opt) -> list:

@@ -43,7 +43,8 @@ def render(report: MemoryReport, console: Console) -> None:
         head.add_row("adapters", r["adapters"])
     if r.get("inputs"):
         head.add_row("inputs", ", ".join(r["inputs"]))
-    head.add_row("dtypes", f"weights {m['param_dtype']}, compute {m['compute_dtype']}")
+    head.add_row("dtypes", f"weights {m['param_dtype']}, compute {m['compute_dtype']}"
+                 + (f"; precision {r['precision']}: {escape(r['precision_source'])}" if r.get("precision_source") else ""))
     sdpa = ", ".join(f"{k}×{v}" for k, v in m["sdpa_backends"].items()) or "none"
     head.add_row("attention", f"{m['attn_implementation']} (SDPA backend: {sdpa})")
     head.add_row("run", f"{r['mode']}, {r['precision']}, optimizer {r['optimizer']} ({r['optimizer_impl']}), "

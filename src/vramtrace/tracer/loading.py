@@ -7,7 +7,7 @@ Resolution order:
 2. a bundled id (`configs/index.json`): answers at once, offline, with no network call;
 3. a Hub id: only `config.json` (else `params.json`) through `huggingface_hub.hf_hub_download`; offline
    (`HF_HUB_OFFLINE`) from the HF cache only; online after a probe bounded by `HUB_TIMEOUT_S`, and also the
-   safetensors headers (`get_safetensors_metadata`).
+   safetensors headers (`get_safetensors_metadata`), as information (`checkpoint_headers.precision_for`).
 A config with `auto_map` (remote code) is refused unless `trust_remote_code` is set; none of its code is run.
 """
 
