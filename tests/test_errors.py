@@ -240,3 +240,64 @@ def test_precision_stored_on_a_bundled_id_is_a_usage_error(capsys):
     assert "bundled id 'gpt2' comes with a config only" in _one_line(capsys.readouterr().err)
 
 
+# --- 6. --memory-budget -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,needle", [
+    (["--checkpointing", "auto", "--memory-budget", "24"], "--memory-budget '24' has no unit; write e.g. 24GiB"),
+    (["--memory-budget", "24GiB"], "--memory-budget applies to --checkpointing auto only"),
+    (["--lora-alpha", "16"], "need --lora-rank"),
+    (["--lora-targets", "q_proj"], "need --lora-rank"),
+    (["--compare", "--checkpointing", "layers"], "--compare traces none, layers and selective itself"),
+])
+def test_options_that_would_do_nothing_are_usage_errors(args, needle, capsys):
+    assert main([TINY, "--seq", "8", *args]) == 2
+    assert needle in _one_line(capsys.readouterr().err)
+
+
+def test_validate_refuses_report_options(tmp_path, capsys):
+    html = tmp_path / "x.html"
+    assert main(["validate", TINY, "--seq", "8", "--device", "cpu", "--html", str(html)]) == 2
+    assert "validate writes no --compare, --html or --snapshot" in _one_line(capsys.readouterr().err)
+    assert not html.exists()  # refused before anything is written
+
+
+def test_no_plan_fits_prints_no_snippet(capsys):
+    assert main([TINY, "--seq", "32", "--device", "cpu", "--checkpointing", "auto", "--memory-budget", "1KiB"]) == 0
+    out = capsys.readouterr().out
+    assert "no plan fits" in out and "Apply it" not in out
+
+
+@dataclass(frozen=True)
+class _Report:
+    """The fields of a MemoryReport that the planner reads."""
+
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int | None
+    recompute_flops: int
+    run: dict = field(default_factory=dict)
+    activation_bytes: int = 0
+    recompute_overhead: float = 0.0
+    peak_phase: str = "forward"
+    peak_op: str = "aten.mm"
+    checkpointing: dict | None = None
+
+
+@pytest.mark.parametrize("reserved,basis", [(True, "peak reserved"), (False, "peak allocated")])
+def test_budget_is_compared_on_the_fit_basis(reserved, basis):
+    from vramtrace.planner import plan_checkpointing
+
+    # allocated fits 100 with every policy; reserved fits only with layers (CUDA: the allocator model's peak)
+    peaks = {"none": (90, 130, 0), "selective": (80, 120, 5), "layers": (60, 95, 10)}
+
+    def analyze_one(spec, say):
+        alloc, res, flops = peaks[str(spec.checkpointing)]
+        return _Report(alloc, res if reserved else None, flops, run={"checkpointing": str(spec.checkpointing),
+                                                                      "num_layers": 1})
+
+    spec = RunSpec(TINY, 1, 8, checkpointing="auto", memory_budget_bytes=100)
+    report = plan_checkpointing(spec, analyze_one, lambda _m: None)
+    plan = report.checkpointing["plan"]
+    assert plan["basis"] == basis and plan["fits"]
+    assert plan["chosen"] == ("layers" if reserved else "none")
+
+

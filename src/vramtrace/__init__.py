@@ -89,7 +89,7 @@ def compare_reports(spec: RunSpec, policies=COMPARED_POLICIES, progress: Callabl
     reports = []
     for policy in policies:
         say(f"checkpointing {policy}")
-        reports.append(_analyze_one(replace(spec, checkpointing=policy), say))
+        reports.append(_analyze_one(replace(spec, checkpointing=policy, memory_budget_bytes=None), say))
     return reports
 
 

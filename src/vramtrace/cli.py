@@ -83,6 +83,10 @@ def main_command(
     from .spec import RunSpec
     from .units import parse_bytes
 
+    if compare_policies and checkpointing.strip().lower() != "none":
+        raise UsageError("--compare traces none, layers and selective itself; drop --checkpointing, or drop --compare")
+    if validate_run and (compare_policies or html_path or snapshot_path):
+        raise UsageError("validate writes no --compare, --html or --snapshot; run `vramtrace MODEL ...` for those")
     for option, path in (("--json", json_path), ("--html", html_path), ("--snapshot", snapshot_path)):
         if path is not None:
             check_writable(path, option)
@@ -98,7 +102,8 @@ def main_command(
                        trust_remote_code=trust_remote_code, replicate_layers=not trace_every_layer,
                        inputs=tuple(inputs), image_size=image_size, freeze=tuple(freeze), lora_rank=lora_rank,
                        lora_alpha=lora_alpha, lora_targets=targets, moe_routing=moe_routing, strict=strict,
-                       memory_budget_bytes=parse_bytes(memory_budget) if memory_budget is not None else None)
+                       memory_budget_bytes=(parse_bytes(memory_budget, "--memory-budget")
+                                            if memory_budget is not None else None))
         err = Console(stderr=True)
         if validate_run:
             _validate(spec, json_path, quiet, err)

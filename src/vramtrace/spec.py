@@ -246,7 +246,8 @@ class RunSpec:
     strict: an op without a meta kernel is an error (else the report lists it as unresolved).
     precision: None picks the default for the mode (bf16-mixed to train, bf16 for inference).
     checkpointing: a `Checkpointing` or its text ('none', 'layers', 'every:4', 'selective', 'auto', ...).
-    memory_budget_bytes: the budget `auto` checkpointing must fit (bytes of peak allocated).
+    memory_budget_bytes: the budget `auto` checkpointing must fit, in bytes, on the fit verdict's basis: peak
+        reserved (caching-allocator model) for device cuda, peak allocated for cpu. Only with checkpointing auto.
     replicate_layers: trace 4 of a stack's identical layers and rebuild the rest (False: trace every layer).
     """
 
@@ -302,6 +303,9 @@ class RunSpec:
             raise UsageError("--checkpointing auto needs --memory-budget, e.g. --memory-budget 40GiB")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
             raise UsageError("--memory-budget must be positive, e.g. 40GiB")
+        if self.memory_budget_bytes is not None and ckpt.kind != "auto":
+            raise UsageError("--memory-budget applies to --checkpointing auto only; add --checkpointing auto or "
+                             "drop --memory-budget")
 
     @property
     def effective_precision(self) -> Precision:

@@ -130,9 +130,11 @@ def _render_checkpointing(report: MemoryReport, console: Console) -> None:
         plan = ck.get("plan")
         if plan:
             over = f", over by {format_bytes(plan['over_budget_bytes'])}" if not plan["fits"] else ""
-            grid.add_row("plan", f"budget {format_bytes(plan['budget_bytes'])}: {plan['verdict']}{over}")
-            tried = ", ".join(f"{e['policy']} {format_bytes(e['peak_allocated_bytes'])}" for e in plan["evaluated"])
-            grid.add_row("traced", tried)
+            basis = plan.get("basis", "peak allocated")
+            grid.add_row("plan", f"budget {format_bytes(plan['budget_bytes'])} of {basis}: {plan['verdict']}{over}")
+            tried = ", ".join(f"{e['policy']} {format_bytes(e.get('compared_bytes', e['peak_allocated_bytes']))}"
+                              for e in plan["evaluated"])
+            grid.add_row("traced", f"{tried} ({basis})")
         for note in ck["notes"]:
             grid.add_row("note", Text(note, style="yellow"))
         console.print(Panel(grid, title="Activation checkpointing", border_style="blue"))
