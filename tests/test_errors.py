@@ -301,3 +301,16 @@ def test_budget_is_compared_on_the_fit_basis(reserved, basis):
     assert plan["chosen"] == ("layers" if reserved else "none")
 
 
+# --- 7. validate --device cuda without a GPU ------------------------------------------------------------------------
+
+def test_validate_cuda_without_a_gpu_refuses_before_tracing(monkeypatch):
+    import torch
+
+    import vramtrace
+    from vramtrace import validate as validate_mod
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    monkeypatch.setattr(vramtrace, "analyze", lambda *a, **k: pytest.fail("traced before refusing"))
+    with pytest.raises(UsageError, match="needs a CUDA GPU"):
+        validate_mod.validate(RunSpec(TINY, batch=1, seq=8, device="cuda"))
