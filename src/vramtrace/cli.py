@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:] + ["--validate"]
     try:
         if argv[:1] == ["models"]:
-            return _models(argv[1:])
+            return _models([a for a in argv[1:] if a != "--debug"])
         rv = app(args=argv, standalone_mode=False, prog_name="vramtrace")
         if isinstance(rv, int):  # --help and similar return an exit code in non-standalone mode
             return rv
