@@ -24,8 +24,6 @@ def analyze(spec: RunSpec, progress: Callable[[str], None] | None = None):
     """
     from dataclasses import replace
 
-    from .tracer.checkpointing import paste_snippet
-
     say = progress or (lambda _m: None)
     ckpt = spec.checkpointing
     if ckpt.kind == "auto":
@@ -35,6 +33,8 @@ def analyze(spec: RunSpec, progress: Callable[[str], None] | None = None):
     report = _analyze_one(spec, say)
     if ckpt.kind == "none":
         return report
+    from .tracer.checkpointing import paste_snippet  # imports torch: after the config is resolved
+
     say("the same step without checkpointing")
     base = _analyze_one(replace(spec, checkpointing="none"), say)
     return replace(report, checkpointing=checkpointing_summary(report, base, paste_snippet(ckpt)))
@@ -89,7 +89,7 @@ def compare_reports(spec: RunSpec, policies=COMPARED_POLICIES, progress: Callabl
     reports = []
     for policy in policies:
         say(f"checkpointing {policy}")
-        reports.append(_analyze_one(replace(spec, checkpointing=policy), say))
+        reports.append(_analyze_one(replace(spec, checkpointing=policy, memory_budget_bytes=None), say))
     return reports
 
 
@@ -136,15 +136,22 @@ def moe_summary(spec: RunSpec, model) -> dict:
 
 
 def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
+    from dataclasses import replace
+
+    from .tracer.checkpoint_headers import precision_for
+    from .tracer.loading import resolve_config
+
+    say("resolving config")  # before torch is imported: a bad model reference answers at once
+    resolved = resolve_config(spec.model)
+    precision, precision_source = precision_for(spec, resolved)
+    spec = replace(spec, precision=precision)
+
     from .analysis.liveness import CUDA_MIN_BLOCK_BYTES, build_timeline
     from .analysis.summary import summarize
     from .spec import Device, Mode
     from .tracer.building import load_model
-    from .tracer.loading import resolve_config
     from .tracer.trace import FIRST_STEP_PHASES, STEADY_PHASES, trace_step
 
-    say("resolving config")
-    resolved = resolve_config(spec.model)
     say("building model on meta")
     loaded = load_model(spec, resolved)
     traced = trace_step(spec, loaded, progress=say)
@@ -175,7 +182,8 @@ def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
 
         model_info["checkpoint"] = cross_check(resolved.checkpoint, loaded.params)
     run_info = {
-        "mode": spec.mode.value, "precision": loaded.precision.value, "optimizer": spec.optimizer.value,
+        "mode": spec.mode.value, "precision": loaded.precision.value, "precision_source": precision_source,
+        "optimizer": spec.optimizer.value,
         "optimizer_impl": spec.optimizer_impl.value, "device": spec.device.value, "gpu": gpu.name,
         "batch": spec.batch, "seq": spec.seq, "checkpointing": str(spec.checkpointing),
         "num_layers": loaded.num_layers, "layer_stack": loaded.layer_stack_path,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -65,19 +67,26 @@ def main_command(
     trace_every_layer: bool = typer.Option(
         False, "--trace-every-layer", help="trace all layers instead of 4 and replicating the repeated one (slower)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no terminal report (with --json)"),
+    debug: bool = typer.Option(False, "--debug", help="on an error, also print the traceback with its causes "
+                               "(or set VRAMTRACE_DEBUG=1)"),
     validate_run: bool = typer.Option(False, "--validate", hidden=True, help="set by `vramtrace validate ...`"),
 ) -> None:
     """Predict the peak memory of one training step (or inference forward) from a meta-device trace.
 
     `vramtrace validate MODEL --seq S ...` also runs the step for real on this machine and compares.
-    `vramtrace REPORT.json [...] --html PATH` re-renders saved reports.
+    `vramtrace REPORT.json [...] --html PATH` re-renders saved reports. `vramtrace models` lists the bundled ids.
     """
+    del debug  # read by main() from the arguments, so that it also covers errors raised while parsing them
     from . import COMPARED_POLICIES, analyze, compare_reports, with_comparison
     from .reports.json_report import check_writable, read_json_report, write_json
     from .reports.terminal import render
     from .spec import RunSpec
     from .units import parse_bytes
 
+    if compare_policies and checkpointing.strip().lower() != "none":
+        raise UsageError("--compare traces none, layers and selective itself; drop --checkpointing, or drop --compare")
+    if validate_run and (compare_policies or html_path or snapshot_path):
+        raise UsageError("validate writes no --compare, --html or --snapshot; run `vramtrace MODEL ...` for those")
     for option, path in (("--json", json_path), ("--html", html_path), ("--snapshot", snapshot_path)):
         if path is not None:
             check_writable(path, option)
@@ -93,7 +102,8 @@ def main_command(
                        trust_remote_code=trust_remote_code, replicate_layers=not trace_every_layer,
                        inputs=tuple(inputs), image_size=image_size, freeze=tuple(freeze), lora_rank=lora_rank,
                        lora_alpha=lora_alpha, lora_targets=targets, moe_routing=moe_routing, strict=strict,
-                       memory_budget_bytes=parse_bytes(memory_budget) if memory_budget is not None else None)
+                       memory_budget_bytes=(parse_bytes(memory_budget, "--memory-budget")
+                                            if memory_budget is not None else None))
         err = Console(stderr=True)
         if validate_run:
             _validate(spec, json_path, quiet, err)
@@ -144,27 +154,60 @@ def _validate(spec, json_path: str | None, quiet: bool, err: Console) -> None:
         write_json(result, json_path)
 
 
+def _models(argv: list[str]) -> int:
+    """`vramtrace models`: the bundled ids (answer offline, at once), one a line with their model_type."""
+    from .tracer.loading import bundled_models
+
+    if argv and argv[0] in ("-h", "--help"):
+        print("Usage: vramtrace models\n\n  List the bundled model ids (no network needed) and their model_type.")
+        return 0
+    if argv:
+        raise UsageError(f"`vramtrace models` takes no arguments, got {' '.join(argv)!r}")
+    models = bundled_models()
+    width = max(len(ref) for ref, _ in models)
+    for ref, model_type in models:
+        print(f"{ref:<{width}}  {model_type}")
+    return 0
+
+
+def _error(e: BaseException, debug: bool, text: str | None = None) -> None:
+    """Print `Error: ...` (one line) on stderr; with `debug`, the traceback with its chained causes first."""
+    if debug:
+        traceback.print_exception(e, file=sys.stderr)
+    print(f"Error: {text or e}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point. Exit status: 0 ok, 1 error, 2 usage error. `vramtrace validate ...` predicts, then runs the
-    step for real on the local device."""
+    step for real on the local device; `vramtrace models` lists the bundled ids. `--debug` (or VRAMTRACE_DEBUG=1)
+    adds the traceback, with its chained causes, to an error's line."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    # read before parsing, so that an error anywhere (parsing included) can honour it
+    debug = "--debug" in argv or os.environ.get("VRAMTRACE_DEBUG", "").strip().lower() in ("1", "true", "yes")
     if argv[:1] == ["validate"]:
         argv = argv[1:] + ["--validate"]
     try:
+        if argv[:1] == ["models"]:
+            return _models([a for a in argv[1:] if a != "--debug"])
         rv = app(args=argv, standalone_mode=False, prog_name="vramtrace")
         if isinstance(rv, int):  # --help and similar return an exit code in non-standalone mode
             return rv
     except click_exceptions.ClickException as e:  # bad option, missing argument, not a number
-        print(f"Error: {e.format_message()} (see vramtrace --help)", file=sys.stderr)
+        _error(e, debug, f"{e.format_message()} (see vramtrace --help)")
         return 2
-    except KeyboardInterrupt:
-        print("Error: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        _error(e, debug, "interrupted")
         return 1
     except UsageError as e:
-        print(f"Error: {e}", file=sys.stderr)
+        _error(e, debug)
         return 2
     except VramtraceError as e:
-        print(f"Error: {e}", file=sys.stderr)
+        _error(e, debug)
+        return 1
+    except Exception as e:  # a bug in vramtrace itself: still one line, the traceback with --debug
+        text = str(e).strip().splitlines()[0] if str(e).strip() else "(no message)"
+        _error(e, debug, f"internal error {type(e).__name__}: {text} (rerun with --debug for the traceback, and "
+                         "please report it)")
         return 1
     return 0
 

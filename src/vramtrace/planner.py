@@ -13,7 +13,11 @@ Every candidate the planner looks at is traced and analysed exactly, so its peak
 fits (about log2 L traces, each checked), evaluates `selective` and `layers`, and returns the fitting plan with
 the fewest recompute FLOPs. Because each answer is traced, a plan reported as fitting does fit; the search can
 only miss a cheaper plan if the peak were not monotone in c. When nothing fits, the report gives the floor: the
-lowest peak among the plans traced, and by how much it misses.
+lowest peak among the plans traced, and by how much it misses, and no snippet to apply.
+
+The budget is compared on the basis of the fit verdict (`analysis/summary.py`): for a CUDA target the peak
+reserved bytes of the caching-allocator model (what must fit on the device), for the CPU the peak allocated
+bytes. `plan['basis']` names it.
 """
 
 from __future__ import annotations
@@ -25,8 +29,16 @@ from typing import Callable
 from .spec import Checkpointing, RunSpec
 
 
+def budget_peak(report) -> int:
+    """The bytes a budget is compared with, as the fit verdict compares the device's capacity: peak reserved
+    (caching-allocator model) when the report has it (CUDA target), else peak allocated."""
+    return report.peak_reserved_bytes if report.peak_reserved_bytes is not None else report.peak_allocated_bytes
+
+
 def plan_checkpointing(spec: RunSpec, analyze_one: Callable, say: Callable[[str], None]):
-    """The MemoryReport of the chosen plan, with `checkpointing['plan']` describing the search."""
+    """The MemoryReport of the chosen plan, with `checkpointing['plan']` describing the search (bytes compared
+    with `spec.memory_budget_bytes` by `budget_peak`). When no plan fits, the floor's report with an empty
+    snippet."""
     from . import checkpointing_summary
     from .tracer.checkpointing import paste_snippet
 
@@ -36,11 +48,11 @@ def plan_checkpointing(spec: RunSpec, analyze_one: Callable, say: Callable[[str]
     def evaluate(policy: str):
         if policy not in seen:
             say(f"auto: trying checkpointing {policy}")
-            seen[policy] = analyze_one(replace(spec, checkpointing=policy), say)
+            seen[policy] = analyze_one(replace(spec, checkpointing=policy, memory_budget_bytes=None), say)
         return seen[policy]
 
     def fits(policy: str) -> bool:
-        return evaluate(policy).peak_allocated_bytes <= budget
+        return budget_peak(evaluate(policy)) <= budget
 
     base = evaluate("none")
     L = base.run.get("num_layers") or 0
@@ -58,20 +70,24 @@ def plan_checkpointing(spec: RunSpec, analyze_one: Callable, say: Callable[[str]
                     hi = mid - 1
                 else:
                     lo = mid + 1
-    candidates = [(p, r) for p, r in seen.items() if r.peak_allocated_bytes <= budget]
+    candidates = [(p, r) for p, r in seen.items() if budget_peak(r) <= budget]
     if candidates:
-        policy, chosen = min(candidates, key=lambda pr: (pr[1].recompute_flops, pr[1].peak_allocated_bytes))
+        policy, chosen = min(candidates, key=lambda pr: (pr[1].recompute_flops, budget_peak(pr[1])))
         verdict = f"fits the budget with {policy}"
     else:
-        policy, chosen = min(seen.items(), key=lambda pr: (pr[1].peak_allocated_bytes, pr[1].recompute_flops))
+        policy, chosen = min(seen.items(), key=lambda pr: (budget_peak(pr[1]), pr[1].recompute_flops))
         verdict = (f"no plan fits; the floor is {policy}, whose peak is in the {chosen.peak_phase} phase "
                    f"({chosen.peak_op})")
-    summary = checkpointing_summary(chosen, base, paste_snippet(Checkpointing.parse(policy)))
+    # nothing to apply when no plan fits: the floor is information, not advice
+    snippet = paste_snippet(Checkpointing.parse(policy)) if candidates else ""
+    summary = checkpointing_summary(chosen, base, snippet)
+    basis = "peak reserved" if chosen.peak_reserved_bytes is not None else "peak allocated"
     summary["plan"] = {
         "budget_bytes": budget, "fits": bool(candidates), "chosen": policy, "verdict": verdict,
-        "over_budget_bytes": max(0, chosen.peak_allocated_bytes - budget),
+        "basis": basis, "over_budget_bytes": max(0, budget_peak(chosen) - budget),
         "algorithm": "binary search over transformers' every_n_layers, plus selective and layers; every candidate traced",
         "evaluated": [{"policy": p, "peak_allocated_bytes": r.peak_allocated_bytes,
+                       "peak_reserved_bytes": r.peak_reserved_bytes, "compared_bytes": budget_peak(r),
                        "recompute_flops": r.recompute_flops,
                        "recompute_overhead": r.recompute_overhead}
                       for p, r in seen.items()],

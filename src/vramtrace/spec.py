@@ -16,9 +16,9 @@ class _Choice(str, enum.Enum):
             return value
         try:
             return cls(str(value).lower())
-        except ValueError:
+        except ValueError as e:
             valid = ", ".join(m.value for m in cls)
-            raise UsageError(f"unknown {what} {value!r}; choose one of: {valid}") from None
+            raise UsageError(f"unknown {what} {value!r}; choose one of: {valid}") from e
 
 
 class Mode(_Choice):
@@ -32,6 +32,9 @@ class Precision(_Choice):
     FP16 = "fp16"
     BF16_MIXED = "bf16-mixed"
     FP16_MIXED = "fp16-mixed"
+    # pure precision in the checkpoint's stored dtype (its safetensors headers); resolved to one of the above
+    # before the model is built (tracer/checkpoint_headers.py::precision_for)
+    STORED = "stored"
 
     @property
     def is_mixed(self) -> bool:
@@ -243,7 +246,8 @@ class RunSpec:
     strict: an op without a meta kernel is an error (else the report lists it as unresolved).
     precision: None picks the default for the mode (bf16-mixed to train, bf16 for inference).
     checkpointing: a `Checkpointing` or its text ('none', 'layers', 'every:4', 'selective', 'auto', ...).
-    memory_budget_bytes: the budget `auto` checkpointing must fit (bytes of peak allocated).
+    memory_budget_bytes: the budget `auto` checkpointing must fit, in bytes, on the fit verdict's basis: peak
+        reserved (caching-allocator model) for device cuda, peak allocated for cpu. Only with checkpointing auto.
     replicate_layers: trace 4 of a stack's identical layers and rebuild the rest (False: trace every layer).
     """
 
@@ -299,6 +303,9 @@ class RunSpec:
             raise UsageError("--checkpointing auto needs --memory-budget, e.g. --memory-budget 40GiB")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
             raise UsageError("--memory-budget must be positive, e.g. 40GiB")
+        if self.memory_budget_bytes is not None and ckpt.kind != "auto":
+            raise UsageError("--memory-budget applies to --checkpointing auto only; add --checkpointing auto or "
+                             "drop --memory-budget")
 
     @property
     def effective_precision(self) -> Precision:

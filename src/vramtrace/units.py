@@ -28,18 +28,23 @@ def format_bytes(n_bytes: int, *, signed: bool = False) -> str:
     return f"{sign}{a} B"
 
 
-def parse_bytes(text: str) -> int:
-    """Parse '40GiB', '40 GB', '512MiB', '123' (bytes) into an int byte count.
+def parse_bytes(text: str, option: str = "a size") -> int:
+    """Parse '40GiB', '40 GB', '512MiB', '4096B' into an int byte count. The unit is required: a bare number
+    such as '24' is ambiguous (24 bytes? 24 GiB?), so it is refused.
 
-    Raises UsageError naming the valid units when the text is not understood.
+    Raises UsageError naming `option` (e.g. '--memory-budget') and the valid units when the text is not understood
+    or has no unit.
     """
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
     if not m:
-        raise UsageError(f"cannot read {text!r} as a size; write e.g. 40GiB, 512MiB or 80GB")
-    value, unit = float(m.group(1)), (m.group(2) or "b").lower()
+        raise UsageError(f"cannot read {option} {text!r} as a size; write e.g. 40GiB, 512MiB or 80GB")
+    if not m.group(2):
+        raise UsageError(f"{option} {text!r} has no unit; write e.g. {m.group(1)}GiB (binary, 2**30 bytes) or "
+                         f"{m.group(1)}GB (decimal, 10**9 bytes)")
+    value, unit = float(m.group(1)), m.group(2).lower()
     if unit not in _UNITS:
         valid = ", ".join(["B", "KiB", "MiB", "GiB", "TiB", "KB", "MB", "GB", "TB"])
-        raise UsageError(f"unknown unit {m.group(2)!r} in {text!r}; valid units: {valid}")
+        raise UsageError(f"unknown unit {m.group(2)!r} in {option} {text!r}; valid units: {valid}")
     return int(round(value * _UNITS[unit]))
 
 

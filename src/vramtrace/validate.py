@@ -19,7 +19,7 @@ import gc
 from dataclasses import dataclass
 from typing import Callable
 
-from .errors import UsageError
+from .errors import TraceError, UsageError, VramtraceError
 from .spec import Device, Mode, RunSpec
 
 
@@ -34,11 +34,16 @@ class Measurement:
 
 def real_model(spec: RunSpec, device: str = "cpu"):
     """`spec`'s model built for real on `device` with random weights (seed 0), its step inputs (random, in
-    range), loss and autocast dtype: a `LoadedModel`, the same code path as the meta build."""
+    range), loss and autocast dtype: a `LoadedModel`, the same code path as the meta build (and the same
+    precision, `checkpoint_headers.precision_for`)."""
+    from dataclasses import replace
+
     from .tracer.building import load_model
+    from .tracer.checkpoint_headers import precision_for
     from .tracer.loading import resolve_config
 
-    return load_model(spec, resolve_config(spec.model), device)
+    resolved = resolve_config(spec.model)
+    return load_model(replace(spec, precision=precision_for(spec, resolved)[0]), resolved, device)
 
 
 def alive_at_start(model, inputs, opt) -> list:
@@ -55,7 +60,9 @@ def alive_at_start(model, inputs, opt) -> list:
 def measure_step(spec: RunSpec, setup: Callable | None = None) -> Measurement:
     """Run the step of `spec` for real on `spec.device` and measure it. The model gets `spec.checkpointing` as
     a user's code applies it, or `setup(model)` when given. Runs seeded (0) inside `torch.random.fork_rng`: the
-    caller's RNG state is left as it was. Raises UsageError when CUDA is asked for and absent."""
+    caller's RNG state is left as it was. Raises UsageError when CUDA is asked for and absent, TraceError (phase,
+    module, the exception's type and first line; the exception chained as its cause) when the model's or the
+    user's code raises during the real step."""
     from .tracer.building import quiet_transformers_logs, seeded
 
     _require_local(spec.device)
@@ -84,11 +91,16 @@ def _measure(spec: RunSpec, setup: Callable | None) -> Measurement:
     def autocast():
         return torch.autocast(device, dtype=compute_dtype) if compute_dtype else contextlib.nullcontext()
 
+    where = {"step": "warm-up", "phase": "forward"}  # where the real step is, for an error's message
+
     def step():
+        where["phase"] = "forward"
         if train:
             with autocast():
                 loss = loaded.loss(model(*args, **kwargs))
+            where["phase"] = "backward"
             loss.backward()
+            where["phase"] = "optimizer"
             if opt is not None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -99,17 +111,39 @@ def _measure(spec: RunSpec, setup: Callable | None) -> Measurement:
                 out = model(*args, **kwargs)
             del out
 
-    step()  # warm-up: the optimizer creates its state
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        return Measurement("cuda", torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
-    start = unique_storage_bytes(alive_at_start(model, [*args, *kwargs.values()], opt))
-    _, peak = run_profiled(step)
-    return Measurement("cpu", start + peak)
+    try:
+        step()  # warm-up: the optimizer creates its state
+        gc.collect()
+        where["step"] = "measured"
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            return Measurement("cuda", torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+        start = unique_storage_bytes(alive_at_start(model, [*args, *kwargs.values()], opt))
+        _, peak = run_profiled(step)
+        return Measurement("cpu", start + peak)
+    except VramtraceError:
+        raise
+    except Exception as e:  # the model's or the user's code failed on real tensors: one line, cause chained
+        text = str(e).strip().splitlines()[0] if str(e).strip() else "(no message)"
+        raise TraceError(f"the real {where['step']} step on {device} failed in phase {where['phase']}, module "
+                         f"{innermost_module(e, model)}: {type(e).__name__}: {text}") from e
+
+
+def innermost_module(error: BaseException, model) -> str:
+    """The qualified name of the innermost submodule of `model` whose code is on `error`'s traceback (a frame
+    whose `self` is that module: its forward, or torch's `Module._call_impl` calling it), else '(root)'."""
+    names = {id(m): name for name, m in model.named_modules() if name}
+    found = "(root)"
+    tb = error.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in names:
+            found = names[id(owner)]
+        tb = tb.tb_next
+    return found
 
 
 def _require_local(device: Device) -> None:
@@ -133,14 +167,15 @@ def free_bytes(device: Device) -> int:
 
 def validate(spec: RunSpec, progress: Callable[[str], None] | None = None) -> dict:
     """Predict `spec`, then measure it for real. Returns predicted vs measured bytes and the relative errors.
-    Raises UsageError when the prediction does not fit the free memory (before allocating anything)."""
+    Raises UsageError when the target device is not here (checked first, before tracing) or when the prediction
+    does not fit the free memory (before allocating anything); TraceError when the real step fails."""
     from . import analyze
     from .units import format_bytes
 
+    _require_local(spec.device)
     say = progress or (lambda _m: None)
     report = analyze(spec, say)
     needed = report.peak_reserved_bytes or report.peak_allocated_bytes
-    _require_local(spec.device)
     free = free_bytes(spec.device)
     if needed > free:
         raise UsageError(f"the predicted step needs {format_bytes(needed)} but {spec.device.value} has "

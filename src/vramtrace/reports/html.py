@@ -110,4 +110,4 @@ def write_html(reports: list[MemoryReport], path: str, labels: list[str] | None 
     try:
         Path(path).expanduser().write_text(text, encoding="utf-8")
     except OSError as e:
-        raise ReportWriteError(f"cannot write --html {path}: {e.strerror}") from None
+        raise ReportWriteError(f"cannot write --html {path}: {e.strerror}") from e

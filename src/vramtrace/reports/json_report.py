@@ -24,7 +24,7 @@ def check_writable(path: str, option: str = "--json") -> None:
         with open(p, "a"):
             pass
     except OSError as e:
-        raise ReportWriteError(f"cannot write {option} {path}: {e.strerror}") from None
+        raise ReportWriteError(f"cannot write {option} {path}: {e.strerror}") from e
 
 
 def write_json(report: MemoryReport | dict, path: str) -> None:
@@ -38,7 +38,7 @@ def write_json(report: MemoryReport | dict, path: str) -> None:
     try:
         Path(path).expanduser().write_text(text + "\n")
     except OSError as e:
-        raise ReportWriteError(f"cannot write --json {path}: {e.strerror}") from None
+        raise ReportWriteError(f"cannot write --json {path}: {e.strerror}") from e
 
 
 def read_json_report(path: str) -> MemoryReport | None:
@@ -56,4 +56,4 @@ def read_json_report(path: str) -> MemoryReport | None:
     try:
         return MemoryReport.from_dict(data)
     except (KeyError, TypeError) as e:
-        raise ReportWriteError(f"{path} looks like a vramtrace report but cannot be read ({e}); write it again") from None
+        raise ReportWriteError(f"{path} looks like a vramtrace report but cannot be read ({e}); write it again") from e

@@ -62,4 +62,4 @@ def write_snapshot(report: MemoryReport, path: str) -> None:
         with open(Path(path).expanduser(), "wb") as f:
             pickle.dump(snapshot_of(report), f)
     except OSError as e:
-        raise ReportWriteError(f"cannot write --snapshot {path}: {e.strerror}") from None
+        raise ReportWriteError(f"cannot write --snapshot {path}: {e.strerror}") from e

@@ -43,7 +43,8 @@ def render(report: MemoryReport, console: Console) -> None:
         head.add_row("adapters", r["adapters"])
     if r.get("inputs"):
         head.add_row("inputs", ", ".join(r["inputs"]))
-    head.add_row("dtypes", f"weights {m['param_dtype']}, compute {m['compute_dtype']}")
+    head.add_row("dtypes", f"weights {m['param_dtype']}, compute {m['compute_dtype']}"
+                 + (f"; precision {r['precision']}: {escape(r['precision_source'])}" if r.get("precision_source") else ""))
     sdpa = ", ".join(f"{k}×{v}" for k, v in m["sdpa_backends"].items()) or "none"
     head.add_row("attention", f"{m['attn_implementation']} (SDPA backend: {sdpa})")
     head.add_row("run", f"{r['mode']}, {r['precision']}, optimizer {r['optimizer']} ({r['optimizer_impl']}), "
@@ -133,9 +134,11 @@ def _render_checkpointing(report: MemoryReport, console: Console) -> None:
         plan = ck.get("plan")
         if plan:
             over = f", over by {format_bytes(plan['over_budget_bytes'])}" if not plan["fits"] else ""
-            grid.add_row("plan", f"budget {format_bytes(plan['budget_bytes'])}: {plan['verdict']}{over}")
-            tried = ", ".join(f"{e['policy']} {format_bytes(e['peak_allocated_bytes'])}" for e in plan["evaluated"])
-            grid.add_row("traced", tried)
+            basis = plan.get("basis", "peak allocated")
+            grid.add_row("plan", f"budget {format_bytes(plan['budget_bytes'])} of {basis}: {plan['verdict']}{over}")
+            tried = ", ".join(f"{e['policy']} {format_bytes(e.get('compared_bytes', e['peak_allocated_bytes']))}"
+                              for e in plan["evaluated"])
+            grid.add_row("traced", f"{tried} ({basis})")
         for note in ck["notes"]:
             grid.add_row("note", Text(note, style="yellow"))
         console.print(Panel(grid, title="Activation checkpointing", border_style="blue"))

@@ -49,8 +49,8 @@ def apply_adapters(spec: RunSpec, model: torch.nn.Module, device: str) -> torch.
         return model
     try:
         from peft import LoraConfig, get_peft_model
-    except ImportError:
-        raise UsageError("--lora-rank needs peft: pip install 'vramtrace[lora]'") from None
+    except ImportError as e:
+        raise UsageError("--lora-rank needs peft: pip install 'vramtrace[lora]'") from e
     kwargs: dict = {"r": spec.lora_rank, "lora_dropout": 0.0}
     if spec.lora_alpha is not None:
         kwargs["lora_alpha"] = spec.lora_alpha
@@ -64,4 +64,4 @@ def apply_adapters(spec: RunSpec, model: torch.nn.Module, device: str) -> torch.
     except ValueError as e:
         text = str(e).splitlines()[0] if str(e) else "invalid LoRA config"
         raise UsageError(f"peft refused the LoRA config: {text} (name the modules with --lora-targets, "
-                         "e.g. --lora-targets q_proj,v_proj)") from None
+                         "e.g. --lora-targets q_proj,v_proj)") from e

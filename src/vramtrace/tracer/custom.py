@@ -65,7 +65,7 @@ def import_target(target: str):
             spec.loader.exec_module(module)  # type: ignore[union-attr]
         except Exception as e:
             sys.modules.pop(name, None)
-            raise ModelLoadError(f"importing {target} failed: {type(e).__name__}: {_first_line(e)}") from None
+            raise ModelLoadError(f"importing {target} failed: {type(e).__name__}: {_first_line(e)}") from e
         finally:
             sys.path.remove(str(path.parent))
         return module
@@ -74,9 +74,9 @@ def import_target(target: str):
         return importlib.import_module(target)
     except ModuleNotFoundError as e:
         raise ModelLoadError(f"cannot import module {target!r} ({_first_line(e)}); pass path/to/model.py:NAME or "
-                             "run from the directory that holds the package") from None
+                             "run from the directory that holds the package") from e
     except Exception as e:
-        raise ModelLoadError(f"importing {target} failed: {type(e).__name__}: {_first_line(e)}") from None
+        raise ModelLoadError(f"importing {target} failed: {type(e).__name__}: {_first_line(e)}") from e
     finally:
         sys.path.remove(os.getcwd())
 
@@ -151,7 +151,7 @@ def build_custom(spec: RunSpec, device: str, dtype: torch.dtype | None) -> Custo
             model = obj()
     except Exception as e:
         raise ModelLoadError(f"building {name}() from {target} failed: {type(e).__name__}: {_first_line(e)} "
-                             f"({name} must be built with no arguments, or be a function returning an nn.Module)") from None
+                             f"({name} must be built with no arguments, or be a function returning an nn.Module)") from e
     if not isinstance(model, torch.nn.Module):
         raise ModelLoadError(f"{target}:{name}() returned a {type(model).__name__}, not an nn.Module")
     if dtype is not None:
@@ -173,7 +173,7 @@ def build_custom(spec: RunSpec, device: str, dtype: torch.dtype | None) -> Custo
         except Exception as e:
             hint = " (it got seq=None: pass --seq)" if spec.seq is None else ""
             raise ModelLoadError(f"example_inputs({spec.batch}, {spec.seq}) in {target} failed: "
-                                 f"{type(e).__name__}: {_first_line(e)}{hint}") from None
+                                 f"{type(e).__name__}: {_first_line(e)}{hint}") from e
         if isinstance(value, dict):
             kwargs = {k: _as_input(v, f"example_inputs()[{k!r}]", spec.batch, spec.seq, device) for k, v in value.items()}
         else:

@@ -5,13 +5,15 @@ Resolution order:
 1. a local path: a directory holding `config.json` (or Meta's `params.json`), or a path to such a file; a
    directory's safetensors headers are read too (`checkpoint_headers.py`);
 2. a bundled id (`configs/index.json`): answers at once, offline, with no network call;
-3. a Hub id: only `config.json` (else `params.json`) through `huggingface_hub.hf_hub_download`, which honours
-   `HF_HUB_OFFLINE` and the HF cache; online, also the safetensors headers (`get_safetensors_metadata`).
+3. a Hub id: only `config.json` (else `params.json`) through `huggingface_hub.hf_hub_download`; offline
+   (`HF_HUB_OFFLINE`) from the HF cache only; online after a probe bounded by `HUB_TIMEOUT_S`, and also the
+   safetensors headers (`get_safetensors_metadata`), as information (`checkpoint_headers.precision_for`).
 A config with `auto_map` (remote code) is refused unless `trust_remote_code` is set; none of its code is run.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -43,13 +45,19 @@ def bundled_ids() -> dict[str, str]:
     return json.loads((_CONFIG_DIR / "index.json").read_text())
 
 
+def bundled_models() -> list[tuple[str, str]]:
+    """(bundled id, its config's model_type), sorted by id without regard to case: `vramtrace models`."""
+    return [(ref, json.loads((_CONFIG_DIR / name).read_text()).get("model_type", "?"))
+            for ref, name in sorted(bundled_ids().items(), key=lambda kv: kv[0].lower())]
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); fix or re-download it") from None
+        raise ModelLoadError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); fix or re-download it") from e
     except OSError as e:
-        raise ModelLoadError(f"cannot read {path}: {e.strerror}") from None
+        raise ModelLoadError(f"cannot read {path}: {e.strerror}") from e
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path} must hold a JSON object, found {type(data).__name__}")
     return data
@@ -65,7 +73,7 @@ def meta_params_to_hf(params: dict[str, Any]) -> dict[str, Any]:
     try:
         dim, n_layers, n_heads = int(params["dim"]), int(params["n_layers"]), int(params["n_heads"])
     except KeyError as e:
-        raise ModelLoadError(f"params.json lacks {e.args[0]!r}; it does not look like a Meta Llama params.json") from None
+        raise ModelLoadError(f"params.json lacks {e.args[0]!r}; it does not look like a Meta Llama params.json") from e
     multiple_of = int(params.get("multiple_of", 256))
     mult = float(params.get("ffn_dim_multiplier") or 1.0)
     inter = multiple_of * math.ceil(int(mult * int(8 * dim / 3)) / multiple_of)
@@ -123,29 +131,116 @@ def _bundled(ref: str) -> ResolvedConfig | None:
                           source="bundled", location=f"vramtrace/tracer/configs/{name}")
 
 
-def _hub(ref: str) -> ResolvedConfig:
-    import huggingface_hub
-    from huggingface_hub import errors as hf_errors
+# Seconds the Hub may take to answer the probe of a config file before it counts as unreachable, a wall-clock
+# deadline over everything the probe does (huggingface_hub also fetches its agent registry, 3 s timeout, before
+# the first request of a process): "unreachable" comes in about this time, not after huggingface_hub's
+# retries (hf_hub_download retries a failed HEAD with a 60 s timeout and backoff when the file is not cached).
+HUB_TIMEOUT_S = 3.0
+_CONFIG_FILES = ("config.json", "params.json")
 
-    hint = "pass a local directory holding config.json (or the path to a config.json)"
-    last: Exception | None = None
-    for filename in ("config.json", "params.json"):
+
+def close_bundled_ids(ref: str, n: int = 3) -> list[str]:
+    """The bundled ids closest to `ref` (difflib, case-insensitive), best first; [] when none is close."""
+    ids = sorted(bundled_ids())
+    by_lower = {i.lower(): i for i in ids}
+    close = difflib.get_close_matches(ref.lower(), list(by_lower), n=n, cutoff=0.6)
+    if not close and "/" in ref:  # compare the names without the organisation: 'Llama-3-8B' vs 'Llama-3.1-8B'
+        names = {i.rsplit("/", 1)[-1].lower(): i for i in ids}
+        close = difflib.get_close_matches(ref.rsplit("/", 1)[-1].lower(), list(names), n=n, cutoff=0.6)
+        return [names[c] for c in close]
+    return [by_lower[c] for c in close]
+
+
+def _not_reachable(ref: str, why: str, hint: str) -> ModelLoadError:
+    close = close_bundled_ids(ref)
+    mean = f"did you mean {' or '.join(close)}? " if close else ""
+    return ModelLoadError(f"{ref!r} is not a bundled id and {why}; {mean}`vramtrace models` lists the bundled ids; "
+                          f"or {hint}")
+
+
+def _cached(ref: str) -> Path | None:
+    """The cached config.json (else params.json) of Hub repo `ref` through
+    `huggingface_hub.try_to_load_from_cache` (no network call, no HTTP headers built), or None."""
+    import huggingface_hub
+
+    for filename in _CONFIG_FILES:
+        found = huggingface_hub.try_to_load_from_cache(ref, filename)
+        if isinstance(found, str):  # else None (not cached) or the sentinel "known not to exist"
+            return Path(found)
+    return None
+
+
+def _probe(url: str) -> None:
+    """HEAD `url` through `huggingface_hub.get_hf_file_metadata` (no retries), in a daemon thread given
+    HUB_TIMEOUT_S seconds in all. Raises what it raises (RemoteEntryNotFoundError, GatedRepoError, a transport
+    error, ...), or TimeoutError when it has not answered by then."""
+    import threading
+
+    import huggingface_hub
+
+    outcome: list = []
+
+    def run() -> None:
         try:
-            path = huggingface_hub.hf_hub_download(ref, filename)
-        except hf_errors.GatedRepoError:
-            raise ModelLoadError(f"Hub repo {ref!r} is gated: run `hf auth login` after accepting its licence, or {hint}") from None
-        except hf_errors.RepositoryNotFoundError:
-            raise ModelLoadError(f"no Hub repo {ref!r} (or it is private): check the id, or {hint}") from None
-        except hf_errors.HFValidationError:
-            raise ModelLoadError(f"{ref!r} is neither an existing path nor a valid Hub id; {hint}") from None
-        except hf_errors.EntryNotFoundError as e:
+            outcome.append(huggingface_hub.get_hf_file_metadata(url, timeout=HUB_TIMEOUT_S))
+        except BaseException as e:  # handed to the caller's thread
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, name="vramtrace-hub-probe", daemon=True)
+    thread.start()
+    thread.join(HUB_TIMEOUT_S)
+    if not outcome:
+        raise TimeoutError(f"no answer within {HUB_TIMEOUT_S:g} s")
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+
+
+def _hub(ref: str) -> ResolvedConfig:
+    """Hub repo `ref`'s config.json (else params.json). Offline (`huggingface_hub.constants.is_offline_mode()`,
+    i.e. HF_HUB_OFFLINE) only the HF cache is read; online a HEAD probe (`_probe`: at most HUB_TIMEOUT_S seconds,
+    no retries) checks the file before it is fetched, and a Hub that cannot be reached falls back to the cache.
+    Raises ModelLoadError (offline or unreachable and not cached, gated, not found, no config); an unreachable Hub
+    answers in about HUB_TIMEOUT_S seconds."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub import errors as hf_errors
+    from huggingface_hub.utils import httpx, validate_repo_id
+
+    hint = "pass a local directory holding its config.json (or the path to a config.json)"
+    try:
+        validate_repo_id(ref)
+    except hf_errors.HFValidationError as e:
+        raise ModelLoadError(f"{ref!r} is neither an existing path, a bundled id nor a valid Hub id; {hint}") from e
+    if constants.is_offline_mode():
+        path = _cached(ref)
+        if path is None:
+            raise _not_reachable(ref, "HF_HUB_OFFLINE is set, and the HF cache does not hold it", hint)
+        return _from_file(path, ref, "hub")  # offline: no safetensors headers
+    last: Exception | None = None
+    for filename in _CONFIG_FILES:
+        try:
+            _probe(huggingface_hub.hf_hub_url(ref, filename))
+            path = huggingface_hub.hf_hub_download(ref, filename, etag_timeout=HUB_TIMEOUT_S)
+        except hf_errors.GatedRepoError as e:
+            raise ModelLoadError(f"Hub repo {ref!r} is gated: run `hf auth login` after accepting its licence, "
+                                 f"or {hint}") from e
+        except hf_errors.RepositoryNotFoundError as e:
+            raise ModelLoadError(f"no Hub repo {ref!r} (or it is private): check the id, or {hint}") from e
+        except hf_errors.RemoteEntryNotFoundError as e:
             last = e
             continue
-        except (hf_errors.LocalEntryNotFoundError, OSError) as e:
-            offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-            why = "HF_HUB_OFFLINE is set and it is not in the HF cache" if offline else "the Hub cannot be reached and it is not in the HF cache"
-            raise ModelLoadError(f"cannot fetch the config of {ref!r}: {why}; {hint}") from None
-        return replace(_from_file(Path(path), ref, "hub"), checkpoint=hub_header(ref))
+        except (httpx.TransportError, TimeoutError, hf_errors.OfflineModeIsEnabled,
+                hf_errors.LocalEntryNotFoundError) as e:
+            path = _cached(ref)
+            if path is None:
+                text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise _not_reachable(ref, f"the Hub cannot be reached ({text[:100]}), and the HF cache does not "
+                                     "hold it", hint) from e
+            return _from_file(path, ref, "hub")
+        except hf_errors.HfHubHTTPError as e:
+            status = getattr(getattr(e, "response", None), "status_code", "?")
+            raise ModelLoadError(f"the Hub answered HTTP {status} for {ref!r}/{filename}; retry later, or {hint}") from e
+        return replace(_from_file(Path(path), ref, "hub"), checkpoint=hub_header(ref, HUB_TIMEOUT_S))
     raise ModelLoadError(f"Hub repo {ref!r} has neither config.json nor params.json; {hint}") from last
 
 

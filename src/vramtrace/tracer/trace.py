@@ -26,7 +26,7 @@ from torch.overrides import _get_current_function_mode_stack
 
 from .. import bridges
 from ..analysis.categories import Category
-from ..errors import TraceError, UnsupportedOpError
+from ..errors import TraceError, UnsupportedOpError, VramtraceError
 from ..spec import Device, Mode, OptimizerImpl, OptimizerKind, RunSpec
 from .building import LoadedModel, quiet_transformers_logs
 from .checkpointing import apply_checkpointing, layer_stack
@@ -241,14 +241,18 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
                 with torch.no_grad(), autocast:
                     out = model(*args, **inputs)
                 del out
+    except VramtraceError:
+        raise
     except NotImplementedError as e:
         where = rec.current_module() or "(root)"
-        raise UnsupportedOpError(f"an op has no meta kernel in module {where}: {str(e).splitlines()[0]}") from None
-    except (RuntimeError, TypeError, ValueError, AttributeError, IndexError) as e:
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnsupportedOpError(f"an op has no meta kernel in module {where}: {text}") from e
+    except Exception as e:  # anything the model, the user's loss or the step raised: one line, cause chained
         where = rec.current_module() or "(root)"
         last = rec.ops[-1].name if rec.ops else "no op yet"
+        text = str(e).strip().splitlines()[0] if str(e).strip() else "(no message)"
         raise TraceError(f"tracing failed in phase {rec.phase}, module {where}, after {last}: "
-                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                         f"{type(e).__name__}: {text}") from e
     finally:
         rec.detach()
     return rec, policy, optimizer
