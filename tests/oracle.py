@@ -3,7 +3,7 @@
 This module imports nothing from vramtrace (a test asserts it), so a bug in vramtrace's model building,
 inputs, optimizer or checkpointing cannot hide behind itself. It reads a case description (a `RunSpec` is
 passed in, but only its plain fields are read: model reference, batch, seq, mode, precision, optimizer,
-checkpointing, inputs, freeze, LoRA, image size) and builds everything itself:
+checkpointing, inputs, freeze, LoRA, image size, multiple-choice count) and builds everything itself:
 
 - transformers models: `AutoConfig` and the class its `architectures` names (`getattr(transformers, arch)`),
   built with `from_config`, random weights (seed 0); inputs drawn here per head;
@@ -115,8 +115,9 @@ def _ids(shape, vocab: int, pad) -> torch.Tensor:
 
 
 def hf_batch(model: torch.nn.Module, config, batch: int, seq: int | None, train: bool, image_size: int | None,
-             float_dtype: torch.dtype) -> dict:
-    """The keyword inputs a user feeds this head (transformers' documented forward arguments)."""
+             float_dtype: torch.dtype, choices: int = 2) -> dict:
+    """The keyword inputs a user feeds this head (transformers' documented forward arguments); a multiple-choice
+    head reads `choices` candidates per example, input_ids (batch, choices, seq)."""
     name = type(model).__name__
     out: dict = {}
     if "ForImageClassification" in name or hasattr(model, "get_image_features"):
@@ -130,7 +131,6 @@ def hf_batch(model: torch.nn.Module, config, batch: int, seq: int | None, train:
     text = getattr(config, "text_config", config)
     ids = _ids((batch, seq), text.vocab_size, getattr(text, "pad_token_id", None))  # (B, S)
     if "ForMultipleChoice" in name:
-        choices = 2
         out["input_ids"] = _ids((batch, choices, seq), text.vocab_size, getattr(text, "pad_token_id", None))
         if train:
             out["labels"] = torch.randint(0, choices, (batch,))
@@ -299,7 +299,7 @@ class RealStep:
             config = hf_config(ref)
             model = hf_model(config, weight_dtype)
             self.kwargs = hf_batch(model, config, spec.batch, spec.seq, self.train, getattr(spec, "image_size", None),
-                                   weight_dtype)
+                                   weight_dtype, getattr(spec, "choices", None) or 2)
         for pattern in getattr(spec, "freeze", ()) or ():
             for n, p in model.named_parameters():
                 if fnmatch.fnmatchcase(n, pattern):
