@@ -144,8 +144,15 @@ def hf_batch(model: torch.nn.Module, config, batch: int, seq: int | None, train:
         if getattr(config, "is_encoder_decoder", False):
             out["decoder_input_ids"] = ids
         return out
-    if "ForSequenceClassification" in name:
-        out["labels"] = torch.randint(0, config.num_labels, (batch,))
+    if "ForSequenceClassification" in name:  # labels as transformers' ForSequenceClassificationLoss reads them
+        n = config.num_labels
+        problem = config.problem_type or ("regression" if n == 1 else "single_label_classification")
+        if problem == "single_label_classification":
+            out["labels"] = torch.randint(0, n, (batch,))
+        elif problem == "regression":
+            out["labels"] = torch.randn((batch,) if n == 1 else (batch, n), dtype=float_dtype)
+        else:  # multi_label_classification: 0/1 per label
+            out["labels"] = torch.randint(0, 2, (batch, n)).to(float_dtype)
     elif "ForTokenClassification" in name:
         out["labels"] = torch.randint(0, config.num_labels, (batch, seq))
     elif "ForQuestionAnswering" in name:

@@ -89,12 +89,14 @@ def test_inputs_follow_the_head(tmp_path):
         == ((B, 3), torch.float32)
 
 
-@pytest.mark.parametrize("cfg", [{"num_labels": 1}, {"problem_type": "multi_label_classification"}])
-def test_float_label_heads_trace(tmp_path, cfg):
-    """Regression and multi-label classification trace (the oracle draws only integer class labels)."""
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16"])
+@pytest.mark.parametrize("cfg", [{"num_labels": 1}, {"problem_type": "regression"},
+                                 {"problem_type": "multi_label_classification"}])
+def test_float_label_heads_match_real_cpu_run(tmp_path, cfg, precision):
+    """Regression and multi-label sequence classification: float labels in the weight dtype."""
     spec = RunSpec(head_config(tmp_path, "tiny-bert", "BertForSequenceClassification", **cfg), batch=2, seq=16,
-                   device="cpu", precision="bf16-mixed")
-    assert analyze(spec).peak_allocated_bytes > 0
+                   device="cpu", precision=precision)
+    assert_close(analyze(spec).peak_allocated_bytes, measure_cpu_peak(spec))
 
 
 @pytest.mark.parametrize("task", ["sequence-classification", "text-classification", "token-classification",
