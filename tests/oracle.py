@@ -3,7 +3,7 @@
 This module imports nothing from vramtrace (a test asserts it), so a bug in vramtrace's model building,
 inputs, optimizer or checkpointing cannot hide behind itself. It reads a case description (a `RunSpec` is
 passed in, but only its plain fields are read: model reference, batch, seq, mode, precision, optimizer,
-checkpointing, inputs, freeze, LoRA, image size) and builds everything itself:
+checkpointing, inputs, freeze, LoRA, image size, multiple-choice count) and builds everything itself:
 
 - transformers models: `AutoConfig` and the class its `architectures` names (`getattr(transformers, arch)`),
   built with `from_config`, random weights (seed 0); inputs drawn here per head;
@@ -115,8 +115,9 @@ def _ids(shape, vocab: int, pad) -> torch.Tensor:
 
 
 def hf_batch(model: torch.nn.Module, config, batch: int, seq: int | None, train: bool, image_size: int | None,
-             float_dtype: torch.dtype) -> dict:
-    """The keyword inputs a user feeds this head (transformers' documented forward arguments)."""
+             float_dtype: torch.dtype, choices: int = 2) -> dict:
+    """The keyword inputs a user feeds this head (transformers' documented forward arguments); a multiple-choice
+    head reads `choices` candidates per example, input_ids (batch, choices, seq)."""
     name = type(model).__name__
     out: dict = {}
     if "ForImageClassification" in name or hasattr(model, "get_image_features"):
@@ -130,7 +131,6 @@ def hf_batch(model: torch.nn.Module, config, batch: int, seq: int | None, train:
     text = getattr(config, "text_config", config)
     ids = _ids((batch, seq), text.vocab_size, getattr(text, "pad_token_id", None))  # (B, S)
     if "ForMultipleChoice" in name:
-        choices = 2
         out["input_ids"] = _ids((batch, choices, seq), text.vocab_size, getattr(text, "pad_token_id", None))
         if train:
             out["labels"] = torch.randint(0, choices, (batch,))
@@ -144,8 +144,15 @@ def hf_batch(model: torch.nn.Module, config, batch: int, seq: int | None, train:
         if getattr(config, "is_encoder_decoder", False):
             out["decoder_input_ids"] = ids
         return out
-    if "ForSequenceClassification" in name:
-        out["labels"] = torch.randint(0, config.num_labels, (batch,))
+    if "ForSequenceClassification" in name:  # labels as transformers' ForSequenceClassificationLoss reads them
+        n = config.num_labels
+        problem = config.problem_type or ("regression" if n == 1 else "single_label_classification")
+        if problem == "single_label_classification":
+            out["labels"] = torch.randint(0, n, (batch,))
+        elif problem == "regression":
+            out["labels"] = torch.randn((batch,) if n == 1 else (batch, n), dtype=float_dtype)
+        else:  # multi_label_classification: 0/1 per label
+            out["labels"] = torch.randint(0, 2, (batch, n)).to(float_dtype)
     elif "ForTokenClassification" in name:
         out["labels"] = torch.randint(0, config.num_labels, (batch, seq))
     elif "ForQuestionAnswering" in name:
@@ -299,7 +306,7 @@ class RealStep:
             config = hf_config(ref)
             model = hf_model(config, weight_dtype)
             self.kwargs = hf_batch(model, config, spec.batch, spec.seq, self.train, getattr(spec, "image_size", None),
-                                   weight_dtype)
+                                   weight_dtype, getattr(spec, "choices", None) or 2)
         for pattern in getattr(spec, "freeze", ()) or ():
             for n, p in model.named_parameters():
                 if fnmatch.fnmatchcase(n, pattern):

@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 from rich.console import Console
 
 from .errors import UsageError, VramtraceError
-from .spec import Device, Mode, OptimizerImpl, OptimizerKind, Precision
+from .spec import DEFAULT_CHOICES, TASK_ALIASES, AttnImplementation, Device, Mode, OptimizerImpl, OptimizerKind, Precision, Task
 
 app = typer.Typer(add_completion=False, context_settings={"help_option_names": ["-h", "--help"]},
                   pretty_exceptions_enable=False)
@@ -39,6 +39,15 @@ def main_command(
                                      "(integers without a range: 0..2)"),
     image_size: Optional[int] = typer.Option(None, "--image-size", help="H = W of vision models' pixel_values (B, 3, H, W) "
                                              "[default: the config's image_size, else 224]"),
+    task: Optional[str] = typer.Option(
+        None, "--task", help=" | ".join(m.value for m in Task) + " (or transformers' names: " + ", ".join(TASK_ALIASES) + "): the head "
+        "to build and its labels (default: the config's architectures)"),
+    choices: Optional[int] = typer.Option(None, "--choices", help=f"C of a multiple-choice head's input_ids (B, C, S) "
+                                          f"(default: {DEFAULT_CHOICES})"),
+    attn_implementation: Optional[str] = typer.Option(
+        None, "--attn-implementation", help=" | ".join(m.value for m in AttnImplementation) + ": transformers' attn_implementation= "
+        "(default: the config's, else sdpa where the model has it); flash_attention_2 and flex_attention "
+        "cannot be traced and are refused"),
     mode: str = typer.Option("train", help=_choices(Mode)),
     precision: Optional[str] = typer.Option(None, help=_choices(Precision) + " [default: bf16-mixed to train, bf16 for inference]"),
     optimizer: str = typer.Option("adamw", help=_choices(OptimizerKind)),
@@ -103,7 +112,8 @@ def main_command(
                        inputs=tuple(inputs), image_size=image_size, freeze=tuple(freeze), lora_rank=lora_rank,
                        lora_alpha=lora_alpha, lora_targets=targets, moe_routing=moe_routing, strict=strict,
                        memory_budget_bytes=(parse_bytes(memory_budget, "--memory-budget")
-                                            if memory_budget is not None else None))
+                                            if memory_budget is not None else None),
+                       task=task, choices=choices, attn_implementation=attn_implementation)
         err = Console(stderr=True)
         if validate_run:
             _validate(spec, json_path, quiet, err)

@@ -60,6 +60,53 @@ class Device(_Choice):
     CPU = "cpu"
 
 
+class Task(_Choice):
+    """The head a transformers model is built with, and so its inputs and labels (`--task`). Values are the
+    report's `model.task`; `parse` also takes transformers' pipeline names (`TASK_ALIASES`)."""
+
+    CAUSAL_LM = "causal-lm"
+    MASKED_LM = "masked-lm"
+    SEQ2SEQ_LM = "seq2seq-lm"
+    SEQUENCE_CLASSIFICATION = "sequence-classification"
+    TOKEN_CLASSIFICATION = "token-classification"
+    QUESTION_ANSWERING = "question-answering"
+    MULTIPLE_CHOICE = "multiple-choice"
+    IMAGE_CLASSIFICATION = "image-classification"
+
+    @classmethod
+    def parse(cls, value: "str | Task", what: str = "task") -> "Task":
+        """A Task from its name or a transformers pipeline alias. Raises UsageError listing every valid name."""
+        if isinstance(value, cls):
+            return value
+        key = str(value).strip().lower().replace("_", "-")
+        key = TASK_ALIASES.get(key, key)
+        try:
+            return cls(key)
+        except ValueError:
+            valid = ", ".join(sorted([m.value for m in cls] + list(TASK_ALIASES)))
+            raise UsageError(f"unknown {what} {value!r}; choose one of: {valid}") from None
+
+
+# transformers' pipeline task names (transformers/pipelines/__init__.py, SUPPORTED_TASKS and TASK_ALIASES)
+TASK_ALIASES = {
+    "text-generation": "causal-lm", "fill-mask": "masked-lm", "text2text-generation": "seq2seq-lm",
+    "summarization": "seq2seq-lm", "translation": "seq2seq-lm", "text-classification": "sequence-classification",
+    "sentiment-analysis": "sequence-classification", "ner": "token-classification",
+}
+# Multiple-choice heads read input_ids (B, C, S); C without --choices (SWAG, the task's classic data set, has 4
+# endings; 2 is the smallest valid C and what transformers' own multiple-choice tests use).
+DEFAULT_CHOICES = 2
+
+
+class AttnImplementation(_Choice):
+    """transformers' `attn_implementation=` (the `from_config`/`from_pretrained` keyword), `--attn-implementation`."""
+
+    EAGER = "eager"
+    SDPA = "sdpa"
+    FLASH_ATTENTION_2 = "flash_attention_2"
+    FLEX_ATTENTION = "flex_attention"
+
+
 # Selective checkpointing's default: save the matmul outputs, recompute pointwise ops and the attention core
 # (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models").
 DEFAULT_SAVE_OPS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm")
@@ -249,6 +296,10 @@ class RunSpec:
     memory_budget_bytes: the budget `auto` checkpointing must fit, in bytes, on the fit verdict's basis: peak
         reserved (caching-allocator model) for device cuda, peak allocated for cpu. Only with checkpointing auto.
     replicate_layers: trace 4 of a stack's identical layers and rebuild the rest (False: trace every layer).
+    task: the head to build (`Task`, or a transformers pipeline name); None: the config's `architectures`.
+    choices: C of a multiple-choice head's input_ids (B, C, S); None: `DEFAULT_CHOICES`.
+    attn_implementation: transformers' `attn_implementation=`; None: the config's, else transformers' default
+        (sdpa where the model supports it).
     """
 
     model: str
@@ -272,9 +323,12 @@ class RunSpec:
     image_size: int | None = None
     moe_routing: MoeRouting = MoeRouting.BALANCED
     strict: bool = False
+    task: Task | None = None
+    choices: int | None = None
+    attn_implementation: AttnImplementation | None = None
 
     def __post_init__(self) -> None:
-        for name in ("batch", "seq", "lora_rank", "image_size"):
+        for name in ("batch", "seq", "lora_rank", "image_size", "choices"):
             v = getattr(self, name)
             if v is None and name != "batch":
                 continue
@@ -287,6 +341,15 @@ class RunSpec:
                              "their inputs from the config")
         if self.lora_rank is None and (self.lora_alpha is not None or self.lora_targets):
             raise UsageError("--lora-alpha and --lora-targets need --lora-rank")
+        if self.task is not None:
+            object.__setattr__(self, "task", Task.parse(self.task))
+        if self.attn_implementation is not None:
+            object.__setattr__(self, "attn_implementation",
+                               AttnImplementation.parse(self.attn_implementation, "attention implementation"))
+        if custom_ref(self.model) is not None and (self.task is not None or self.attn_implementation is not None):
+            raise UsageError("--task and --attn-implementation apply to transformers models, not custom modules")
+        if self.choices is not None and self.task not in (None, Task.MULTIPLE_CHOICE):
+            raise UsageError(f"--choices applies to multiple-choice heads, not --task {self.task.value}")
         object.__setattr__(self, "moe_routing", MoeRouting.parse(self.moe_routing, "MoE routing"))
         object.__setattr__(self, "mode", Mode.parse(self.mode, "mode"))
         if self.precision is not None:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ModelLoadError, UsageError
-from ..spec import Mode, Precision, RunSpec
+from ..spec import DEFAULT_CHOICES, AttnImplementation, Device, Mode, Precision, RunSpec, Task
 from .loading import ResolvedConfig
 from .checkpoint_headers import PRECISION_OF_DTYPE
 from .checkpointing import layer_stack
@@ -30,7 +30,8 @@ class LoadedModel:
     inputs: keyword arguments of the forward (`step_inputs`; a custom module's `--input`s); `args`: positional
         ones (a custom module's `example_inputs`).
     loss: the training loss of the forward's output (`custom.output_loss`, or a custom file's `loss`).
-    task: 'causal-lm', 'masked-lm', 'seq2seq-lm', 'image-classification', 'contrastive' or 'custom'.
+    task: a `Task` value ('causal-lm', 'sequence-classification', 'question-answering', ...), 'contrastive' (CLIP)
+        or 'custom'.
     param_dtype: dtype the weights are stored in (fp32 under a mixed precision).
     compute_dtype: autocast dtype for mixed precision, else None.
     """
@@ -107,9 +108,41 @@ def build_config(resolved: ResolvedConfig, trust_remote_code: bool):
         raise ModelLoadError(f"invalid {model_type} config in {resolved.location}: {e}") from None
 
 
-def _model_class(config, trust_remote_code: bool):
+# The Auto class whose `from_config` builds each head, as a user builds it.
+TASK_AUTO_CLASS = {
+    Task.CAUSAL_LM: "AutoModelForCausalLM",
+    Task.MASKED_LM: "AutoModelForMaskedLM",
+    Task.SEQ2SEQ_LM: "AutoModelForSeq2SeqLM",
+    Task.SEQUENCE_CLASSIFICATION: "AutoModelForSequenceClassification",
+    Task.TOKEN_CLASSIFICATION: "AutoModelForTokenClassification",
+    Task.QUESTION_ANSWERING: "AutoModelForQuestionAnswering",
+    Task.MULTIPLE_CHOICE: "AutoModelForMultipleChoice",
+    Task.IMAGE_CLASSIFICATION: "AutoModelForImageClassification",
+}
+
+
+def _task_class(config, task: Task, trust_remote_code: bool):
+    """(Auto class, name of the class it builds) for `--task`. Raises ModelLoadError when transformers has no
+    such head for the config's model_type."""
     import transformers
 
+    auto = getattr(transformers, TASK_AUTO_CLASS[task])
+    if type(config) in auto._model_mapping:
+        return auto, auto._model_mapping[type(config)].__name__
+    if trust_remote_code and auto.__name__ in (getattr(config, "auto_map", None) or {}):
+        return auto, f"{auto.__name__} (remote code)"
+    raise ModelLoadError(f"model_type {config.model_type!r} has no {task.value} head in transformers "
+                         f"{transformers.__version__} ({auto.__name__} does not map it); pick another --task")
+
+
+def _model_class(config, trust_remote_code: bool, task: Task | None = None):
+    """(class or Auto class to build, architecture name): `--task`'s head, else the first class of the config's
+    `architectures` that transformers has, else the first of the causal-LM, seq2seq-LM, masked-LM and
+    image-classification Auto classes that maps the config. Raises ModelLoadError."""
+    import transformers
+
+    if task is not None:
+        return _task_class(config, task, trust_remote_code)
     for arch in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, arch, None)
         if cls is not None:
@@ -130,21 +163,30 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+# Head class name part -> task, checked before is_encoder_decoder (BartForSequenceClassification is a classifier).
+_HEAD_TASKS = (("ForSequenceClassification", Task.SEQUENCE_CLASSIFICATION),
+               ("ForTokenClassification", Task.TOKEN_CLASSIFICATION),
+               ("ForQuestionAnswering", Task.QUESTION_ANSWERING), ("ForMultipleChoice", Task.MULTIPLE_CHOICE),
+               ("ForImageClassification", Task.IMAGE_CLASSIFICATION))
+
+
 def _task(model: torch.nn.Module) -> str:
+    """The task of a built model, from its class (as transformers names heads): a `Task` value or 'contrastive'."""
     import transformers
 
     model = unwrap(model)
     if isinstance(model, transformers.PreTrainedModel):
         name = type(model).__name__
+        for part, task in _HEAD_TASKS:
+            if part in name:
+                return task.value
         if getattr(model.config, "is_encoder_decoder", False):
-            return "seq2seq-lm"
+            return Task.SEQ2SEQ_LM.value
         if "MaskedLM" in name or name.endswith("ForPreTraining"):
-            return "masked-lm"
-        if "ForImageClassification" in name:
-            return "image-classification"
+            return Task.MASKED_LM.value
         if hasattr(model, "get_image_features") and hasattr(model, "get_text_features"):
             return "contrastive"
-    return "causal-lm"
+    return Task.CAUSAL_LM.value
 
 
 def count_params(model: torch.nn.Module) -> tuple[int, int]:
@@ -214,6 +256,11 @@ def step_inputs(spec: RunSpec, config, task: str, device: str, float_dtype: torc
 
     - LMs: `input_ids` int64 (B, S) in [0, vocab_size), plus `labels` = input_ids to train (seq2seq inference:
       `decoder_input_ids` = input_ids);
+    - the other text heads read `input_ids` (B, S) and, to train: sequence-classification `labels` (B,)
+      (`sequence_labels`), token-classification `labels` int64 (B, S) in [0, num_labels), question-answering
+      `start_positions` and `end_positions` int64 (B,) in [0, S);
+    - multiple-choice: `input_ids` (B, C, S) (C: --choices, else DEFAULT_CHOICES), plus `labels` int64 (B,) in
+      [0, C) to train;
     - image-classification: `pixel_values` (B, C, H, W) in `float_dtype` (C: config.num_channels, H = W:
       --image-size or config.image_size), plus `labels` int64 (B,) in [0, num_labels) to train;
     - contrastive (CLIP): `input_ids` (B, S) and `pixel_values`, plus `return_loss=True` to train.
@@ -244,14 +291,29 @@ def step_inputs(spec: RunSpec, config, task: str, device: str, float_dtype: torc
     if spec.seq is None:
         raise UsageError("--seq is required for this model, e.g. --seq 2048")
     text = getattr(config, "text_config", config)
-    inputs["input_ids"] = ids = ints((spec.batch, spec.seq), text.vocab_size, getattr(text, "pad_token_id", None))  # (B, S)
+    B, S, pad = spec.batch, spec.seq, getattr(text, "pad_token_id", None)
+    if task == Task.MULTIPLE_CHOICE.value:
+        C = spec.choices or DEFAULT_CHOICES
+        inputs["input_ids"] = ints((B, C, S), text.vocab_size, pad)  # (B, C, S)
+        if train:
+            inputs["labels"] = ints((B,), C)  # (B,): the right choice
+        return inputs
+    inputs["input_ids"] = ids = ints((B, S), text.vocab_size, pad)  # (B, S)
     if task == "contrastive":
         if train:
             inputs["return_loss"] = True
-    elif train:
+    elif not train:
+        if task == Task.SEQ2SEQ_LM.value:
+            inputs["decoder_input_ids"] = ids  # inference: the decoder reads S tokens too
+    elif task == Task.SEQUENCE_CLASSIFICATION.value:
+        inputs["labels"] = sequence_labels(config, B, device, float_dtype)
+    elif task == Task.TOKEN_CLASSIFICATION.value:
+        inputs["labels"] = ints((B, S), config.num_labels)  # (B, S): one class per token
+    elif task == Task.QUESTION_ANSWERING.value:
+        inputs["start_positions"] = ints((B,), S)  # (B,): the answer span's first and last token
+        inputs["end_positions"] = ints((B,), S)
+    else:  # causal, masked and seq2seq LM
         inputs["labels"] = ids
-    elif task == "seq2seq-lm":
-        inputs["decoder_input_ids"] = ids  # inference: the decoder reads S tokens too
     return inputs
 
 
@@ -279,6 +341,26 @@ def seeded(device: str):
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(0)
         yield
+
+
+def sequence_labels(config, batch: int, device: str, float_dtype: torch.dtype) -> torch.Tensor:
+    """`labels` of a sequence-classification head, as its loss reads them (transformers/loss/loss_utils.py,
+    `ForSequenceClassificationLoss`): single-label classification (problem_type unset and num_labels > 1):
+    int64 (B,) in [0, num_labels); regression (num_labels == 1 or problem_type 'regression'): `float_dtype`
+    (B,) for one label, (B, num_labels) for more; 'multi_label_classification': `float_dtype` (B, num_labels)
+    of 0 and 1. Random on a real device, empty on meta."""
+    n, problem = config.num_labels, getattr(config, "problem_type", None)
+    real = device != "meta"
+    if problem == "regression" or (problem is None and n == 1):
+        shape = (batch,) if n == 1 else (batch, n)
+        return torch.randn(shape, dtype=float_dtype, device=device) if real else torch.empty(shape, dtype=float_dtype, device="meta")
+    if problem == "multi_label_classification":
+        if not real:
+            return torch.empty((batch, n), dtype=float_dtype, device="meta")
+        return torch.randint(0, 2, (batch, n), device=device).to(float_dtype)
+    if not real:
+        return torch.empty((batch,), dtype=torch.int64, device="meta")
+    return torch.randint(0, n, (batch,), dtype=torch.int64, device=device)
 
 
 def load_model(spec: RunSpec, resolved: ResolvedConfig, device: str = "meta") -> LoadedModel:
@@ -312,8 +394,12 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
             replication_note="custom module: every layer traced", num_layers=len(stack) if stack is not None else 0,
             layer_stack_path=_path_of(model, stack))
     config = build_config(resolved, spec.trust_remote_code)
-    cls, arch = _model_class(config, spec.trust_remote_code)
+    cls, arch = _model_class(config, spec.trust_remote_code, spec.task)
     kwargs: dict[str, Any] = {"dtype": param_dtype}
+    attn = spec.attn_implementation.value if spec.attn_implementation is not None else None
+    check_attn_implementation(attn or getattr(config, "_attn_implementation", None), spec, device)
+    if attn is not None:
+        kwargs["attn_implementation"] = attn  # what `from_config(config, attn_implementation=...)` selects
     if spec.trust_remote_code:
         kwargs["trust_remote_code"] = True
     model = apply_adapters(spec, _build(cls, config, kwargs, arch, resolved.location, device), device)
@@ -338,6 +424,11 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
         if not isinstance(stack, torch.nn.ModuleList) or len(stack) != TRACED_LAYERS:
             plan, traced_model, note = None, None, "the 4-layer copy has no matching layer stack: every layer traced"
     task = _task(model)
+    if task == Task.QUESTION_ANSWERING.value and getattr(config, "num_labels", 2) != 2:
+        raise ModelLoadError(f"{arch} splits its logits into start and end (transformers' qa_outputs): it needs "
+                             f"num_labels 2, the config has {config.num_labels}")
+    if spec.choices is not None and task != Task.MULTIPLE_CHOICE.value:
+        raise UsageError(f"--choices applies to multiple-choice heads; {arch} is a {task} model")
     max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if (max_pos and spec.seq and spec.seq > max_pos
             and config.model_type in ("gpt2", "bert", "roberta", "opt", "bart", "xlm-roberta", "deberta-v2")):
@@ -350,10 +441,35 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
         model=model, inputs=inputs, task=task, architecture=type(unwrap(model)).__name__, precision=precision,
         model_type=config.model_type, params=total, trainable_params=trainable, param_dtype=param_dtype,
         compute_dtype=compute_dtype,
-        attn_implementation=str(getattr(config, "_attn_implementation", None) or "eager"),
+        attn_implementation=str(getattr(unwrap(model).config, "_attn_implementation", None) or "eager"),
         layer_plan=plan, traced_model=traced_model, replication_note=note,
         num_layers=len(stack) if stack is not None else 0, layer_stack_path=_path_of(model, stack),
     )
+
+
+def check_attn_implementation(attn: str | None, spec: RunSpec, device: str) -> None:
+    """Refuse, in one line, an attention implementation that cannot be traced faithfully on meta or cannot run
+    on the target (no silent fallback to another one). `attn`: the `--attn-implementation` value, else the
+    config's `attn_implementation`. Raises ModelLoadError.
+
+    - flash_attention_2 runs the flash_attn package's CUDA kernels: not on a CPU, and not traced on meta here.
+    - flex_attention: torch's `flex_attention` refuses meta tensors (`_validate_device`) and compiles a kernel per
+      device, and has no CPU backward (torch/nn/attention/flex_attention.py).
+    """
+    if attn is None or not isinstance(attn, str):
+        return
+    target = Device.CPU if device == "cpu" else spec.device
+    if attn.startswith("flash_attention"):
+        if target is Device.CPU:
+            raise ModelLoadError(f"attention {attn} runs only on CUDA GPUs (the flash_attn package); use "
+                                 "--attn-implementation sdpa or eager for --device cpu")
+        raise ModelLoadError(f"attention {attn} is not supported: it runs the flash_attn package's CUDA kernels, "
+                             "which vramtrace does not trace on meta; use --attn-implementation sdpa (on CUDA its "
+                             "flash backend runs the same algorithm)")
+    if attn == AttnImplementation.FLEX_ATTENTION.value:
+        raise ModelLoadError("attention flex_attention cannot be traced: torch's flex_attention refuses meta tensors "
+                             "and compiles its kernel per device (and has no CPU backward); use --attn-implementation "
+                             "sdpa or eager")
 
 
 def _path_of(model: torch.nn.Module, sub: torch.nn.Module | None) -> str:
