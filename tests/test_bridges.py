@@ -55,7 +55,7 @@ def test_every_target_exists_in_the_installed_versions(bridge):
     assert bridges.resolve(bridge) is not None, f"{bridge.name}: a target is gone; see its when_absent"
     for module, attribute in bridge.targets:
         owner, name = _owner_and_name(module, attribute)
-        assert callable(getattr(owner, name)), (module, attribute)
+        assert getattr(owner, name) is not None, (module, attribute)
 
 
 def test_every_target_is_patched_while_installed_and_restored_after_an_error():
@@ -66,7 +66,8 @@ def test_every_target_is_patched_while_installed_and_restored_after_an_error():
             raise KeyError("inside the step")
     patched = {k for k in before if during[k] is not before[k]}
     for b in bridges.BRIDGES:
-        if b is not bridges.CHECKPOINT_FUNCTION:  # patched on the model instance, see test below
+        # patched on the model instance (see test below), or per call from the kernel policy
+        if b not in (bridges.CHECKPOINT_FUNCTION, bridges.FUNCTIONAL_TORCH_FUNCTION_CHECK):
             assert (b.targets[0]) in patched, b.name
     assert all(k in patched for k in before if k[1] == "maybe_autocast")  # every module's binding
     after = _targets()

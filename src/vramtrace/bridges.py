@@ -89,8 +89,26 @@ CHECKPOINT_FUNCTION = Bridge(
     "`_gradient_checkpointing_func` of each module GradientCheckpointingLayer.__call__ checkpoints: route it "
     "through the tracer's region wrapper (recompute marking, autocast); none found is a BridgeError")
 
+MHA_FAST_PATH = Bridge(
+    "mha_fast_path", "torch",
+    (("torch.overrides", "has_torch_function"), ("torch", "is_autocast_enabled"),
+     ("torch.utils.backend_registration", "_privateuse1_backend_name")), TORCH_WRITTEN_FOR,
+    "nn.MultiheadAttention.forward and nn.TransformerEncoderLayer.forward (torch/nn/modules/activation.py, "
+    "transformer.py) take their eval fast path (torch._native_multi_head_attention, "
+    "torch._transformer_encoder_layer_fwd) on CPU and CUDA tensors with no torch-function override; they refuse "
+    "meta tensors and any active torch-function mode. Called from those two forwards only, answer as on the "
+    "target: has_torch_function False for meta tensors, is_autocast_enabled() (CUDA autocast) the emulated "
+    "autocast on a CUDA target, and the device-type lists accept 'meta' (through the privateuse1 name) while "
+    "such a module runs in eval")
+FUNCTIONAL_TORCH_FUNCTION_CHECK = Bridge(
+    "functional_torch_function_check", "torch", (("torch.nn.functional", "has_torch_function"),), TORCH_WRITTEN_FOR,
+    "a Python composite of torch.nn.functional (multi_head_attention_forward) first hands itself whole to the "
+    "active torch-function mode; called again from inside the kernel-policy mode, its next check answers False "
+    "once, so its body runs and the mode sees its linear and scaled_dot_product_attention calls")
+
 BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_CHECK, PADDING_MASK_CHECK,
-                               PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION)
+                               PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION, MHA_FAST_PATH,
+                               FUNCTIONAL_TORCH_FUNCTION_CHECK)
 
 
 def _installed_version(library: str) -> str:
@@ -243,6 +261,76 @@ def _moe_grouped_mm(stack: contextlib.ExitStack) -> None:
                              lambda input, weight, offs: weight.device.type != "meta" and original(input, weight, offs)))
 
 
+def _fast_path_forwards() -> set:
+    """The code objects of the two forwards whose fast-path checks MHA_FAST_PATH answers; a BridgeError when
+    they no longer ask what the bridge answers."""
+    from torch.nn.modules.activation import MultiheadAttention
+    from torch.nn.modules.transformer import TransformerEncoderLayer
+
+    codes = {MultiheadAttention.forward.__code__, TransformerEncoderLayer.forward.__code__}
+    for code in codes:
+        if not {"has_torch_function", "is_autocast_enabled", "_privateuse1_backend_name"} & set(code.co_names):
+            raise _missing(MHA_FAST_PATH, f"the fast-path checks of {code.co_qualname}")
+    return codes
+
+
+def _mha_fast_path(stack: contextlib.ExitStack, policy: KernelPolicyMode) -> None:
+    from torch.utils import backend_registration
+
+    from .spec import Device
+
+    codes = _fast_path_forwards()
+    has_tf, autocast_enabled = torch.overrides.has_torch_function, torch.is_autocast_enabled
+    privateuse1 = backend_registration._privateuse1_backend_name
+    fast_path_modules = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer)
+
+    def from_fast_path_check() -> bool:
+        return sys._getframe(2).f_code in codes
+
+    def has_torch_function(args):
+        if from_fast_path_check() and any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in args):
+            return False
+        return has_tf(args)
+
+    def is_autocast_enabled(*args):
+        if not args and from_fast_path_check():
+            return policy.device is Device.CUDA and policy.autocast_active
+        return autocast_enabled(*args)
+
+    def pre(module, args):
+        if isinstance(module, fast_path_modules) and not module.training:
+            backend_registration._privateuse1_backend_name = "meta"
+
+    def post(module, args, out):
+        if isinstance(module, fast_path_modules):
+            backend_registration._privateuse1_backend_name = privateuse1
+
+    stack.enter_context(_set(torch.overrides, "has_torch_function", has_torch_function))
+    stack.enter_context(_set(torch, "is_autocast_enabled", is_autocast_enabled))
+    stack.enter_context(_set(backend_registration, "_privateuse1_backend_name", privateuse1))  # restored on exit
+    stack.callback(torch.nn.modules.module.register_module_forward_pre_hook(pre).remove)
+    stack.callback(torch.nn.modules.module.register_module_forward_hook(post).remove)
+
+
+@contextlib.contextmanager
+def skip_next_torch_function_check() -> Iterator[None]:
+    """FUNCTIONAL_TORCH_FUNCTION_CHECK: the next `has_torch_function(...)` in torch.nn.functional answers False,
+    then the original is back (also on exit). Raises BridgeError when the target is gone."""
+    import torch.nn.functional as F
+
+    original = resolve(FUNCTIONAL_TORCH_FUNCTION_CHECK)["torch.nn.functional.has_torch_function"]
+
+    def once(*args, **kwargs):
+        F.has_torch_function = original
+        return False
+
+    F.has_torch_function = once
+    try:
+        yield
+    finally:
+        F.has_torch_function = original
+
+
 @contextlib.contextmanager
 def installed(policy: KernelPolicyMode, rec: StepRecorder) -> Iterator[None]:
     """Every bridge patched in while a step is recorded by `rec` under `policy`; every target restored on exit,
@@ -254,7 +342,9 @@ def installed(policy: KernelPolicyMode, rec: StepRecorder) -> Iterator[None]:
         PADDING_MASK_CHECK: _padding_mask_check,
         PADDING_WARNING: _padding_warning,
         MOE_GROUPED_MM: _moe_grouped_mm,
+        MHA_FAST_PATH: lambda s: _mha_fast_path(s, policy),
     }
+    resolve(FUNCTIONAL_TORCH_FUNCTION_CHECK)  # patched per call (skip_next_torch_function_check); checked here
     needed = [b for b in apply if resolve(b) is not None]  # all targets checked before anything is patched
     with contextlib.ExitStack() as stack:
         for b in needed:

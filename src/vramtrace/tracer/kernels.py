@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .. import bridges
 from ..spec import Device
 
 
@@ -325,7 +326,7 @@ class KernelPolicyMode(TorchFunctionMode):
         if func is F.multi_head_attention_forward:
             # nn.MultiheadAttention's (and nn.Transformer*Layer's) training and autocast path: run its body with
             # this mode active, so its SDPA call and matmuls get the target's backend and autocast policy
-            with _skip_next_torch_function_check(), self:
+            with bridges.skip_next_torch_function_check(), self:
                 return func(*args, **kwargs)
         if self.device is Device.CUDA and func in (torch._native_multi_head_attention,
                                                    torch._transformer_encoder_layer_fwd):
@@ -361,96 +362,6 @@ class KernelPolicyMode(TorchFunctionMode):
                                    reduce, reduction, label_smoothing)
         lsm = torch.log_softmax(input, 1 if input.dim() > 1 else 0, dtype=torch.float32)
         return F.nll_loss(lsm, target, weight, size_average, ignore_index, reduce, reduction)
-
-
-@contextlib.contextmanager
-def _skip_next_torch_function_check():
-    """Bridge (torch 2.4-2.13, `torch/nn/functional.py`, module global `has_torch_function`): the next
-    `has_torch_function(...)` check in torch.nn.functional answers False, then the original is back. A Python
-    composite such as `multi_head_attention_forward` first hands itself to the active torch-function mode as a
-    whole; called from inside the mode with the mode pushed again, it must skip that hand-off once and run its
-    body, whose own calls (`linear`, `scaled_dot_product_attention`) the mode then sees. Raises TraceError when
-    the target is gone."""
-    from ..errors import TraceError
-
-    original = getattr(F, "has_torch_function", None)
-    if original is None:
-        raise TraceError(f"torch {torch.__version__}: torch.nn.functional.has_torch_function is gone; "
-                         "vramtrace cannot trace into nn.MultiheadAttention (please report)")
-
-    def once(*args, **kwargs):
-        F.has_torch_function = original
-        return False
-
-    F.has_torch_function = once
-    try:
-        yield
-    finally:
-        F.has_torch_function = original
-
-
-_FAST_PATH_MODULES = ("MultiheadAttention", "TransformerEncoderLayer")
-
-
-@contextlib.contextmanager
-def mha_fast_path_bridge(policy: "KernelPolicyMode"):
-    """Bridge (torch 2.1-2.13, `torch/nn/modules/activation.py::MultiheadAttention.forward`,
-    `torch/nn/modules/transformer.py::TransformerEncoderLayer.forward`): let their eval fast path
-    (`torch._native_multi_head_attention`, `torch._transformer_encoder_layer_fwd`) be decided on meta tensors as
-    on the target device. Their checks refuse meta tensors (`_check_arg_device`, the device-type list) and any
-    active torch-function mode (`torch.overrides.has_torch_function`); a real run on CPU or CUDA takes the fast
-    path. Patched for the trace, answered as on the target only when called from those two forwards:
-    `torch.overrides.has_torch_function` (no override on the target: False), `torch.is_autocast_enabled()` (CUDA
-    autocast: the emulated autocast on a CUDA target; False on a CPU target, as the real call asks about CUDA),
-    and `torch.utils.backend_registration._privateuse1_backend_name` reads 'meta' while such a module runs.
-    Raises TraceError when a target is gone."""
-    import torch.nn.modules.activation as activation
-    import torch.nn.modules.transformer as transformer
-    from torch.utils import backend_registration
-
-    from ..errors import TraceError
-
-    try:
-        codes = {activation.MultiheadAttention.forward.__code__, transformer.TransformerEncoderLayer.forward.__code__}
-        originals = (torch.overrides.has_torch_function, torch.is_autocast_enabled,
-                     backend_registration._privateuse1_backend_name)
-    except AttributeError as e:
-        raise TraceError(f"torch {torch.__version__} changed nn.MultiheadAttention's fast-path checks ({e}); "
-                         "vramtrace cannot decide its eval fast path (please report)") from e
-    has_tf, autocast_enabled, pu1 = originals
-
-    def from_fast_path_check() -> bool:
-        return sys._getframe(2).f_code in codes
-
-    def has_torch_function(args):
-        if from_fast_path_check() and any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in args):
-            return False
-        return has_tf(args)
-
-    def is_autocast_enabled(*args):
-        if not args and from_fast_path_check():
-            return policy.device is Device.CUDA and policy.autocast_active
-        return autocast_enabled(*args)
-
-    def pre(module, args):
-        if type(module).__name__ in _FAST_PATH_MODULES and not module.training:
-            backend_registration._privateuse1_backend_name = "meta"
-
-    def post(module, args, out):
-        if type(module).__name__ in _FAST_PATH_MODULES:
-            backend_registration._privateuse1_backend_name = pu1
-
-    torch.overrides.has_torch_function = has_torch_function
-    torch.is_autocast_enabled = is_autocast_enabled
-    h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
-    h2 = torch.nn.modules.module.register_module_forward_hook(post)
-    try:
-        yield
-    finally:
-        h1.remove()
-        h2.remove()
-        torch.overrides.has_torch_function, torch.is_autocast_enabled = has_tf, autocast_enabled
-        backend_registration._privateuse1_backend_name = pu1
 
 
 @contextlib.contextmanager
@@ -640,8 +551,12 @@ class CpuWorkspaceProbe:
     @staticmethod
     def _measure(func, args, kwargs, autocast: torch.dtype | None):
         """(in-op allocation peak in bytes, the output) of one real run of the op."""
-        with torch.no_grad(), torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
-            out, peak = run_profiled(lambda: func(*args, **kwargs))
+        rng = torch.default_generator.get_state()  # a random op on the stand-ins must not move the caller's RNG
+        try:
+            with torch.no_grad(), torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
+                out, peak = run_profiled(lambda: func(*args, **kwargs))
+        finally:
+            torch.default_generator.set_state(rng)
         return peak, out
 
 

@@ -137,10 +137,13 @@ class StepRecorder(TorchDispatchMode):
             raise UnsupportedOpError(f"{hint}; register one with torch.library.register_fake, or replace the op"
                                      + ("" if self.strict else f" (its inputs exceed the {FALLBACK_LIMIT_BYTES >> 20} "
                                                                "MiB CPU fallback)")) from None
+        rng = torch.default_generator.get_state()  # a random op on the stand-ins must not move the caller's RNG
         try:
             out = func(*cpu_zeros_like(args), **cpu_zeros_like(kwargs))
         except Exception as e:
-            raise UnsupportedOpError(f"{hint}; the CPU fallback failed too: {str(e).splitlines()[0][:120]}") from None
+            raise UnsupportedOpError(f"{hint}; the CPU fallback failed too: {str(e).splitlines()[0][:120]}") from e
+        finally:
+            torch.default_generator.set_state(rng)
         self.unresolved.append(f"{func} in {where}: no meta kernel; output sized by the CPU kernel on zeros "
                                "(a data-dependent size may differ); --strict makes this an error")
         return tree_map(lambda x: torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype, device="meta")

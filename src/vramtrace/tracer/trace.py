@@ -30,7 +30,7 @@ from ..errors import TraceError, UnsupportedOpError, VramtraceError
 from ..spec import Device, Mode, OptimizerImpl, OptimizerKind, RunSpec
 from .building import LoadedModel, quiet_transformers_logs
 from .checkpointing import apply_checkpointing, layer_stack
-from .kernels import CpuWorkspaceProbe, KernelPolicyMode, MoeRoutingPolicy, cpu_environment, mha_fast_path_bridge
+from .kernels import CpuWorkspaceProbe, KernelPolicyMode, MoeRoutingPolicy, cpu_environment
 from .records import RecStorage
 from .recorder import StepRecorder, tag_autograd_nodes
 from .replication import TRACED_LAYERS, LayerPlan, NotPeriodic, replicate_layers
