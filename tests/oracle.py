@@ -34,6 +34,7 @@ import json
 import os
 import re
 import sys
+import warnings
 import weakref
 from pathlib import Path
 
@@ -179,8 +180,10 @@ def apply_checkpointing(model, policy: str) -> None:
     if kind == "none":
         return
     if kind in ("layers", "nth"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False},
-                                            **({"every_n_layers": int(arg)} if kind == "nth" else {}))
+        with warnings.catch_warnings():  # transformers 5.23 renamed it activation_checkpointing_enable
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False},
+                                                **({"every_n_layers": int(arg)} if kind == "nth" else {}))
     elif kind == "selective":
         names = arg.split(",") if arg else ["aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm"]
         save = {getattr(torch.ops.aten, n.split(".")[1]) for n in names}
@@ -188,8 +191,10 @@ def apply_checkpointing(model, policy: str) -> None:
         def save_matmuls(ctx, func, *args, **kwargs):
             return CheckpointPolicy.MUST_SAVE if func.overloadpacket in save else CheckpointPolicy.PREFER_RECOMPUTE
 
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
-            "use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts, save_matmuls)})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+                "use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts, save_matmuls)})
     elif kind == "modules":
         done: list[str] = []
         for name, m in model.named_modules():

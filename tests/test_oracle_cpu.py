@@ -1,4 +1,6 @@
-"""Predictions for --device cpu against real CPU runs (profiler allocator events), within 1%."""
+"""Predictions for --device cpu against real CPU runs (profiler allocator events), within 0.1%: the CPU kernels'
+own buffers (oneDNN bf16 matmul scratchpads on AVX-512 CPUs, flash-attention buffers) are measured per op
+signature on this CPU, so this holds under ONEDNN_MAX_CPU_ISA=AVX2 and without it (test_oracle_avx2.py)."""
 
 import pytest
 
@@ -16,7 +18,7 @@ def test_cpu_prediction_matches_profiler(config, precision, mode):
     spec = RunSpec(str(FIXTURES / f"{config}.json"), batch=2, seq=32, device="cpu", precision=precision, mode=mode)
     predicted = analyze(spec).peak_allocated_bytes
     measured = measure_cpu_peak(spec)
-    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+    assert abs(predicted - measured) <= 0.001 * measured, (predicted, measured)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd-momentum", "adam", "none"])
@@ -25,7 +27,7 @@ def test_cpu_prediction_other_optimizers(optimizer):
                    optimizer=optimizer)
     predicted = analyze(spec).peak_allocated_bytes
     measured = measure_cpu_peak(spec)
-    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+    assert abs(predicted - measured) <= 0.001 * measured, (predicted, measured)
 
 
 def test_cpu_prediction_foreach_optimizer():
@@ -33,4 +35,4 @@ def test_cpu_prediction_foreach_optimizer():
                    optimizer_impl="foreach")
     predicted = analyze(spec).peak_allocated_bytes
     measured = measure_cpu_peak(spec)
-    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+    assert abs(predicted - measured) <= 0.001 * measured, (predicted, measured)

@@ -14,7 +14,7 @@ import torch
 from ..errors import ModelLoadError, UsageError
 from ..spec import DEFAULT_CHOICES, AttnImplementation, Device, Mode, Precision, RunSpec, Task
 from .loading import ResolvedConfig
-from .checkpoint_headers import PRECISION_OF_DTYPE
+from .checkpoint_headers import precision_for
 from .checkpointing import layer_stack
 from .custom import output_loss
 from .replication import TRACED_LAYERS, LayerPlan
@@ -96,7 +96,7 @@ def build_config(resolved: ResolvedConfig, trust_remote_code: bool):
                 resolved.location.rsplit("/", 1)[0] if resolved.source == "local" else resolved.ref,
                 trust_remote_code=True)
         except Exception as e:  # remote code can raise anything
-            raise ModelLoadError(f"building the remote-code config of {resolved.ref} failed: {e}") from None
+            raise ModelLoadError(f"building the remote-code config of {resolved.ref} failed: {e}") from e
     if model_type not in CONFIG_MAPPING:
         raise ModelLoadError(
             f"unknown model_type {model_type!r} in {resolved.location}; transformers "
@@ -105,7 +105,7 @@ def build_config(resolved: ResolvedConfig, trust_remote_code: bool):
     try:
         return CONFIG_MAPPING[model_type].from_dict(cfg)
     except Exception as e:
-        raise ModelLoadError(f"invalid {model_type} config in {resolved.location}: {e}") from None
+        raise ModelLoadError(f"invalid {model_type} config in {resolved.location}: {e}") from e
 
 
 # The Auto class whose `from_config` builds each head, as a user builds it.
@@ -206,7 +206,7 @@ def _build(cls, config, kwargs, arch: str, location: str, device: str = "meta") 
             build = cls.from_config if hasattr(cls, "from_config") else cls._from_config
             model = build(config, **kwargs)
     except Exception as e:
-        raise ModelLoadError(f"transformers could not build {arch} from {location}: {e}") from None
+        raise ModelLoadError(f"transformers could not build {arch} from {location}: {e}") from e
     return model if device in ("meta", "cpu") else model.to(device)
 
 
@@ -375,9 +375,7 @@ def load_model(spec: RunSpec, resolved: ResolvedConfig, device: str = "meta") ->
 def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedModel:
     from .adapters import apply_adapters
 
-    precision = spec.effective_precision
-    if spec.precision is None and resolved.checkpoint is not None and resolved.checkpoint.dtype in PRECISION_OF_DTYPE:
-        precision = Precision(PRECISION_OF_DTYPE[resolved.checkpoint.dtype])  # the weights as stored
+    precision = precision_for(spec, resolved)[0]  # --precision, `stored`, a local checkpoint's dtype, or the default
     param_dtype, compute_dtype = weight_and_compute_dtype(precision)
     if resolved.source == "custom":
         from .custom import build_custom
