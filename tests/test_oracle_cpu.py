@@ -36,3 +36,16 @@ def test_cpu_prediction_foreach_optimizer():
     predicted = analyze(spec).peak_allocated_bytes
     measured = measure_cpu_peak(spec)
     assert abs(predicted - measured) <= 0.001 * measured, (predicted, measured)
+
+
+def test_cpu_kernel_output_layouts_replace_the_meta_kernels():
+    # CPU native_layer_norm returns a bf16 input's mean and rstd in bf16 (the meta kernel: fp32, as CUDA does);
+    # they are saved for backward, so the trace must hold the CPU's (BERT bf16 training was +0.1% before)
+    spec = RunSpec(str(FIXTURES / "tiny-bert.json"), batch=2, seq=32, device="cpu", precision="bf16")
+    report = analyze(spec)
+    stats = [t for t in report.tensors if t.op == "aten.native_layer_norm.default" and list(t.shape) == [2, 32, 1]]
+    assert stats and {t.dtype for t in stats} == {"bfloat16"}
+    assert "native_layer_norm" in report.run["cpu_kernels"]["relaid_outputs"]
+    cuda = analyze(RunSpec(str(FIXTURES / "tiny-bert.json"), batch=2, seq=32, precision="bf16"))
+    assert {t.dtype for t in cuda.tensors if t.op == "aten.native_layer_norm.default"
+            and list(t.shape) == [2, 32, 1]} == {"float32"}

@@ -305,8 +305,7 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
     ops, storages, sdpa, has_optimizer = result
     unresolved = tuple(dict.fromkeys(rec.unresolved + policy.unresolved)) + tuple(
         f"{op}: CPU kernel workspace not measured, counted as 0 bytes ({why})"
-        for op, why in getattr(rec.workspace, "failures", {}).items()) + tuple(
-        f"{op}: {why}" for op, why in getattr(rec.workspace, "notes", {}).items())
+        for op, why in getattr(rec.workspace, "failures", {}).items())
 
     last_use: dict[int, int] = {}
     for o in ops:
@@ -331,7 +330,17 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
         storages=tuple(infos),
         counted_devices=counted, sdpa_backends=tuple(sorted(sdpa.items())), has_optimizer=has_optimizer,
         trace_note=note, unresolved=unresolved,
-        cpu_environment=tuple(cpu_environment().items()) if spec.device is Device.CPU else ())
+        cpu_environment=_cpu_kernels(rec.workspace) if spec.device is Device.CPU else ())
+
+
+def _cpu_kernels(probe: CpuWorkspaceProbe) -> tuple[tuple[str, str | int], ...]:
+    """What the CPU target's kernels depend on (`kernels.cpu_environment`), plus the ops whose CPU outputs the
+    trace lays out as the CPU kernel does (measured, so exact; named so that the difference from the meta
+    kernels is visible)."""
+    env = cpu_environment()
+    if probe.notes:
+        env["relaid_outputs"] = "; ".join(f"{op}: {why}" for op, why in sorted(probe.notes.items()))
+    return tuple(env.items())
 
 
 def to_fx_graph(traced: TracedGraph, phases: tuple[str, ...] = STEADY_PHASES) -> fx.GraphModule:
