@@ -26,6 +26,15 @@ def test_validate_on_the_cpu_agrees_within_1pct(config):
     assert abs(out["allocated_error"]) <= 0.01, out
 
 
+def test_validate_measures_the_plan_auto_chose():
+    p = _cli(str(FIXTURES / "tiny-llama-gqa.json"), "--batch", "4", "--seq", "96", "--device", "cpu", "--precision",
+             "fp32", "--checkpointing", "auto", "--memory-budget", "5MiB", "--json", "-", "-q")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["run"]["checkpointing"] != "none" and abs(out["allocated_error"]) <= 0.001, out
+    assert out["measured_peak_allocated_bytes"] <= 5 << 20
+
+
 def test_validate_refuses_before_allocating_when_the_prediction_does_not_fit(monkeypatch):
     monkeypatch.setattr(validate_mod, "free_bytes", lambda device: 1024)
     monkeypatch.setattr(validate_mod, "measure_step", lambda *a, **k: pytest.fail("allocated despite the refusal"))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from .errors import TraceError, UsageError, VramtraceError
@@ -181,7 +181,10 @@ def validate(spec: RunSpec, progress: Callable[[str], None] | None = None) -> di
         raise UsageError(f"the predicted step needs {format_bytes(needed)} but {spec.device.value} has "
                          f"{format_bytes(free)} free; validate a smaller config or a smaller --batch")
     say("running the step for real")
-    m = measure_step(spec)
+    measured = spec
+    if spec.checkpointing.kind == "auto":  # the real run applies the plan the report chose
+        measured = replace(spec, checkpointing=report.checkpointing["plan"]["chosen"], memory_budget_bytes=None)
+    m = measure_step(measured)
     out = {"device": m.device, "predicted_peak_allocated_bytes": report.peak_allocated_bytes,
            "measured_peak_allocated_bytes": m.peak_allocated_bytes,
            "allocated_error": (report.peak_allocated_bytes - m.peak_allocated_bytes) / m.peak_allocated_bytes}
