@@ -1,7 +1,9 @@
 """The static meta-device trace against a runtime dispatch-mode storage oracle on a real CPU run: equal to the
 byte. The dispatch oracle counts op outputs only, so the comparison leaves out the CPU kernel workspaces the
 prediction adds (storages named 'kernel workspace', each born and freed in its op); the profiler oracle
-(test_oracle_cpu.py) checks those."""
+(test_oracle_cpu.py) checks those. Under its dispatch mode the autograd engine never accumulates gradients in
+place (the prediction follows the real engine, test_recorder_accumulation.py): in these configs no accumulation
+falls at the peak."""
 
 import pytest
 

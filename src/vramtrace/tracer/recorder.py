@@ -17,6 +17,7 @@ import weakref
 from typing import Any, Callable
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
@@ -28,6 +29,10 @@ from .records import RecOp, RecStorage
 FALLBACK_LIMIT_BYTES = 256 << 20  # inputs of an op without a meta kernel that the CPU fallback may run
 
 _MODULE_KEY = "vramtrace_module"
+_ADD = torch.ops.aten.add.Tensor
+# references to an input-buffer gradient seen from the top of __torch_dispatch__ when the engine holds the last one
+# (the buffer, the dispatcher's argument, the Python argument, the engine's own copy): see _accumulates_in_place
+ACCUMULATE_USE_COUNT = 4
 
 
 class StepRecorder(TorchDispatchMode):
@@ -49,6 +54,7 @@ class StepRecorder(TorchDispatchMode):
         self.workspace: Callable[[Any, tuple, dict, Any], tuple[int, Any]] | None = None
         self.strict = False  # an op without a meta kernel raises UnsupportedOpError (else: CPU fallback, listed)
         self.unresolved: list[str] = []
+        self._finished_node = None  # the autograd node whose apply just finished: the engine accumulates its outputs
 
     # -- storages ----------------------------------------------------------------------------------------
     def _on_free(self, key: int, sid: int) -> None:
@@ -116,6 +122,38 @@ class StepRecorder(TorchDispatchMode):
             return "optimizer.zero_grad"
         return self.module_stack[-1] if self.module_stack else ""
 
+    # -- gradient accumulation ------------------------------------------------------------------------------------
+    def watch_node(self, node) -> None:
+        """Register a post-hook on autograd `node`: once it fires, the engine's next ops until another node runs
+        are its `InputBuffer::accumulate` calls (torch/csrc/autograd/engine.cpp `evaluate_function`: call_function
+        runs pre-hooks, apply, post-hooks; then each output is added to its consumer's input buffer)."""
+        node.register_hook(self._node_finished)
+
+    def _node_finished(self, grad_inputs, grad_outputs) -> None:
+        self._finished_node = torch._C._current_autograd_node()
+
+    def _accumulates_in_place(self, func, args, kwargs) -> bool:
+        """Whether this op is the engine adding a second gradient into an input buffer (`old_var + var`) where the
+        real engine, with no dispatch mode active, reuses `old_var`'s storage (`old_var.add_(var)`).
+
+        torch/csrc/autograd/input_buffer.cpp `accumulate`: in place when GradMode is off and
+        `can_accumulate_inplace(old_var)`: a plain dense tensor whose last reference and storage the buffer holds.
+        Under any dispatch mode `at::isTensorSubclassLike` is true, so a traced step always takes `old_var + var`;
+        the reference counts seen here carry the dispatch call's own references (calibrated by
+        tests/test_recorder_accumulation.py against real runs without a mode): `ACCUMULATE_USE_COUNT` tensor
+        references and 2 storage references (the buffer's tensor and the storage object made to ask)."""
+        if func is not _ADD or kwargs or len(args) != 2 or self.phase != "backward" or torch.is_grad_enabled():
+            return False
+        if self._finished_node is None or torch._C._current_autograd_node() is not self._finished_node:
+            return False
+        old, var = args
+        if (not isinstance(old, torch.Tensor) or not isinstance(var, torch.Tensor) or old is var
+                or old.layout is not torch.strided or old.shape != var.shape or old.dtype != var.dtype
+                or not is_non_overlapping_and_dense_or_false(old)):
+            return False
+        return (old._use_count() == ACCUMULATE_USE_COUNT
+                and torch._C._storage_Use_Count(old.untyped_storage()._cdata) == 2)
+
     # -- saved tensors ------------------------------------------------------------------------------------------
     def pack_hook(self, t: torch.Tensor) -> torch.Tensor:
         if self.phase == "forward":
@@ -152,7 +190,10 @@ class StepRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         try:
-            out = func(*args, **kwargs)
+            if self._accumulates_in_place(func, args, kwargs):
+                out = args[0].add_(args[1])  # the input buffer's storage is reused, as the real engine does
+            else:
+                out = func(*args, **kwargs)
         except NotImplementedError as e:
             out = self._no_meta_kernel(func, args, kwargs, e)
         ws = 0
@@ -186,8 +227,9 @@ class StepRecorder(TorchDispatchMode):
         return out
 
 
-def tag_autograd_nodes(outputs: Any, module_path: str) -> None:
-    """Tag the autograd nodes created inside a module's forward with its path (innermost module wins).
+def tag_autograd_nodes(outputs: Any, module_path: str, on_node: Callable[[Any], None] | None = None) -> None:
+    """Tag the autograd nodes created inside a module's forward with its path (innermost module wins), and
+    call `on_node(node)` once for each.
 
     Walks from the outputs' grad_fn towards the inputs and stops at nodes already tagged (by inner modules or
     earlier modules), so every node is visited once over the whole forward.
@@ -199,6 +241,8 @@ def tag_autograd_nodes(outputs: Any, module_path: str) -> None:
         if _MODULE_KEY in meta:
             continue
         meta[_MODULE_KEY] = module_path
+        if on_node is not None:
+            on_node(node)
         for nxt, _ in node.next_functions:
             if nxt is not None:
                 stack.append(nxt)

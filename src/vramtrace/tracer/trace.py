@@ -113,7 +113,7 @@ def _module_hooks(model: torch.nn.Module, rec: StepRecorder):
     def post(mod, args, out):
         path = rec.module_stack.pop() if rec.module_stack else ""
         if torch.is_grad_enabled():
-            tag_autograd_nodes(out, path)
+            tag_autograd_nodes(out, path, rec.watch_node)
 
     h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = torch.nn.modules.module.register_module_forward_hook(post)
@@ -203,7 +203,8 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
         if isinstance(t, torch.Tensor):
             rec.register_existing(t, Category.INPUT, n)
     # Tag each autograd node with the module that created it, as soon as it is created.
-    policy.on_output = lambda out: tag_autograd_nodes(out, rec.current_module()) if rec.phase == "forward" else None
+    policy.on_output = (lambda out: tag_autograd_nodes(out, rec.current_module(), rec.watch_node)
+                        if rec.phase == "forward" else None)
     autocast = policy.autocast_region() if compute_dtype is not None else contextlib.nullcontext()
     try:
         with (bridges.installed(policy, rec), _moe_routing(model, spec, policy), _module_hooks(model, rec), policy,
