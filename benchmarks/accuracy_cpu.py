@@ -1,6 +1,6 @@
 """Print predicted vs measured (CPU profiler allocator) peaks for the tiny fixtures, as markdown tables.
 
-Reproduce: python benchmarks/accuracy_cpu.py   (and ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/accuracy_cpu.py)
+Reproduce: python benchmarks/accuracy_cpu.py   (and ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python benchmarks/accuracy_cpu.py)
 Tables: precisions and modes (batch 2, seq 32); activation checkpointing policies (batch 4, seq 64, the real
 run applies the same policy); layer replication (6 layers: 4 traced, all 6 rebuilt); torch.nn attention
 modules; custom modules, LoRA, frozen weights, MoE. The first line names the CPU, the oneDNN ISA cap and the

@@ -1,6 +1,7 @@
-"""The CPU oracle tests a second time, in a subprocess with oneDNN capped at AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2`):
-on a CPU with AVX-512 (bf16) both oneDNN paths are exercised on one machine (bf16 matmuls allocate a
-scratchpad only on the AVX-512 path). On a CPU without AVX-512 both runs take the same path."""
+"""The CPU oracle tests a second time, in a subprocess with oneDNN and ATen's own kernels capped at AVX2
+(`ONEDNN_MAX_CPU_ISA=AVX2`, `ATEN_CPU_CAPABILITY=avx2`), as a CPU without AVX-512 runs them: on a CPU with
+AVX-512 (bf16) both paths are exercised on one machine (bf16 matmuls allocate a scratchpad only on the AVX-512
+path). On a CPU without AVX-512 both runs take the same path."""
 
 import os
 import subprocess
@@ -17,7 +18,7 @@ ORACLE_TESTS = ["test_oracle_cpu.py", "test_attention_modules.py",
 
 @pytest.mark.skipif(os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX2", reason="this is the AVX2 run")
 def test_oracle_tests_pass_with_onednn_capped_at_avx2():
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "HF_HUB_OFFLINE": "1"}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ORACLE_TESTS],
                          cwd=TESTS, env=env, capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
@@ -31,3 +32,5 @@ def test_report_names_the_onednn_isa_in_effect():
     cpu = report.run["cpu_kernels"]
     assert cpu["onednn_max_isa"] == (os.environ.get("ONEDNN_MAX_CPU_ISA") or "(all the CPU has)")
     assert cpu["threads"] >= 1 and cpu["torch"]
+    if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":
+        assert cpu["aten_capability"] == "AVX2"
