@@ -97,6 +97,7 @@ class StepRecorder(TorchDispatchMode):
     def detach(self) -> None:
         """Stop listening for frees (call after the step; later deaths are not part of it), and write each op's
         `frees`."""
+        self._finished_node = None  # no autograd node kept alive past the step
         for f in self._finalizers:
             f.detach()
         self._finalizers.clear()
