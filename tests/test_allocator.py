@@ -75,12 +75,14 @@ def test_replay_of_a_traced_step_reproduces_its_allocated_peak(config):
     from vramtrace import RunSpec
     from vramtrace.tracer.building import load_model
     from vramtrace.tracer.loading import resolve_config
-    from vramtrace.tracer.trace import FIRST_STEP_PHASES, STEADY_PHASES, trace_step
+    from vramtrace.analysis.storages import storage_table
+    from vramtrace.tracer.trace import trace_step
 
     spec = RunSpec(str(FIXTURES / f"{config}.json"), batch=4, seq=64)
     traced = trace_step(spec, load_model(spec, resolve_config(spec.model)))
-    first = build_timeline(traced.ops, traced.storages, FIRST_STEP_PHASES, traced.counted_devices, 512)
-    steady = build_timeline(traced.ops, traced.storages, STEADY_PHASES, traced.counted_devices, 512)
+    rows = storage_table(traced.ops, traced.storages, traced.marks)
+    first = build_timeline(traced.ops, rows, 0, traced.counted_devices, 512)
+    steady = build_timeline(traced.ops, rows, 1, traced.counted_devices, 512)
     est = replay_steps(first, steady)
     assert est.oom == "" and est.peak_allocated_bytes == steady.peak_bytes
     assert steady.peak_bytes <= est.peak_reserved_bytes and est.peak_reserved_bytes % (2 * MiB) == 0

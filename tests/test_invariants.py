@@ -11,23 +11,24 @@ from conftest import FIXTURES
 from vramtrace import RunSpec, analyze
 from vramtrace.analysis.categories import PERSISTENT, Category
 from vramtrace.analysis.liveness import build_timeline
+from vramtrace.analysis.storages import storage_table
 from vramtrace.tracer.building import load_model
 from vramtrace.tracer.checkpointing import layer_stack
 from vramtrace.tracer.loading import resolve_config
-from vramtrace.tracer.trace import FIRST_STEP_PHASES, STEADY_PHASES, _record, trace_step
+from vramtrace.tracer.trace import _record, trace_step
 
 CONFIGS = ["tiny-gpt2", "tiny-llama-gqa", "tiny-bert"]
 
 
-def _check_records(traced) -> None:
-    by_sid = {s.sid: s for s in traced.storages}
-    assert len(by_sid) == len(traced.storages)  # one row per storage
+def _check_records(traced, rows) -> None:
+    by_sid = {s.sid: s for s in rows}
+    assert len(by_sid) == len(rows) == len(traced.storages)  # one row per storage
     assert [o.index for o in traced.ops] == list(range(len(traced.ops)))
-    for s in traced.storages:
+    for s in rows:
         assert s.nbytes >= 0 and s.op_index >= -1
         if s.free_after is not None:  # born before it is freed, freed within the step
             assert s.op_index <= s.free_after < len(traced.ops), s
-        if s.category in PERSISTENT:
+        if s.category in PERSISTENT - {Category.KEPT}:
             assert s.free_after is None, s  # parameters, optimizer state, inputs and buffers outlive the step
     allocated = {}
     for o in traced.ops:
@@ -39,59 +40,61 @@ def _check_records(traced) -> None:
             s = by_sid[sid]
             assert s.free_after is None or s.free_after >= o.index, (o, s)
             assert s.op_index <= o.index, (o, s)
-    for s in traced.storages:
+    for s in rows:
         assert s.last_use <= (s.free_after if s.free_after is not None else len(traced.ops)), s
 
 
-def _expected_curves(traced, phases, block, optimal):
-    """(live, after) at each op of `phases`, summed from the storages' records: live at op k when born at or
-    before k (at step start: -1; a first-step optimizer state that outlives it: from the start) and not freed
-    before k; with `optimal`, a non-persistent storage dies at its last use instead."""
-    steps = [o.index for o in traced.ops if o.phase in phases]
+def _expected_curves(traced, rows, step, block, optimal):
+    """(live, after) at each op of recorded step `step`, summed from the storages' rows: live at op k when born at
+    or before k (born before the step and freed in it or later: from its start) and not freed before k; with
+    `optimal`, a non-persistent storage dies at its last use instead."""
+    steps = [o.index for o in traced.ops if o.step == step]
     included = set(steps)
     nxt = {k: (steps[i + 1] if i + 1 < len(steps) else math.inf) for i, k in enumerate(steps)}
     live = {k: 0 for k in steps}
     after = {k: 0 for k in steps}
-    for s in traced.storages:
+    for s in rows:
         if s.device not in traced.counted_devices or s.nbytes == 0:
             continue
         nbytes = -(-s.nbytes // block) * block
         if s.op_index in included:
             born = s.op_index
-        elif s.op_index < 0 or (s.category is Category.OPTIMIZER_STATE and s.free_after is None):
+        elif s.op_index < steps[0] and (s.free_after is None or s.free_after >= steps[0]):
             born = steps[0]
         else:
-            continue  # a storage of an excluded phase (the first step's temporaries in a steady timeline)
+            continue  # a storage of another step (the first step's temporaries in a steady timeline)
         last = math.inf if s.free_after is None else s.free_after  # last op index it is live at
         if optimal and s.category not in PERSISTENT:
             last = min(last, max(s.last_use, born))
         for k in steps:
             if born <= k <= last:
                 live[k] += nbytes
-                kept = last >= nxt[k] if nxt[k] != math.inf else s.free_after is None and last >= k
+                kept = last >= nxt[k] if nxt[k] != math.inf else (s.free_after is None or s.free_after > k) and last >= k
                 after[k] += nbytes if kept else 0
     return [live[k] for k in steps], [after[k] for k in steps]
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize(("device", "loop", "extra"), [("cpu", "trainer", {}), ("cuda", "script", {}),
+                                                     ("cpu", "function", {"grad_accum": 2, "zero_grad": "zeros"})])
 @pytest.mark.parametrize("config", CONFIGS)
-def test_timeline_invariants(config, device):
-    spec = RunSpec(str(FIXTURES / f"{config}.json"), batch=2, seq=16, device=device)
+def test_timeline_invariants(config, device, loop, extra):
+    spec = RunSpec(str(FIXTURES / f"{config}.json"), batch=2, seq=16, device=device, loop=loop, **extra)
     traced = trace_step(spec, load_model(spec, resolve_config(spec.model)))
-    _check_records(traced)
+    rows = storage_table(traced.ops, traced.storages, traced.marks, loop)
+    _check_records(traced, rows)
     block = 512 if device == "cuda" else 1
-    for phases in (STEADY_PHASES, FIRST_STEP_PHASES):
+    for step in range(traced.steps):
         for optimal in (False, True):
-            tl = build_timeline(traced.ops, traced.storages, phases, traced.counted_devices, block, optimal)
-            live, after = _expected_curves(traced, phases, block, optimal)
+            tl = build_timeline(traced.ops, rows, step, traced.counted_devices, block, optimal)
+            live, after = _expected_curves(traced, rows, step, block, optimal)
             assert list(tl.live_bytes) == live
             assert list(tl.after_bytes) == after
             assert min(live) > 0 and min(after) > 0  # parameters are live throughout
             assert tl.peak_bytes == max(live) == live[tl.peak_step]
             for lt in tl.lifetimes:
                 assert 0 <= lt.birth <= lt.death < len(tl.steps) and lt.bytes > 0 and lt.bytes % block == 0
-    eager = build_timeline(traced.ops, traced.storages, STEADY_PHASES, traced.counted_devices, block)
-    optimal = build_timeline(traced.ops, traced.storages, STEADY_PHASES, traced.counted_devices, block, True)
+    eager = build_timeline(traced.ops, rows, traced.steps - 1, traced.counted_devices, block)
+    optimal = build_timeline(traced.ops, rows, traced.steps - 1, traced.counted_devices, block, True)
     assert optimal.peak_bytes <= eager.peak_bytes
 
 
@@ -100,7 +103,7 @@ def test_recorded_frees_are_the_finalizers(config):
     """Each op's `frees` are exactly the storages whose finalizer fired after it; a storage is freed once."""
     spec = RunSpec(str(FIXTURES / f"{config}.json"), batch=2, seq=16, device="cpu", checkpointing="layers")
     loaded = load_model(spec, resolve_config(spec.model))
-    rec, _, _ = _record(spec, loaded.model, loaded, lambda _m: None, layer_stack(loaded.model))
+    rec, _, _, _ = _record(spec, loaded.model, loaded, lambda _m: None, layer_stack(loaded.model))
     freed_by_op = [sid for o in rec.ops for sid in o.frees]
     assert len(freed_by_op) == len(set(freed_by_op))
     assert {sid: o.index for o in rec.ops for sid in o.frees} == {

@@ -21,7 +21,9 @@ from vramtrace.tracer.building import load_model
 from vramtrace.tracer.loading import resolve_config
 from vramtrace.tracer.records import RecOp, RecStorage
 from vramtrace.tracer.replication import LayerPlan, NotPeriodic, replicate_layers
-from vramtrace.tracer.trace import FIRST_STEP_PHASES, STEADY_PHASES, to_fx_graph, trace_step
+from vramtrace.analysis.storages import storage_table
+from vramtrace.tracer.fx_export import to_fx_graph
+from vramtrace.tracer.trace import trace_step
 
 
 # -- hand-built records --------------------------------------------------------------------------------------
@@ -81,13 +83,13 @@ def synthetic_step(layers: int, unit: list[int], odd_layer: int | None = None) -
 
 
 def _curve(ops, storages):
-    from vramtrace.tracer.trace import StorageInfo
     from vramtrace.analysis.categories import Category
+    from vramtrace.analysis.storages import StorageInfo
 
     free_after = {s: o.index for o in ops for s in o.frees}
     infos = [StorageInfo(s.sid, s.nbytes, s.dtype, s.shape, s.device, Category(s.category or "temporary"),
                          s.op_index, s.op, s.module, s.phase, s.name, free_after.get(s.sid), -1) for s in storages]
-    return build_timeline(ops, infos, ("forward", "backward", "optimizer"), ("meta",)).live_bytes
+    return build_timeline(ops, infos, 0, ("meta",)).live_bytes
 
 
 @settings(max_examples=30, deadline=None)
@@ -95,7 +97,7 @@ def _curve(ops, storages):
 def test_periodic_records_rebuild_exactly(layers, unit):
     traced = synthetic_step(4, unit)
     full = synthetic_step(layers, unit)
-    ops, storages = replicate_layers(LayerPlan("m.layers", layers), traced.ops, traced.storages)
+    ops, storages, _ = replicate_layers(LayerPlan("m.layers", layers), traced.ops, traced.storages)
     assert [(o.name, o.phase, o.module) for o in ops] == [(o.name, o.phase, o.module) for o in full.ops]
     assert sorted((s.name, s.nbytes) for s in storages) == sorted((s.name, s.nbytes) for s in full.storages)
     assert _curve(ops, storages) == _curve(full.ops, full.storages)
@@ -120,7 +122,9 @@ VARIANTS = [dict(device="cuda", precision="bf16-mixed"), dict(device="cpu", prec
             dict(device="cuda", precision="fp32", optimizer_impl="for-loop", optimizer="sgd-momentum"),
             dict(device="cpu", precision="bf16", mode="inference"),
             dict(device="cuda", precision="bf16-mixed", checkpointing="layers"),
-            dict(device="cpu", precision="fp32", checkpointing="selective")]
+            dict(device="cpu", precision="fp32", checkpointing="selective"),
+            dict(device="cuda", precision="bf16-mixed", loop="script", grad_accum=2, zero_grad="zeros",
+                 clip_grad_norm=1.0)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
@@ -133,15 +137,18 @@ def test_replicated_trace_equals_full_trace(tmp_path, config, variant):
         dataclasses.replace(spec, replicate_layers=False), resolved))
     assert fast.trace_note.startswith("traced 4 of 7 layers"), fast.trace_note
     assert [(o.name, o.phase, o.module) for o in fast.ops] == [(o.name, o.phase, o.module) for o in full.ops]
+    assert fast.marks == full.marks
+    loop = variant.get("loop", "trainer")
+    rows_fast = storage_table(fast.ops, fast.storages, fast.marks, loop)
+    rows_full = storage_table(full.ops, full.storages, full.marks, loop)
     key = lambda s: (s.name, s.module, s.op, s.nbytes, s.category, s.op_index, s.free_after, s.last_use)
-    assert sorted(map(key, fast.storages)) == sorted(map(key, full.storages))
+    assert sorted(map(key, rows_fast)) == sorted(map(key, rows_full))
     assert fast.sdpa_backends == full.sdpa_backends
     block = 512 if spec.device.value == "cuda" else 1
-    phase_sets = [("forward",)] if spec.mode.value == "inference" else [STEADY_PHASES, FIRST_STEP_PHASES]
-    for phases in phase_sets:
+    for step in range(full.steps):
         for optimal in (False, True):
-            a = build_timeline(fast.ops, fast.storages, phases, fast.counted_devices, block, optimal)
-            b = build_timeline(full.ops, full.storages, phases, full.counted_devices, block, optimal)
+            a = build_timeline(fast.ops, rows_fast, step, fast.counted_devices, block, optimal)
+            b = build_timeline(full.ops, rows_full, step, full.counted_devices, block, optimal)
             assert a.live_bytes == b.live_bytes and a.after_bytes == b.after_bytes
 
 
@@ -169,8 +176,9 @@ def test_fx_graph_has_one_node_per_op(tmp_path):
     traced = trace_step(spec, load_model(spec, resolve_config(spec.model)))
     gm = to_fx_graph(traced)
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-    assert len(calls) == sum(1 for o in traced.ops if o.phase in STEADY_PHASES)
-    assert {"forward", "backward", "optimizer"} <= {n.meta["phase"] for n in calls} <= set(STEADY_PHASES)
+    assert len(calls) == sum(1 for o in traced.ops if o.step == traced.steps - 1)
+    assert {"forward", "backward", "optimizer"} <= {n.meta["phase"] for n in calls} <= {
+        "forward", "backward", "optimizer", "zero_grad"}
     # every storage a node reads comes from a placeholder or an earlier node, or was first seen as an input of
     # an op up to this one (made outside the dispatcher, e.g. the constant that lift_fresh lifts: recorded as born
     # at that op, which it did not allocate, so it has no producer node); args are exactly the producers, and no

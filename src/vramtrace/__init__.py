@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .errors import VramtraceError
-from .spec import RunSpec
+from .spec import Mode, RunSpec
 
 __version__ = "0.1.0"
 __all__ = ["analyze", "compare", "compare_reports", "with_comparison", "RunSpec", "VramtraceError", "__version__"]
@@ -125,7 +125,7 @@ def adapters_summary(spec: RunSpec) -> str:
 def moe_summary(spec: RunSpec, model) -> dict:
     """{'moe_layers', 'moe_experts_implementation', 'moe_routing'} for a mixture-of-experts model, else {}.
     Under transformers' grouped_mm experts (its default) memory does not depend on the routing."""
-    from .tracer.trace import experts_modules
+    from .tracer.hooks import experts_modules
 
     experts = experts_modules(model)
     if not experts:
@@ -133,6 +133,21 @@ def moe_summary(spec: RunSpec, model) -> dict:
     impl = getattr(getattr(experts[0], "config", None), "_experts_implementation", None) or "grouped_mm"
     routing = spec.moe_routing.value if impl == "eager" else f"{spec.moe_routing.value} (no effect: {impl} sizes by tokens × top_k)"
     return {"moe_layers": len(experts), "moe_experts_implementation": impl, "moe_routing": routing}
+
+
+def step_summary(spec: RunSpec, loop_peaks: dict[str, int]) -> dict:
+    """The report's `run` entries about the step: the loop (or the --step function), gradient accumulation
+    (micro-batches, effective batch), zero_grad, clipping, the KV cache switch, and each loop's peak bytes."""
+    if spec.mode is Mode.INFERENCE:
+        return {}
+    out = {"loop": spec.loop.value if spec.step is None else f"--step {spec.step}",
+           "grad_accum": spec.grad_accum, "effective_batch": spec.batch * spec.grad_accum,
+           "zero_grad": spec.zero_grad.value, "clip_grad_norm": spec.clip_grad_norm}
+    if spec.use_cache is not None:
+        out["use_cache"] = spec.use_cache
+    if loop_peaks:
+        out["loop_peaks"] = loop_peaks
+    return out
 
 
 def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
@@ -147,26 +162,29 @@ def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
     spec = replace(spec, precision=precision)
 
     from .analysis.liveness import CUDA_MIN_BLOCK_BYTES, build_timeline
+    from .analysis.storages import loop_peaks as loops_peaks
+    from .analysis.storages import storage_table
     from .analysis.summary import summarize
-    from .spec import Device, Mode
+    from .spec import Device
     from .tracer.building import load_model
-    from .tracer.trace import FIRST_STEP_PHASES, STEADY_PHASES, trace_step
+    from .tracer.trace import trace_step
 
     say("building model on meta")
     loaded = load_model(spec, resolved)
     traced = trace_step(spec, loaded, progress=say)
     say("liveness analysis")
-    if spec.mode is Mode.INFERENCE:
-        steady_phases = first_phases = ("forward",)
-    elif traced.has_optimizer:
-        steady_phases, first_phases = STEADY_PHASES, FIRST_STEP_PHASES
-    else:
-        steady_phases = first_phases = ("forward", "backward", "zero_grad")
     block = CUDA_MIN_BLOCK_BYTES if spec.device is Device.CUDA else 1
+    loop = spec.loop.value if spec.step is None else "trainer"  # a --step function is traced as written
+    table = storage_table(traced.ops, traced.storages, traced.marks, loop)
+    steady_step = traced.steps - 1
 
-    def timeline(phases, optimal=False):
-        return build_timeline(traced.ops, traced.storages, phases, traced.counted_devices, block, optimal)
+    def timeline(rows, step, optimal=False):
+        return build_timeline(traced.ops, rows, step, traced.counted_devices, block, optimal)
 
+    steady = timeline(table, steady_step)
+    loop_peaks = {}
+    if spec.mode is Mode.TRAIN and spec.step is None:
+        loop_peaks = loops_peaks(steady, traced.ops, traced.storages, traced.marks, loop, traced.counted_devices, block)
     gpu = spec.gpu_preset
     model_info = {
         "ref": resolved.ref, "config_source": resolved.source, "config_location": resolved.location,
@@ -189,12 +207,13 @@ def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
         "num_layers": loaded.num_layers, "layer_stack": loaded.layer_stack_path,
         "allocator_block_bytes": block, "num_ops": len(traced.ops), "trace": traced.trace_note,
         "inputs": [f"{n}={d}{list(s)}" for n, d, s in loaded.input_summary()] if loaded.task == "custom" else [],
+        **step_summary(spec, loop_peaks),
         "adapters": adapters_summary(spec), "image_size": loaded.image_size, **moe_summary(spec, loaded.model),
     }
     if traced.cpu_environment:
         run_info["cpu_kernels"] = dict(traced.cpu_environment)
     return summarize(
-        model=model_info, run=run_info, params=loaded.params, ops=traced.ops, storages=traced.storages,
-        steady=timeline(steady_phases), first=timeline(first_phases), graph_optimal=timeline(steady_phases, True),
+        model=model_info, run=run_info, params=loaded.params, ops=traced.ops, storages=table,
+        steady=steady, first=timeline(table, 0), graph_optimal=timeline(table, steady_step, True),
         gpu={"name": gpu.name, "memory_bytes": gpu.memory_bytes} if spec.device is Device.CUDA else None,
         unresolved=traced.unresolved)

@@ -66,6 +66,22 @@ def main_command(
                                                "[default: peft's for the architecture]"),
     moe_routing: str = typer.Option("balanced", "--moe-routing", help="tokens per MoE expert: balanced (equal share) | "
                                     "worst (all tokens to the same top-k experts: the largest per-expert batches)"),
+    loop: str = typer.Option(
+        "trainer", "--loop", help="the training loop around the step: trainer (`loss = model(**batch).loss; "
+        "loss.backward()`: the output released before backward; HF Trainer, Lightning) | function (`def "
+        "train_step(batch): outputs = model(**batch); outputs.loss.backward(); opt.step(); opt.zero_grad()`: outputs "
+        "live until it returns) | script (the tutorials' top-level `for batch in loader: outputs = model(**batch); "
+        "...`: the previous outputs live until the next forward returns)"),
+    step: Optional[str] = typer.Option(None, "--step", help="your own step function, path/to/file.py:FUNC, called "
+                                       "as FUNC(model, batch, optimizer) for two steps and traced as written"),
+    grad_accum: int = typer.Option(1, "--grad-accum", help="gradient accumulation: N micro-batches per optimizer "
+                                   "step (loss / N, backward each, one step), as HF Trainer's gradient_accumulation_steps"),
+    zero_grad: str = typer.Option("none", "--zero-grad", help="none (zero_grad(set_to_none=True), torch >= 2.0) | "
+                                  "zeros (set_to_none=False: gradients stay allocated across steps)"),
+    clip_grad_norm: Optional[float] = typer.Option(None, "--clip-grad-norm", help="torch.nn.utils.clip_grad_norm_ "
+                                                   "with this max norm between backward and the optimizer step"),
+    use_cache: Optional[str] = typer.Option(None, "--use-cache", help="true | false: the config's use_cache (false: "
+                                            "no KV cache in the training forward) [default: the config's]"),
     strict: bool = typer.Option(False, "--strict", help="an op without a meta kernel is an error, not an unresolved entry"),
     compare_policies: bool = typer.Option(False, "--compare", help="compare checkpointing none, layers and selective"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write the JSON report to PATH, or '-' for stdout"),
@@ -113,7 +129,9 @@ def main_command(
                        lora_alpha=lora_alpha, lora_targets=targets, moe_routing=moe_routing, strict=strict,
                        memory_budget_bytes=(parse_bytes(memory_budget, "--memory-budget")
                                             if memory_budget is not None else None),
-                       task=task, choices=choices, attn_implementation=attn_implementation)
+                       task=task, choices=choices, attn_implementation=attn_implementation, loop=loop, step=step,
+                       grad_accum=grad_accum, zero_grad=zero_grad, clip_grad_norm=clip_grad_norm,
+                       use_cache=_bool_option(use_cache, "--use-cache"))
         err = Console(stderr=True)
         if validate_run:
             _validate(spec, json_path, quiet, err)
@@ -139,6 +157,18 @@ def main_command(
         from .reports.snapshot import write_snapshot
 
         write_snapshot(report, snapshot_path)
+
+
+def _bool_option(value: str | None, option: str) -> bool | None:
+    """'true'/'false' (also 1/0, yes/no) of an option, None when not given. Raises UsageError."""
+    if value is None:
+        return None
+    text = value.strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise UsageError(f"{option} takes true or false, got {value!r}")
 
 
 def _validate(spec, json_path: str | None, quiet: bool, err: Console) -> None:

@@ -55,6 +55,29 @@ class OptimizerImpl(_Choice):
     FORLOOP = "for-loop"
 
 
+class Loop(_Choice):
+    """The training loop around the step: when the loop releases the model's `outputs` (`tracer/step.py`).
+
+    trainer: released when the loss has been taken, before backward() (HF Trainer's compute_loss, Lightning's
+        training_step, torchtitan's `del pred`).
+    function: `def train_step(batch): outputs = model(**batch); outputs.loss.backward(); opt.step();
+        opt.zero_grad()`: `outputs` lives until the function returns.
+    script: the top-level loop of the PyTorch and HF tutorials: `outputs` of step k lives until step k+1's
+        forward has returned, so the previous logits are alive during the next forward."""
+
+    TRAINER = "trainer"
+    FUNCTION = "function"
+    SCRIPT = "script"
+
+
+class ZeroGrad(_Choice):
+    """`optimizer.zero_grad(set_to_none=...)`: none (True, torch >= 2.0's default) frees the gradients; zeros
+    (False, PyTorch < 2.0's default) keeps them allocated across steps."""
+
+    NONE = "none"
+    ZEROS = "zeros"
+
+
 class Device(_Choice):
     CUDA = "cuda"
     CPU = "cpu"
@@ -300,6 +323,15 @@ class RunSpec:
     choices: C of a multiple-choice head's input_ids (B, C, S); None: `DEFAULT_CHOICES`.
     attn_implementation: transformers' `attn_implementation=`; None: the config's, else transformers' default
         (sdpa where the model supports it).
+    loop: the training loop around the step (`Loop`): when the loop releases the model's outputs.
+    grad_accum: N micro-batches per optimizer step (each loss divided by N, `backward()` each, one `step()`).
+    zero_grad: `ZeroGrad`; none is `zero_grad(set_to_none=True)`.
+    clip_grad_norm: max norm of `torch.nn.utils.clip_grad_norm_` between the backward and the step, or None.
+    use_cache: None: the config's `use_cache`; False: the config's `use_cache` set False before the model is built
+        (no KV cache in the training forward).
+    step: `path/to/file.py:FUNC`: the user's own step function, called as `FUNC(model, batch, optimizer)` once per
+        step (batch: the inputs dict, or the tuple of positional inputs of a custom module); it replaces the
+        loop, accumulation, clipping and GradScaler options.
     """
 
     model: str
@@ -326,9 +358,15 @@ class RunSpec:
     task: Task | None = None
     choices: int | None = None
     attn_implementation: AttnImplementation | None = None
+    loop: Loop = Loop.TRAINER
+    grad_accum: int = 1
+    zero_grad: ZeroGrad = ZeroGrad.NONE
+    clip_grad_norm: float | None = None
+    use_cache: bool | None = None
+    step: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("batch", "seq", "lora_rank", "image_size", "choices"):
+        for name in ("batch", "seq", "lora_rank", "image_size", "choices", "grad_accum"):
             v = getattr(self, name)
             if v is None and name != "batch":
                 continue
@@ -358,6 +396,13 @@ class RunSpec:
         object.__setattr__(self, "optimizer_impl", OptimizerImpl.parse(self.optimizer_impl, "optimizer implementation"))
         object.__setattr__(self, "device", Device.parse(self.device, "device"))
         object.__setattr__(self, "gpu", parse_gpu(self.gpu).name)
+        object.__setattr__(self, "loop", Loop.parse(self.loop, "loop"))
+        object.__setattr__(self, "zero_grad", ZeroGrad.parse(self.zero_grad, "--zero-grad value"))
+        if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float))
+                                                    and not isinstance(self.clip_grad_norm, bool)
+                                                    and self.clip_grad_norm > 0):
+            raise UsageError(f"--clip-grad-norm must be a positive number, got {self.clip_grad_norm!r}")
+        self._check_step_options()
         ckpt = Checkpointing.parse(self.checkpointing)
         object.__setattr__(self, "checkpointing", ckpt)
         if ckpt.kind != "none" and self.mode is Mode.INFERENCE:
@@ -369,6 +414,24 @@ class RunSpec:
         if self.memory_budget_bytes is not None and ckpt.kind != "auto":
             raise UsageError("--memory-budget applies to --checkpointing auto only; add --checkpointing auto or "
                              "drop --memory-budget")
+
+    def _check_step_options(self) -> None:
+        """Raise UsageError for step options that would be silently ignored."""
+        loop_options = [name for name, given in (
+            ("--loop", self.loop is not Loop.TRAINER), ("--grad-accum", self.grad_accum != 1),
+            ("--zero-grad", self.zero_grad is not ZeroGrad.NONE), ("--clip-grad-norm", self.clip_grad_norm is not None))
+            if given]
+        if self.mode is Mode.INFERENCE and (loop_options or self.step):
+            raise UsageError(f"{', '.join(loop_options + (['--step'] if self.step else []))} appl"
+                             f"{'ies' if len(loop_options) + bool(self.step) == 1 else 'y'} to training; drop "
+                             "it for --mode inference")
+        if self.step is not None:
+            target = custom_ref(self.step)
+            if target is None or not target[0].endswith(".py"):
+                raise UsageError(f"bad --step {self.step!r}; use path/to/file.py:FUNC")
+            if loop_options:
+                raise UsageError(f"--step runs your own step function as written: drop {', '.join(loop_options)} "
+                                 "(write it in the function)")
 
     @property
     def effective_precision(self) -> Precision:

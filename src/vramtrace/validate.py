@@ -73,13 +73,15 @@ def measure_step(spec: RunSpec, setup: Callable | None = None) -> Measurement:
 def _measure(spec: RunSpec, setup: Callable | None) -> Measurement:
     import torch
 
+    from .spec import Precision
     from .tracer.checkpointing import apply_checkpointing, layer_stack
     from .tracer.kernels import run_profiled, unique_storage_bytes
-    from .tracer.trace import make_optimizer
+    from .tracer.optim import make_optimizer
+    from .tracer.step import QuietObserver, StepContext, load_user_step, run_inference, run_training
 
     device = spec.device.value
     loaded = real_model(spec, device)
-    model, args, kwargs, compute_dtype = loaded.model, loaded.args, loaded.inputs, loaded.compute_dtype
+    model, compute_dtype = loaded.model, loaded.compute_dtype
     train = spec.mode is Mode.TRAIN
     model.train(train)
     if setup is not None:
@@ -87,29 +89,19 @@ def _measure(spec: RunSpec, setup: Callable | None) -> Measurement:
     elif train:
         apply_checkpointing(model, spec.checkpointing, None, layer_stack(model))
     opt = make_optimizer(spec, [p for p in model.parameters() if p.requires_grad]) if train else None
-
-    def autocast():
-        return torch.autocast(device, dtype=compute_dtype) if compute_dtype else contextlib.nullcontext()
-
-    where = {"step": "warm-up", "phase": "forward"}  # where the real step is, for an error's message
+    scaler = (torch.amp.GradScaler(device) if train and spec.step is None and loaded.precision is Precision.FP16_MIXED
+              else None)
+    ctx = StepContext(model, loaded.args, loaded.inputs, loaded.loss, opt,
+                      (lambda: torch.autocast(device, dtype=compute_dtype)) if compute_dtype else contextlib.nullcontext,
+                      scaler, load_user_step(spec.step) if spec.step is not None else None)
+    obs = QuietObserver()
+    where = {"step": "warm-up"}
 
     def step():
-        where["phase"] = "forward"
         if train:
-            with autocast():
-                loss = loaded.loss(model(*args, **kwargs))
-            where["phase"] = "backward"
-            loss.backward()
-            where["phase"] = "optimizer"
-            if opt is not None:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            else:
-                model.zero_grad(set_to_none=True)
+            run_training(ctx, spec, obs, literal=True, steps=1)
         else:
-            with torch.no_grad(), autocast():
-                out = model(*args, **kwargs)
-            del out
+            run_inference(ctx, obs)
 
     try:
         step()  # warm-up: the optimizer creates its state
@@ -121,15 +113,28 @@ def _measure(spec: RunSpec, setup: Callable | None) -> Measurement:
             step()
             torch.cuda.synchronize()
             return Measurement("cuda", torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
-        start = unique_storage_bytes(alive_at_start(model, [*args, *kwargs.values()], opt))
+        alive = alive_at_start(model, [*loaded.args, *loaded.inputs.values()], opt) + _kept_by_loop(ctx, model)
+        base = unique_storage_bytes(alive)
         _, peak = run_profiled(step)
-        return Measurement("cpu", start + peak)
+        return Measurement("cpu", base + peak)
     except VramtraceError:
         raise
     except Exception as e:  # the model's or the user's code failed on real tensors: one line, cause chained
         text = str(e).strip().splitlines()[0] if str(e).strip() else "(no message)"
-        raise TraceError(f"the real {where['step']} step on {device} failed in phase {where['phase']}, module "
+        raise TraceError(f"the real {where['step']} step on {device} failed in phase {obs.phase_now}, module "
                          f"{innermost_module(e, model)}: {type(e).__name__}: {text}") from e
+
+
+def _kept_by_loop(ctx, model) -> list:
+    """Tensors a step leaves alive for the next besides parameters, inputs and optimizer state: the script loop's
+    `outputs` and `loss`, gradients kept by zero_grad(set_to_none=False), a GradScaler's scale and tracker."""
+    from .tracer.trace import reachable_tensors
+
+    kept = [t for t, _ in reachable_tensors(ctx.held)]
+    kept += [p.grad for p in model.parameters() if p.grad is not None]
+    if ctx.scaler is not None:
+        kept += [t for t in (ctx.scaler._scale, ctx.scaler._growth_tracker) if t is not None]
+    return kept
 
 
 def innermost_module(error: BaseException, model) -> str:

@@ -12,7 +12,13 @@ class Category(str, enum.Enum):
     ACTIVATION = "activation"  # saved for backward by autograd during the forward
     TEMPORARY = "temporary"
     INPUT = "input"  # inputs and module buffers
+    # autocast's low-precision copies of fp32 weights, cached until the autocast region exits
+    # (aten/src/ATen/autocast_mode.cpp `cached_cast`)
+    AUTOCAST_WEIGHTS = "autocast_weights"
+    KV_CACHE = "kv_cache"  # the key/value cache a model builds when use_cache is on (transformers' Cache)
+    OUTPUTS = "outputs"  # the model's outputs the loop holds (logits, loss), neither saved nor categorised above
+    KEPT = "kept_across_steps"  # made by a step and kept for the next (a --step function's EMA copy, scaler state)
 
 
 # Categories whose storages must outlive the step even under last-use freeing (graph-optimal figure).
-PERSISTENT = frozenset({Category.PARAMETER, Category.OPTIMIZER_STATE, Category.INPUT})
+PERSISTENT = frozenset({Category.PARAMETER, Category.OPTIMIZER_STATE, Category.INPUT, Category.KEPT})

@@ -31,6 +31,7 @@ def round_block(nbytes: int, block_bytes: int) -> int:
 class _Op(Protocol):
     index: int
     phase: str
+    step: int
 
 
 class _Storage(Protocol):
@@ -50,7 +51,7 @@ class Lifetime:
     birth: int  # timeline step
     death: int  # timeline step, inclusive
     category: Category
-    outlives_step: bool = False  # never freed during the recording (parameters, optimizer state, ...)
+    outlives_step: bool = False  # not freed before the step ends (parameters, optimizer state, ...)
     at_start: bool = False  # alive before the first op (not allocated by it)
 
 
@@ -68,35 +69,60 @@ class Timeline:
     peak_step: int
 
 
-def build_timeline(ops: Iterable[_Op], storages: Iterable[_Storage], phases: tuple[str, ...],
-                   counted_devices: tuple[str, ...], block_bytes: int = 1, graph_optimal: bool = False,
-                   preexisting_categories: frozenset[Category] = frozenset({Category.OPTIMIZER_STATE})) -> Timeline:
-    """Lifetimes of the storages over the ops whose phase is in `phases`.
+def interval(op_index: int, free_after: int | None, first_op: int, last_op: int) -> tuple[int, int] | None:
+    """(birth, death) positions on the timeline of ops `first_op..last_op` of a storage born at `op_index` (-1: at
+    the recording's start) and freed after op `free_after` (None: never), or None when it is not alive during it."""
+    if op_index > last_op:
+        return None
+    if op_index >= first_op:
+        birth = op_index - first_op
+    elif free_after is None or free_after >= first_op:
+        birth = 0
+    else:
+        return None
+    death = last_op - first_op if free_after is None or free_after >= last_op else free_after - first_op
+    return birth, death
 
-    A storage born in an excluded phase is kept only if its category is in `preexisting_categories` and it
-    outlives the recording (the optimizer state created by the first step exists at the start of a steady-state
-    step). With `graph_optimal`, non-persistent storages die at their last use instead of where eager frees them.
+
+def peak_with(tl: Timeline, changes: Iterable[tuple[int, tuple[int, int] | None, tuple[int, int] | None]]) -> int:
+    """The peak of `tl`'s live bytes after moving some storages' lifetimes: `changes` holds (bytes, old (birth,
+    death) or None, new (birth, death) or None) in `tl`'s positions."""
+    diff = [0] * (len(tl.live_bytes) + 1)
+    for b, old, new in changes:
+        if old is not None:
+            diff[old[0]] -= b
+            diff[old[1] + 1] += b
+        if new is not None:
+            diff[new[0]] += b
+            diff[new[1] + 1] -= b
+    acc, peak = 0, 0
+    for i, live in enumerate(tl.live_bytes):
+        acc += diff[i]
+        peak = max(peak, live + acc)
+    return peak
+
+
+def build_timeline(ops: Iterable[_Op], storages: Iterable[_Storage], step: int,
+                   counted_devices: tuple[str, ...], block_bytes: int = 1, graph_optimal: bool = False) -> Timeline:
+    """Lifetimes of the storages over the ops of recorded step `step` (0: the first step, 1: the steady state).
+
+    A storage born before the step is on the timeline from its start if it is freed within the step or later
+    (the optimizer state of the first step, gradients kept by zero_grad(set_to_none=False), the previous outputs
+    the script loop holds). With `graph_optimal`, non-persistent storages die at their last use instead of
+    where eager frees them. Raises ValueError when the recording has no op of that step.
     """
     ops = list(ops)
-    steps = [o.index for o in ops if o.phase in phases]
+    steps = [o.index for o in ops if o.step == step]
     if not steps:
-        raise ValueError(f"no ops in phases {phases}")
-    n_all = (ops[-1].index + 1) if ops else 0
-    pos: dict[int, int] = {idx: i for i, idx in enumerate(steps)}
-    # last_le[k]: timeline position of the last included op with index <= k (-1 if none)
-    last_le = [-1] * n_all
-    cur = -1
-    for k in range(n_all):
-        if k in pos:
-            cur = pos[k]
-        last_le[k] = cur
+        raise ValueError(f"no ops in step {step}")
+    first_op, last_op = steps[0], steps[-1]
     n = len(steps)
     end = n - 1
 
     def to_pos(k: int | None) -> int:
-        if k is None or k >= n_all:
+        if k is None or k >= last_op:
             return end
-        return last_le[k] if k >= 0 else -1
+        return k - first_op if k >= first_op else -1
 
     lifetimes: list[Lifetime] = []
     start = 0
@@ -106,20 +132,16 @@ def build_timeline(ops: Iterable[_Op], storages: Iterable[_Storage], phases: tup
         b = round_block(s.nbytes, block_bytes)
         if b == 0:
             continue
-        existed = s.op_index not in pos
-        if not existed:
-            birth = pos[s.op_index]
-        elif s.op_index < 0 or (s.category in preexisting_categories and s.free_after is None):
-            birth = 0
-        else:
+        span = interval(s.op_index, s.free_after, first_op, last_op)
+        if span is None:
             continue
-        death = to_pos(s.free_after)
+        birth, death = span
+        existed = s.op_index < first_op
         if graph_optimal and s.category not in PERSISTENT:
             death = min(death, max(to_pos(s.last_use), birth))
-        if death < birth:  # existed at start, freed before any included op ran
-            continue
         start += b if existed else 0
-        lifetimes.append(Lifetime(s.sid, b, birth, death, s.category, s.free_after is None and death == end, existed))
+        outlives = (s.free_after is None or s.free_after > last_op) and death == end
+        lifetimes.append(Lifetime(s.sid, b, birth, death, s.category, outlives, existed))
 
     diff = [0] * (n + 1)
     diff_after = [0] * (n + 1)
@@ -137,5 +159,5 @@ def build_timeline(ops: Iterable[_Op], storages: Iterable[_Storage], phases: tup
         live.append(acc)
         after.append(acc_a)
     peak = max(live)
-    return Timeline(tuple(steps), tuple(o.phase for o in ops if o.phase in phases), tuple(lifetimes), tuple(live),
+    return Timeline(tuple(steps), tuple(str(ops[i].phase) for i in steps), tuple(lifetimes), tuple(live),
                     tuple(after), start, peak, live.index(peak))

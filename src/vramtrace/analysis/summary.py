@@ -70,6 +70,7 @@ class MemoryReport:
     peak_reserved_bytes: int | None = None  # CUDA target: the caching-allocator model's peak reserved
     allocator: dict[str, Any] | None = None  # CUDA target: the allocator model and its segments
     unresolved: tuple[str, ...] = ()
+    peak_micro_step: int = 0  # gradient accumulation: the micro-step (0-based) of the peak
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -108,8 +109,8 @@ def _phase_marks(tl: Timeline) -> tuple[PhaseMark, ...]:
     by_phase: dict[str, list[int]] = {}
     for i, ph in enumerate(tl.phases):
         by_phase.setdefault(ph, []).append(i)
-    labels = {"forward": "forward", "backward": "backward", "optimizer": "optimizer step",
-              "optimizer_first": "optimizer step", "zero_grad": "zero_grad"}
+    labels = {"forward": "forward", "backward": "backward", "clip_grad_norm": "clip_grad_norm",
+              "optimizer": "optimizer step", "zero_grad": "zero_grad", "step": "your step function"}
     for ph, idx in by_phase.items():
         peak_i = max(idx, key=lambda i: tl.live_bytes[i])
         if ph != "zero_grad":
@@ -144,8 +145,9 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
     end_fwd = forward[-1] if forward else -1
     activation = sum(lt.bytes for lt in steady.lifetimes
                      if lt.category is Category.ACTIVATION and lt.birth <= end_fwd < lt.death)
-    step_flops = sum(o.flops for o in ops if o.phase in ("forward", "backward") and not o.recompute)
-    recompute_flops = sum(o.flops for o in ops if o.recompute)
+    steady_ops = [ops[i] for i in steady.steps]
+    step_flops = sum(o.flops for o in steady_ops if o.phase in ("forward", "backward") and not o.recompute)
+    recompute_flops = sum(o.flops for o in steady_ops if o.recompute)
     fit = reserved = allocator = None
     if gpu is not None:
         est = replay_steps(first, steady)
@@ -164,8 +166,9 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
         peak_allocated_bytes=steady.peak_bytes,
         first_step_peak_allocated_bytes=first.peak_bytes,
         graph_optimal_peak_bytes=graph_optimal.peak_bytes,
-        peak_step=peak, peak_phase=peak_op.phase, peak_op=peak_op.name, peak_module=peak_op.module,
+        peak_step=peak, peak_phase=str(peak_op.phase), peak_op=peak_op.name, peak_module=peak_op.module,
+        peak_micro_step=peak_op.micro,
         breakdown_at_peak=breakdown, phases=_phase_marks(steady), top_tensors=top, tensors=tuple(rows),
         num_steps=len(steady.steps), fit=fit, activation_bytes=activation, step_flops=step_flops,
         recompute_flops=recompute_flops, peak_reserved_bytes=reserved, allocator=allocator,
-        steps=tuple((ops[i].name, ops[i].module, ops[i].phase) for i in steady.steps), unresolved=unresolved)
+        steps=tuple((ops[i].name, ops[i].module, str(ops[i].phase)) for i in steady.steps), unresolved=unresolved)

@@ -14,7 +14,37 @@ from ..units import format_bytes, format_count
 _CATEGORY_LABELS = {
     "parameter": "parameters", "gradient": "gradients", "optimizer_state": "optimizer state",
     "activation": "activations (saved for backward)", "temporary": "temporaries", "input": "inputs / buffers",
+    "autocast_weights": "autocast weight copies", "kv_cache": "KV cache (use_cache)",
+    "outputs": "outputs held by the loop", "kept_across_steps": "kept across steps",
 }
+_LOOP_CODE = {"trainer": "output released before backward", "function": "outputs kept until train_step returns",
+              "script": "outputs kept until the next forward returns"}
+
+
+def step_line(r: dict) -> str:
+    """'loop trainer (output released before backward); grad-accum 4 (effective batch 16); ...' or ''."""
+    if "loop" not in r:
+        return ""
+    parts = [r["loop"] if r["loop"].startswith("--step") else f"loop {r['loop']} ({_LOOP_CODE[r['loop']]})"]
+    if r.get("grad_accum", 1) > 1:
+        parts.append(f"grad-accum {r['grad_accum']} (effective batch {r['effective_batch']})")
+    parts.append("zero_grad(set_to_none=" + ("True)" if r.get("zero_grad") == "none" else "False)"))
+    if r.get("clip_grad_norm") is not None:
+        parts.append(f"clip_grad_norm_ {r['clip_grad_norm']:g}")
+    if "use_cache" in r:
+        parts.append(f"use_cache {r['use_cache']}")
+    return "; ".join(parts)
+
+
+def loop_notes(r: dict, peak: int) -> list[str]:
+    """One line per other loop whose peak differs: 'a loop that keeps `outputs` until ... peaks at X (+Y): --loop Z'."""
+    out = []
+    for loop, other in (r.get("loop_peaks") or {}).items():
+        if loop != r.get("loop") and other != peak:
+            sign = "+" if other > peak else "-"
+            out.append(f"--loop {loop} ({_LOOP_CODE[loop]}) peaks at {format_bytes(other)} "
+                       f"({sign}{format_bytes(abs(other - peak))})")
+    return out
 
 
 def _shape(shape) -> str:
@@ -52,6 +82,8 @@ def render(report: MemoryReport, console: Console) -> None:
                  + (f", image {'×'.join(map(str, r['image_size']))}" if r.get("image_size") else "")
                  + f", checkpointing {r['checkpointing']}"
                  + (f", MoE routing {r['moe_routing']}" if r.get("moe_layers") else ""))
+    if step_line(r):
+        head.add_row("step", escape(step_line(r)))
     target = f"{r['device']}" + (f" ({r['gpu']}, 512 B blocks)" if r["device"] == "cuda" else " (no rounding)")
     head.add_row("target", target)
     if r.get("trace"):
@@ -70,8 +102,12 @@ def render(report: MemoryReport, console: Console) -> None:
         peak.append(f"   reserved: {format_bytes(report.peak_reserved_bytes)} (caching-allocator model)")
     extra = Text(f"first step (optimizer state created lazily): {format_bytes(report.first_step_peak_allocated_bytes)}"
                  f"   graph-optimal (last-use freeing): {format_bytes(report.graph_optimal_peak_bytes)}", style="dim")
-    console.print(Panel(Group(peak, where, extra, Text(f"timeline {sparkline(report)}  (max per column, 0 to "
-                                                          f"{format_bytes(report.peak_allocated_bytes)})", style="dim")),
+    if report.run.get("grad_accum", 1) > 1:
+        where.append(f" (micro-step {report.peak_micro_step + 1} of {report.run['grad_accum']})")
+    loops = [Text(line, style="yellow") for line in loop_notes(report.run, report.peak_allocated_bytes)]
+    console.print(Panel(Group(peak, where, extra, *loops, Text(f"timeline {sparkline(report)}  (max per column, 0 "
+                                                                f"to {format_bytes(report.peak_allocated_bytes)})",
+                                                                style="dim")),
                         border_style="magenta"))
 
     bd = Table(title="Live at the peak, by category", title_justify="left")

@@ -392,6 +392,10 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
             replication_note="custom module: every layer traced", num_layers=len(stack) if stack is not None else 0,
             layer_stack_path=_path_of(model, stack))
     config = build_config(resolved, spec.trust_remote_code)
+    if spec.use_cache is not None:
+        if not hasattr(config, "use_cache"):
+            raise UsageError(f"--use-cache: {config.model_type} models have no KV cache (their config has no use_cache)")
+        config.use_cache = spec.use_cache  # what `config.use_cache = False` before from_config does
     cls, arch = _model_class(config, spec.trust_remote_code, spec.task)
     kwargs: dict[str, Any] = {"dtype": param_dtype}
     attn = spec.attn_implementation.value if spec.attn_implementation is not None else None

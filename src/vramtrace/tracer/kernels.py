@@ -168,6 +168,7 @@ class KernelPolicyMode(TorchFunctionMode):
         self.autocast_dtype = autocast_dtype
         self.table = CUDA_AUTOCAST if device is Device.CUDA else CPU_AUTOCAST
         self._autocast_depth = 0
+        self.on_weight_cast = None  # called (weight, cached low-precision copy) for each weight autocast caches
         self._below_autocast_kernel = 0  # > 0 while an op autocast handled runs (its inner calls are not cast)
         self._disabled_depth = 0
         self._cast_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -231,6 +232,8 @@ class KernelPolicyMode(TorchFunctionMode):
         out = t.to(dtype)
         if cacheable:
             self._cast_cache[id(t)] = (t, out)
+            if self.on_weight_cast is not None:
+                self.on_weight_cast(t, out)
         return out
 
     def _map(self, fn, args, kwargs):

@@ -24,7 +24,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..errors import UnsupportedOpError
 from .kernels import cpu_zeros_like
-from .records import RecOp, RecStorage
+from .records import Phase, RecOp, RecStorage
 
 FALLBACK_LIMIT_BYTES = 256 << 20  # inputs of an op without a meta kernel that the CPU fallback may run
 
@@ -36,11 +36,18 @@ ACCUMULATE_USE_COUNT = 4
 
 
 class StepRecorder(TorchDispatchMode):
-    """Dispatch mode recording ops, storages and eager frees. Set `phase` between the parts of the step."""
+    """Dispatch mode recording ops, storages and eager frees. Set `phase` (a `Phase`), `step` and `micro` between
+    the parts of the step. Under `Phase.STEP` (a user's step function) the phase of each op is found as it runs:
+    backward inside the autograd engine, optimizer inside `Optimizer.step` (`in_optimizer`, kept by the trace's
+    optimizer hooks), forward inside the model's forward (`forward_depth`), else step."""
 
     def __init__(self):
         super().__init__()
-        self.phase = "setup"
+        self._phase = Phase.STEP
+        self.step = 0
+        self.micro = 0
+        self.forward_depth = 0  # > 0 inside the model's own forward (tracer/hooks.py)
+        self.in_optimizer = 0  # > 0 inside Optimizer.step
         self.ops: list[RecOp] = []
         self.storages: list[RecStorage] = []
         self.free_after: dict[int, int] = {}  # sid -> index of the last op completed when it was freed
@@ -55,6 +62,22 @@ class StepRecorder(TorchDispatchMode):
         self.strict = False  # an op without a meta kernel raises UnsupportedOpError (else: CPU fallback, listed)
         self.unresolved: list[str] = []
         self._finished_node = None  # the autograd node whose apply just finished: the engine accumulates its outputs
+
+    @property
+    def phase(self) -> Phase:
+        if self._phase is not Phase.STEP:
+            return self._phase
+        if torch._C._current_autograd_node() is not None:
+            return Phase.BACKWARD
+        if self.in_optimizer:
+            return Phase.OPTIMIZER
+        if self.forward_depth:
+            return Phase.FORWARD
+        return Phase.STEP
+
+    @phase.setter
+    def phase(self, value: Phase) -> None:
+        self._phase = Phase(value)
 
     # -- storages ----------------------------------------------------------------------------------------
     def _on_free(self, key: int, sid: int) -> None:
@@ -74,7 +97,7 @@ class StepRecorder(TorchDispatchMode):
         sid = len(self.storages)
         module = self.current_module() if op_index >= 0 else ""
         self.storages.append(RecStorage(sid, st.nbytes(), str(t.dtype).removeprefix("torch."), tuple(t.shape),
-                                      t.device.type, op_index, op, module, self.phase, category, name))
+                                      t.device.type, op_index, op, module, str(self.phase), category, name))
         self._live[key] = sid
         self._finalizers.append(weakref.finalize(st, self._on_free, key, sid))
         return sid
@@ -86,6 +109,14 @@ class StepRecorder(TorchDispatchMode):
         if s.category is None or s.op_index == -1:
             s.category, s.name = category, s.name or name
         return sid
+
+    def hold(self, t: torch.Tensor, what: str, micro: int) -> None:
+        """Mark t's storage as the loop's `what` ('outputs' or 'loss') of micro-step `micro` (analysis/storages.py
+        derives each loop's release from it)."""
+        sid = self._live.get(t.untyped_storage()._cdata)
+        if sid is not None and self.storages[sid].op_index >= 0:
+            s = self.storages[sid]
+            s.held_as, s.held_micro = what, micro
 
     def set_category(self, t: torch.Tensor, category: str, name: str = "") -> None:
         sid = self._live.get(t.untyped_storage()._cdata)
@@ -110,17 +141,20 @@ class StepRecorder(TorchDispatchMode):
 
     # -- module attribution ---------------------------------------------------------------------------------
     def current_module(self) -> str:
-        if self.phase == "backward":
+        phase = self.phase
+        if phase is Phase.BACKWARD:
             if self.recomputing and self.module_stack:  # a checkpointed forward re-run in the backward
                 return self.module_stack[-1]
             node = torch._C._current_autograd_node()
             if node is not None:
                 return node.metadata.get(_MODULE_KEY, "")
             return ""
-        if self.phase.startswith("optimizer"):
+        if phase is Phase.OPTIMIZER:
             return "optimizer"
-        if self.phase == "zero_grad":
+        if phase is Phase.ZERO_GRAD:
             return "optimizer.zero_grad"
+        if phase is Phase.CLIP:
+            return "clip_grad_norm"
         return self.module_stack[-1] if self.module_stack else ""
 
     # -- gradient accumulation ------------------------------------------------------------------------------------
@@ -143,7 +177,7 @@ class StepRecorder(TorchDispatchMode):
         the reference counts seen here carry the dispatch call's own references (calibrated by
         tests/test_recorder_accumulation.py against real runs without a mode): `ACCUMULATE_USE_COUNT` tensor
         references and 2 storage references (the buffer's tensor and the storage object made to ask)."""
-        if func is not _ADD or kwargs or len(args) != 2 or self.phase != "backward" or torch.is_grad_enabled():
+        if func is not _ADD or kwargs or len(args) != 2 or self.phase is not Phase.BACKWARD or torch.is_grad_enabled():
             return False
         if self._finished_node is None or torch._C._current_autograd_node() is not self._finished_node:
             return False
@@ -157,7 +191,7 @@ class StepRecorder(TorchDispatchMode):
 
     # -- saved tensors ------------------------------------------------------------------------------------------
     def pack_hook(self, t: torch.Tensor) -> torch.Tensor:
-        if self.phase == "forward":
+        if self.phase is Phase.FORWARD:
             sid = self._live.get(t.untyped_storage()._cdata)
             if sid is not None:
                 self.storages[sid].saved = True
@@ -216,15 +250,16 @@ class StepRecorder(TorchDispatchMode):
         if ws > 0:  # a storage born and freed within the op: what the kernel holds while it runs
             sid = len(self.storages)
             self.storages.append(RecStorage(sid, ws, "uint8", (ws,), "meta", index, name, self.current_module(),
-                                            self.phase, None, "kernel workspace"))
+                                            str(self.phase), None, "kernel workspace"))
             self.free_after[sid] = index
             new.append(sid)
         first = args[0] if args else None
         lead = len(first) if isinstance(first, (list, tuple)) else int(isinstance(first, torch.Tensor))
         flop_rule = flop_registry.get(func.overloadpacket)
         flops = int(flop_rule(*args, **kwargs, out_val=out)) if flop_rule is not None else 0
-        self.ops.append(RecOp(index, name, self.phase, self.current_module(), tuple(ins), tuple(new), (), lead,
-                              flops, self.recomputing > 0 and self.phase == "backward"))
+        phase = self.phase
+        self.ops.append(RecOp(index, name, phase, self.current_module(), tuple(ins), tuple(new), (), lead,
+                              flops, self.recomputing > 0 and phase is Phase.BACKWARD, self.step, self.micro))
         return out
 
 

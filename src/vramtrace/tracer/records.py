@@ -5,7 +5,22 @@ Torch-free, so that layer replication (`replication.py`) and tests can work on h
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class Phase(str, enum.Enum):
+    """The part of the step an op runs in (`tracer/step.py` runs them in this order)."""
+
+    FORWARD = "forward"  # the model's forward and the loss (under autocast for a mixed precision)
+    BACKWARD = "backward"  # loss.backward() (the scaled loss under a GradScaler)
+    CLIP = "clip_grad_norm"  # GradScaler.unscale_ and torch.nn.utils.clip_grad_norm_
+    OPTIMIZER = "optimizer"  # optimizer.step() (through GradScaler.step) and GradScaler.update()
+    ZERO_GRAD = "zero_grad"
+    STEP = "step"  # a user step function's own code outside the phases above (an EMA update, logging)
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(slots=True)
@@ -25,6 +40,10 @@ class RecStorage:
     category: str | None = None  # set for pre-existing storages, gradients, optimizer state
     name: str = ""
     saved: bool = False  # saved for backward by autograd (an activation)
+    # the loop's own reference: 'outputs' (reachable from the model's output object) or 'loss', and the
+    # micro-step (counted over the whole recording) whose variable it is; '' when the loop holds none
+    held_as: str = ""
+    held_micro: int = -1
 
 
 @dataclass(slots=True)
@@ -33,7 +52,8 @@ class RecOp:
     it allocated; `frees`: storages eager freed right after it; `lead`: how many tensors its first argument
     holds (a foreach op's first list; 1 for a tensor, 0 otherwise); `flops`: its FLOPs by
     `torch.utils.flop_counter`'s formulas (0 for ops it has none for); `recompute`: it re-runs a checkpointed
-    forward in the backward."""
+    forward in the backward; `step`: which step of the recording (0: the first, 1: the steady state); `micro`:
+    its micro-step within that step (gradient accumulation)."""
 
     index: int
     name: str
@@ -45,3 +65,37 @@ class RecOp:
     lead: int = 0
     flops: int = 0
     recompute: bool = False
+    step: int = 0
+    micro: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class OpInfo:
+    """One op of the finished recording (`RecOp` after layer replication), frozen: `reads` are the storage ids
+    of its tensor arguments, `allocates` the storages it allocated, `frees` those eager freed right after it."""
+
+    index: int
+    name: str  # aten overload, e.g. 'aten.mm.default'
+    phase: Phase
+    module: str  # qualified module path ('' for the root), 'optimizer' in the optimizer step
+    reads: tuple[int, ...] = ()
+    allocates: tuple[int, ...] = ()
+    flops: int = 0  # torch.utils.flop_counter's count for the op (0 where it has no formula)
+    recompute: bool = False  # a checkpointed forward op re-run in the backward
+    step: int = 0
+    micro: int = 0
+    frees: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class MicroMarks:
+    """Where one micro-step's loop variables could be released, as op indices (the last op completed at that
+    moment): `forward_returned` (the model returned `outputs`), `loss_taken` (the loss was computed from it),
+    `body_end` (a `train_step` function for this micro-batch returns: after the backward, or after the optimizer
+    step on the last micro-step). `micro` counts micro-steps over the whole recording."""
+
+    step: int
+    micro: int
+    forward_returned: int
+    loss_taken: int
+    body_end: int

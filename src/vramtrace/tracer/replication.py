@@ -85,7 +85,8 @@ class _Unit:
     tag: tuple  # (phase, sweep number)
 
 
-def _sweeps(phase: str, idxs: list[int], owner_layer: list[int | None], multi: list[bool]) -> list[_Unit]:
+def _sweeps(phase: str, idxs: list[int], owner_layer: list[int | None], multi: list[bool], group: tuple = ()
+            ) -> list[_Unit]:
     """The units of every sweep over the layers among the ops `idxs` of one phase. Raises NotPeriodic.
 
     A sweep visits layers 0, 1, 2, 3 (the forward, an optimizer's loop) or 3, 2, 1, 0 (the backward). Runs of
@@ -125,7 +126,7 @@ def _sweeps(phase: str, idxs: list[int], owner_layer: list[int | None], multi: l
             raise NotPeriodic(f"a sweep of the {phase} phase visits the layers {order}")
         first = {layer: min(r[1] for r in sweep if r[0] == layer) for layer in order}
         end = max(r[2] for r in sweep)
-        tag = (phase, n)
+        tag = (phase, *group, n)
         for j, layer in enumerate(order):
             stop = first[order[j + 1]] if j + 1 < len(order) else end + 1
             units.append(_Unit(layer, first[layer], stop, tag))
@@ -146,7 +147,8 @@ def _own_births(plan: LayerPlan, o: RecOp, born: list[int], unit: tuple[_Unit, i
     for s in born:
         layer = plan.layer_of(storages[s].name)
         if layer is not None:
-            owner[s] = (layer, ("named", plan.rename(storages[s].name, {layer: -1})))
+            # a name recurs in every step and micro-step (a gradient, an autocast copy): the key says which
+            owner[s] = (layer, ("named", o.step, o.micro, str(o.phase), plan.rename(storages[s].name, {layer: -1})))
     if unit is not None:
         u, off = unit
         for slot, s in enumerate(born):
@@ -161,17 +163,32 @@ def _own_births(plan: LayerPlan, o: RecOp, born: list[int], unit: tuple[_Unit, i
         for slot, s in enumerate(o.outs):
             src = owner[o.ins[slot]]
             owner[s] = None if src is None else (src[0], ("list", o.index, src[1]))
-    elif 1 in layers and 2 in layers:
+    elif 1 in layers and 2 in layers and not _stacks_its_inputs(o, born, storages):
         raise NotPeriodic(f"{o.name} allocates storages from every layer's storages")
 
 
+# ops that allocate one storage of one element per tensor of their input list (clip_grad_norm_'s
+# `torch.stack(norms)` over every parameter's norm, torch/nn/utils/clip_grad.py `_get_total_norm`): global, with
+# its size scaled to the full model's list
+_STACKS = frozenset({"aten.stack.default", "aten.cat.default"})
+
+
+def _stacks_its_inputs(o: RecOp, born: list[int], storages: list[RecStorage]) -> bool:
+    if o.name not in _STACKS or len(born) != 1 or not o.ins:
+        return False
+    s = storages[born[0]]
+    return len(s.shape) == 1 and s.shape[0] == len(o.ins) and all(
+        storages[i].nbytes * len(o.ins) == s.nbytes for i in o.ins)
+
+
 def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorage]
-                     ) -> tuple[list[RecOp], list[RecStorage]]:
+                     ) -> tuple[list[RecOp], list[RecStorage], list[int]]:
     """The records of the full model (`plan.num_layers` layers) from those of the traced 4-layer model.
 
     Needs `ops[i].index == i` and `storages[s].sid == s`. Returns new lists, numbered the same way; storages keep
     their category and are renamed to their layer in the full model (name and module path). A storage's birth
-    (`op_index`) is the op it was first seen at. Raises NotPeriodic.
+    (`op_index`) is the op it was first seen at. The third list maps each traced op index to the index of its
+    last copy in the rebuilt ops (a check layer's op: the last rebuilt op before it). Raises NotPeriodic.
     """
     L = plan.num_layers
     if L <= TRACED_LAYERS:
@@ -194,10 +211,11 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
     multi = [False] * len(ops)
     units: list[_Unit] = []
     unit_of: dict[int, tuple[_Unit, int]] = {}  # op index -> (unit, offset in it)
-    phases: dict[str, list[int]] = {}
-    for o in ops:
-        phases.setdefault(o.phase, []).append(o.index)
-    for phase, idxs in phases.items():
+    phases: dict[tuple, list[int]] = {}
+    for o in ops:  # each micro-step's phases are swept separately
+        phases.setdefault((o.step, o.micro, o.phase), []).append(o.index)
+    for group, idxs in phases.items():
+        phase = group[2]
         # Ownership feeds back into the tags (an op reading a step counter born in a layer's unit belongs to
         # that layer), so repeat until the units settle.
         phase_units: list[_Unit] = []
@@ -206,7 +224,7 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
             born_layer: dict[int, int | None] = {}
             for k in idxs:
                 o = ops[k]
-                if phase in ("forward", "backward"):
+                if phase in ("forward", "backward") or (phase == "step" and ops[k].module != "optimizer"):
                     owner_layer[k] = plan.layer_of(o.module)
                 else:
                     seen = {owner[s][0] if owner[s] is not None else born_layer.get(s) for s in o.ins} - {None}
@@ -214,7 +232,7 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
                     multi[k] = len(seen) > 1
                 for s in births[k]:
                     born_layer[s] = owner_layer[k]
-            phase_units = _sweeps(phase, idxs, owner_layer, multi)
+            phase_units = _sweeps(phase, idxs, owner_layer, multi, group)
             for k in idxs:
                 for s in births[k]:
                     owner[s] = None
@@ -340,10 +358,18 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
             renamed[key] = plan.rename(o.module, names)
         return renamed[key]
 
+    new_index = [-1] * len(ops)
+
     def emit(o: RecOp, module: str, refs) -> None:
-        new_ops.append(RecOp(len(new_ops), o.name, o.phase, module, tuple(refs(o.ins)), tuple(refs(o.outs)),
-                             tuple(refs(o.frees)), o.lead, o.flops, o.recompute))
-        new_births.append(refs(births[o.index]))
+        new_index[o.index] = len(new_ops)
+        ins = tuple(refs(o.ins))
+        new_ops.append(RecOp(len(new_ops), o.name, o.phase, module, ins, tuple(refs(o.outs)),
+                             tuple(refs(o.frees)), o.lead, o.flops, o.recompute, o.step, o.micro))
+        born = refs(births[o.index])
+        if len(ins) != len(o.ins) and _stacks_its_inputs(o, births[o.index], storages):
+            out = new_storages[born[0]]  # one element per tensor of the full model's list
+            out.nbytes, out.shape = out.nbytes // len(o.ins) * len(ins), (len(ins),)
+        new_births.append(born)
 
     k = 0
     while k < len(ops):
@@ -365,5 +391,8 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
     for o, born in zip(new_ops, new_births):
         for s in born:
             new_storages[s].op_index = o.index
-            new_storages[s].phase = o.phase
-    return new_ops, new_storages
+            new_storages[s].phase = str(o.phase)
+    for k in range(len(new_index)):
+        if new_index[k] < 0:
+            new_index[k] = new_index[k - 1] if k else -1
+    return new_ops, new_storages, new_index
