@@ -100,6 +100,18 @@ MHA_FAST_PATH = Bridge(
     "target: has_torch_function False for meta tensors, is_autocast_enabled() (CUDA autocast) the emulated "
     "autocast on a CUDA target, and the device-type lists accept 'meta' (through the privateuse1 name) while "
     "such a module runs in eval")
+GRAD_SCALER_FOUND_INF = Bridge(
+    "grad_scaler_found_inf", "torch", (("torch.amp.grad_scaler", "GradScaler._maybe_opt_step"),), TORCH_WRITTEN_FOR,
+    "GradScaler.step runs optimizer.step() only if `sum(v.item() for v in found_inf_per_device)` is 0, a .item() "
+    "meta cannot answer: answer 0 (no inf or NaN: the steady-state step that updates the weights, the one whose "
+    "memory matters)")
+CLIP_GRAD_FOREACH = Bridge(
+    "clip_grad_foreach", "torch",
+    (("torch.nn.utils.clip_grad", "_has_foreach_support"), ("torch.nn.utils.clip_grad", "_device_has_foreach_support")),
+    TORCH_WRITTEN_FOR,
+    "clip_grad_norm_(foreach=None) takes the foreach kernels where torch/utils/_foreach_utils.py "
+    "`_device_has_foreach_support` says so: CUDA and CPU, never meta. Answer for meta tensors as for the target "
+    "(both targets have them), so the trace runs the target's foreach norms")
 FUNCTIONAL_TORCH_FUNCTION_CHECK = Bridge(
     "functional_torch_function_check", "torch", (("torch.nn.functional", "has_torch_function"),), TORCH_WRITTEN_FOR,
     "a Python composite of torch.nn.functional (multi_head_attention_forward) first hands itself whole to the "
@@ -331,6 +343,37 @@ def skip_next_torch_function_check() -> Iterator[None]:
         F.has_torch_function = original
 
 
+def _grad_scaler_found_inf(stack: contextlib.ExitStack) -> None:
+    from torch.amp.grad_scaler import GradScaler
+
+    original = GradScaler._maybe_opt_step
+
+    def bridged(self, optimizer, optimizer_state, *args, **kwargs):
+        found = optimizer_state["found_inf_per_device"].values()
+        if found and all(v.device.type == "meta" for v in found):
+            return optimizer.step(*args, **kwargs)  # no inf or NaN found: the step runs
+        return original(self, optimizer, optimizer_state, *args, **kwargs)
+
+    stack.enter_context(_set(GradScaler, "_maybe_opt_step", bridged))
+
+
+def _clip_grad_foreach(stack: contextlib.ExitStack) -> None:
+    import torch.nn.utils.clip_grad as clip_grad
+    from torch.utils._foreach_utils import _foreach_supported_types
+
+    has, device_has = clip_grad._has_foreach_support, clip_grad._device_has_foreach_support
+
+    def device_bridged(device) -> bool:
+        return True if torch.device(device).type == "meta" else device_has(device)
+
+    def has_bridged(tensors, device) -> bool:
+        return (all(t is None or type(t) in _foreach_supported_types for t in tensors)
+                if torch.device(device).type == "meta" else has(tensors, device))
+
+    stack.enter_context(_set(clip_grad, "_device_has_foreach_support", device_bridged))
+    stack.enter_context(_set(clip_grad, "_has_foreach_support", has_bridged))
+
+
 @contextlib.contextmanager
 def installed(policy: KernelPolicyMode, rec: StepRecorder) -> Iterator[None]:
     """Every bridge patched in while a step is recorded by `rec` under `policy`; every target restored on exit,
@@ -343,6 +386,8 @@ def installed(policy: KernelPolicyMode, rec: StepRecorder) -> Iterator[None]:
         PADDING_WARNING: _padding_warning,
         MOE_GROUPED_MM: _moe_grouped_mm,
         MHA_FAST_PATH: lambda s: _mha_fast_path(s, policy),
+        GRAD_SCALER_FOUND_INF: _grad_scaler_found_inf,
+        CLIP_GRAD_FOREACH: _clip_grad_foreach,
     }
     resolve(FUNCTIONAL_TORCH_FUNCTION_CHECK)  # patched per call (skip_next_torch_function_check); checked here
     needed = [b for b in apply if resolve(b) is not None]  # all targets checked before anything is patched

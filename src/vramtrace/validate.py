@@ -3,9 +3,10 @@
 The measured step is a user's training loop: the model built for real with random weights, one warm-up step
 (the optimizer creates its state), then the measured steady-state step.
 
-- CPU: the bytes live at step start (every unique storage of parameters, buffers, optimizer state and the
-  input) plus the running maximum of torch.profiler's `[memory]` allocator events (`profile_memory=True`) of
-  the measured step.
+- CPU: the bytes live before the warm-up (every unique storage of parameters, buffers and the inputs) plus the
+  running sum of torch.profiler's `[memory]` allocator events (`profile_memory=True`) from the warm-up's start,
+  maximised over the measured step: whatever the warm-up left alive (optimizer state, the script loop's outputs,
+  gradients kept by zero_grad(set_to_none=False), a --step function's EMA copy) is counted without naming it.
 - CUDA: `torch.cuda.max_memory_allocated()` and `max_memory_reserved()` after `reset_peak_memory_stats()`
   between the two steps.
 
@@ -75,7 +76,7 @@ def _measure(spec: RunSpec, setup: Callable | None) -> Measurement:
 
     from .spec import Precision
     from .tracer.checkpointing import apply_checkpointing, layer_stack
-    from .tracer.kernels import run_profiled, unique_storage_bytes
+    from .tracer.kernels import run_profiled_steps, unique_storage_bytes
     from .tracer.optim import make_optimizer
     from .tracer.step import QuietObserver, StepContext, load_user_step, run_inference, run_training
 
@@ -104,37 +105,28 @@ def _measure(spec: RunSpec, setup: Callable | None) -> Measurement:
             run_inference(ctx, obs)
 
     try:
-        step()  # warm-up: the optimizer creates its state
-        gc.collect()
-        where["step"] = "measured"
         if device == "cuda":
+            step()  # warm-up: the optimizer creates its state
+            gc.collect()
+            where["step"] = "measured"
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             step()
             torch.cuda.synchronize()
             return Measurement("cuda", torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
-        alive = alive_at_start(model, [*loaded.args, *loaded.inputs.values()], opt) + _kept_by_loop(ctx, model)
-        base = unique_storage_bytes(alive)
-        _, peak = run_profiled(step)
-        return Measurement("cpu", base + peak)
+        base = unique_storage_bytes(alive_at_start(model, [*loaded.args, *loaded.inputs.values()], None))
+
+        def measured():
+            where["step"] = "measured"
+            step()
+
+        return Measurement("cpu", base + run_profiled_steps(step, measured))
     except VramtraceError:
         raise
     except Exception as e:  # the model's or the user's code failed on real tensors: one line, cause chained
         text = str(e).strip().splitlines()[0] if str(e).strip() else "(no message)"
         raise TraceError(f"the real {where['step']} step on {device} failed in phase {obs.phase_now}, module "
                          f"{innermost_module(e, model)}: {type(e).__name__}: {text}") from e
-
-
-def _kept_by_loop(ctx, model) -> list:
-    """Tensors a step leaves alive for the next besides parameters, inputs and optimizer state: the script loop's
-    `outputs` and `loss`, gradients kept by zero_grad(set_to_none=False), a GradScaler's scale and tracker."""
-    from .tracer.trace import reachable_tensors
-
-    kept = [t for t, _ in reachable_tensors(ctx.held)]
-    kept += [p.grad for p in model.parameters() if p.grad is not None]
-    if ctx.scaler is not None:
-        kept += [t for t in (ctx.scaler._scale, ctx.scaler._growth_tracker) if t is not None]
-    return kept
 
 
 def innermost_module(error: BaseException, model) -> str:

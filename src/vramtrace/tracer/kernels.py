@@ -420,6 +420,30 @@ def run_profiled(fn):
     return out, peak
 
 
+MEASURED_STEP = "vramtrace.measured_step"
+
+
+def run_profiled_steps(first, second) -> int:
+    """Peak bytes of the allocator while `second()` runs, counted from before `first()`: the running sum of
+    torch.profiler's `[memory]` events over both calls (so what `first` left alive is counted, and its frees
+    during `second` are seen: the profiler reports no free of an allocation made before it started, c10's
+    ProfiledCPUMemoryReporter keeps sizes only while profiling), maximised over the events of `second` (after
+    the start of its `record_function` range)."""
+    with _quiet_native_stderr(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                        profile_memory=True) as prof:
+        first()
+        with torch.profiler.record_function(MEASURED_STEP):
+            second()
+    events = list(prof.profiler.kineto_results.events())
+    boundary = min(e.start_ns() for e in events if e.name() == MEASURED_STEP)
+    cur, peak = 0, None
+    for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        cur += e.nbytes()
+        if e.start_ns() >= boundary:
+            peak = cur if peak is None else max(peak, cur)
+    return cur if peak is None else peak
+
+
 def cpu_environment() -> dict[str, str | int]:
     """What a CPU target's kernel workspaces depend on, as plain data: the CPU model, its flags that change
     oneDNN's kernels (avx512_bf16, avx512_fp16, amx_*), the oneDNN ISA cap in effect (`ONEDNN_MAX_CPU_ISA`,
