@@ -9,17 +9,12 @@ checkpointing, inputs, freeze, LoRA, image size, multiple-choice count) and buil
   built with `from_config`, random weights (seed 0); inputs drawn here per head;
 - custom modules (`path.py:NAME`): the file imported with importlib, `NAME()` called;
 - the optimizer: a plain `torch.optim.AdamW(params)` (or the case's Adam/SGD, for-loop or foreach);
-- the literal loop, one warm-up step then the measured one:
-
-      with torch.autocast("cpu", dtype):   # mixed precision only
-          loss = model(**batch).loss
-      loss.backward()
-      opt.step()
-      opt.zero_grad(set_to_none=True)
-
-- the measurement: the bytes of every unique storage alive at step start (parameters, buffers, inputs,
-  optimizer state) plus the running maximum of torch.profiler's `[memory]` allocator events
-  (`profile_memory=True`) during the measured step.
+- the literal loop of the case (`loop` trainer | function | script, `grad_accum`, `clip_grad_norm`, `zero_grad`,
+  fp16-mixed with `torch.amp.GradScaler("cpu")`; see `RealStep`), or the case's `--step` file's function called
+  as FUNC(model, batch, optimizer); one warm-up step then the measured one;
+- the measurement: the bytes of every unique storage alive before the warm-up (parameters, buffers, inputs)
+  plus the running sum of torch.profiler's `[memory]` allocator events (`profile_memory=True`) from the warm-up's
+  start, maximised over the measured step.
 """
 
 from __future__ import annotations
@@ -248,19 +243,6 @@ def _quiet_fd2():
         os.close(devnull)
 
 
-def profiled_peak(fn) -> int:
-    """Running maximum of the allocation sum over the profiler's `[memory]` events while `fn` runs."""
-    with _quiet_fd2(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                              profile_memory=True) as prof:
-        fn()
-    cur = peak = 0
-    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns()):
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak
-
-
 def storage_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
@@ -309,6 +291,8 @@ class RealStep:
                 self.loss_of = _first_float_mean
         else:
             config = hf_config(ref)
+            if getattr(spec, "use_cache", None) is not None:
+                config.use_cache = spec.use_cache
             model = hf_model(config, weight_dtype)
             self.kwargs = hf_batch(model, config, spec.batch, spec.seq, self.train, getattr(spec, "image_size", None),
                                    weight_dtype, getattr(spec, "choices", None) or 2)
@@ -333,25 +317,85 @@ class RealStep:
         self.model = model
         params = [p for p in model.parameters() if p.requires_grad]
         self.opt = make_optimizer(_v(spec.optimizer), _v(spec.optimizer_impl), params) if self.train else None
+        self.loop = _v(getattr(spec, "loop", "trainer"))
+        self.n = getattr(spec, "grad_accum", 1)
+        self.zero_grad = _v(getattr(spec, "zero_grad", "none"))
+        self.clip = getattr(spec, "clip_grad_norm", None)
+        self.scaler = torch.amp.GradScaler("cpu") if precision == "fp16-mixed" and not getattr(spec, "step", None) else None
+        self.script_vars = {}
+        self.user_step = None
+        if getattr(spec, "step", None):
+            module, self.user_step = _import_custom(spec.step)  # a fresh module: its globals start empty
 
     def _autocast(self):
         return torch.autocast("cpu", dtype=self.autocast) if self.autocast else contextlib.nullcontext()
 
-    def run(self) -> None:
-        model, opt = self.model, self.opt
-        if self.train:
-            with self._autocast():
-                loss = self.loss_of(model(*self.args, **self.kwargs))
-            loss.backward()
-            if opt is not None:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+    # -- the literal loops (issue 12): one optimizer step of N micro-steps ---------------------------------------
+    def _opt_step(self):
+        model, opt, scaler = self.model, self.opt, self.scaler
+        if self.clip is not None:
+            if scaler is not None:
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], self.clip)
+        if opt is not None:
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
             else:
-                model.zero_grad(set_to_none=True)
-        else:
+                opt.step()
+        (opt if opt is not None else model).zero_grad(set_to_none=self.zero_grad == "none")
+
+    def _backward(self, loss):
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def _trainer_micro(self):  # HF Trainer's training_step: the output is released when the loss is taken
+        with self._autocast():
+            loss = self.loss_of(self.model(*self.args, **self.kwargs))
+        if self.n > 1:
+            loss = loss / self.n
+        self._backward(loss)
+
+    def _train_step(self, sync):  # `def train_step(batch)`: outputs live until it returns
+        with self._autocast():
+            outputs = self.model(*self.args, **self.kwargs)
+            loss = self.loss_of(outputs)
+        if self.n > 1:
+            loss = loss / self.n
+        self._backward(loss)
+        if sync:
+            self._opt_step()
+
+    def _script_micro(self, sync):  # the tutorials' top-level loop: `outputs`, `loss` are the loop's variables
+        v = self.script_vars
+        with self._autocast():
+            v["outputs"] = self.model(*self.args, **self.kwargs)
+            v["loss"] = self.loss_of(v["outputs"])
+        if self.n > 1:
+            v["loss"] = v["loss"] / self.n
+        self._backward(v["loss"])
+        if sync:
+            self._opt_step()
+
+    def run(self) -> None:
+        """One optimizer step of the case's loop (or one call of its --step function), literally."""
+        if not self.train:
             with torch.no_grad(), self._autocast():
-                out = model(*self.args, **self.kwargs)
+                out = self.model(*self.args, **self.kwargs)
             del out
+            return
+        if self.user_step is not None:
+            self.user_step(self.model, self.kwargs if self.kwargs or not self.args else self.args, self.opt)
+            return
+        for i in range(self.n):
+            sync = i == self.n - 1
+            if self.loop == "trainer":
+                self._trainer_micro()
+                if sync:
+                    self._opt_step()
+            elif self.loop == "function":
+                self._train_step(sync)
+            else:
+                self._script_micro(sync)
 
     def alive_at_start(self) -> list:
         alive = [*self.model.parameters(), *self.model.buffers(), *self.args, *self.kwargs.values()]
@@ -365,14 +409,37 @@ def _first_float_mean(out):
     return leaves[0].mean()
 
 
+MARKER_BYTES = 1_234_577  # a size no tiny case allocates: marks where the measured step starts
+
+
 def measure_cpu_peak(spec, setup=None) -> int:
-    """Peak bytes of the case's steady-state step run for real on the CPU: bytes alive at step start plus the
-    profiler's allocator peak of the step. `setup(model)` replaces applying the case's checkpointing."""
+    """Peak bytes of the case's steady-state step run for real on the CPU: the bytes alive before the warm-up step
+    (parameters, buffers, inputs) plus the running sum of the profiler's allocator events from the warm-up's start,
+    maximised over the measured step. Whatever the warm-up leaves alive (optimizer state, the script loop's
+    outputs, gradients kept by zero_grad(set_to_none=False), an EMA copy, GradScaler state) is counted without
+    being named, and its frees in the measured step are seen (the profiler reports no free of an allocation made
+    before it started). `setup(model)` replaces applying the case's checkpointing."""
     assert _v(spec.device) == "cpu"
     step = RealStep(spec, setup)
-    step.run()  # warm-up: the optimizer creates its state
-    gc.collect()
-    return storage_bytes(step.alive_at_start()) + profiled_peak(step.run)
+    start = storage_bytes(step.alive_at_start())
+    with _quiet_fd2(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                              profile_memory=True) as prof:
+        step.run()  # warm-up: the optimizer creates its state
+        marker = torch.empty(MARKER_BYTES, dtype=torch.uint8)  # a sentinel allocation in the same event stream
+        del marker
+        step.run()
+    cur, peak, measuring = 0, None, False
+    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns()):
+        if e.nbytes() == MARKER_BYTES:
+            measuring = True
+            continue
+        if measuring and e.nbytes() == -MARKER_BYTES:
+            continue
+        cur += e.nbytes()
+        if measuring:
+            peak = cur if peak is None else max(peak, cur)
+    return start + (cur if peak is None else peak)
 
 
 class _StorageCounter(torch.utils._python_dispatch.TorchDispatchMode):

@@ -420,26 +420,30 @@ def run_profiled(fn):
     return out, peak
 
 
-MEASURED_STEP = "vramtrace.measured_step"
+STEP_MARK_BYTES = 7_654_321  # an odd-sized allocation between the two steps: where the measured one starts
 
 
 def run_profiled_steps(first, second) -> int:
     """Peak bytes of the allocator while `second()` runs, counted from before `first()`: the running sum of
     torch.profiler's `[memory]` events over both calls (so what `first` left alive is counted, and its frees
     during `second` are seen: the profiler reports no free of an allocation made before it started, c10's
-    ProfiledCPUMemoryReporter keeps sizes only while profiling), maximised over the events of `second` (after
-    the start of its `record_function` range)."""
+    ProfiledCPUMemoryReporter keeps sizes only while profiling), maximised over the events of `second`. The
+    boundary is a sentinel allocation of `STEP_MARK_BYTES` in the same event stream (timestamps of different
+    event kinds are not comparable)."""
     with _quiet_native_stderr(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                         profile_memory=True) as prof:
         first()
-        with torch.profiler.record_function(MEASURED_STEP):
-            second()
-    events = list(prof.profiler.kineto_results.events())
-    boundary = min(e.start_ns() for e in events if e.name() == MEASURED_STEP)
-    cur, peak = 0, None
-    for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        mark = torch.empty(STEP_MARK_BYTES, dtype=torch.uint8)
+        del mark
+        second()
+    cur, peak, measuring = 0, None, False
+    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns()):
+        if abs(e.nbytes()) == STEP_MARK_BYTES:
+            measuring = True
+            continue
         cur += e.nbytes()
-        if e.start_ns() >= boundary:
+        if measuring:
             peak = cur if peak is None else max(peak, cur)
     return cur if peak is None else peak
 
