@@ -47,15 +47,16 @@ class CustomModel:
     location: str
 
 
-def import_target(target: str):
+def import_target(target: str, fresh: bool = False):
     """Import `target`: a `.py` file path or a dotted module name (found from the current directory too, as
-    `python -m` would). Raises ModelLoadError when it cannot be found or raises while importing."""
+    `python -m` would). A file is imported once per process, or anew with `fresh` (its module globals start
+    empty: a --step file's EMA copy). Raises ModelLoadError when it cannot be found or raises while importing."""
     if target.endswith(".py"):
         path = Path(target).expanduser().resolve()
         if not path.is_file():
             raise ModelLoadError(f"custom module file {target} does not exist; pass path/to/model.py:NAME")
         name = f"vramtrace_custom_{path.stem}_{abs(hash(str(path)))}"
-        if name in sys.modules:  # imported once per process (a file may register ops or classes globally)
+        if name in sys.modules and not fresh:  # imported once per process (a file may register ops or classes)
             return sys.modules[name]
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]

@@ -37,10 +37,8 @@ literal script loop given as a `--step` function.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import sys
+import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import torch
@@ -214,25 +212,17 @@ def run_inference(ctx: StepContext, obs: StepObserver) -> None:
 
 
 def load_user_step(ref: str) -> Callable:
-    """The function `FUNC` of `path/to/file.py:FUNC`, from a fresh import of the file (its module globals, e.g.
-    an EMA copy, start empty). Raises UsageError for a missing file or function."""
+    """The function `FUNC` of `path/to/file.py:FUNC`, from a fresh import of the file (`custom.import_target`: its
+    module globals, e.g. an EMA copy, start empty). Raises UsageError for a bad reference or a missing function,
+    ModelLoadError when the file is missing or fails to import."""
+    from .custom import import_target
+
     target = custom_ref(ref)
     if target is None or not target[0].endswith(".py"):
         raise UsageError(f"bad --step {ref!r}; use path/to/file.py:FUNC")
-    path = Path(target[0])
-    if not path.is_file():
-        raise UsageError(f"--step file {path} not found")
-    name = f"vramtrace_user_step_{abs(hash(path.resolve()))}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.parent.resolve()))
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        raise UsageError(f"--step file {path} failed to import: {type(e).__name__}: {e}") from e
-    finally:
-        sys.path.remove(str(path.parent.resolve()))
-    fn = getattr(module, target[1], None)
+    if not os.path.isfile(target[0]):
+        raise UsageError(f"--step file {target[0]} does not exist; pass path/to/file.py:FUNC")
+    fn = getattr(import_target(target[0], fresh=True), target[1], None)
     if not callable(fn):
-        raise UsageError(f"--step file {path} has no function {target[1]!r}")
+        raise UsageError(f"--step file {target[0]} has no function {target[1]!r}")
     return fn
