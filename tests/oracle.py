@@ -219,14 +219,26 @@ def apply_checkpointing(model, policy: str) -> None:
 
 # -- the step -----------------------------------------------------------------------------------------------------
 def make_optimizer(kind: str, impl: str, params):
-    foreach = impl == "foreach"  # vramtrace's default on the CPU is the for-loop implementation
+    """The optimizer as a user writes it: torch.optim classes with their defaults (fused=True or foreach=True where
+    the case asks; left to torch otherwise, which on the CPU is the for-loop implementation), and transformers'
+    Adafactor as HF Trainer builds it for optim="adafactor" (scale_parameter=False, relative_step=False)."""
     if kind == "none" or not params:
         return None
-    if kind == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
+    kw = {"fused": True} if impl == "fused" else {"foreach": True} if impl == "foreach" else {}
+    if kind in ("adamw", "adamw_torch", "adamw_torch_fused"):
+        return torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if kind == "adamw_torch_fused" else kw))
     if kind == "adam":
-        return torch.optim.Adam(params, lr=1e-4, foreach=foreach)
-    return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if kind == "sgd-momentum" else 0.0, foreach=foreach)
+        return torch.optim.Adam(params, lr=1e-4, **kw)
+    if kind == "rmsprop":
+        return torch.optim.RMSprop(params, lr=1e-3, **kw)
+    if kind == "adagrad":
+        return torch.optim.Adagrad(params, lr=1e-2, **kw)
+    if kind == "torch-adafactor":
+        return torch.optim.Adafactor(params, lr=1e-2, **kw)
+    if kind == "adafactor":
+        return transformers.optimization.Adafactor(params, lr=1e-4, scale_parameter=False, relative_step=False)
+    momentum = 0.0 if kind == "sgd" else 0.9
+    return torch.optim.SGD(params, lr=1e-3, momentum=momentum, nesterov=kind == "sgd-nesterov", **kw)
 
 
 @contextlib.contextmanager

@@ -118,9 +118,25 @@ FUNCTIONAL_TORCH_FUNCTION_CHECK = Bridge(
     "active torch-function mode; called again from inside the kernel-policy mode, its next check answers False "
     "once, so its body runs and the mode sees its linear and scaled_dot_product_attention calls")
 
+FUSED_OPTIMIZER_DEVICES = Bridge(
+    "fused_optimizer_devices", "torch", (("torch.optim.optimizer", "_get_fused_kernels_supported_devices"),),
+    TORCH_WRITTEN_FOR,
+    "Adam/AdamW/SGD/Adagrad(fused=True) refuse parameters on a device outside torch/utils/_foreach_utils.py "
+    "`_get_fused_kernels_supported_devices` (torch/optim/optimizer.py `_device_dtype_check_for_fused`); meta is "
+    "not listed, though `_fused_adam_`/`_fused_adamw_` have meta kernels. Both targets are listed: add meta")
+ADAFACTOR_SCALARS = Bridge(
+    "adafactor_scalars", "torch",
+    (("torch.optim._adafactor", "_single_tensor_adafactor"), ("torch.optim._adafactor", "_multi_tensor_adafactor")),
+    TORCH_WRITTEN_FOR,
+    "torch.optim.Adafactor's step functions (for-loop and foreach) turn norms into Python floats "
+    "(`param.norm(2).item()` for the relative step size, `update.norm(2).item()` for the update clipping), a "
+    ".item() meta cannot answer. The norms' ops run; while either function runs, Tensor.item of a meta tensor "
+    "answers 1.0: the values only scale the update, never a size")
+
 BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_CHECK, PADDING_MASK_CHECK,
                                PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION, MHA_FAST_PATH,
-                               FUNCTIONAL_TORCH_FUNCTION_CHECK)
+                               FUNCTIONAL_TORCH_FUNCTION_CHECK, GRAD_SCALER_FOUND_INF, CLIP_GRAD_FOREACH,
+                               FUSED_OPTIMIZER_DEVICES, ADAFACTOR_SCALARS)
 
 
 def _installed_version(library: str) -> str:
@@ -374,6 +390,33 @@ def _clip_grad_foreach(stack: contextlib.ExitStack) -> None:
     stack.enter_context(_set(clip_grad, "_has_foreach_support", has_bridged))
 
 
+def _fused_optimizer_devices(stack: contextlib.ExitStack) -> None:
+    import torch.optim.optimizer as optimizer
+
+    original = optimizer._get_fused_kernels_supported_devices
+    stack.enter_context(_set(optimizer, "_get_fused_kernels_supported_devices", lambda: [*original(), "meta"]))
+
+
+def _adafactor_scalars(stack: contextlib.ExitStack) -> None:
+    from torch.optim import _adafactor
+
+    item = torch.Tensor.item
+
+    def meta_item(self):
+        return 1.0 if self.device.type == "meta" else item(self)
+
+    def bridged(function):
+        def run(params, *args, **kwargs):  # torch/optim/_adafactor.py::adafactor looks the function up per call
+            if not any(p.device.type == "meta" for p in params):
+                return function(params, *args, **kwargs)
+            with _set(torch.Tensor, "item", meta_item):
+                return function(params, *args, **kwargs)
+        return run
+
+    for name in ("_single_tensor_adafactor", "_multi_tensor_adafactor"):
+        stack.enter_context(_set(_adafactor, name, bridged(getattr(_adafactor, name))))
+
+
 @contextlib.contextmanager
 def installed(policy: KernelPolicyMode, rec: StepRecorder) -> Iterator[None]:
     """Every bridge patched in while a step is recorded by `rec` under `policy`; every target restored on exit,
@@ -388,6 +431,8 @@ def installed(policy: KernelPolicyMode, rec: StepRecorder) -> Iterator[None]:
         MHA_FAST_PATH: lambda s: _mha_fast_path(s, policy),
         GRAD_SCALER_FOUND_INF: _grad_scaler_found_inf,
         CLIP_GRAD_FOREACH: _clip_grad_foreach,
+        FUSED_OPTIMIZER_DEVICES: _fused_optimizer_devices,
+        ADAFACTOR_SCALARS: _adafactor_scalars,
     }
     resolve(FUNCTIONAL_TORCH_FUNCTION_CHECK)  # patched per call (skip_next_torch_function_check); checked here
     needed = [b for b in apply if resolve(b) is not None]  # all targets checked before anything is patched

@@ -42,17 +42,75 @@ class Precision(_Choice):
 
 
 class OptimizerKind(_Choice):
-    ADAMW = "adamw"
-    ADAM = "adam"
-    SGD = "sgd"
-    SGD_MOMENTUM = "sgd-momentum"
+    """The optimizer of the step, as `tracer/optim.py::make_optimizer` builds it (the hyper-parameters that
+    change memory are named; learning rates do not). `parse` also takes HF Trainer's `optim` names
+    (`HF_OPTIM_NAMES`)."""
+
+    ADAMW = "adamw"  # torch.optim.AdamW
+    ADAM = "adam"  # torch.optim.Adam
+    SGD = "sgd"  # torch.optim.SGD, no momentum: no state
+    SGD_MOMENTUM = "sgd-momentum"  # torch.optim.SGD(momentum=0.9)
+    SGD_NESTEROV = "sgd-nesterov"  # torch.optim.SGD(momentum=0.9, nesterov=True)
+    RMSPROP = "rmsprop"  # torch.optim.RMSprop (alpha 0.99, no momentum, not centered: square_avg only)
+    ADAGRAD = "adagrad"  # torch.optim.Adagrad (state `sum` created in __init__, not lazily)
+    # transformers.optimization.Adafactor as HF Trainer's optim="adafactor" builds it
+    # (trainer_optimizer.py::_get_adafactor: scale_parameter=False, relative_step=False)
+    ADAFACTOR = "adafactor"
+    TORCH_ADAFACTOR = "torch-adafactor"  # torch.optim.Adafactor
     NONE = "none"
+
+    @classmethod
+    def parse(cls, value: "str | OptimizerKind", what: str = "optimizer") -> "OptimizerKind":
+        """An OptimizerKind from its name or an HF Trainer `optim` name. Raises UsageError listing the valid names,
+        or saying that a bitsandbytes optimizer is not supported yet."""
+        if isinstance(value, cls):
+            return value
+        key = str(value).strip().lower()
+        if key in HF_OPTIM_NAMES:
+            return cls(HF_OPTIM_NAMES[key][0])
+        if key in HF_BNB_OPTIM_NAMES or "bnb" in key or "8bit" in key or key.startswith("paged_"):
+            raise UsageError(f"optimizer {value!r} is a bitsandbytes optimizer, not supported yet; choose one of: "
+                             f"{', '.join(m.value for m in cls)}")
+        try:
+            return cls(key.replace("_", "-"))
+        except ValueError:
+            valid = ", ".join([m.value for m in cls] + sorted(k for k in HF_OPTIM_NAMES if k not in cls._value2member_map_))
+            raise UsageError(f"unknown {what} {value!r}; choose one of: {valid}") from None
 
 
 class OptimizerImpl(_Choice):
-    DEFAULT = "default"  # foreach on CUDA, for-loop on CPU, as torch.optim picks (torch/optim/optimizer.py)
+    """torch.optim's implementations: default (what torch picks with foreach=None, fused=None:
+    torch/optim/optimizer.py::_default_to_fused_or_foreach takes foreach when every parameter is on a device of
+    `_get_foreach_kernels_supported_devices`, CUDA but not CPU), foreach, for-loop, fused (`fused=True`: Adam,
+    AdamW, SGD, Adagrad)."""
+
+    DEFAULT = "default"
     FOREACH = "foreach"
     FORLOOP = "for-loop"
+    FUSED = "fused"
+
+
+# HF Trainer's `optim` names (transformers/training_args.py::OptimizerNames) that name a torch or transformers
+# optimizer vramtrace builds: name -> (OptimizerKind value, OptimizerImpl value or None). The implementation follows
+# transformers/trainer_optimizer.py (`adamw_torch_fused` passes fused=True; the others leave torch's default).
+HF_OPTIM_NAMES = {
+    "adamw_torch": ("adamw", None), "adamw_torch_fused": ("adamw", "fused"), "adafactor": ("adafactor", None),
+    "sgd": ("sgd", None), "adagrad": ("adagrad", None), "rmsprop": ("rmsprop", None),
+}
+HF_BNB_OPTIM_NAMES = ("adamw_bnb_8bit", "adamw_8bit", "ademamix_8bit", "lion_8bit", "lion_32bit", "paged_adamw_32bit",
+                      "paged_adamw_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit", "paged_lion_32bit",
+                      "paged_lion_8bit", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit")
+# Which implementations each optimizer has (torch/optim/*.py: a `foreach` and a `fused` argument, or neither for
+# transformers' Adafactor). torch.optim.RMSprop and Adafactor have no fused kernel.
+OPTIMIZER_IMPLS = {
+    OptimizerKind.ADAMW: tuple(OptimizerImpl), OptimizerKind.ADAM: tuple(OptimizerImpl),
+    OptimizerKind.SGD: tuple(OptimizerImpl), OptimizerKind.SGD_MOMENTUM: tuple(OptimizerImpl),
+    OptimizerKind.SGD_NESTEROV: tuple(OptimizerImpl), OptimizerKind.ADAGRAD: tuple(OptimizerImpl),
+    OptimizerKind.RMSPROP: (OptimizerImpl.DEFAULT, OptimizerImpl.FOREACH, OptimizerImpl.FORLOOP),
+    OptimizerKind.TORCH_ADAFACTOR: (OptimizerImpl.DEFAULT, OptimizerImpl.FOREACH, OptimizerImpl.FORLOOP),
+    OptimizerKind.ADAFACTOR: (OptimizerImpl.DEFAULT, OptimizerImpl.FORLOOP),
+    OptimizerKind.NONE: (OptimizerImpl.DEFAULT,),
+}
 
 
 class Loop(_Choice):
@@ -392,8 +450,7 @@ class RunSpec:
         object.__setattr__(self, "mode", Mode.parse(self.mode, "mode"))
         if self.precision is not None:
             object.__setattr__(self, "precision", Precision.parse(self.precision, "precision"))
-        object.__setattr__(self, "optimizer", OptimizerKind.parse(self.optimizer, "optimizer"))
-        object.__setattr__(self, "optimizer_impl", OptimizerImpl.parse(self.optimizer_impl, "optimizer implementation"))
+        self._resolve_optimizer()
         object.__setattr__(self, "device", Device.parse(self.device, "device"))
         object.__setattr__(self, "gpu", parse_gpu(self.gpu).name)
         object.__setattr__(self, "loop", Loop.parse(self.loop, "loop"))
@@ -414,6 +471,23 @@ class RunSpec:
         if self.memory_budget_bytes is not None and ckpt.kind != "auto":
             raise UsageError("--memory-budget applies to --checkpointing auto only; add --checkpointing auto or "
                              "drop --memory-budget")
+
+    def _resolve_optimizer(self) -> None:
+        """Parse `optimizer` (also HF Trainer's names: `adamw_torch_fused` also sets the fused implementation) and
+        `optimizer_impl`; raise UsageError for an implementation the optimizer does not have."""
+        hf = HF_OPTIM_NAMES.get(str(getattr(self.optimizer, "value", self.optimizer)).strip().lower())
+        kind = OptimizerKind.parse(self.optimizer, "optimizer")
+        impl = OptimizerImpl.parse(self.optimizer_impl, "optimizer implementation")
+        if hf is not None and hf[1] is not None:
+            if impl not in (OptimizerImpl.DEFAULT, OptimizerImpl(hf[1])):
+                raise UsageError(f"--optimizer {self.optimizer} is {kind.value} with --optimizer-impl {hf[1]}; drop "
+                                 f"--optimizer-impl {impl.value}")
+            impl = OptimizerImpl(hf[1])
+        if impl not in OPTIMIZER_IMPLS[kind]:
+            raise UsageError(f"--optimizer {kind.value} has no {impl.value} implementation; use --optimizer-impl "
+                             f"{' or '.join(i.value for i in OPTIMIZER_IMPLS[kind])}")
+        object.__setattr__(self, "optimizer", kind)
+        object.__setattr__(self, "optimizer_impl", impl)
 
     def _check_step_options(self) -> None:
         """Raise UsageError for step options that would be silently ignored."""

@@ -202,6 +202,11 @@ class StepRecorder(TorchDispatchMode):
         """An op without a meta kernel: under `strict` an UnsupportedOpError; else run the CPU kernel on zeros of
         the same sizes (inputs up to FALLBACK_LIMIT_BYTES) and give its outputs' sizes on meta, listed in
         `unresolved` (a data-dependent size may differ from the real data's)."""
+        if not func._schema.returns:
+            # an op that returns nothing writes its arguments in place and allocates no output (the fused
+            # optimizers' `_fused_sgd_`, `_fused_adagrad_`: CPU and CUDA kernels, no meta kernel): nothing to run on
+            # meta; a CPU target's kernel workspace is still measured (`workspace`)
+            return None
         where = self.current_module() or "(root)"
         hint = f"an op has no meta kernel: {func} in module {where} ({str(error).splitlines()[0][:120]})"
         leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]

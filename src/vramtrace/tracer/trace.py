@@ -209,6 +209,12 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
     user_step = load_user_step(spec.step) if spec.step is not None else None
     for n, p in model.named_parameters():
         rec.register_existing(p, Category.PARAMETER, n)
+    if optimizer is not None:  # state an optimizer creates in __init__ (Adagrad's `sum` and `step`), not lazily
+        names = {id(p): n for n, p in model.named_parameters()}
+        for p, state in optimizer.state.items():
+            for key, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    rec.register_existing(v, Category.OPTIMIZER_STATE, f"{names.get(id(p), '?')}:{key}")
     for n, b in model.named_buffers():
         rec.register_existing(b, Category.INPUT, n)
     for n, t in [*inputs.items(), *((f"args[{i}]", a) for i, a in enumerate(args))]:
