@@ -50,8 +50,10 @@ def main_command(
         "cannot be traced and are refused"),
     mode: str = typer.Option("train", help=_choices(Mode)),
     precision: Optional[str] = typer.Option(None, help=_choices(Precision) + " [default: bf16-mixed to train, bf16 for inference]"),
-    optimizer: str = typer.Option("adamw", help=_choices(OptimizerKind)),
-    optimizer_impl: str = typer.Option("default", help=_choices(OptimizerImpl) + " (default: foreach on CUDA, for-loop on CPU)"),
+    optimizer: str = typer.Option("adamw", help=_choices(OptimizerKind) + " (adafactor: transformers' Adafactor as HF "
+                                  "Trainer builds it); also HF Trainer's optim names: adamw_torch, adamw_torch_fused, ..."),
+    optimizer_impl: str = typer.Option("default", help=_choices(OptimizerImpl) + " (default: foreach on CUDA, for-loop on "
+                                       "CPU, as torch picks; fused: Adam, AdamW, SGD, Adagrad)"),
     device: str = typer.Option("cuda", help=_choices(Device) + ": the target whose kernels and allocator are modelled"),
     gpu: str = typer.Option("H100-80GB", help="target GPU preset: H100-80GB, H200, A100-80GB, A100-40GB, L4, RTX4090, A10G, V100-32GB"),
     checkpointing: str = typer.Option(
