@@ -302,6 +302,15 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
             raise NotPeriodic(f"layer {traced}'s {storages[s].name or storages[s].op} is unlike layer 1's")
         return s, final
 
+    module_names: dict[tuple, str] = {}  # module paths repeat over storages: rename each (path, layers) once
+
+    def module_renamed(path: str, names: dict[int, int]) -> str:
+        key = (path, *names.items())
+        out = module_names.get(key)
+        if out is None:
+            out = module_names[key] = plan.rename(path, names)
+        return out
+
     def sid_of(it: tuple) -> int:
         """The new id of `it`: ('global', sid) or (traced sid, final layer)."""
         nid = ids.get(it)
@@ -309,17 +318,27 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
             nid = ids[it] = len(new_storages)
             if it[0] == "global":
                 s = storages[it[1]]
-                new_storages.append(replace(s, sid=nid, module=plan.rename(s.module, kept), name=plan.rename(s.name, kept)))
+                new_storages.append(replace(s, sid=nid, module=module_renamed(s.module, kept),
+                                            name=plan.rename(s.name, kept)))
             else:
                 s, layer = storages[it[0]], owner[it[0]][0]
                 names = {layer: it[1], layer + 1: it[1] + 1, layer - 1: it[1] - 1}
                 new_storages.append(replace(s, sid=nid, name=plan.rename(s.name, names),
-                                            module=plan.rename(s.module, names)))
+                                            module=module_renamed(s.module, names)))
         return nid
 
+    template_ids: dict[tuple[int, int], int] = {}  # (traced sid, final layer) -> new id: each resolved once
+
     def refs_template(sids: Iterable[int], final: int) -> list[int]:
-        return [sid_of(("global", s)) if owner[s] is None else sid_of(item(final + owner[s][0] - 1, owner[s][1]))
-                for s in sids]
+        out = []
+        for s in sids:
+            nid = template_ids.get((s, final))
+            if nid is None:
+                own = owner[s]
+                nid = sid_of(("global", s)) if own is None else sid_of(item(final + own[0] - 1, own[1]))
+                template_ids[(s, final)] = nid
+            out.append(nid)
+        return out
 
     def refs_kept(sids: Iterable[int]) -> list[int]:
         sids = list(sids)
