@@ -225,8 +225,8 @@ def make_optimizer(kind: str, impl: str, params):
     if kind == "none" or not params:
         return None
     kw = {"fused": True} if impl == "fused" else {"foreach": True} if impl == "foreach" else {}
-    if kind in ("adamw", "adamw_torch", "adamw_torch_fused"):
-        return torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if kind == "adamw_torch_fused" else kw))
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, **kw)
     if kind == "adam":
         return torch.optim.Adam(params, lr=1e-4, **kw)
     if kind == "rmsprop":

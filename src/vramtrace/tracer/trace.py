@@ -209,12 +209,12 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
     user_step = load_user_step(spec.step) if spec.step is not None else None
     for n, p in model.named_parameters():
         rec.register_existing(p, Category.PARAMETER, n)
+    weight_names = {id(p): n for n, p in model.named_parameters()}
     if optimizer is not None:  # state an optimizer creates in __init__ (Adagrad's `sum` and `step`), not lazily
-        names = {id(p): n for n, p in model.named_parameters()}
         for p, state in optimizer.state.items():
             for key, v in state.items():
                 if isinstance(v, torch.Tensor):
-                    rec.register_existing(v, Category.OPTIMIZER_STATE, f"{names.get(id(p), '?')}:{key}")
+                    rec.register_existing(v, Category.OPTIMIZER_STATE, f"{weight_names.get(id(p), '?')}:{key}")
     for n, b in model.named_buffers():
         rec.register_existing(b, Category.INPUT, n)
     for n, t in [*inputs.items(), *((f"args[{i}]", a) for i, a in enumerate(args))]:
@@ -223,7 +223,6 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
     # Tag each autograd node with the module that created it, as soon as it is created.
     policy.on_output = (lambda out: tag_autograd_nodes(out, rec.current_module(), rec.watch_node)
                         if rec.phase is Phase.FORWARD else None)
-    weight_names = {id(p): n for n, p in model.named_parameters()}
     policy.on_weight_cast = lambda w, copy: rec.set_category(copy, Category.AUTOCAST_WEIGHTS,
                                                              f"{weight_names.get(id(w), '?')} (autocast copy)")
     ctx = StepContext(model, args, inputs, loaded.loss, optimizer,
