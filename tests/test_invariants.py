@@ -103,7 +103,7 @@ def test_recorded_frees_are_the_finalizers(config):
     """Each op's `frees` are exactly the storages whose finalizer fired after it; a storage is freed once."""
     spec = RunSpec(str(FIXTURES / f"{config}.json"), batch=2, seq=16, device="cpu", checkpointing="layers")
     loaded = load_model(spec, resolve_config(spec.model))
-    rec, _, _, _ = _record(spec, loaded.model, loaded, lambda _m: None, layer_stack(loaded.model))
+    rec, *_ = _record(spec, loaded.model, loaded, lambda _m: None, layer_stack(loaded.model))
     freed_by_op = [sid for o in rec.ops for sid in o.frees]
     assert len(freed_by_op) == len(set(freed_by_op))
     assert {sid: o.index for o in rec.ops for sid in o.frees} == {

@@ -102,6 +102,22 @@ class StepRecorder(TorchDispatchMode):
         self._finalizers.append(weakref.finalize(st, self._on_free, key, sid))
         return sid
 
+    def live_sid(self, t: torch.Tensor) -> int | None:
+        """The sid of t's storage if it is registered and alive, else None."""
+        return self._live.get(t.untyped_storage()._cdata)
+
+    def adopt(self, t: torch.Tensor, sid: int) -> None:
+        """Make t's storage the live storage of the existing record `sid` (a storage whose birth was written by
+        replaying an earlier record, `trace._TraceObserver.replay`): its free is then recorded where t's dies."""
+        st = t.untyped_storage()
+        key = st._cdata
+        self._live[key] = sid
+        self._finalizers.append(weakref.finalize(st, self._on_free, key, sid))
+
+    def forget(self, t: torch.Tensor) -> None:
+        """Stop watching t's storage: its record's free is written by the caller (a replayed record)."""
+        self._live.pop(t.untyped_storage()._cdata, None)
+
     def register_existing(self, t: torch.Tensor, category: str, name: str) -> int:
         """Register a tensor alive at step start (parameter, buffer, input, optimizer state)."""
         sid = self.storage_id(t, op_index=-1, op="", category=category, name=name)

@@ -64,7 +64,15 @@ class StepObserver(Protocol):
 
     def loss_held(self, loss: torch.Tensor) -> None: ...
 
+    def backward_returned(self) -> None: ...
+
     def body_end(self) -> None: ...
+
+    def replay(self, step: int, micro: int) -> bool:
+        """Reproduce this micro-step's forward and backward from the record of the same micro-step of an earlier
+        step instead of running them, leaving each parameter's `.grad` as running them would; True when it did.
+        A real run never replays; the trace does when the two would record the same ops (`trace._TraceObserver`)."""
+        ...
 
 
 class QuietObserver:
@@ -88,8 +96,14 @@ class QuietObserver:
     def loss_held(self, loss: torch.Tensor) -> None:
         pass
 
+    def backward_returned(self) -> None:
+        pass
+
     def body_end(self) -> None:
         pass
+
+    def replay(self, step: int, micro: int) -> bool:
+        return False
 
 
 @dataclass
@@ -128,7 +142,8 @@ def run_training(ctx: StepContext, spec: RunSpec, obs: StepObserver, *, literal:
             if literal and spec.loop is Loop.FUNCTION:
                 _function_micro_step(ctx, spec, obs, sync)
                 continue
-            _micro_step(ctx, spec, obs, literal)
+            if not obs.replay(k, m):
+                _micro_step(ctx, spec, obs, literal)
             if sync:
                 optimizer_step(ctx, spec, obs)
             obs.body_end()
@@ -152,6 +167,7 @@ def _micro_step(ctx: StepContext, spec: RunSpec, obs: StepObserver, literal: boo
     if script:
         ctx.held["loss"] = loss
     _backward(ctx, loss, obs)
+    obs.backward_returned()
 
 
 def _function_micro_step(ctx: StepContext, spec: RunSpec, obs: StepObserver, sync: bool) -> None:
@@ -164,6 +180,7 @@ def _function_micro_step(ctx: StepContext, spec: RunSpec, obs: StepObserver, syn
     obs.loss_taken()
     loss = _divided(loss, spec, obs)
     _backward(ctx, loss, obs)
+    obs.backward_returned()
     if sync:
         optimizer_step(ctx, spec, obs)
     obs.body_end()

@@ -5,7 +5,8 @@ optimizer steps (the first, where the optimizer creates its state lazily, and th
 layers: `KernelPolicyMode` (target device kernels and autocast, above autograd), a saved-tensors hook (what
 autograd saves), and `StepRecorder` (every aten op, storage and eager free), with the patches of
 `vramtrace.bridges` installed (transformers and torch code that asks meta tensors for a value). `_TraceObserver`
-turns the runner's progress into the recorder's phases, categories and the loops' references.
+turns the runner's progress into the recorder's phases, categories and the loops' references, and copies the
+steady step's forward and backward from the first step's record where nothing carries over (`replay.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch.overrides import _get_current_function_mode_stack
 from .. import bridges
 from ..analysis.categories import Category
 from ..errors import TraceError, UnsupportedOpError, VramtraceError
-from ..spec import Device, Mode, Precision, RunSpec
+from ..spec import Device, Mode, Precision, RunSpec, ZeroGrad
 from .building import LoadedModel, quiet_transformers_logs
 from .checkpointing import apply_checkpointing, layer_stack
 from .hooks import module_hooks, moe_routing
@@ -29,6 +30,7 @@ from .kernels import CpuWorkspaceProbe, KernelPolicyMode, cpu_environment
 from .optim import make_optimizer
 from .records import MicroMarks, OpInfo, Phase, RecStorage
 from .recorder import StepRecorder, tag_autograd_nodes
+from .replay import MicroRecord, capture, replay, replayable
 from .replication import TRACED_LAYERS, LayerPlan, NotPeriodic, replicate_layers
 from .step import STEPS, StepContext, load_user_step, run_inference, run_training
 
@@ -83,11 +85,21 @@ class _TraceObserver:
     """The step runner's observer while recording: phases and step numbers to the recorder, the loops'
     references (`hold`), the KV cache's category, the release marks; `say` reports progress."""
 
-    def __init__(self, rec: StepRecorder, say: Callable[[str], None], policy: KernelPolicyMode):
+    def __init__(self, rec: StepRecorder, say: Callable[[str], None], policy: KernelPolicyMode,
+                 replay_params: list[torch.nn.Parameter] | None = None):
+        """`replay_params`: the parameters, when later steps may replay the first step's micro-steps
+        (`replay.py`; the trace passes them when zero_grad sets gradients to None and no GradScaler runs)."""
         self.rec, self.say, self.policy = rec, say, policy
         self.micro_count = -1
         self.marks: list[MicroMarks] = []
         self._pending: dict[str, int] = {}
+        self._replay_params = replay_params
+        self._first: dict[int, MicroRecord | None] = {}  # the first step's micro-steps, by micro
+        self._first_sid = 0  # storages registered before the first step
+        self._step_map: dict[int, int] = {}  # a first-step sid -> its copy in the step being replayed
+        self._start = (0, 0)  # (op, sid) counts when the current micro-step began
+        self._sdpa: dict[int, list] = {}  # the first step's SDPA calls, by micro
+        self.replayed = 0
 
     def _last_op(self) -> int:
         return len(self.rec.ops) - 1
@@ -96,9 +108,29 @@ class _TraceObserver:
         self.rec.step, self.rec.micro = step, micro
         self.micro_count += 1
         self._pending = {}
+        self._start = (len(self.rec.ops), len(self.rec.storages))
+        if step == 0 and micro == 0:
+            self._first_sid = len(self.rec.storages)
         if micro == 0:
+            self._step_map = {}
             self.policy.sdpa_calls.clear()  # the report counts the calls of one (the last) step
             self.say(f"step {step + 1} of {STEPS} ({'first' if step == 0 else 'steady state'})")
+        self._sdpa_start = len(self.policy.sdpa_calls)
+
+    def backward_returned(self) -> None:
+        if self._replay_params is not None and self.rec.step == 0:
+            self._first[self.rec.micro] = capture(self.rec, self._replay_params, *self._start, self._pending,
+                                                  self.micro_count)
+            self._sdpa[self.rec.micro] = list(self.policy.sdpa_calls[self._sdpa_start:])
+
+    def replay(self, step: int, micro: int) -> bool:
+        r = self._first.get(micro) if step > 0 else None
+        if r is None or not replayable(self.rec, r, self._first_sid, self._step_map):
+            return False
+        self._pending = replay(self.rec, r, step, micro, self.micro_count, self._step_map)
+        self.policy.sdpa_calls.extend(self._sdpa[micro])  # the replayed forward makes the same calls
+        self.replayed += 1
+        return True
 
     def phase(self, phase: Phase) -> None:
         self.rec.phase = phase
@@ -164,9 +196,10 @@ def _grad_scaler(spec: RunSpec, loaded: LoadedModel):
 
 
 def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Callable[[str], None],
-            layers: torch.nn.ModuleList | None):
+            layers: torch.nn.ModuleList | None, replay_steady: bool = True):
     """Apply the checkpointing policy to `model` (`loaded.model` or its shallow copy), then run the step on it
-    with `loaded`'s inputs and loss under the recorder. Returns (recorder, kernel policy, optimizer or None)."""
+    with `loaded`'s inputs and loss under the recorder. Returns (recorder, kernel policy, optimizer or None, the
+    release marks, how many micro-steps were replayed rather than traced)."""
     inputs, args, compute_dtype = loaded.inputs, loaded.args, loaded.compute_dtype
     rec = StepRecorder()
     rec.phase = Phase.STEP
@@ -228,7 +261,10 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
     ctx = StepContext(model, args, inputs, loaded.loss, optimizer,
                       (lambda: policy.autocast_region()) if compute_dtype is not None else contextlib.nullcontext,
                       _grad_scaler(spec, loaded), user_step)
-    obs = _TraceObserver(rec, say, policy)
+    # the steady step's micro-steps replay the first step's (replay.py) when nothing carries over between them
+    repeatable = (replay_steady and train and user_step is None and ctx.scaler is None
+                  and spec.zero_grad is ZeroGrad.NONE)
+    obs = _TraceObserver(rec, say, policy, params if repeatable else None)
     try:
         with (bridges.installed(policy, rec), moe_routing(model, spec, policy), module_hooks(model, rec), policy,
               _optimizer_hooks(model, rec), torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, lambda t: t),
@@ -255,7 +291,7 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
                          f"{type(e).__name__}: {text}") from e
     finally:
         rec.detach()
-    return rec, policy, optimizer, obs.marks
+    return rec, policy, optimizer, obs.marks, obs.replayed
 
 
 
@@ -278,9 +314,13 @@ def _sdpa_counts(policy: KernelPolicyMode, plan: LayerPlan | None) -> dict[str, 
     return counts
 
 
-def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], None] | None = None) -> TracedGraph:
+def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], None] | None = None, *,
+               replay_steady: bool = True) -> TracedGraph:
     """Run the steps of `spec` on `loaded` (meta device) and record them. Raises TraceError, UnsupportedOpError,
     UsageError (a bad --step file).
+
+    `replay_steady`: the steady step's forward and backward are copied from the first step's record where that
+    is exact (`replay.py`); False traces them again (tests compare the two).
 
     With a `loaded.layer_plan`, the model with 4 layers is traced and the records of all layers are rebuilt
     (`replication.replicate_layers`); if that step turns out not to be periodic, every layer is traced.
@@ -291,8 +331,8 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
     if plan is not None:
         say(f"tracing {TRACED_LAYERS} of {plan.num_layers} layers")
         with quiet_transformers_logs():
-            rec, policy, optimizer, marks = _record(spec, loaded.traced_model, loaded, say,
-                                                    layer_stack(loaded.traced_model))
+            rec, policy, optimizer, marks, replayed = _record(spec, loaded.traced_model, loaded, say,
+                                                              layer_stack(loaded.traced_model), replay_steady)
         try:
             ops, storages, new_index = replicate_layers(plan, rec.ops, rec.storages)
             _check_parameters(loaded.model, storages)
@@ -305,9 +345,13 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
             say(note)
     if result is None:
         with quiet_transformers_logs():
-            rec, policy, optimizer, marks = _record(spec, loaded.model, loaded, say, layer_stack(loaded.model))
+            rec, policy, optimizer, marks, replayed = _record(spec, loaded.model, loaded, say,
+                                                              layer_stack(loaded.model), replay_steady)
         result = rec.ops, rec.storages, marks, _sdpa_counts(policy, None), optimizer is not None
     ops, storages, marks, sdpa, has_optimizer = result
+    if replayed:
+        note = "; ".join(filter(None, [note, "the steady step's forward and backward copied from the first step's "
+                                             f"record ({replayed} micro-step{'s' * (replayed > 1)})"]))
     unresolved = tuple(dict.fromkeys(rec.unresolved + policy.unresolved)) + tuple(
         f"{op}: CPU kernel workspace not measured, counted as 0 bytes ({why})"
         for op, why in getattr(rec.workspace, "failures", {}).items())
