@@ -3,6 +3,8 @@ only): each loop with gradient accumulation, clipping, checkpointing, zero_grad(
 GradScaler, a --step function with an auxiliary loss and an EMA copy, and the script loop given as a --step file,
 which must trace to the byte what --loop script derives."""
 
+import json
+
 import pytest
 
 from conftest import FIXTURES
@@ -54,3 +56,46 @@ def test_gradient_accumulation_reports_the_micro_step_and_the_effective_batch():
     assert r.run["effective_batch"] == 6 and 0 <= r.peak_micro_step < 3
     # micro-steps 2..N run with the accumulated gradients alive
     assert r.peak_micro_step > 0
+
+
+def _deeper_llama(tmp_path) -> str:
+    """tiny-llama-gqa with 6 wider layers and a small vocabulary: its peak is at the end of the forward, with the
+    KV cache live (as Llama-2-7b's at batch 4 x 2048)."""
+    config = json.loads((FIXTURES / "tiny-llama-gqa.json").read_text())
+    config.update(num_hidden_layers=6, hidden_size=128, intermediate_size=256, num_key_value_heads=4, vocab_size=256)
+    path = tmp_path / "deeper-llama.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
+def test_use_cache_false_peak_is_a_real_run(tmp_path, precision):
+    """A training forward with the config's use_cache on builds a KV cache (its own category). When the cache is
+    live at the peak the report gives the peak of the same step with --use-cache false, and a real run with the
+    cache off measures it: in bf16-mixed the saving is the fp32 cache (autocast's cat promotes it); in fp32 SDPA
+    saves the cache's tensors for the backward, so without it the same bytes are saved and it saves nothing."""
+    from vramtrace.reports.terminal import kv_cache_note
+    from vramtrace.units import format_bytes
+
+    model = _deeper_llama(tmp_path)
+    base = dict(batch=2, seq=64, device="cpu", precision=precision)
+    r = analyze(RunSpec(model, **base))
+    assert r.breakdown_at_peak["kv_cache"] > 0
+    off = r.run["use_cache_false_peak_bytes"]
+    measured = measure_cpu_peak(RunSpec(model, use_cache=False, **base))
+    assert abs(off - measured) <= TOL * measured, (off, measured)
+    saved = r.peak_allocated_bytes - off
+    assert (saved > 0) if precision == "bf16-mixed" else (saved == 0)
+    assert f"--use-cache false peaks at {format_bytes(off)} (saves " in kv_cache_note(r)
+    quiet = analyze(RunSpec(model, use_cache=False, **base))
+    assert quiet.peak_allocated_bytes == off
+    assert "use_cache_false_peak_bytes" not in quiet.run and kv_cache_note(quiet) == ""
+
+
+def test_no_use_cache_line_when_the_cache_is_not_live_at_the_peak():
+    """tiny-llama-gqa in bf16-mixed peaks in the backward, after the trainer loop released the cache: no line."""
+    from vramtrace.reports.terminal import kv_cache_note
+
+    r = analyze(RunSpec(LLAMA, batch=2, seq=48, device="cpu", precision="bf16-mixed"))
+    assert r.peak_phase == "backward" and r.breakdown_at_peak.get("kv_cache", 0) == 0
+    assert "use_cache_false_peak_bytes" not in r.run and kv_cache_note(r) == ""

@@ -48,15 +48,19 @@ def loop_notes(r: dict, peak: int) -> list[str]:
 
 
 def kv_cache_note(report: MemoryReport) -> str:
-    """What the KV cache a training forward builds holds at the peak, and the option that turns it off; '' when
-    there is none. Not a predicted saving: with the cache off the attention's own key/value tensors live as long
-    as its Python locals and saved tensors keep them (e.g. Llama-2-7b at batch 4 × 2048: 8.00 GiB of cache at the
-    peak, 7.64 GiB saved when traced with --use-cache false), so the exact peak needs that trace."""
+    """What the KV cache a training forward builds holds at the peak, and the peak of the same step traced with
+    `--use-cache false` (`run["use_cache_false_peak_bytes"]`: a second trace, since with the cache off the
+    attention's own key/value tensors live as long as its locals and saved tensors keep them, so the saving is
+    not the cache's bytes); '' unless the config's cache is live at the peak."""
     kv = report.breakdown_at_peak.get("kv_cache", 0)
-    if kv <= 0 or report.run.get("use_cache") is False:
+    off = report.run.get("use_cache_false_peak_bytes")
+    if off is None or report.run.get("use_cache") is False:
         return ""
+    diff = report.peak_allocated_bytes - off
+    saves = (f"saves {format_bytes(diff)}" if diff > 0 else "saves nothing" if diff == 0
+             else f"costs {format_bytes(-diff)}")
     return (f"KV cache built by the training forward (config use_cache on): {format_bytes(kv)} live at the peak; "
-            "--use-cache false does not build it (trace with it for the exact peak)")
+            f"--use-cache false peaks at {format_bytes(off)} ({saves})")
 
 
 def _shape(shape) -> str:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterable
 
 from .records import RecOp, RecStorage
@@ -318,25 +318,27 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
             nid = ids[it] = len(new_storages)
             if it[0] == "global":
                 s = storages[it[1]]
-                new_storages.append(replace(s, sid=nid, module=module_renamed(s.module, kept),
-                                            name=plan.rename(s.name, kept)))
+                new_storages.append(s.copy(nid, plan.rename(s.name, kept) if s.name else "",
+                                           module_renamed(s.module, kept), s.op_index, s.held_micro))
             else:
                 s, layer = storages[it[0]], owner[it[0]][0]
                 names = {layer: it[1], layer + 1: it[1] + 1, layer - 1: it[1] - 1}
-                new_storages.append(replace(s, sid=nid, name=plan.rename(s.name, names),
-                                            module=module_renamed(s.module, names)))
+                new_storages.append(s.copy(nid, plan.rename(s.name, names) if s.name else "",
+                                           module_renamed(s.module, names), s.op_index, s.held_micro))
         return nid
 
-    template_ids: dict[tuple[int, int], int] = {}  # (traced sid, final layer) -> new id: each resolved once
+    template_ids: dict[int, dict[int, int]] = {}  # final layer -> traced sid -> new id: each resolved once
 
     def refs_template(sids: Iterable[int], final: int) -> list[int]:
+        ids_f = template_ids.get(final)
+        if ids_f is None:
+            ids_f = template_ids[final] = {}
         out = []
         for s in sids:
-            nid = template_ids.get((s, final))
+            nid = ids_f.get(s)
             if nid is None:
                 own = owner[s]
-                nid = sid_of(("global", s)) if own is None else sid_of(item(final + own[0] - 1, own[1]))
-                template_ids[(s, final)] = nid
+                nid = ids_f[s] = sid_of(("global", s)) if own is None else sid_of(item(final + own[0] - 1, own[1]))
             out.append(nid)
         return out
 
@@ -382,9 +384,11 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
     def emit(o: RecOp, module: str, refs) -> None:
         new_index[o.index] = len(new_ops)
         ins = tuple(refs(o.ins))
-        new_ops.append(RecOp(len(new_ops), o.name, o.phase, module, ins, tuple(refs(o.outs)),
-                             tuple(refs(o.frees)), o.lead, o.flops, o.recompute, o.step, o.micro))
-        born = refs(births[o.index])
+        outs = tuple(refs(o.outs))
+        new_ops.append(RecOp(len(new_ops), o.name, o.phase, module, ins, outs,
+                             tuple(refs(o.frees)) if o.frees else (), o.lead, o.flops, o.recompute, o.step, o.micro))
+        b = births[o.index]
+        born = list(outs) if len(b) == len(o.outs) and tuple(b) == o.outs else refs(b)
         if len(ins) != len(o.ins) and _stacks_its_inputs(o, births[o.index], storages):
             out = new_storages[born[0]]  # one element per tensor of the full model's list
             out.nbytes, out.shape = out.nbytes // len(o.ins) * len(ins), (len(ins),)
