@@ -51,10 +51,21 @@ def test_json_to_stdout():
     (["--batch", "1", "--seq", "8", "--checkpointing", "auto", "--memory-budget", "4parsecs"], 2, "unknown unit"),
     (["--batch", "1", "--seq", "8", "--checkpointing", "selective:aten.nope"], 2, "is not an op"),
 ])
-def test_usage_errors(args, status, needle):
-    p = run(TINY, *args)
-    assert p.returncode == status
-    assert p.stderr.startswith("Error: ") and needle in p.stderr
+def test_usage_errors(args, status, needle, capsys):
+    """In process (`cli.main`, what the console script calls): one `Error:` line on stderr and the exit status;
+    the subprocess test below checks the same through a real process."""
+    from vramtrace.cli import main
+
+    assert main([TINY, *args]) == status
+    err = capsys.readouterr().err
+    assert err.startswith("Error: ") and needle in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_usage_error_from_a_real_process():
+    p = run(TINY, "--batch", "1")
+    assert p.returncode == 2
+    assert p.stderr.startswith("Error: ") and "--seq is required" in p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
 

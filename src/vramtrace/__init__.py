@@ -201,28 +201,19 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
     precision, precision_source = precision_for(spec, resolved)
     spec = replace(spec, precision=precision)
 
-    from .analysis.liveness import CUDA_MIN_BLOCK_BYTES, build_timeline
     from .analysis.storages import loop_peaks as loops_peaks
-    from .analysis.storages import storage_table
     from .analysis.summary import summarize
     from .spec import Device
+    from .tables import step_tables
     from .tracer.building import load_model
-    from .tracer.trace import trace_step
 
     say("building model on meta")
     loaded = load_model(spec, resolved)
     heap.refreeze()  # torch, transformers and the model are built: out of the collector's way
-    traced = trace_step(spec, loaded, progress=say)
+    main = step_tables(spec, loaded, progress=say)
     say("liveness analysis")
-    block = CUDA_MIN_BLOCK_BYTES if spec.device is Device.CUDA else 1
-    loop = spec.loop.value if spec.step is None else "trainer"  # a --step function is traced as written
-    table = storage_table(traced.ops, traced.storages, traced.marks, loop)
-    steady_step = traced.steps - 1
-
-    def timeline(rows, step, optimal=False):
-        return build_timeline(traced.ops, rows, step, traced.counted_devices, block, optimal)
-
-    steady = timeline(table, steady_step)
+    traced, table, loop, block = main.traced, main.table, main.loop, main.block
+    steady = main.timeline()
     loop_peaks = {}
     if spec.mode is Mode.TRAIN and spec.step is None:
         loop_peaks = loops_peaks(steady, traced.ops, traced.storages, traced.marks, loop, traced.counted_devices, block)
@@ -233,10 +224,7 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
         # the cache the attention's own key/value tensors live as long as its locals and saved tensors keep them)
         say("the same step with use_cache false")
         off = replace(spec, use_cache=False)
-        off_traced = trace_step(off, load_model(off, resolved))
-        off_table = storage_table(off_traced.ops, off_traced.storages, off_traced.marks, loop)
-        cache_off_peak = build_timeline(off_traced.ops, off_table, off_traced.steps - 1, off_traced.counted_devices,
-                                        block).peak_bytes
+        cache_off_peak = step_tables(off, load_model(off, resolved)).peaks()[0]
     gpu = spec.gpu_preset
     model_info = {
         "ref": resolved.ref, "config_source": resolved.source, "config_location": resolved.location,
@@ -266,6 +254,6 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
         run_info["cpu_kernels"] = dict(traced.cpu_environment)
     return summarize(
         model=model_info, run=run_info, params=loaded.params, ops=traced.ops, storages=table,
-        steady=steady, first=timeline(table, 0), graph_optimal=timeline(table, steady_step, True),
+        steady=steady, first=main.timeline(step=0), graph_optimal=main.timeline(optimal=True),
         gpu={"name": gpu.name, "memory_bytes": gpu.memory_bytes} if spec.device is Device.CUDA else None,
         unresolved=traced.unresolved)

@@ -96,11 +96,18 @@ def main_command(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no terminal report (with --json)"),
     debug: bool = typer.Option(False, "--debug", help="on an error, also print the traceback with its causes "
                                "(or set VRAMTRACE_DEBUG=1)"),
+    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="`vramtrace fit`: the device capacity, e.g. "
+                                             "48GiB [default: the --gpu preset's; required with --device cpu]"),
+    headroom: Optional[str] = typer.Option(None, "--headroom", help="`vramtrace fit`: keep this share of the "
+                                           "capacity free, e.g. 5% [default: 0%]"),
     validate_run: bool = typer.Option(False, "--validate", hidden=True, help="set by `vramtrace validate ...`"),
+    fit_axis: Optional[str] = typer.Option(None, "--fit", hidden=True, help="set by `vramtrace fit ...`"),
 ) -> None:
     """Predict the peak memory of one training step (or inference forward) from a meta-device trace.
 
     `vramtrace validate MODEL --seq S ...` also runs the step for real on this machine and compares.
+    `vramtrace fit MODEL --seq S [--gpu G | --gpu-memory 48GiB] [--headroom 5%]` finds the largest micro-batch
+    that fits (with `--batch B` instead of `--seq`: the longest sequence).
     `vramtrace REPORT.json [...] --html PATH` re-renders saved reports. `vramtrace models` lists the bundled ids.
     """
     del debug  # read by main() from the arguments, so that it also covers errors raised while parsing them
@@ -112,6 +119,10 @@ def main_command(
 
     if compare_policies and checkpointing.strip().lower() != "none":
         raise UsageError("--compare traces none, layers and selective itself; drop --checkpointing, or drop --compare")
+    if fit_axis is None and (gpu_memory is not None or headroom is not None):
+        raise UsageError("--gpu-memory and --headroom apply to `vramtrace fit MODEL ...`")
+    if fit_axis is not None and (compare_policies or html_path or snapshot_path or validate_run):
+        raise UsageError("fit writes no --compare, --html or --snapshot; run `vramtrace MODEL ...` for those")
     if validate_run and (compare_policies or html_path or snapshot_path):
         raise UsageError("validate writes no --compare, --html or --snapshot; run `vramtrace MODEL ...` for those")
     for option, path in (("--json", json_path), ("--html", html_path), ("--snapshot", snapshot_path)):
@@ -135,6 +146,9 @@ def main_command(
                        grad_accum=grad_accum, zero_grad=zero_grad, clip_grad_norm=clip_grad_norm,
                        use_cache=_bool_option(use_cache, "--use-cache"))
         err = Console(stderr=True)
+        if fit_axis is not None:
+            _fit(spec, fit_axis, gpu_memory, headroom, json_path, quiet, err)
+            return
         if validate_run:
             _validate(spec, json_path, quiet, err)
             return
@@ -196,6 +210,38 @@ def _validate(spec, json_path: str | None, quiet: bool, err: Console) -> None:
         write_json(result, json_path)
 
 
+def _fit(spec, axis: str, gpu_memory: str | None, headroom: str | None, json_path: str | None, quiet: bool,
+         err: Console) -> None:
+    """`vramtrace fit MODEL ...`: the largest batch (or sequence) that fits (vramtrace.fit)."""
+    from .fit import fit
+    from .reports.fit import render_fit
+    from .reports.json_report import write_json
+    from .units import parse_bytes, parse_fraction
+
+    capacity = parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory is not None else None
+    share = parse_fraction(headroom, "--headroom") if headroom is not None else 0.0
+    with err.status("fit", spinner="dots") as status:
+        result = fit(spec, axis, capacity, share, progress=lambda msg: status.update(f"fit: {msg}"))
+    target = spec.gpu_preset.name if capacity is None else ("a CUDA device" if spec.device.value == "cuda" else "the CPU")
+    if not quiet and json_path != "-":
+        render_fit(result, Console(), spec.model, target)
+    if json_path is not None:
+        write_json({"model": spec.model, "device": spec.device.value, "target": target, **result.to_dict()},
+                   json_path)
+
+
+def _fit_axis(argv: list[str]) -> str:
+    """`vramtrace fit`'s search axis from the options given: the batch at a given --seq (or with neither, for
+    models without a sequence), the sequence at a given --batch. Raises UsageError when both are given."""
+    def given(*names: str) -> bool:
+        return any(a in names or a.split("=", 1)[0] in names for a in argv)
+
+    has_seq, has_batch = given("--seq", "-s"), given("--batch", "-b")
+    if has_seq and has_batch:
+        raise UsageError("fit searches the batch at a given --seq, or the sequence at a given --batch: give one")
+    return "seq" if has_batch else "batch"
+
+
 def _models(argv: list[str]) -> int:
     """`vramtrace models`: the bundled ids (answer offline, at once), one a line with their model_type."""
     from .tracer.loading import bundled_models
@@ -222,13 +268,16 @@ def _error(e: BaseException, debug: bool, text: str | None = None) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point. Exit status: 0 ok, 1 error, 2 usage error. `vramtrace validate ...` predicts, then runs the
     step for real on the local device; `vramtrace models` lists the bundled ids. `--debug` (or VRAMTRACE_DEBUG=1)
-    adds the traceback, with its chained causes, to an error's line."""
+    adds the traceback, with its chained causes, to an error's line. `vramtrace fit ...` searches the largest batch
+    (or sequence) that fits."""
     argv = list(sys.argv[1:] if argv is None else argv)
     # read before parsing, so that an error anywhere (parsing included) can honour it
     debug = "--debug" in argv or os.environ.get("VRAMTRACE_DEBUG", "").strip().lower() in ("1", "true", "yes")
     if argv[:1] == ["validate"]:
         argv = argv[1:] + ["--validate"]
     try:
+        if argv[:1] == ["fit"]:
+            argv = argv[1:] + ([] if {"-h", "--help"} & set(argv) else ["--fit", _fit_axis(argv[1:])])
         if argv[:1] == ["models"]:
             return _models([a for a in argv[1:] if a != "--debug"])
         rv = app(args=argv, standalone_mode=False, prog_name="vramtrace")

@@ -48,6 +48,18 @@ def parse_bytes(text: str, option: str = "a size") -> int:
     return int(round(value * _UNITS[unit]))
 
 
+def parse_fraction(text: str, option: str = "a share") -> float:
+    """Parse '5%' or '0.05' into 0.05. Raises UsageError naming `option` when the text is not a share in [0, 1)."""
+    t = text.strip()
+    try:
+        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise UsageError(f"cannot read {option} {text!r} as a share; write e.g. 5% or 0.05") from None
+    if not 0 <= value < 1:
+        raise UsageError(f"{option} must be at least 0% and below 100%, got {text!r}")
+    return value
+
+
 def format_count(n: int) -> str:
     """Format a count with thousands separators and a short scale, e.g. 6738415616 -> '6,738,415,616 (6.74B)'."""
     for suffix, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):

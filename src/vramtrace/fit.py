@@ -1,0 +1,320 @@
+"""`vramtrace fit`: the largest micro-batch that fits at a sequence length, or the longest sequence at a batch.
+
+Fast by construction. Within one model and run, the recording at batch B (or sequence S) has the same ops and
+storages at every size; only each storage's bytes change, as a polynomial of low degree: linear in B, at most
+quadratic in S (attention scores). So a few exact traces give every storage's bytes at any size:
+
+- batch: exact traces at B = 2, 3, 4; each storage's bytes are the line through B = 2, 3, checked at B = 4
+  (batch 1 is traced when the search gets there: a reshape that is a view at B = 1 copies at B >= 2);
+- sequence: exact traces at S = h, 2h, 3h, 4h (h = 64, or less for short models); the parabola through the
+  first three (Newton's forward differences, integer arithmetic), checked at the fourth.
+
+A candidate's peak is then the same liveness analysis (and, on a CUDA target, the same caching-allocator replay)
+over the recording's storage table with the interpolated sizes: exact as long as the recording's structure does
+not change with the size. The answer is checked by two more exact traces, at the answer and one past it; when
+either disagrees with the interpolation (a kernel whose choice or workspace changes with the shape), or the
+traced structures differ, or a storage is not polynomial, the search falls back to bisection by exact traces and
+says so. Every point of the curve is marked exact or interpolated.
+
+"Fits" is the verdict of the main report: on a CUDA target the peak reserved by the caching-allocator model, on
+the CPU target the peak allocated, at most `capacity × (1 - headroom)`. The CUDA context and cuBLAS workspaces
+are not included (stated in the result's `basis`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from .errors import UsageError
+from .spec import Device, RunSpec
+
+BATCH_NODES = (2, 3, 4)  # not 1: at batch 1 some reshapes are views, at 2 and more copies
+SEQ_STEP = 64  # the sequence nodes are SEQ_STEP * (1, 2, 3, 4), smaller when the model is shorter
+MAX_BATCH = 1 << 20  # the search's upper end for the batch axis
+
+
+@dataclass(frozen=True, slots=True)
+class FitPoint:
+    """The peak at one size (`x`: batch or sequence), exact (traced) or interpolated; `fits` by the verdict."""
+
+    x: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int | None
+    fits: bool
+    exact: bool
+
+
+@dataclass(frozen=True, slots=True)
+class FitResult:
+    """The answer of `fit`. `axis` 'batch' or 'seq', `fixed` the other size; `best` the largest size that fits
+    (None: not even the smallest), `next` the size one past it (None when `best` is the axis's limit);
+    `budget_bytes` = capacity × (1 - headroom); `method` says how the answer was found; `traces` counts the exact
+    traces it took."""
+
+    axis: str
+    fixed: int | None
+    limit: int
+    capacity_bytes: int
+    budget_bytes: int
+    basis: str
+    best: FitPoint | None
+    next: FitPoint | None
+    curve: tuple[FitPoint, ...]
+    method: str
+    traces: int
+
+    def to_dict(self) -> dict:
+        def point(p: FitPoint | None):
+            return None if p is None else {"x": p.x, "peak_allocated_bytes": p.peak_allocated_bytes,
+                                           "peak_reserved_bytes": p.peak_reserved_bytes, "fits": p.fits,
+                                           "exact": p.exact}
+        return {"axis": self.axis, "fixed": self.fixed, "limit": self.limit, "capacity_bytes": self.capacity_bytes,
+                "budget_bytes": self.budget_bytes, "basis": self.basis, "best": point(self.best),
+                "next": point(self.next), "curve": [point(p) for p in self.curve], "method": self.method,
+                "traces": self.traces}
+
+
+class _Curve:
+    """Each storage's bytes as a polynomial of the size, from exact traces at equally spaced nodes (Newton's
+    forward differences in integers): `degree` + 1 nodes determine it, the others check it."""
+
+    def __init__(self, nodes: tuple[int, ...], tables: list, degree: int):
+        self.base = tables[0]
+        self.x0, self.h, self.degree = nodes[0], nodes[1] - nodes[0], degree
+        sizes = [[r.nbytes for r in t.table] for t in tables]
+        self.diffs = []  # per storage: (Δ^0, ..., Δ^degree) of its bytes at the first degree + 1 nodes
+        for ys in zip(*sizes):
+            d, row = [], list(ys[:degree + 1])
+            for _ in range(degree + 1):
+                d.append(row[0])
+                row = [b - a for a, b in zip(row, row[1:])]
+            self.diffs.append(tuple(d))
+
+    def bytes_at(self, x: int) -> list[int] | None:
+        """Every storage's bytes at size x, or None when one of them is not an integer there (not polynomial).
+
+        y(x) = Σ_k Δ^k y0 · Π_{j<k} (x - x0 - j·h) / (h^k · k!), all over the common denominator
+        D = h^degree · degree!, so that the sum is exact in integers."""
+        deg, h = self.degree, self.h
+        factorials = [1]
+        for k in range(1, deg + 1):
+            factorials.append(factorials[-1] * k)
+        denominator = h ** deg * factorials[deg]
+        terms, prod = [], 1
+        for k in range(deg + 1):
+            terms.append(prod * h ** (deg - k) * (factorials[deg] // factorials[k]))
+            prod *= x - self.x0 - k * h
+        out = []
+        for d in self.diffs:
+            n = sum(dk * t for dk, t in zip(d, terms))
+            if n % denominator:
+                return None
+            out.append(n // denominator)
+        return out
+
+    def rows_at(self, x: int):
+        """The base table with each storage's bytes at size x (shapes are the base trace's: not reported)."""
+        sizes = self.bytes_at(x)
+        if sizes is None:
+            return None
+        return tuple(r if r.nbytes == n else replace(r, nbytes=n) for r, n in zip(self.base.table, sizes))
+
+
+def _aligned(a, b) -> bool:
+    """Whether two exact traces record the same structure: the same ops (names, phases, reads, allocations,
+    frees) and the same storages (all but their bytes and shapes)."""
+    ta, tb = a.traced, b.traced
+    if len(ta.ops) != len(tb.ops) or len(a.table) != len(b.table) or ta.steps != tb.steps:
+        return False
+    for x, y in zip(ta.ops, tb.ops):
+        if (x.name, x.phase, x.reads, x.allocates, x.frees, x.step) != (y.name, y.phase, y.reads, y.allocates,
+                                                                        y.frees, y.step):
+            return False
+    for r, s in zip(a.table, b.table):
+        if (r.sid, r.dtype, r.device, r.category, r.op_index, r.op, r.free_after, r.last_use) != (
+                s.sid, s.dtype, s.device, s.category, s.op_index, s.op, s.free_after, s.last_use):
+            return False
+    return True
+
+
+def fit(spec: RunSpec, axis: str, capacity_bytes: int | None = None, headroom: float = 0.0,
+        progress: Callable[[str], None] | None = None) -> FitResult:
+    """The largest batch (`axis` 'batch', at `spec.seq`) or the longest sequence (`axis` 'seq', at
+    `spec.batch`) whose step fits in `capacity_bytes` (default: the target GPU's) less `headroom` (a fraction in
+    [0, 1)). Raises UsageError (bad axis, capacity or headroom; the CPU target without a capacity), and what
+    `analyze` raises."""
+    from . import _FrozenHeap
+
+    say = progress or (lambda _m: None)
+    if axis not in ("batch", "seq"):
+        raise UsageError(f"fit searches 'batch' or 'seq', got {axis!r}")
+    if not 0 <= headroom < 1:
+        raise UsageError(f"--headroom must be in [0%, 100%), got {headroom:.0%}")
+    cuda = spec.device is Device.CUDA
+    if capacity_bytes is None:
+        if not cuda:
+            raise UsageError("the CPU target has no device capacity: pass --gpu-memory (e.g. 16GiB)")
+        capacity_bytes = spec.gpu_preset.memory_bytes
+    if capacity_bytes <= 0:
+        raise UsageError(f"--gpu-memory must be positive, got {capacity_bytes} bytes")
+    with _FrozenHeap() as heap:
+        return _fit(spec, axis, capacity_bytes, int(capacity_bytes * (1 - headroom)), cuda, say, heap)
+
+
+def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, heap) -> FitResult:
+    from .tables import step_tables
+    from .tracer.building import load_model
+    from .tracer.checkpoint_headers import precision_for
+    from .tracer.loading import resolve_config
+
+    resolved = resolve_config(spec.model)
+    spec = replace(spec, precision=precision_for(spec, resolved)[0])
+    exact: dict[int, FitPoint] = {}
+    tables: dict[int, object] = {}
+    limit = MAX_BATCH
+
+    def sized(x: int) -> RunSpec:
+        return replace(spec, batch=x) if axis == "batch" else replace(spec, seq=x)
+
+    def trace(x: int) -> FitPoint:
+        if x not in exact:
+            say(f"exact trace at {axis} {x}")
+            t = step_tables(sized(x), load_model(sized(x), resolved))
+            heap.refreeze()
+            alloc, reserved = t.peaks(cuda=cuda)
+            tables[x] = t
+            exact[x] = FitPoint(x, alloc, reserved, (reserved if cuda else alloc) <= budget, True)
+        return exact[x]
+
+    if axis == "seq":
+        model = load_model(sized(SEQ_STEP), resolved)  # the model's longest sequence bounds the search
+        limit = getattr(model.model.config, "max_position_embeddings", None) or 1 << 20
+        h = min(SEQ_STEP, max(1, limit // 4))
+        nodes, degree = (h, 2 * h, 3 * h, 4 * h), 2
+    else:
+        nodes, degree = BATCH_NODES, 1
+    for x in nodes:
+        trace(x)
+    curve: _Curve | None = None
+    why = ""
+    if not all(_aligned(tables[nodes[0]], tables[x]) for x in nodes[1:]):
+        why = f"the recordings at {axis} {', '.join(map(str, nodes))} differ in structure"
+    else:
+        curve = _Curve(nodes, [tables[x] for x in nodes], degree)
+        for x in nodes[degree + 1:]:
+            if curve.bytes_at(x) != [r.nbytes for r in tables[x].table]:
+                why = f"a storage's bytes are not a degree-{degree} polynomial of the {axis} (checked at {x})"
+                curve = None
+                break
+    rows_cache: dict[int, tuple] = {}
+    allocated_cache: dict[int, int] = {}
+    reserved_cache: dict[int, int] = {}
+
+    def rows(x: int) -> tuple:
+        if x not in rows_cache:
+            r = curve.rows_at(x)
+            if r is None:
+                raise _NotPolynomial(x)
+            rows_cache[x] = r
+        return rows_cache[x]
+
+    def traced_only(x: int, exact_only: bool) -> bool:
+        # below the nodes (batch 1: size-1 dimensions make other views) and without a curve: traced
+        return exact_only or curve is None or x in exact or x < nodes[0]
+
+    def allocated(x: int, exact_only: bool = False) -> int:
+        if traced_only(x, exact_only):
+            return trace(x).peak_allocated_bytes
+        if x not in allocated_cache:
+            allocated_cache[x] = tables[nodes[0]].timeline(rows(x)).peak_bytes
+        return allocated_cache[x]
+
+    def reserved(x: int, exact_only: bool = False) -> int | None:
+        if not cuda:
+            return None
+        if traced_only(x, exact_only):
+            return trace(x).peak_reserved_bytes
+        if x not in reserved_cache:
+            reserved_cache[x] = tables[nodes[0]].peaks(rows(x), cuda=True)[1]
+        return reserved_cache[x]
+
+    def point(x: int, exact_only: bool = False) -> FitPoint:
+        if traced_only(x, exact_only):
+            return trace(x)
+        a, r = allocated(x), reserved(x)
+        return FitPoint(x, a, r, (r if cuda else a) <= budget, False)
+
+    def largest(fits: Callable[[int], bool]) -> int:
+        """The largest x in [1, limit] with fits(x) (peak allocated grows with the size), 0 when none: from the
+        first node, galloping up, then bisection."""
+        start = min(nodes[0], limit)
+        if fits(start):
+            lo, hi = start, start * 2
+            while hi <= limit and fits(hi):
+                lo, hi = hi, hi * 2
+            hi = min(hi, limit + 1)
+        else:
+            lo, hi = 0, start
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    def best_size(exact_only: bool) -> int:
+        """The largest size whose peak allocated fits (monotone, so bisected); on a CUDA target, then down from
+        there to the largest whose peak reserved fits: the caching allocator's segments make reserved bytes
+        non-monotone in the size, and no larger size can fit, since reserved >= allocated."""
+        best = largest(lambda x: allocated(x, exact_only) <= budget)
+        while cuda and best >= 1 and reserved(best, exact_only) > budget:
+            best -= 1
+        return best
+
+    method = ""
+    if curve is not None:
+        try:
+            best = best_size(False)
+            checks = [x for x in (best, best + 1) if 1 <= x <= limit]
+            for x in checks:
+                interp = point(x) if x not in exact else None
+                got = trace(x)
+                if interp is not None and (interp.peak_allocated_bytes, interp.peak_reserved_bytes) != (
+                        got.peak_allocated_bytes, got.peak_reserved_bytes):
+                    why = (f"the interpolation disagrees with the exact trace at {axis} {x} "
+                           f"({interp.peak_allocated_bytes:,} vs {got.peak_allocated_bytes:,} bytes allocated)")
+                    break
+            else:
+                method = (f"interpolated from exact traces at {axis} {', '.join(map(str, nodes))} (degree {degree}); "
+                          f"checked by exact traces at {', '.join(map(str, checks))}")
+        except _NotPolynomial as e:
+            why = f"a storage's bytes are not an integer at {axis} {e.x}: not polynomial"
+    if not method:
+        say(f"bisection by exact traces ({why})")
+        best = best_size(True)
+        method = f"bisection by exact traces ({why})"
+    best_point = trace(best) if best >= 1 else None
+    next_point = trace(best + 1) if best + 1 <= limit else None
+    if method.startswith("interpolated"):  # the curve at the nodes, powers of two and around the answer
+        shown = sorted({*nodes, *exact, *(x for x in _powers(best + 1) if x >= nodes[0]), best + 1} - {0})
+        curve_points = tuple(point(x) for x in shown if x <= limit)
+    else:
+        curve_points = tuple(exact[x] for x in sorted(exact))
+    basis = ("peak reserved (caching-allocator model; the CUDA context and cuBLAS workspaces are not included)"
+             if cuda else "peak allocated (CPU target)")
+    return FitResult(axis, spec.seq if axis == "batch" else spec.batch, limit, capacity, budget, basis, best_point,
+                     next_point, curve_points, method, len(exact))
+
+
+def _powers(n: int) -> list[int]:
+    """1, 2, 4, ... up to n: where the curve is shown."""
+    out, x = [], 1
+    while x <= n:
+        out.append(x)
+        x *= 2
+    return out
+
+
+class _NotPolynomial(Exception):
+    def __init__(self, x: int):
+        super().__init__(x)
+        self.x = x

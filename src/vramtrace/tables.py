@@ -1,0 +1,54 @@
+"""One exact trace of a RunSpec as the analysis consumes it, and the peaks of a storage table.
+
+Shared by `analyze` (its main trace and the `--use-cache false` trace) and `fit` (its exact points), so that every
+figure comes from the same path: `trace_step` → `storage_table` under the spec's loop → `build_timeline` of the
+steady step (and, on a CUDA target, the caching-allocator replay of the first and steady steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .analysis.allocator import replay_steps
+from .analysis.liveness import CUDA_MIN_BLOCK_BYTES, Timeline, build_timeline
+from .analysis.storages import StorageInfo, storage_table
+from .spec import Device, RunSpec
+
+
+@dataclass(frozen=True, slots=True)
+class StepTables:
+    """An exact trace (`traced`: a `tracer.trace.TracedGraph`), its storage table under `loop`, and the allocator
+    block the target rounds to (512 B on CUDA, 1 on the CPU)."""
+
+    traced: object
+    table: tuple[StorageInfo, ...]
+    loop: str
+    block: int
+
+    def timeline(self, rows: tuple[StorageInfo, ...] | None = None, step: int | None = None,
+                 optimal: bool = False) -> Timeline:
+        """The timeline of `step` (default: the steady one) over `rows` (default: this table)."""
+        t = self.traced
+        return build_timeline(t.ops, self.table if rows is None else rows, t.steps - 1 if step is None else step,
+                              t.counted_devices, self.block, optimal)
+
+    def peaks(self, rows: tuple[StorageInfo, ...] | None = None, cuda: bool = False) -> tuple[int, int | None]:
+        """(peak allocated bytes of the steady step, peak reserved bytes by the caching-allocator model on a CUDA
+        target else None) over `rows` (default: this table; rows of the same recording with other sizes, as
+        `fit` interpolates them)."""
+        steady = self.timeline(rows)
+        if not cuda:
+            return steady.peak_bytes, None
+        return steady.peak_bytes, replay_steps(self.timeline(rows, 0), steady).peak_reserved_bytes
+
+
+def step_tables(spec: RunSpec, loaded, progress: Callable[[str], None] | None = None) -> StepTables:
+    """Trace `spec` on `loaded` (a `tracer.building.LoadedModel` built for it) and make its storage table. Raises
+    what `trace_step` raises."""
+    from .tracer.trace import trace_step
+
+    traced = trace_step(spec, loaded, progress=progress)
+    loop = spec.loop.value if spec.step is None else "trainer"  # a --step function is traced as written
+    block = CUDA_MIN_BLOCK_BYTES if spec.device is Device.CUDA else 1
+    return StepTables(traced, storage_table(traced.ops, traced.storages, traced.marks, loop), loop, block)
