@@ -189,7 +189,7 @@ def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, 
 
     if axis == "seq":
         model = load_model(sized(SEQ_STEP), resolved)  # the model's longest sequence bounds the search
-        limit = getattr(model.model.config, "max_position_embeddings", None) or 1 << 20
+        limit = getattr(getattr(model.model, "config", None), "max_position_embeddings", None) or 1 << 20
         h = min(SEQ_STEP, max(1, limit // 4))
         nodes, degree = (h, 2 * h, 3 * h, 4 * h), 2
     else:

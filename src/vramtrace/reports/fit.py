@@ -19,7 +19,7 @@ def render_fit(result, console: Console, model: str, target: str) -> None:
     budget = (f"{format_bytes(r.budget_bytes)} of {format_bytes(r.capacity_bytes)}" if r.budget_bytes != r.capacity_bytes
               else format_bytes(r.capacity_bytes))
     console.print(f"[bold]{escape(model)}[/] on {escape(target)} ({budget}){other}")
-    basis = "reserved" if r.best is None or r.best.peak_reserved_bytes is not None else "allocated"
+    basis = "reserved" if (r.best or r.next).peak_reserved_bytes is not None else "allocated"
     if r.best is None:
         first = r.next
         console.print(f"[bold red]Does not fit even at {_AXIS[r.axis]} {first.x}[/]: peak {basis} "
