@@ -98,9 +98,14 @@ class StepRecorder(TorchDispatchMode):
         module = self.current_module() if op_index >= 0 else ""
         self.storages.append(RecStorage(sid, st.nbytes(), str(t.dtype).removeprefix("torch."), tuple(t.shape),
                                       t.device.type, op_index, op, module, str(self.phase), category, name))
+        self._watch(st, sid)
+        return sid
+
+    def _watch(self, st: torch.UntypedStorage, sid: int) -> None:
+        """Map the live storage `st` to record `sid` and record its free where its last reference dies."""
+        key = st._cdata
         self._live[key] = sid
         self._finalizers.append(weakref.finalize(st, self._on_free, key, sid))
-        return sid
 
     def live_sid(self, t: torch.Tensor) -> int | None:
         """The sid of t's storage if it is registered and alive, else None."""
@@ -109,10 +114,7 @@ class StepRecorder(TorchDispatchMode):
     def adopt(self, t: torch.Tensor, sid: int) -> None:
         """Make t's storage the live storage of the existing record `sid` (a storage whose birth was written by
         replaying an earlier record, `trace._TraceObserver.replay`): its free is then recorded where t's dies."""
-        st = t.untyped_storage()
-        key = st._cdata
-        self._live[key] = sid
-        self._finalizers.append(weakref.finalize(st, self._on_free, key, sid))
+        self._watch(t.untyped_storage(), sid)
 
     def forget(self, t: torch.Tensor) -> None:
         """Stop watching t's storage: its record's free is written by the caller (a replayed record)."""
