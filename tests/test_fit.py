@@ -129,7 +129,7 @@ def test_cli_fit_json_and_errors(tmp_path, capsys):
         (["fit", GPT2, "--seq", "64", "--device", "cpu"], "pass --gpu-memory"),
         (["fit", GPT2, "--seq", "64", "--headroom", "120%"], "--headroom"),
         (["fit", GPT2, "--seq", "64", "--gpu-memory", "48"], "has no unit"),
-        ([GPT2, "--seq", "64", "--gpu-memory", "48GiB"], "apply to `vramtrace fit"),
+        ([GPT2, "--seq", "64", "--headroom", "5%"], "applies to `vramtrace fit"),
     ]:
         assert main(args) == 2, args
         err = capsys.readouterr().err

@@ -8,19 +8,21 @@ from __future__ import annotations
 from typing import Callable
 
 from .errors import VramtraceError
-from .spec import Mode, RunSpec
+from .spec import Device, Mode, RunSpec
 
 __version__ = "0.1.0"
 __all__ = ["analyze", "compare", "compare_reports", "with_comparison", "RunSpec", "VramtraceError", "__version__"]
 
 
-def analyze(spec: RunSpec, progress: Callable[[str], None] | None = None):
+def analyze(spec: RunSpec, progress: Callable[[str], None] | None = None, levers: bool = True):
     """Resolve, build on meta, trace and analyse the step of `spec`. Returns a MemoryReport.
 
     With a checkpointing policy the step is also analysed without it, and the report's `checkpointing` holds
     the baseline (peak and activation bytes without the policy) and a note when the policy costs memory.
-    `auto` runs the planner (`vramtrace.planner`). Raises ModelLoadError (bad model reference or config),
-    TraceError (the step could not run on meta), UsageError (bad spec values).
+    `auto` runs the planner (`vramtrace.planner`). When the step does not fit the target GPU and `levers` is
+    true, the report's `levers` lists what makes it fit, each lever traced (`vramtrace.levers`). Raises
+    ModelLoadError (bad model reference or config), TraceError (the step could not run on meta), UsageError (bad
+    spec values).
     """
     from dataclasses import replace
 
@@ -30,7 +32,16 @@ def analyze(spec: RunSpec, progress: Callable[[str], None] | None = None):
         from .planner import plan_checkpointing
 
         return plan_checkpointing(spec, _analyze_one, say)
-    report = _analyze_one(spec, say)
+    with _FrozenHeap() as heap:
+        keep: dict = {}
+        report = _analyze_one_frozen(spec, say, heap, keep)
+        if levers and report.fit is not None and not report.fit["fits"]:
+            from .levers import Evaluator, find_levers
+
+            ev = Evaluator(keep["resolved"], spec.device is Device.CUDA, say, heap)
+            for traced_spec, out in keep["outcomes"].items():
+                ev.seed(traced_spec, out)
+            report = replace(report, levers=find_levers(keep["spec"], ev, report.fit["capacity_bytes"]))
     if ckpt.kind == "none":
         return report
     from .tracer.checkpointing import paste_snippet  # imports torch: after the config is resolved
@@ -190,7 +201,10 @@ def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
         return _analyze_one_frozen(spec, say, heap)
 
 
-def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _FrozenHeap):
+def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _FrozenHeap, keep: dict | None = None):
+    """The MemoryReport of `spec`. With `keep`, also fills keep['spec'] (the spec with its precision resolved),
+    keep['resolved'] (the resolved config) and keep['outcomes'] ({spec: tables.Outcome} of the traces made), for
+    the lever search."""
     from dataclasses import replace
 
     from .tracer.checkpoint_headers import precision_for
@@ -204,7 +218,7 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
     from .analysis.storages import loop_peaks as loops_peaks
     from .analysis.summary import summarize
     from .spec import Device
-    from .tables import step_tables
+    from .tables import outcome, step_tables
     from .tracer.building import load_model
 
     say("building model on meta")
@@ -218,13 +232,21 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
     if spec.mode is Mode.TRAIN and spec.step is None:
         loop_peaks = loops_peaks(steady, traced.ops, traced.storages, traced.marks, loop, traced.counted_devices, block)
     cache_off_peak = None
+    outcomes = {}
+    if keep is not None:
+        outcomes[spec] = outcome(main, loaded.num_layers, spec.device is Device.CUDA)
+        keep.update(spec=spec, resolved=resolved, outcomes=outcomes)
     if spec.mode is Mode.TRAIN and spec.use_cache is None and any(
             lt.category == "kv_cache" and lt.birth <= steady.peak_step <= lt.death for lt in steady.lifetimes):
         # the config's KV cache is live at the peak: what --use-cache false saves, traced (not derived: without
         # the cache the attention's own key/value tensors live as long as its locals and saved tensors keep them)
         say("the same step with use_cache false")
         off = replace(spec, use_cache=False)
-        cache_off_peak = step_tables(off, load_model(off, resolved)).peaks()[0]
+        off_loaded = load_model(off, resolved)
+        off_tables = step_tables(off, off_loaded)
+        cache_off_peak = off_tables.peaks()[0]
+        if keep is not None:
+            outcomes[off] = outcome(off_tables, off_loaded.num_layers, spec.device is Device.CUDA)
     gpu = spec.gpu_preset
     model_info = {
         "ref": resolved.ref, "config_source": resolved.source, "config_location": resolved.location,
@@ -255,5 +277,6 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
     return summarize(
         model=model_info, run=run_info, params=loaded.params, ops=traced.ops, storages=table,
         steady=steady, first=main.timeline(step=0), graph_optimal=main.timeline(optimal=True),
-        gpu={"name": gpu.name, "memory_bytes": gpu.memory_bytes} if spec.device is Device.CUDA else None,
+        gpu=({"name": spec.capacity[0], "memory_bytes": spec.capacity[1], "cuda": spec.device is Device.CUDA}
+             if spec.capacity is not None else None),
         unresolved=traced.unresolved)

@@ -96,8 +96,11 @@ def main_command(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no terminal report (with --json)"),
     debug: bool = typer.Option(False, "--debug", help="on an error, also print the traceback with its causes "
                                "(or set VRAMTRACE_DEBUG=1)"),
-    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="`vramtrace fit`: the device capacity, e.g. "
-                                             "48GiB [default: the --gpu preset's; required with --device cpu]"),
+    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="the device capacity the verdict checks, e.g. "
+                                             "48GiB, for a GPU without a preset [default: the --gpu preset's; "
+                                             "with --device cpu: no verdict (fit needs one)]"),
+    no_levers: bool = typer.Option(False, "--no-levers", help="when the step does not fit, do not trace the levers "
+                                   "that would make it fit (faster)"),
     headroom: Optional[str] = typer.Option(None, "--headroom", help="`vramtrace fit`: keep this share of the "
                                            "capacity free, e.g. 5% [default: 0%]"),
     validate_run: bool = typer.Option(False, "--validate", hidden=True, help="set by `vramtrace validate ...`"),
@@ -119,8 +122,8 @@ def main_command(
 
     if compare_policies and checkpointing.strip().lower() != "none":
         raise UsageError("--compare traces none, layers and selective itself; drop --checkpointing, or drop --compare")
-    if fit_axis is None and (gpu_memory is not None or headroom is not None):
-        raise UsageError("--gpu-memory and --headroom apply to `vramtrace fit MODEL ...`")
+    if fit_axis is None and headroom is not None:
+        raise UsageError("--headroom applies to `vramtrace fit MODEL ...`")
     if fit_axis is not None and (compare_policies or html_path or snapshot_path or validate_run):
         raise UsageError("fit writes no --compare, --html or --snapshot; run `vramtrace MODEL ...` for those")
     if validate_run and (compare_policies or html_path or snapshot_path):
@@ -144,10 +147,11 @@ def main_command(
                                             if memory_budget is not None else None),
                        task=task, choices=choices, attn_implementation=attn_implementation, loop=loop, step=step,
                        grad_accum=grad_accum, zero_grad=zero_grad, clip_grad_norm=clip_grad_norm,
-                       use_cache=_bool_option(use_cache, "--use-cache"))
+                       use_cache=_bool_option(use_cache, "--use-cache"),
+                       gpu_memory_bytes=parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory is not None else None)
         err = Console(stderr=True)
         if fit_axis is not None:
-            _fit(spec, fit_axis, gpu_memory, headroom, json_path, quiet, err)
+            _fit(spec, fit_axis, headroom, json_path, quiet, err)
             return
         if validate_run:
             _validate(spec, json_path, quiet, err)
@@ -159,7 +163,7 @@ def main_command(
                 reports = compare_reports(spec, labels, progress=say)
                 reports[0] = with_comparison(reports, labels)
             else:
-                reports, labels = [analyze(spec, progress=say)], None
+                reports, labels = [analyze(spec, progress=say, levers=not no_levers)], None
     report = reports[0]
     if not quiet and json_path != "-":
         render(report, Console())
@@ -210,19 +214,17 @@ def _validate(spec, json_path: str | None, quiet: bool, err: Console) -> None:
         write_json(result, json_path)
 
 
-def _fit(spec, axis: str, gpu_memory: str | None, headroom: str | None, json_path: str | None, quiet: bool,
-         err: Console) -> None:
+def _fit(spec, axis: str, headroom: str | None, json_path: str | None, quiet: bool, err: Console) -> None:
     """`vramtrace fit MODEL ...`: the largest batch (or sequence) that fits (vramtrace.fit)."""
     from .fit import fit
     from .reports.fit import render_fit
     from .reports.json_report import write_json
-    from .units import parse_bytes, parse_fraction
+    from .units import parse_fraction
 
-    capacity = parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory is not None else None
     share = parse_fraction(headroom, "--headroom") if headroom is not None else 0.0
     with err.status("fit", spinner="dots") as status:
-        result = fit(spec, axis, capacity, share, progress=lambda msg: status.update(f"fit: {msg}"))
-    target = spec.gpu_preset.name if capacity is None else ("a CUDA device" if spec.device.value == "cuda" else "the CPU")
+        result = fit(spec, axis, headroom=share, progress=lambda msg: status.update(f"fit: {msg}"))
+    target = spec.capacity[0] if spec.capacity is not None else "the CPU"
     if not quiet and json_path != "-":
         render_fit(result, Console(), spec.model, target)
     if json_path is not None:

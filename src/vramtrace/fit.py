@@ -63,6 +63,7 @@ class FitResult:
     curve: tuple[FitPoint, ...]
     method: str
     traces: int
+    levers: dict | None = None  # nothing fits: what makes the smallest size fit (vramtrace.levers.find_levers)
 
     def to_dict(self) -> dict:
         def point(p: FitPoint | None):
@@ -72,7 +73,7 @@ class FitResult:
         return {"axis": self.axis, "fixed": self.fixed, "limit": self.limit, "capacity_bytes": self.capacity_bytes,
                 "budget_bytes": self.budget_bytes, "basis": self.basis, "best": point(self.best),
                 "next": point(self.next), "curve": [point(p) for p in self.curve], "method": self.method,
-                "traces": self.traces}
+                "traces": self.traces, "levers": self.levers}
 
 
 class _Curve:
@@ -139,11 +140,12 @@ def _aligned(a, b) -> bool:
 
 
 def fit(spec: RunSpec, axis: str, capacity_bytes: int | None = None, headroom: float = 0.0,
-        progress: Callable[[str], None] | None = None) -> FitResult:
+        progress: Callable[[str], None] | None = None, levers: bool = True) -> FitResult:
     """The largest batch (`axis` 'batch', at `spec.seq`) or the longest sequence (`axis` 'seq', at
-    `spec.batch`) whose step fits in `capacity_bytes` (default: the target GPU's) less `headroom` (a fraction in
-    [0, 1)). Raises UsageError (bad axis, capacity or headroom; the CPU target without a capacity), and what
-    `analyze` raises."""
+    `spec.batch`) whose step fits in `capacity_bytes` (default: `spec.capacity`) less `headroom` (a fraction in
+    [0, 1)). When not even the smallest size fits and `levers` is true, the result's `levers` says what makes it
+    fit (`vramtrace.levers`). Raises UsageError (bad axis, capacity or headroom; the CPU target without a
+    capacity), and what `analyze` raises."""
     from . import _FrozenHeap
 
     say = progress or (lambda _m: None)
@@ -153,16 +155,16 @@ def fit(spec: RunSpec, axis: str, capacity_bytes: int | None = None, headroom: f
         raise UsageError(f"--headroom must be in [0%, 100%), got {headroom:.0%}")
     cuda = spec.device is Device.CUDA
     if capacity_bytes is None:
-        if not cuda:
+        if spec.capacity is None:
             raise UsageError("the CPU target has no device capacity: pass --gpu-memory (e.g. 16GiB)")
-        capacity_bytes = spec.gpu_preset.memory_bytes
+        capacity_bytes = spec.capacity[1]
     if capacity_bytes <= 0:
         raise UsageError(f"--gpu-memory must be positive, got {capacity_bytes} bytes")
     with _FrozenHeap() as heap:
-        return _fit(spec, axis, capacity_bytes, int(capacity_bytes * (1 - headroom)), cuda, say, heap)
+        return _fit(spec, axis, capacity_bytes, int(capacity_bytes * (1 - headroom)), cuda, say, heap, levers)
 
 
-def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, heap) -> FitResult:
+def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, heap, levers: bool) -> FitResult:
     from .tables import step_tables
     from .tracer.building import load_model
     from .tracer.checkpoint_headers import precision_for
@@ -172,6 +174,7 @@ def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, 
     spec = replace(spec, precision=precision_for(spec, resolved)[0])
     exact: dict[int, FitPoint] = {}
     tables: dict[int, object] = {}
+    num_layers: dict[int, int] = {}
     limit = MAX_BATCH
 
     def sized(x: int) -> RunSpec:
@@ -180,8 +183,10 @@ def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, 
     def trace(x: int) -> FitPoint:
         if x not in exact:
             say(f"exact trace at {axis} {x}")
-            t = step_tables(sized(x), load_model(sized(x), resolved))
+            loaded = load_model(sized(x), resolved)
+            t = step_tables(sized(x), loaded)
             heap.refreeze()
+            num_layers[x] = loaded.num_layers
             alloc, reserved = t.peaks(cuda=cuda)
             tables[x] = t
             exact[x] = FitPoint(x, alloc, reserved, (reserved if cuda else alloc) <= budget, True)
@@ -301,8 +306,16 @@ def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, 
         curve_points = tuple(exact[x] for x in sorted(exact))
     basis = ("peak reserved (caching-allocator model; the CUDA context and cuBLAS workspaces are not included)"
              if cuda else "peak allocated (CPU target)")
+    found = None
+    if best_point is None and next_point is not None and levers:
+        from .levers import Evaluator, find_levers
+        from .tables import outcome
+
+        ev = Evaluator(resolved, cuda, say, heap)
+        ev.seed(sized(next_point.x), outcome(tables[next_point.x], num_layers[next_point.x], cuda))
+        found = find_levers(sized(next_point.x), ev, budget)
     return FitResult(axis, spec.seq if axis == "batch" else spec.batch, limit, capacity, budget, basis, best_point,
-                     next_point, curve_points, method, len(exact))
+                     next_point, curve_points, method, len(exact), found)
 
 
 def _powers(n: int) -> list[int]:

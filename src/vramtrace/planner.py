@@ -54,22 +54,7 @@ def plan_checkpointing(spec: RunSpec, analyze_one: Callable, say: Callable[[str]
     def fits(policy: str) -> bool:
         return budget_peak(evaluate(policy)) <= budget
 
-    base = evaluate("none")
-    L = base.run.get("num_layers") or 0
-    if not fits("none") and L:
-        evaluate("selective")
-        if fits("layers") and L > 1:
-            by_count = {}  # layers checkpointed -> N (every_n_layers)
-            for n in range(L, 1, -1):
-                by_count.setdefault(math.ceil(L / n), n)
-            counts = sorted(by_count)
-            lo, hi = 0, len(counts) - 1
-            while lo <= hi:  # smallest count that fits
-                mid = (lo + hi) // 2
-                if fits(f"nth:{by_count[counts[mid]]}"):
-                    hi = mid - 1
-                else:
-                    lo = mid + 1
+    search_checkpointing(evaluate("none").run.get("num_layers") or 0, fits, evaluate)
     candidates = [(p, r) for p, r in seen.items() if budget_peak(r) <= budget]
     if candidates:
         policy, chosen = min(candidates, key=lambda pr: (pr[1].recompute_flops, budget_peak(pr[1])))
@@ -80,7 +65,7 @@ def plan_checkpointing(spec: RunSpec, analyze_one: Callable, say: Callable[[str]
                    f"({chosen.peak_op})")
     # nothing to apply when no plan fits: the floor is information, not advice
     snippet = paste_snippet(Checkpointing.parse(policy)) if candidates else ""
-    summary = checkpointing_summary(chosen, base, snippet)
+    summary = checkpointing_summary(chosen, seen["none"], snippet)
     basis = "peak reserved" if chosen.peak_reserved_bytes is not None else "peak allocated"
     summary["plan"] = {
         "budget_bytes": budget, "fits": bool(candidates), "chosen": policy, "verdict": verdict,
@@ -93,3 +78,26 @@ def plan_checkpointing(spec: RunSpec, analyze_one: Callable, say: Callable[[str]
                       for p, r in seen.items()],
     }
     return replace(chosen, checkpointing=summary)
+
+
+def search_checkpointing(num_layers: int, fits: Callable[[str], bool], evaluate: Callable[[str], object]) -> None:
+    """Evaluate the candidate plans for a stack of `num_layers` layers that the search needs, by `evaluate(policy)`
+    (which caches): none; when none does not fit, selective and layers; when layers fits, a binary search over
+    transformers' every_n_layers for the smallest number of checkpointed layers that fits (`fits(policy)`).
+    Shared by `--checkpointing auto` and the checkpointing lever (`vramtrace.levers`)."""
+    L = num_layers
+    if fits("none") or not L:
+        return
+    evaluate("selective")
+    if fits("layers") and L > 1:
+        by_count = {}  # layers checkpointed -> N (every_n_layers)
+        for n in range(L, 1, -1):
+            by_count.setdefault(math.ceil(L / n), n)
+        counts = sorted(by_count)
+        lo, hi = 0, len(counts) - 1
+        while lo <= hi:  # smallest count that fits
+            mid = (lo + hi) // 2
+            if fits(f"nth:{by_count[counts[mid]]}"):
+                hi = mid - 1
+            else:
+                lo = mid + 1

@@ -390,6 +390,8 @@ class RunSpec:
     step: `path/to/file.py:FUNC`: the user's own step function, called as `FUNC(model, batch, optimizer)` once per
         step (batch: the inputs dict, or the tuple of positional inputs of a custom module); it replaces the
         loop, accumulation, clipping and GradScaler options.
+    gpu_memory_bytes: the device's capacity in bytes (`--gpu-memory`), replacing the `gpu` preset's; on the CPU
+        target, a capacity the peak allocated is checked against (None: no verdict on the CPU).
     """
 
     model: str
@@ -422,6 +424,7 @@ class RunSpec:
     clip_grad_norm: float | None = None
     use_cache: bool | None = None
     step: str | None = None
+    gpu_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq", "lora_rank", "image_size", "choices", "grad_accum"):
@@ -468,6 +471,10 @@ class RunSpec:
             raise UsageError("--checkpointing auto needs --memory-budget, e.g. --memory-budget 40GiB")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
             raise UsageError("--memory-budget must be positive, e.g. 40GiB")
+        if self.gpu_memory_bytes is not None and (isinstance(self.gpu_memory_bytes, bool)
+                                                  or not isinstance(self.gpu_memory_bytes, int)
+                                                  or self.gpu_memory_bytes <= 0):
+            raise UsageError(f"--gpu-memory must be a positive size, e.g. 48GiB, got {self.gpu_memory_bytes!r}")
         if self.memory_budget_bytes is not None and ckpt.kind != "auto":
             raise UsageError("--memory-budget applies to --checkpointing auto only; add --checkpointing auto or "
                              "drop --memory-budget")
@@ -516,3 +523,13 @@ class RunSpec:
     @property
     def gpu_preset(self) -> GpuPreset:
         return parse_gpu(self.gpu)
+
+    @property
+    def capacity(self) -> tuple[str, int] | None:
+        """(name, bytes) of the capacity the fit verdict checks: `--gpu-memory` when given, else the GPU preset's on
+        a CUDA target; None on the CPU target without `--gpu-memory`."""
+        if self.gpu_memory_bytes is not None:
+            return ("a CUDA device" if self.device is Device.CUDA else "the CPU"), self.gpu_memory_bytes
+        if self.device is Device.CUDA:
+            return self.gpu_preset.name, self.gpu_preset.memory_bytes
+        return None

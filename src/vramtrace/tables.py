@@ -12,6 +12,7 @@ from typing import Callable
 
 from .analysis.allocator import replay_steps
 from .analysis.liveness import CUDA_MIN_BLOCK_BYTES, Timeline, build_timeline
+from .analysis.categories import Category
 from .analysis.storages import StorageInfo, storage_table
 from .spec import Device, RunSpec
 
@@ -52,3 +53,37 @@ def step_tables(spec: RunSpec, loaded, progress: Callable[[str], None] | None = 
     loop = spec.loop.value if spec.step is None else "trainer"  # a --step function is traced as written
     block = CUDA_MIN_BLOCK_BYTES if spec.device is Device.CUDA else 1
     return StepTables(traced, storage_table(traced.ops, traced.storages, traced.marks, loop), loop, block)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a lever search needs of one exact trace (a full `MemoryReport` is not built): the steady step's peak
+    allocated bytes, the caching-allocator model's peak reserved bytes (CUDA target, else None), the KV cache
+    bytes live at the peak, the forward + backward and the recompute FLOPs, the phase of the peak, and the
+    number of layers in the model's checkpointable stack. The attribute names are the report's, so
+    `planner.budget_peak` reads either."""
+
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int | None
+    kv_cache_bytes_at_peak: int
+    step_flops: int
+    recompute_flops: int
+    peak_phase: str
+    num_layers: int
+
+    @property
+    def recompute_overhead(self) -> float:
+        return self.recompute_flops / self.step_flops if self.step_flops else 0.0
+
+
+def outcome(tables: StepTables, num_layers: int, cuda: bool) -> Outcome:
+    """The `Outcome` of an exact trace (`step_tables`) of a model whose stack has `num_layers` layers."""
+    from .analysis.summary import flops
+
+    steady = tables.timeline()
+    reserved = replay_steps(tables.timeline(step=0), steady).peak_reserved_bytes if cuda else None
+    at = steady.peak_step
+    kv = sum(lt.bytes for lt in steady.lifetimes if lt.category is Category.KV_CACHE and lt.birth <= at <= lt.death)
+    step_flops, recompute_flops = flops(tables.traced.ops, steady)
+    phase = str(tables.traced.ops[steady.steps[at]].phase) if steady.steps else ""
+    return Outcome(steady.peak_bytes, reserved, kv, step_flops, recompute_flops, phase, num_layers)

@@ -71,6 +71,7 @@ class MemoryReport:
     allocator: dict[str, Any] | None = None  # CUDA target: the allocator model and its segments
     unresolved: tuple[str, ...] = ()
     peak_micro_step: int = 0  # gradient accumulation: the micro-step (0-based) of the peak
+    levers: dict[str, Any] | None = None  # when it does not fit: what makes it fit (vramtrace.levers.find_levers)
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -119,6 +120,14 @@ def _phase_marks(tl: Timeline) -> tuple[PhaseMark, ...]:
     return tuple(marks)
 
 
+def flops(ops: tuple, steady: Timeline) -> tuple[int, int]:
+    """(forward + backward FLOPs without recompute, FLOPs of checkpointed forward ops re-run in the backward) of
+    the steady step (`torch.utils.flop_counter` formulas, counted per op by the recorder)."""
+    steady_ops = [ops[i] for i in steady.steps]
+    return (sum(o.flops for o in steady_ops if o.phase in ("forward", "backward") and not o.recompute),
+            sum(o.flops for o in steady_ops if o.recompute))
+
+
 def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: tuple, storages: tuple,
               steady: Timeline, first: Timeline, graph_optimal: Timeline, gpu: dict[str, Any] | None,
               top_n: int = 10, unresolved: tuple[str, ...] = ()) -> MemoryReport:
@@ -126,7 +135,8 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
     (a CUDA target) the two steps are replayed through the caching-allocator model for peak reserved bytes,
     and the fit verdict is on reserved memory.
 
-    `ops`/`storages` are the recorder's OpInfo/StorageInfo rows; `gpu` is {'name', 'memory_bytes'} or None.
+    `ops`/`storages` are the recorder's OpInfo/StorageInfo rows; `gpu` is {'name', 'memory_bytes', 'cuda'} or None
+    (no verdict); with 'cuda' False (the CPU target given a capacity) the verdict is on peak allocated bytes.
     """
     by_sid = {s.sid: s for s in storages}
     peak = steady.peak_step
@@ -145,11 +155,9 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
     end_fwd = forward[-1] if forward else -1
     activation = sum(lt.bytes for lt in steady.lifetimes
                      if lt.category is Category.ACTIVATION and lt.birth <= end_fwd < lt.death)
-    steady_ops = [ops[i] for i in steady.steps]
-    step_flops = sum(o.flops for o in steady_ops if o.phase in ("forward", "backward") and not o.recompute)
-    recompute_flops = sum(o.flops for o in steady_ops if o.recompute)
+    step_flops, recompute_flops = flops(ops, steady)
     fit = reserved = allocator = None
-    if gpu is not None:
+    if gpu is not None and gpu.get("cuda", True):
         est = replay_steps(first, steady)
         reserved = est.peak_reserved_bytes
         allocator = {"model": "c10/cuda/CUDACachingAllocator.cpp defaults (512 B blocks, 2 MiB small and 20 MiB "
@@ -161,6 +169,10 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
         fit = {"gpu": gpu["name"], "capacity_bytes": gpu["memory_bytes"], "headroom_bytes": headroom,
                "fits": headroom >= 0, "basis": "peak reserved (caching-allocator model; the CUDA context and "
                                                 "cuBLAS workspaces are not included)"}
+    elif gpu is not None:
+        headroom = gpu["memory_bytes"] - steady.peak_bytes
+        fit = {"gpu": gpu["name"], "capacity_bytes": gpu["memory_bytes"], "headroom_bytes": headroom,
+               "fits": headroom >= 0, "basis": "peak allocated (CPU target)"}
     return MemoryReport(
         model=model, run=run, params=params,
         peak_allocated_bytes=steady.peak_bytes,

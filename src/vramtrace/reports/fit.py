@@ -47,6 +47,10 @@ def render_fit(result, console: Console, model: str, target: str) -> None:
         cells += ["yes" if p.fits else "[red]no[/]", "traced" if p.exact else "interpolated"]
         table.add_row(*cells)
     console.print(table)
+    if r.levers is not None:
+        from .levers import render_levers
+
+        render_levers(r.levers, console)
 
 
 def _peak(p) -> int:

@@ -165,6 +165,10 @@ def render(report: MemoryReport, console: Console) -> None:
                        f"{format_bytes(-f['headroom_bytes'])}", style="bold red")
         console.print(msg)
         console.print(Text(f"basis: {f['basis']}", style="dim"))
+    if report.levers is not None:
+        from .levers import render_levers
+
+        render_levers(report.levers, console)
 
 
 def _pct(x: float) -> str:

@@ -1,0 +1,289 @@
+"""What makes it fit: the levers a user can pull when a step does not fit, each traced exactly with the lever applied.
+
+A lever is a change of the run that a user makes with one option (the option is its name): `--use-cache false`,
+another `--optimizer-impl`, a `--checkpointing` policy, a smaller `--batch` with `--grad-accum` keeping the
+effective batch, `--lora-rank`. Every lever is traced and analysed like the main run (its peak is a prediction of
+the same kind, never an estimate) and marked fits or not on the verdict's basis (`planner.budget_peak`: peak
+reserved on a CUDA target, peak allocated on the CPU).
+
+Levers are ranked from cheapest, by what they cost the run, then by how much they save:
+  0. free: the same training at the same speed (`--use-cache false`: training never reads the cache; the fused
+     optimizer: the same update in fewer kernels);
+  1. a slower optimizer step (the for-loop implementation: one kernel per tensor and op);
+  2. recompute: checkpointing, ranked by its recompute FLOPs as a share of the step's forward + backward FLOPs;
+  3. throughput: k micro-batches per optimizer step instead of one (the same effective batch and update, lower
+     GPU utilisation at small micro-batches), ranked by k;
+  4. a different training: LoRA trains adapters on the frozen base weights.
+
+When no single lever fits, a combination is built: each family's strongest lever is added in rank order until
+the run fits; then the non-free levers the fit does not need are dropped (most expensive first), and
+checkpointing and the micro-batch are relaxed to the cheapest setting that still fits. Every step of that is
+traced.
+
+The families are `FAMILIES`, in rank order: the seam where 8-bit optimizers (bitsandbytes) and sharding over N
+GPUs join as they land.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from .planner import budget_peak, search_checkpointing
+from .spec import Device, Mode, OptimizerImpl, OPTIMIZER_IMPLS, RunSpec, custom_ref
+from .tables import Outcome
+
+LORA_RANK = 16  # the LoRA lever's rank: peft's examples and HF's PEFT guides start at r=8..16
+
+
+@dataclass(frozen=True, slots=True)
+class Lever:
+    """One lever, traced. `changes`: the RunSpec fields it sets, as (name, value) pairs; `rank`: (cost class
+    0..4, amount) as in the module docstring; `cost`: what it costs, in words."""
+
+    family: str
+    changes: tuple[tuple[str, object], ...]
+    rank: tuple[int, float]
+    cost: str
+    outcome: Outcome
+    fits: bool
+
+    @property
+    def options(self) -> str:
+        """The command-line options that apply it, e.g. '--checkpointing selective'."""
+        return options_text(dict(self.changes))
+
+    def to_dict(self, base_bytes: int) -> dict:
+        o = self.outcome
+        return {"family": self.family, "options": self.options, "cost": self.cost,
+                "peak_allocated_bytes": o.peak_allocated_bytes, "peak_reserved_bytes": o.peak_reserved_bytes,
+                "compared_bytes": budget_peak(o), "saves_bytes": base_bytes - budget_peak(o), "fits": self.fits,
+                "recompute_overhead": o.recompute_overhead}
+
+
+def options_text(changes: dict) -> str:
+    """'--use-cache false --checkpointing layers' for a dict of RunSpec field changes."""
+    parts = []
+    for name, value in changes.items():
+        if name == "use_cache":
+            parts.append(f"--use-cache {str(value).lower()}")
+        elif name == "grad_accum":
+            continue  # printed with the batch
+        elif name == "batch":
+            parts.append(f"--batch {value} --grad-accum {changes['grad_accum']}")
+        elif name == "optimizer_impl":
+            parts.append(f"--optimizer-impl {value.value}")
+        elif name == "checkpointing":
+            parts.append(f"--checkpointing {value}")
+        elif name == "lora_rank":
+            parts.append(f"--lora-rank {value}")
+        else:  # pragma: no cover - a family added without its option text
+            raise ValueError(f"no option text for {name}")
+    return " ".join(parts)
+
+
+class Evaluator:
+    """Exact traces of variants of one run, by RunSpec, cached: `ev(spec) -> Outcome`. `spec`s are resolved
+    (precision set); `seed` adds outcomes already traced (the main run's)."""
+
+    def __init__(self, resolved, cuda: bool, say: Callable[[str], None], heap) -> None:
+        self.resolved, self.cuda, self.say, self.heap = resolved, cuda, say, heap
+        self.cache: dict[RunSpec, Outcome] = {}
+        self.base: RunSpec | None = None  # the progress messages name the options that differ from it
+        self.traces = 0
+
+    def seed(self, spec: RunSpec, out: Outcome) -> None:
+        self.cache[spec] = out
+
+    def __call__(self, spec: RunSpec) -> Outcome:
+        if spec not in self.cache:
+            from .tables import outcome, step_tables
+            from .tracer.building import load_model
+
+            if self.base is not None:
+                diff = {f: getattr(spec, f) for f in ("use_cache", "optimizer_impl", "checkpointing", "batch",
+                                                      "grad_accum", "lora_rank")
+                        if getattr(spec, f) != getattr(self.base, f)}
+                if "batch" in diff or "grad_accum" in diff:
+                    diff.update(batch=spec.batch, grad_accum=spec.grad_accum)
+                self.say(f"what makes it fit: {options_text(diff)}")
+            loaded = load_model(spec, self.resolved)
+            self.cache[spec] = outcome(step_tables(spec, loaded), loaded.num_layers, self.cuda)
+            self.traces += 1
+            self.heap.refreeze()
+        return self.cache[spec]
+
+
+class _Search:
+    """The state the families share: the base spec, its outcome, the budget and the evaluator."""
+
+    def __init__(self, spec: RunSpec, ev: Evaluator, budget: int) -> None:
+        self.spec, self.ev, self.budget = spec, ev, budget
+        ev.base = spec
+        self.base = ev(spec)
+
+    def fits(self, out: Outcome) -> bool:
+        return budget_peak(out) <= self.budget
+
+    def lever(self, family: str, on: RunSpec, changes: dict, rank: tuple[int, float], cost: str) -> Lever:
+        out = self.ev(replace(on, **changes))
+        return Lever(family, tuple(changes.items()), rank, cost, out, self.fits(out))
+
+
+def _use_cache(s: _Search, on: RunSpec) -> list[Lever]:
+    """`--use-cache false` when the config's KV cache is live at the peak (else it saves nothing at the peak)."""
+    if on.mode is not Mode.TRAIN or on.use_cache is not None or not s.ev(on).kv_cache_bytes_at_peak:
+        return []
+    return [s.lever("use_cache", on, {"use_cache": False}, (0, 0.0),
+                    "none: a training step never reads the KV cache")]
+
+
+_IMPL_COST = {OptimizerImpl.FUSED: (0, "none: the same update in one fused kernel per parameter group"),
+              OptimizerImpl.FOREACH: (0, "none: the same update in multi-tensor kernels"),
+              OptimizerImpl.FORLOOP: (1, "a slower optimizer step: one kernel per tensor and op, no multi-tensor "
+                                         "temporaries")}
+
+
+def _optimizer_impl(s: _Search, on: RunSpec) -> list[Lever]:
+    """The optimizer's other implementations (torch.optim's foreach / for-loop / fused), when the peak is in the
+    optimizer step (elsewhere they change nothing)."""
+    if on.mode is not Mode.TRAIN or on.step is not None or s.ev(on).peak_phase != "optimizer":
+        return []
+    current = on.optimizer_impl
+    if current is OptimizerImpl.DEFAULT:  # torch/optim/optimizer.py::_default_to_fused_or_foreach
+        current = OptimizerImpl.FOREACH if on.device is Device.CUDA else OptimizerImpl.FORLOOP
+    out = []
+    for impl in OPTIMIZER_IMPLS[on.optimizer]:
+        if impl not in (OptimizerImpl.DEFAULT, current):
+            cls, cost = _IMPL_COST[impl]
+            out.append(s.lever("optimizer_impl", on, {"optimizer_impl": impl}, (cls, 0.0), cost))
+    return out
+
+
+def _checkpointing(s: _Search, on: RunSpec) -> list[Lever]:
+    """The checkpointing plans the planner's search traces (`planner.search_checkpointing`: selective, layers,
+    and the fewest every_n_layers that fits), when the run has no checkpointing and a layer stack."""
+    base = s.ev(on)
+    if on.mode is not Mode.TRAIN or on.checkpointing.kind != "none" or not base.num_layers:
+        return []
+    seen: dict[str, Outcome] = {"none": base}
+
+    def evaluate(policy: str) -> Outcome:
+        if policy not in seen:
+            seen[policy] = s.ev(replace(on, checkpointing=policy))
+        return seen[policy]
+
+    search_checkpointing(base.num_layers, lambda p: s.fits(evaluate(p)), evaluate)
+    return [s.lever("checkpointing", on, {"checkpointing": policy}, (2, out.recompute_overhead),
+                    f"recompute: {100 * out.recompute_overhead:.1f}% more FLOPs in the backward" if out.recompute_flops
+                    else "recompute: elementwise ops only (no matmul or attention FLOPs)")
+            for policy, out in seen.items() if policy != "none"]
+
+
+def _micro_batch(s: _Search, on: RunSpec) -> list[Lever]:
+    """The largest micro-batch b that divides the batch and fits, with `--grad-accum` raised to keep the effective
+    batch (the peak grows with b, so the divisors are bisected); the smallest (b = 1) when none fits."""
+    if on.mode is not Mode.TRAIN or on.step is not None or on.batch <= 1:
+        return []
+    divisors = [b for b in range(1, on.batch) if on.batch % b == 0]
+
+    def lever(b: int) -> Lever:
+        k = on.grad_accum * on.batch // b
+        return s.lever("micro_batch", on, {"batch": b, "grad_accum": k}, (3, float(k)),
+                       f"throughput: {k} micro-batches of {b} per optimizer step (the same effective batch "
+                       f"{on.batch * on.grad_accum})")
+
+    lo, hi, best = 0, len(divisors) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        cand = lever(divisors[mid])
+        if cand.fits:
+            best, lo = cand, mid + 1
+        else:
+            hi = mid - 1
+    return [best or lever(1)]
+
+
+def _lora(s: _Search, on: RunSpec) -> list[Lever]:
+    """peft LoRA of rank `LORA_RANK` on peft's default targets, for full fine-tuning of a transformers model."""
+    if on.mode is not Mode.TRAIN or on.lora_rank is not None or on.freeze or custom_ref(on.model) is not None:
+        return []
+    return [s.lever("lora", on, {"lora_rank": LORA_RANK}, (4, 0.0),
+                    f"a different training: LoRA r={LORA_RANK} adapters on peft's default targets, the base "
+                    "weights frozen")]
+
+
+FAMILIES: tuple[tuple[str, Callable[[_Search, RunSpec], list[Lever]]], ...] = (
+    ("use_cache", _use_cache), ("optimizer_impl", _optimizer_impl), ("checkpointing", _checkpointing),
+    ("micro_batch", _micro_batch), ("lora", _lora),
+)
+
+
+def find_levers(spec: RunSpec, ev: Evaluator, budget_bytes: int) -> dict:
+    """The levers of `spec` (resolved: precision set) against `budget_bytes` (on `planner.budget_peak`'s basis),
+    as the report's JSON `levers` entry: {'budget_bytes', 'basis', 'base_bytes', 'levers': [ranked, each
+    `Lever.to_dict`], 'combination': None or {'options', 'levers', 'peak_allocated_bytes', 'peak_reserved_bytes',
+    'compared_bytes', 'fits'}, 'traces'}. Levers that save nothing are left out."""
+    s = _Search(spec, ev, budget_bytes)
+    base_bytes = budget_peak(s.base)
+    found = [lv for _, family in FAMILIES for lv in family(s, spec) if budget_peak(lv.outcome) < base_bytes]
+    found.sort(key=lambda lv: (lv.rank, budget_peak(lv.outcome)))
+    combination = None if any(lv.fits for lv in found) else _combine(s, found)
+    return {"budget_bytes": budget_bytes, "base_bytes": base_bytes,
+            "basis": "peak reserved" if s.base.peak_reserved_bytes is not None else "peak allocated",
+            "levers": [lv.to_dict(base_bytes) for lv in found], "combination": combination, "traces": ev.traces}
+
+
+def _combine(s: _Search, found: list[Lever]) -> dict | None:
+    """The cheapest combination found that fits (see the module docstring), or the strongest one when nothing
+    fits; None when fewer than two levers save anything.
+
+    Free levers that save on the run are in from the start. Each non-free family's strongest lever is added in
+    rank order until the combination fits; a lever can move the peak into the optimizer step (checkpointing
+    does), so when the combination's peak is there, the optimizer's other implementations are traced on it too.
+    Then the levers the fit does not need are dropped (most expensive first), and checkpointing and the
+    micro-batch are relaxed to the cheapest setting traced for them that still fits."""
+    if len(found) < 2:
+        return None
+    chosen: dict[str, Lever] = {}
+    by_family: dict[str, list[Lever]] = {}
+    for lv in found:
+        by_family.setdefault(lv.family, []).append(lv)
+        if lv.rank[0] == 0 and lv.family not in chosen:
+            chosen[lv.family] = lv
+
+    def changes(without: str = "") -> dict:
+        return {k: v for f, lv in chosen.items() if f != without for k, v in lv.changes}
+
+    def traced() -> Outcome:
+        return s.ev(replace(s.spec, **changes()))
+
+    for f, _ in FAMILIES:
+        if s.fits(traced()):
+            break
+        if f in by_family and by_family[f][0].rank[0] > 0 and f not in chosen:
+            chosen[f] = min(by_family[f], key=lambda lv: budget_peak(lv.outcome))
+            if "optimizer_impl" not in chosen and traced().peak_phase == "optimizer":
+                on = replace(s.spec, **changes())
+                impls = [lv for lv in _optimizer_impl(s, on) if budget_peak(lv.outcome) < budget_peak(traced())]
+                if impls:
+                    chosen["optimizer_impl"] = min(impls, key=lambda lv: (lv.rank, budget_peak(lv.outcome)))
+    if s.fits(traced()):
+        # drop what the fit does not need, most expensive first (free levers too: fewer options to apply)
+        for f in sorted(chosen, key=lambda f: chosen[f].rank, reverse=True):
+            kept = chosen.pop(f)
+            if not s.fits(traced()):
+                chosen[f] = kept
+        for f in ("checkpointing", "micro_batch"):  # the cheapest setting traced for it that still fits
+            for lv in sorted(by_family.get(f, ()), key=lambda lv: lv.rank):
+                if f not in chosen or lv.rank >= chosen[f].rank:
+                    break
+                kept, chosen[f] = chosen[f], lv
+                if s.fits(traced()):
+                    break
+                chosen[f] = kept
+    out = traced()
+    order = [f for f, _ in FAMILIES if f in chosen]
+    return {"options": options_text({k: v for f in order for k, v in chosen[f].changes}), "levers": order,
+            "peak_allocated_bytes": out.peak_allocated_bytes, "peak_reserved_bytes": out.peak_reserved_bytes,
+            "compared_bytes": budget_peak(out), "fits": s.fits(out)}

@@ -1,0 +1,35 @@
+"""Terminal rendering of the levers that make a run fit (the report's `levers`, `vramtrace.levers.find_levers`)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from ..units import format_bytes
+
+
+def render_levers(levers: dict, console: Console) -> None:
+    """A table of the levers, cheapest first, each with its traced peak, what it saves and whether it fits; then
+    the combination when no single lever fits."""
+    basis = levers["basis"]
+    table = Table(title=f"What makes it fit (each lever traced; {basis} vs {format_bytes(levers['budget_bytes'])})",
+                  title_justify="left")
+    table.add_column("lever", overflow="fold")
+    table.add_column(basis.removeprefix("peak "), justify="right")
+    table.add_column("saves", justify="right")
+    table.add_column("fits")
+    table.add_column("cost", overflow="fold")
+    for lv in levers["levers"]:
+        table.add_row(escape(lv["options"]), format_bytes(lv["compared_bytes"]), format_bytes(lv["saves_bytes"]),
+                      "[bold green]yes[/]" if lv["fits"] else "no", escape(lv["cost"]))
+    if not levers["levers"]:
+        console.print(Text("No lever vramtrace knows lowers the peak of this run.", style="yellow"))
+        return
+    console.print(table)
+    combo = levers.get("combination")
+    if combo:
+        verdict = "fits" if combo["fits"] else f"does not fit (over by {format_bytes(combo['compared_bytes'] - levers['budget_bytes'])})"
+        console.print(Text.assemble(("No single lever is enough; together: ", "bold"), (combo["options"], "bold cyan"),
+                                    f" peaks at {format_bytes(combo['compared_bytes'])} ({basis}) and {verdict}"))

@@ -1,0 +1,111 @@
+"""What makes it fit: every lever is the run its options make (the same command line analysed on its own), ranked
+from cheapest; a lever or combination marked as fitting fits in a real CPU run."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from rich.console import Console
+
+from conftest import FIXTURES
+from oracle import measure_cpu_peak
+from vramtrace import RunSpec, analyze
+from vramtrace.cli import main
+from vramtrace.fit import fit
+from vramtrace.reports.terminal import render
+
+LLAMA, GPT2 = (str(FIXTURES / f"{c}.json") for c in ("tiny-llama-gqa", "tiny-gpt2"))
+BASE = ["--batch", "4", "--seq", "64", "--device", "cpu"]
+# the cost classes of the module docstring, by family (the optimizer's for-loop is class 1, its others 0)
+COST_CLASS = {"use_cache": 0, "optimizer_impl": 0, "checkpointing": 2, "micro_batch": 3, "lora": 4}
+
+
+def _cli_peak(args: list[str], tmp_path, capsys) -> int:
+    out = tmp_path / "r.json"
+    assert main([LLAMA, *args, "--json", str(out), "-q", "--no-levers"]) == 0, capsys.readouterr().err
+    return json.loads(out.read_text())["peak_allocated_bytes"]
+
+
+def _spec(**kw) -> RunSpec:
+    return RunSpec(LLAMA, **{"batch": 4, "seq": 64, "device": "cpu", **kw})
+
+
+@pytest.fixture(scope="module")
+def just_over():
+    """The run with a capacity one byte below its peak: every lever that saves anything fits."""
+    peak = analyze(_spec(), levers=False).peak_allocated_bytes
+    return peak, analyze(_spec(gpu_memory_bytes=peak - 1))
+
+
+def test_each_lever_is_the_run_its_options_make(just_over, tmp_path, capsys):
+    peak, report = just_over
+    levers = report.levers
+    assert not report.fit["fits"] and levers["base_bytes"] == peak and levers["budget_bytes"] == peak - 1
+    families = [lv["family"] for lv in levers["levers"]]
+    assert {"checkpointing", "micro_batch", "lora"} <= set(families), families
+    assert [COST_CLASS[f] for f in families] == sorted(COST_CLASS[f] for f in families)
+    ckpt = [lv["recompute_overhead"] for lv in levers["levers"] if lv["family"] == "checkpointing"]
+    assert ckpt == sorted(ckpt) and ckpt[-1] > 0.1  # layers recomputes every layer's forward
+    for lv in levers["levers"]:
+        assert lv["fits"] and lv["saves_bytes"] > 0
+        assert _cli_peak(BASE + lv["options"].split(), tmp_path, capsys) == lv["peak_allocated_bytes"], lv
+    assert levers["combination"] is None  # a single lever is enough
+
+
+def test_the_levers_that_fit_fit_in_real_runs(just_over):
+    peak, report = just_over
+    by_family = {lv["family"]: lv for lv in report.levers["levers"]}
+    micro = by_family["micro_batch"]["options"].split()
+    b, k = int(micro[micro.index("--batch") + 1]), int(micro[micro.index("--grad-accum") + 1])
+    assert b * k == 4 and b < 4
+    assert measure_cpu_peak(_spec(batch=b, grad_accum=k)) <= peak - 1
+    assert measure_cpu_peak(_spec(lora_rank=16)) <= peak - 1
+
+
+def test_a_combination_when_no_single_lever_fits(just_over, tmp_path, capsys):
+    """A capacity between the lowest single lever and LoRA with checkpointing: nothing alone fits, the
+    combination does, as the same command line analysed on its own and as a real CPU run."""
+    _, report = just_over
+    lowest_single = min(lv["compared_bytes"] for lv in report.levers["levers"])
+    pair = analyze(_spec(lora_rank=16, checkpointing="layers"), levers=False).peak_allocated_bytes
+    assert pair < lowest_single
+    capacity = (pair + lowest_single) // 2
+    r = analyze(_spec(gpu_memory_bytes=capacity))
+    assert not any(lv["fits"] for lv in r.levers["levers"])
+    combo = r.levers["combination"]
+    assert combo["fits"] and combo["compared_bytes"] <= capacity and len(combo["levers"]) >= 2
+    assert _cli_peak(BASE + combo["options"].split(), tmp_path, capsys) == combo["peak_allocated_bytes"]
+    options = combo["options"].split()
+    changes = {"lora_rank": 16} if "--lora-rank" in options else {}
+    if "--checkpointing" in options:
+        changes["checkpointing"] = options[options.index("--checkpointing") + 1]
+    if "--batch" in options:
+        changes.update(batch=int(options[options.index("--batch") + 1]),
+                       grad_accum=int(options[options.index("--grad-accum") + 1]))
+    assert measure_cpu_peak(_spec(**changes)) <= capacity
+    text = io.StringIO()
+    render(r, Console(file=text, width=120))
+    assert "What makes it fit" in text.getvalue() and f"together: {combo['options']}" in text.getvalue()
+
+
+def test_no_levers_when_it_fits_or_when_asked(just_over, tmp_path, capsys):
+    peak, _ = just_over
+    assert analyze(_spec(gpu_memory_bytes=peak)).levers is None  # fits exactly
+    assert analyze(_spec(gpu_memory_bytes=peak - 1), levers=False).levers is None
+    out = tmp_path / "r.json"
+    assert main([LLAMA, *BASE, "--gpu-memory", f"{peak - 1}B", "--json", str(out), "-q"]) == 0
+    assert json.loads(out.read_text())["levers"]["levers"]
+    assert main([LLAMA, *BASE, "--gpu-memory", f"{peak - 1}B", "--no-levers", "--json", str(out), "-q"]) == 0
+    assert json.loads(out.read_text())["levers"] is None
+
+
+def test_fit_lists_the_levers_when_nothing_fits():
+    spec = RunSpec(GPT2, batch=1, seq=64, device="cpu")
+    peak1 = analyze(spec, levers=False).peak_allocated_bytes
+    result = fit(spec, "batch", peak1 - 1)
+    assert result.best is None and result.next.x == 1
+    assert result.levers["base_bytes"] == peak1
+    assert any(lv["fits"] for lv in result.levers["levers"])
+    assert all(lv["family"] != "micro_batch" for lv in result.levers["levers"])  # batch 1 has no smaller
