@@ -3,7 +3,8 @@
 Reproduce: python benchmarks/bench_fit.py [MODEL] [--seq 2048] [--repeat 3] [-- extra run options]
 Goal (issue 13): the max-batch search costs <= 2x one analysis end to end. The default run is Llama-2-7b at seq
 2048 with LoRA r=16 and checkpointing of every layer on the H100 preset (answer: batch 25); the plain Llama-2-7b
-run does not fit even at batch 1 and is timed as well. Runs alternate; medians are printed.
+run does not fit even at batch 1 and is timed as well. Both commands run with --no-levers (the levers of a run that
+does not fit are a search of their own). Runs alternate; medians are printed.
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ def main() -> None:
     for extra in (a.extra, []):
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "fit.json"
-            fit_cmd = [*cli, "fit", a.model, "--seq", a.seq, *extra, "-q", "--json", str(out)]
+            fit_cmd = [*cli, "fit", a.model, "--seq", a.seq, *extra, "--no-levers", "-q", "--json", str(out)]
             fits, analyses = [], []
             for _ in range(a.repeat):
                 fits.append(_timed(fit_cmd))
                 result = json.loads(out.read_text())
                 batch = (result["best"] or result["next"])["x"]
-                analyses.append(_timed([*cli, a.model, "--seq", a.seq, "--batch", str(batch), *extra, "-q",
+                analyses.append(_timed([*cli, a.model, "--seq", a.seq, "--batch", str(batch), *extra, "--no-levers", "-q",
                                         "--json", str(Path(tmp) / "one.json")]))
         f, one = statistics.median(fits), statistics.median(analyses)
         answer = f"batch {result['best']['x']}" if result["best"] else "nothing fits"

@@ -52,9 +52,9 @@ def test_max_batch_on_the_cpu_target_is_a_real_run():
 def test_max_batch_on_a_cuda_target_uses_reserved_bytes_and_headroom():
     """The verdict is on the caching allocator's reserved bytes, which are not monotone in the batch (segments):
     the answer is the largest batch whose reserved bytes fit, and no larger one fits."""
-    spec = RunSpec(GPT2, batch=1, seq=64)
-    result = fit(spec, "batch", 50 * 2**20, headroom=0.05)
-    assert result.budget_bytes == int(50 * 2**20 * 0.95)
+    spec = RunSpec(GPT2, batch=1, seq=64, cuda_context_bytes=0)
+    result = fit(spec, "batch", 120 * 2**20, headroom=0.05)
+    assert result.budget_bytes == int(120 * 2**20 * 0.95)
     assert result.best.fits and result.best.peak_reserved_bytes <= result.budget_bytes < result.next.peak_reserved_bytes
     assert any(not p.exact for p in result.curve)
     _assert_curve_is_exact(spec, result)
@@ -64,7 +64,7 @@ def test_max_batch_on_a_cuda_target_uses_reserved_bytes_and_headroom():
 
 
 def test_longest_sequence_at_a_batch():
-    spec = RunSpec(LLAMA, batch=2, seq=None)
+    spec = RunSpec(LLAMA, batch=2, seq=None, cuda_context_bytes=0)
     target = analyze(RunSpec(LLAMA, batch=2, seq=150))
     result = fit(spec, "seq", target.peak_reserved_bytes)
     assert result.method.startswith("interpolated") and "degree 2" in result.method
@@ -118,12 +118,13 @@ def test_fit_errors():
 
 def test_cli_fit_json_and_errors(tmp_path, capsys):
     out = tmp_path / "fit.json"
-    assert main(["fit", GPT2, "--seq", "64", "--gpu-memory", "50MiB", "--headroom", "5%", "--json", str(out)]) == 0
+    assert main(["fit", GPT2, "--seq", "64", "--gpu-memory", "120MiB", "--cuda-context", "0B", "--headroom", "5%",
+                 "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "Largest micro-batch that fits:" in text and "does not fit" in text
     d = json.loads(out.read_text())
     assert d["axis"] == "batch" and d["fixed"] == 64 and d["best"]["fits"] and not d["next"]["fits"]
-    assert d["budget_bytes"] == int(50 * 2**20 * 0.95) and d["target"] == "a CUDA device"
+    assert d["budget_bytes"] == int(120 * 2**20 * 0.95) and d["target"] == "a CUDA device"
     for args, needle in [
         (["fit", GPT2, "--seq", "64", "--batch", "2"], "give one"),
         (["fit", GPT2, "--seq", "64", "--device", "cpu"], "pass --gpu-memory"),
@@ -134,3 +135,16 @@ def test_cli_fit_json_and_errors(tmp_path, capsys):
         assert main(args) == 2, args
         err = capsys.readouterr().err
         assert err.startswith("Error: ") and needle in err and err.count("\n") == 1, err
+
+
+def test_fit_html_plots_the_curve(tmp_path):
+    page = tmp_path / "fit.html"
+    assert main(["fit", GPT2, "--seq", "64", "--gpu-memory", "120MiB", "--cuda-context", "0B", "--html", str(page),
+                 "--json", str(tmp_path / "fit.json"), "-q"]) == 0
+    html = page.read_text()
+    d = json.loads((tmp_path / "fit.json").read_text())
+    assert html.count("<circle") == len(d["curve"]) and 'class="budget"' in html
+    assert html.count("<polyline") == 2  # reserved (compared) and allocated
+    assert "<script" not in html and "http" not in html.replace("http-equiv", "")
+    largest = f"Largest micro-batch that fits: {d['best']['x']}"
+    assert largest in html

@@ -41,7 +41,8 @@ def analyze(spec: RunSpec, progress: Callable[[str], None] | None = None, levers
             ev = Evaluator(keep["resolved"], spec.device is Device.CUDA, say, heap)
             for traced_spec, out in keep["outcomes"].items():
                 ev.seed(traced_spec, out)
-            report = replace(report, levers=find_levers(keep["spec"], ev, report.fit["capacity_bytes"]))
+            budget = report.fit["capacity_bytes"] - report.fit.get("cuda_context_bytes", 0)
+            report = replace(report, levers=find_levers(keep["spec"], ev, budget))
     if ckpt.kind == "none":
         return report
     from .tracer.checkpointing import paste_snippet  # imports torch: after the config is resolved
@@ -164,6 +165,16 @@ def step_summary(spec: RunSpec, loop_peaks: dict[str, int], use_cache_false_peak
     return out
 
 
+def target_warnings(spec: RunSpec, precision: str) -> list[str]:
+    """What the target GPU cannot do natively: bf16 below sm80 (V100, T4), where torch emulates it (slowly);
+    `torch.cuda.is_bf16_supported()` still answers True there (torch/cuda/__init__.py, including_emulation)."""
+    gpu = spec.gpu_preset
+    if spec.device is Device.CUDA and "bf16" in precision and not gpu.native_bf16:
+        return [f"{gpu.name} (sm{gpu.sm}) has no native bf16: torch emulates it, slowly; fp16-mixed (GradScaler) "
+                "or fp32 is what runs well there (--precision)"]
+    return []
+
+
 class _FrozenHeap:
     """While open, the objects that existed at `__enter__` and at each `refreeze()` are moved out of the cyclic
     garbage collector's reach (`gc.freeze`); on exit they are put back (`gc.unfreeze`). When the caller had frozen
@@ -274,9 +285,13 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
     }
     if traced.cpu_environment:
         run_info["cpu_kernels"] = dict(traced.cpu_environment)
+    warnings = target_warnings(spec, loaded.precision.value)
+    if warnings:
+        run_info["warnings"] = warnings
     return summarize(
         model=model_info, run=run_info, params=loaded.params, ops=traced.ops, storages=table,
         steady=steady, first=main.timeline(step=0), graph_optimal=main.timeline(optimal=True),
-        gpu=({"name": spec.capacity[0], "memory_bytes": spec.capacity[1], "cuda": spec.device is Device.CUDA}
+        gpu=({"name": spec.capacity[0], "memory_bytes": spec.capacity[1], "cuda": spec.device is Device.CUDA,
+              "cuda_context_bytes": spec.cuda_context, "alloc_conf": spec.alloc_conf}
              if spec.capacity is not None else None),
         unresolved=traced.unresolved)

@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 from rich.console import Console
 
 from .errors import UsageError, VramtraceError
-from .spec import DEFAULT_CHOICES, TASK_ALIASES, AttnImplementation, Device, Mode, OptimizerImpl, OptimizerKind, Precision, Task
+from .spec import DEFAULT_CHOICES, GPU_PRESETS, TASK_ALIASES, AttnImplementation, Device, Mode, OptimizerImpl, OptimizerKind, Precision, Task
 
 app = typer.Typer(add_completion=False, context_settings={"help_option_names": ["-h", "--help"]},
                   pretty_exceptions_enable=False)
@@ -55,7 +55,13 @@ def main_command(
     optimizer_impl: str = typer.Option("default", help=_choices(OptimizerImpl) + " (default: foreach on CUDA, for-loop on "
                                        "CPU, as torch picks; fused: Adam, AdamW, SGD, Adagrad)"),
     device: str = typer.Option("cuda", help=_choices(Device) + ": the target whose kernels and allocator are modelled"),
-    gpu: str = typer.Option("H100-80GB", help="target GPU preset: H100-80GB, H200, A100-80GB, A100-40GB, L4, RTX4090, A10G, V100-32GB"),
+    gpu: str = typer.Option("H100-80GB", help="target GPU preset: " + ", ".join(p.name for p in GPU_PRESETS.values())
+                            + " (usable totals as torch.cuda.mem_get_info reports them)"),
+    cuda_context: Optional[str] = typer.Option(None, "--cuda-context", help="the CUDA context's memory outside "
+                                               "PyTorch's allocator, e.g. 600MiB (nvidia-smi used minus "
+                                               "torch.cuda.memory_reserved()) [default: 500MiB]"),
+    alloc_conf: str = typer.Option("", "--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF of the target, e.g. "
+                                   "expandable_segments:True or max_split_size_mb:512"),
     checkpointing: str = typer.Option(
         "none", help="none | layers | every:K (K layers per segment) | nth:N (every N-th layer) | selective"
                      "[:OP,OP] | modules:PATTERN (submodules whose name matches the glob) | auto (needs --memory-budget)"),
@@ -104,6 +110,8 @@ def main_command(
     headroom: Optional[str] = typer.Option(None, "--headroom", help="`vramtrace fit`: keep this share of the "
                                            "capacity free, e.g. 5% [default: 0%]"),
     validate_run: bool = typer.Option(False, "--validate", hidden=True, help="set by `vramtrace validate ...`"),
+    sweep_grid: Optional[str] = typer.Option(None, "--sweep", help="`vramtrace fit`: the peak over a grid of "
+                                             "batches x sequences, e.g. 1,2,4,8x512,1024,2048"),
     fit_axis: Optional[str] = typer.Option(None, "--fit", hidden=True, help="set by `vramtrace fit ...`"),
 ) -> None:
     """Predict the peak memory of one training step (or inference forward) from a meta-device trace.
@@ -122,10 +130,13 @@ def main_command(
 
     if compare_policies and checkpointing.strip().lower() != "none":
         raise UsageError("--compare traces none, layers and selective itself; drop --checkpointing, or drop --compare")
-    if fit_axis is None and headroom is not None:
-        raise UsageError("--headroom applies to `vramtrace fit MODEL ...`")
-    if fit_axis is not None and (compare_policies or html_path or snapshot_path or validate_run):
-        raise UsageError("fit writes no --compare, --html or --snapshot; run `vramtrace MODEL ...` for those")
+    for option, given in (("--headroom", headroom), ("--sweep", sweep_grid)):
+        if fit_axis is None and given is not None:
+            raise UsageError(f"{option} applies to `vramtrace fit MODEL ...`")
+    if fit_axis is not None and (compare_policies or snapshot_path or validate_run
+                                 or (html_path and fit_axis == "sweep")):
+        raise UsageError("fit writes no --compare or --snapshot (and --sweep no --html); run `vramtrace MODEL ...` "
+                         "for those")
     if validate_run and (compare_policies or html_path or snapshot_path):
         raise UsageError("validate writes no --compare, --html or --snapshot; run `vramtrace MODEL ...` for those")
     for option, path in (("--json", json_path), ("--html", html_path), ("--snapshot", snapshot_path)):
@@ -148,10 +159,16 @@ def main_command(
                        task=task, choices=choices, attn_implementation=attn_implementation, loop=loop, step=step,
                        grad_accum=grad_accum, zero_grad=zero_grad, clip_grad_norm=clip_grad_norm,
                        use_cache=_bool_option(use_cache, "--use-cache"),
-                       gpu_memory_bytes=parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory is not None else None)
+                       gpu_memory_bytes=parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory is not None else None,
+                       cuda_context_bytes=(parse_bytes(cuda_context, "--cuda-context")
+                                           if cuda_context is not None else None),
+                       alloc_conf=alloc_conf)
         err = Console(stderr=True)
+        if fit_axis == "sweep":
+            _sweep(spec, sweep_grid, headroom, json_path, quiet, err)
+            return
         if fit_axis is not None:
-            _fit(spec, fit_axis, headroom, json_path, quiet, err)
+            _fit(spec, fit_axis, headroom, json_path, quiet, err, levers=not no_levers, html_path=html_path)
             return
         if validate_run:
             _validate(spec, json_path, quiet, err)
@@ -214,7 +231,8 @@ def _validate(spec, json_path: str | None, quiet: bool, err: Console) -> None:
         write_json(result, json_path)
 
 
-def _fit(spec, axis: str, headroom: str | None, json_path: str | None, quiet: bool, err: Console) -> None:
+def _fit(spec, axis: str, headroom: str | None, json_path: str | None, quiet: bool, err: Console,
+         levers: bool = True, html_path: str | None = None) -> None:
     """`vramtrace fit MODEL ...`: the largest batch (or sequence) that fits (vramtrace.fit)."""
     from .fit import fit
     from .reports.fit import render_fit
@@ -223,10 +241,37 @@ def _fit(spec, axis: str, headroom: str | None, json_path: str | None, quiet: bo
 
     share = parse_fraction(headroom, "--headroom") if headroom is not None else 0.0
     with err.status("fit", spinner="dots") as status:
-        result = fit(spec, axis, headroom=share, progress=lambda msg: status.update(f"fit: {msg}"))
+        result = fit(spec, axis, headroom=share, progress=lambda msg: status.update(f"fit: {msg}"), levers=levers)
     target = spec.capacity[0] if spec.capacity is not None else "the CPU"
     if not quiet and json_path != "-":
         render_fit(result, Console(), spec.model, target)
+    if json_path is not None:
+        write_json({"model": spec.model, "device": spec.device.value, "target": target, **result.to_dict()},
+                   json_path)
+    if html_path is not None:
+        from .errors import ReportWriteError
+        from .reports.fit import render_fit_html
+
+        try:
+            Path(html_path).expanduser().write_text(render_fit_html(result, spec.model, target), encoding="utf-8")
+        except OSError as e:
+            raise ReportWriteError(f"cannot write --html {html_path}: {e.strerror}") from e
+
+
+def _sweep(spec, grid: str, headroom: str | None, json_path: str | None, quiet: bool, err: Console) -> None:
+    """`vramtrace fit MODEL --sweep BxS ...`: the peak over a grid (vramtrace.sweep)."""
+    from .reports.fit import render_sweep
+    from .reports.json_report import write_json
+    from .sweep import parse_grid, sweep
+    from .units import parse_fraction
+
+    batches, seqs = parse_grid(grid)
+    share = parse_fraction(headroom, "--headroom") if headroom is not None else 0.0
+    with err.status("sweep", spinner="dots") as status:
+        result = sweep(spec, batches, seqs, share, progress=lambda msg: status.update(f"sweep: {msg}"))
+    target = spec.capacity[0] if spec.capacity is not None else "the CPU (no --gpu-memory: no verdict)"
+    if not quiet and json_path != "-":
+        render_sweep(result, Console(), spec.model, target)
     if json_path is not None:
         write_json({"model": spec.model, "device": spec.device.value, "target": target, **result.to_dict()},
                    json_path)
@@ -239,6 +284,10 @@ def _fit_axis(argv: list[str]) -> str:
         return any(a in names or a.split("=", 1)[0] in names for a in argv)
 
     has_seq, has_batch = given("--seq", "-s"), given("--batch", "-b")
+    if given("--sweep"):
+        if has_seq or has_batch:
+            raise UsageError("--sweep gives the batches and sequences itself; drop --batch and --seq")
+        return "sweep"
     if has_seq and has_batch:
         raise UsageError("fit searches the batch at a given --seq, or the sequence at a given --batch: give one")
     return "seq" if has_batch else "batch"

@@ -16,9 +16,9 @@ either disagrees with the interpolation (a kernel whose choice or workspace chan
 traced structures differ, or a storage is not polynomial, the search falls back to bisection by exact traces and
 says so. Every point of the curve is marked exact or interpolated.
 
-"Fits" is the verdict of the main report: on a CUDA target the peak reserved by the caching-allocator model, on
-the CPU target the peak allocated, at most `capacity × (1 - headroom)`. The CUDA context and cuBLAS workspaces
-are not included (stated in the result's `basis`).
+"Fits" is the verdict of the main report: on a CUDA target the peak reserved by the caching-allocator model
+(cuBLAS workspaces included) plus the CUDA context, on the CPU target the peak allocated, at most
+`capacity × (1 - headroom)`; `budget_bytes` is that less the CUDA context, compared with the reserved bytes.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ class FitPoint:
 class FitResult:
     """The answer of `fit`. `axis` 'batch' or 'seq', `fixed` the other size; `best` the largest size that fits
     (None: not even the smallest), `next` the size one past it (None when `best` is the axis's limit);
-    `budget_bytes` = capacity × (1 - headroom); `method` says how the answer was found; `traces` counts the exact
-    traces it took."""
+    `budget_bytes` = capacity × (1 - headroom) - the CUDA context; `method` says how the answer was found;
+    `traces` counts the exact traces it took."""
 
     axis: str
     fixed: int | None
@@ -160,8 +160,12 @@ def fit(spec: RunSpec, axis: str, capacity_bytes: int | None = None, headroom: f
         capacity_bytes = spec.capacity[1]
     if capacity_bytes <= 0:
         raise UsageError(f"--gpu-memory must be positive, got {capacity_bytes} bytes")
+    budget = int(capacity_bytes * (1 - headroom)) - spec.cuda_context
+    if budget <= 0:
+        raise UsageError(f"the capacity less --headroom leaves nothing beside the CUDA context "
+                         f"({spec.cuda_context:,} bytes; --cuda-context sets it)")
     with _FrozenHeap() as heap:
-        return _fit(spec, axis, capacity_bytes, int(capacity_bytes * (1 - headroom)), cuda, say, heap, levers)
+        return _fit(spec, axis, capacity_bytes, budget, cuda, say, heap, levers)
 
 
 def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, heap, levers: bool) -> FitResult:
@@ -304,8 +308,8 @@ def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, 
         curve_points = tuple(point(x) for x in shown if x <= limit)
     else:
         curve_points = tuple(exact[x] for x in sorted(exact))
-    basis = ("peak reserved (caching-allocator model; the CUDA context and cuBLAS workspaces are not included)"
-             if cuda else "peak allocated (CPU target)")
+    basis = (f"peak reserved (caching-allocator model, cuBLAS workspaces included) + the CUDA context "
+             f"({spec.cuda_context:,} bytes)" if cuda else "peak allocated (CPU target)")
     found = None
     if best_point is None and next_point is not None and levers:
         from .levers import Evaluator, find_levers

@@ -6,6 +6,7 @@ import enum
 import re
 from dataclasses import dataclass
 
+from .analysis.device import DEFAULT_CUDA_CONTEXT_BYTES, AllocConf
 from .errors import UsageError
 
 
@@ -323,37 +324,59 @@ def custom_ref(model: str) -> tuple[str, str] | None:
 
 @dataclass(frozen=True, slots=True)
 class GpuPreset:
-    """A target GPU. `memory_bytes` is the device's total memory in bytes as `torch.cuda.mem_get_info` reports it."""
+    """A target GPU. `memory_bytes`: the device's usable total in bytes, what `torch.cuda.mem_get_info()[1]`
+    (cudaMemGetInfo) reports, 470-720 MiB below nvidia-smi's total and varying by about 100 MiB with the driver:
+    the lowest figure found is taken, so a verdict of "fits" holds on every driver. `sm`: compute capability × 10."""
 
     name: str
     memory_bytes: int
-    sm: int  # compute capability * 10, e.g. 90 for sm90 (Hopper)
+    sm: int
+
+    @property
+    def native_bf16(self) -> bool:
+        """bf16 tensor-core kernels need sm80 (Ampere) or later; `torch.cuda.is_bf16_supported()` still says True
+        below it, by emulation (torch/cuda/__init__.py, `including_emulation=True`)."""
+        return self.sm >= 80
 
 
-GiB = 2**30
-# Total memory as reported by the driver (cudaMemGetInfo), in binary GiB.
+MiB = 2**20
+# Usable totals (cudaMemGetInfo, Linux) in MiB, from published deviceQuery / torch.cuda.get_device_properties / OOM
+# outputs; the nvidia-smi totals they sit below are in the comments. Sources: docs/gpus.md.
 GPU_PRESETS: dict[str, GpuPreset] = {
     p.name.lower(): p
     for p in (
-        GpuPreset("H100-80GB", int(79.19 * GiB), 90),
-        GpuPreset("H200", int(139.81 * GiB), 90),
-        GpuPreset("A100-80GB", int(79.15 * GiB), 80),
-        GpuPreset("A100-40GB", int(39.39 * GiB), 80),
-        GpuPreset("L4", int(22.05 * GiB), 89),
-        GpuPreset("RTX4090", int(23.64 * GiB), 89),
-        GpuPreset("A10G", int(22.07 * GiB), 86),
-        GpuPreset("V100-32GB", int(31.74 * GiB), 70),
+        GpuPreset("H100-80GB", 81079 * MiB, 90),  # SXM and PCIe; nvidia-smi 81559 MiB
+        GpuPreset("H100-NVL", 95330 * MiB, 90),  # 94 GB; nvidia-smi 95830 MiB
+        GpuPreset("H200", 143156 * MiB, 90),  # 141 GB; nvidia-smi 143771 MiB
+        GpuPreset("B200", 182631 * MiB, 100),  # nvidia-smi 183359 MiB
+        GpuPreset("A100-80GB", 81051 * MiB, 80),  # nvidia-smi 81920 MiB
+        GpuPreset("A100-40GB", 40339 * MiB, 80),  # nvidia-smi 40960 MiB
+        GpuPreset("A6000", 48676 * MiB, 86),  # RTX A6000 48 GB; nvidia-smi 49140 MiB
+        GpuPreset("L40S", 45373 * MiB, 89),  # 48 GB; nvidia-smi 46068 MiB
+        GpuPreset("A10", 22516 * MiB, 86),  # 24 GB; nvidia-smi 23028 MiB
+        GpuPreset("A10G", 22587 * MiB, 86),  # AWS g5; nvidia-smi 23028 MiB
+        GpuPreset("L4", 22518 * MiB, 89),  # 24 GB; nvidia-smi 23034 MiB
+        GpuPreset("RTX4090", 24081 * MiB, 89),  # nvidia-smi 24564 MiB
+        GpuPreset("RTX3090", 24238 * MiB, 86),  # nvidia-smi 24576 MiB
+        GpuPreset("V100-32GB", 32480 * MiB, 70),  # nvidia-smi 32510 MiB
+        GpuPreset("V100-16GB", 16128 * MiB, 70),  # nvidia-smi 16160 MiB
+        GpuPreset("T4", 14918 * MiB, 75),  # 16 GB; nvidia-smi 15360 MiB
     )
 }
+_GPU_ALIASES = {"h100": "h100-80gb", "h100-sxm": "h100-80gb", "h100-pcie": "h100-80gb", "h100nvl": "h100-nvl",
+                "a100": "a100-80gb", "4090": "rtx4090", "3090": "rtx3090", "rtx-a6000": "a6000", "rtxa6000": "a6000",
+                "v100": "v100-32gb", "rtx-4090": "rtx4090", "rtx-3090": "rtx3090"}
 
 
 def parse_gpu(name: str) -> GpuPreset:
-    key = name.lower().replace("_", "-")
-    aliases = {"h100": "h100-80gb", "a100": "a100-80gb", "4090": "rtx4090", "v100": "v100-32gb"}
-    key = aliases.get(key, key)
+    """The preset named `name` (case-insensitive; aliases such as 'h100', '4090'). Raises UsageError listing the
+    presets and `--gpu-memory` for any other device."""
+    key = name.lower().replace("_", "-").replace(" ", "-")
+    key = _GPU_ALIASES.get(key, key)
     if key not in GPU_PRESETS:
         valid = ", ".join(p.name for p in GPU_PRESETS.values())
-        raise UsageError(f"unknown GPU {name!r}; choose one of: {valid}")
+        raise UsageError(f"unknown GPU {name!r}; choose one of: {valid} (or give any device's capacity with "
+                         "--gpu-memory, e.g. 48GiB)")
     return GPU_PRESETS[key]
 
 
@@ -392,6 +415,9 @@ class RunSpec:
         loop, accumulation, clipping and GradScaler options.
     gpu_memory_bytes: the device's capacity in bytes (`--gpu-memory`), replacing the `gpu` preset's; on the CPU
         target, a capacity the peak allocated is checked against (None: no verdict on the CPU).
+    cuda_context_bytes: the CUDA context's bytes outside the allocator (`--cuda-context`); None: the documented
+        default (`analysis/device.py::DEFAULT_CUDA_CONTEXT_BYTES`). CUDA target only.
+    alloc_conf: PYTORCH_CUDA_ALLOC_CONF as the target sets it (`--alloc-conf`, `analysis/device.py::AllocConf`).
     """
 
     model: str
@@ -425,6 +451,8 @@ class RunSpec:
     use_cache: bool | None = None
     step: str | None = None
     gpu_memory_bytes: int | None = None
+    cuda_context_bytes: int | None = None
+    alloc_conf: AllocConf | str = ""
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq", "lora_rank", "image_size", "choices", "grad_accum"):
@@ -475,6 +503,14 @@ class RunSpec:
                                                   or not isinstance(self.gpu_memory_bytes, int)
                                                   or self.gpu_memory_bytes <= 0):
             raise UsageError(f"--gpu-memory must be a positive size, e.g. 48GiB, got {self.gpu_memory_bytes!r}")
+        object.__setattr__(self, "alloc_conf", AllocConf.parse(self.alloc_conf)
+                           if not isinstance(self.alloc_conf, AllocConf) else self.alloc_conf)
+        if self.device is not Device.CUDA and (self.cuda_context_bytes is not None or str(self.alloc_conf)):
+            raise UsageError("--cuda-context and --alloc-conf describe a CUDA device; drop them for --device cpu")
+        if self.cuda_context_bytes is not None and (isinstance(self.cuda_context_bytes, bool)
+                                                    or not isinstance(self.cuda_context_bytes, int)
+                                                    or self.cuda_context_bytes < 0):
+            raise UsageError(f"--cuda-context must be a size, e.g. 500MiB, got {self.cuda_context_bytes!r}")
         if self.memory_budget_bytes is not None and ckpt.kind != "auto":
             raise UsageError("--memory-budget applies to --checkpointing auto only; add --checkpointing auto or "
                              "drop --memory-budget")
@@ -523,6 +559,13 @@ class RunSpec:
     @property
     def gpu_preset(self) -> GpuPreset:
         return parse_gpu(self.gpu)
+
+    @property
+    def cuda_context(self) -> int:
+        """Bytes of the CUDA context on the target (0 on the CPU target)."""
+        if self.device is not Device.CUDA:
+            return 0
+        return DEFAULT_CUDA_CONTEXT_BYTES if self.cuda_context_bytes is None else self.cuda_context_bytes
 
     @property
     def capacity(self) -> tuple[str, int] | None:

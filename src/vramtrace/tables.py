@@ -26,6 +26,7 @@ class StepTables:
     table: tuple[StorageInfo, ...]
     loop: str
     block: int
+    alloc_conf: object = None  # the target's `analysis.device.AllocConf` (CUDA), for the allocator replay
 
     def timeline(self, rows: tuple[StorageInfo, ...] | None = None, step: int | None = None,
                  optimal: bool = False) -> Timeline:
@@ -41,7 +42,8 @@ class StepTables:
         steady = self.timeline(rows)
         if not cuda:
             return steady.peak_bytes, None
-        return steady.peak_bytes, replay_steps(self.timeline(rows, 0), steady).peak_reserved_bytes
+        reserved = replay_steps(self.timeline(rows, 0), steady, conf=self.alloc_conf).peak_reserved_bytes
+        return steady.peak_bytes, reserved
 
 
 def step_tables(spec: RunSpec, loaded, progress: Callable[[str], None] | None = None) -> StepTables:
@@ -51,8 +53,23 @@ def step_tables(spec: RunSpec, loaded, progress: Callable[[str], None] | None = 
 
     traced = trace_step(spec, loaded, progress=progress)
     loop = spec.loop.value if spec.step is None else "trainer"  # a --step function is traced as written
-    block = CUDA_MIN_BLOCK_BYTES if spec.device is Device.CUDA else 1
-    return StepTables(traced, storage_table(traced.ops, traced.storages, traced.marks, loop), loop, block)
+    table = storage_table(traced.ops, traced.storages, traced.marks, loop)
+    if spec.device is not Device.CUDA:
+        return StepTables(traced, table, loop, 1)
+    return StepTables(traced, table + cublas_workspaces(traced.ops, table, spec.gpu_preset.sm), loop,
+                      CUDA_MIN_BLOCK_BYTES, spec.alloc_conf)
+
+
+def cublas_workspaces(ops, table: tuple[StorageInfo, ...], sm: int) -> tuple[StorageInfo, ...]:
+    """One row per thread that runs GEMMs in the recording (`analysis/device.py::gemm_threads`), each the cuBLAS
+    workspace of a GPU of compute capability `sm` (`cublas_workspace_bytes`), alive from the start (it is allocated
+    at the first step's first GEMM on that thread and never freed), with storage ids after the table's."""
+    from .analysis.device import cublas_workspace_bytes, gemm_threads
+
+    nbytes, sid = cublas_workspace_bytes(sm), max((s.sid for s in table), default=0) + 1
+    return tuple(StorageInfo(sid + i, nbytes, "uint8", (nbytes,), "meta", Category.CUBLAS_WORKSPACE, -1,
+                             "cuBLAS workspace", "", "start", f"cuBLAS workspace ({thread} thread)", None, -1)
+                 for i, thread in enumerate(gemm_threads(ops, range(len(ops)))))
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +98,8 @@ def outcome(tables: StepTables, num_layers: int, cuda: bool) -> Outcome:
     from .analysis.summary import flops
 
     steady = tables.timeline()
-    reserved = replay_steps(tables.timeline(step=0), steady).peak_reserved_bytes if cuda else None
+    reserved = (replay_steps(tables.timeline(step=0), steady, conf=tables.alloc_conf).peak_reserved_bytes
+                if cuda else None)
     at = steady.peak_step
     kv = sum(lt.bytes for lt in steady.lifetimes if lt.category is Category.KV_CACHE and lt.birth <= at <= lt.death)
     step_flops, recompute_flops = flops(tables.traced.ops, steady)

@@ -17,8 +17,15 @@ Mirrors `c10/cuda/CUDACachingAllocator.cpp` (DeviceCachingAllocator), default co
 - `malloc`: when no cached block fits and cudaMalloc fails (the device is full), `release_cached_blocks`
   frees every fully free segment and the allocation is retried once; then it is an OOM.
 
-Not modelled: streams other than the default one, expandable segments, garbage-collection threshold,
-CUDA graphs' private pools, and the addresses cudaMalloc really returns.
+With `expandable_segments:True` (`ExpandableSegmentsModel`, from the same file's ExpandableSegment and Note
+[Expandable Segments]): each pool is one segment that grows by mapping pages (2 MiB for the small pool, 20 MiB
+for the large one) after its free tail, only the bytes missing, rounded up to whole pages; any remainder of at
+least 512 B is split off (`should_split`); pages stay mapped until `empty_cache()`.
+
+Not modelled: streams other than the default one, garbage-collection threshold (it acts only under a per-process
+memory fraction below 1), CUDA graphs' private pools, the addresses cudaMalloc really returns, and, with
+expandable segments, the unmapping of free pages on the retry after a failed allocation (the model fails there
+instead: an over-estimate, never an under-estimate).
 """
 
 from __future__ import annotations
@@ -51,7 +58,14 @@ def allocation_size(size: int) -> int:
 
 
 class AllocatorOOM(Exception):
-    """The modelled device ran out of memory: str(e) says for which request."""
+    """The modelled device ran out of memory: str(e) says for which request; `key` is the request's key,
+    `nbytes` its size, `reserved_bytes`/`allocated_bytes` the allocator's state when it failed."""
+
+    def __init__(self, key, nbytes: int, reserved_bytes: int, allocated_bytes: int, capacity_bytes: int | None):
+        super().__init__(f"{nbytes} B requested; {reserved_bytes} B reserved, {allocated_bytes} B allocated of "
+                         f"{capacity_bytes} B")
+        self.key, self.nbytes = key, nbytes
+        self.reserved_bytes, self.allocated_bytes = reserved_bytes, allocated_bytes
 
 
 @dataclass(eq=False)
@@ -91,26 +105,36 @@ class CachingAllocatorModel:
         small = size <= K_SMALL_SIZE
         block = self._find(small, size)
         if block is None:
-            seg = allocation_size(size)
-            if not self._cuda_malloc(seg):
-                self.num_alloc_retries += 1
-                self._release_cached()
-                if not self._cuda_malloc(seg):
-                    raise AllocatorOOM(f"{nbytes} B requested; {self.reserved_bytes} B reserved, "
-                                       f"{self.allocated_bytes} B allocated of {self.capacity_bytes} B")
-            block = _Block(self._next_addr, seg, small)
-            self._next_addr += seg
-            self.num_segments += 1
+            block = self._new_block(key, nbytes, small, size)
         if self._should_split(block, size):
-            rest = _Block(block.addr + size, block.size - size, small, prev=block, next=block.next)
-            if block.next is not None:
-                block.next.prev = rest
-            block.next, block.size = rest, size
-            self._insert(rest)
+            self._split(block, size)
         block.allocated = True
         self._live[key] = block
         self.allocated_bytes += block.size
         self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+
+    def _new_block(self, key, nbytes: int, small: bool, size: int) -> _Block:
+        """A new segment (cudaMalloc of `get_allocation_size`), after releasing the cache once when the device is
+        full (`alloc_block`, then `release_cached_blocks` and retry). Raises AllocatorOOM."""
+        seg = allocation_size(size)
+        if not self._cuda_malloc(seg):
+            self.num_alloc_retries += 1
+            self._release_cached()
+            if not self._cuda_malloc(seg):
+                raise AllocatorOOM(key, nbytes, self.reserved_bytes, self.allocated_bytes, self.capacity_bytes)
+        block = _Block(self._next_addr, seg, small)
+        self._next_addr += seg
+        self.num_segments += 1
+        return block
+
+    def _split(self, block: _Block, size: int) -> _Block:
+        """Split `block` after its first `size` bytes; the free rest joins the pool. Returns the rest."""
+        rest = _Block(block.addr + size, block.size - size, block.small, prev=block, next=block.next)
+        if block.next is not None:
+            block.next.prev = rest
+        block.next, block.size = rest, size
+        self._insert(rest)
+        return rest
 
     def free(self, key) -> None:
         """Free `key`'s block back to its pool, merging it with free neighbours (`free_block`)."""
@@ -179,6 +203,52 @@ class CachingAllocatorModel:
             self._pools[small] = keep
 
 
+@dataclass
+class ExpandableSegmentsModel(CachingAllocatorModel):
+    """`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`: one growing segment per pool (see the module
+    docstring). Same interface as `CachingAllocatorModel`."""
+
+    _tail: dict = field(default_factory=lambda: {True: None, False: None})  # small? -> last block of the segment
+
+    def _should_split(self, block: _Block, size: int) -> bool:
+        return block.size - size >= K_MIN_BLOCK_SIZE  # should_split with expandable segments
+
+    def _split(self, block: _Block, size: int) -> _Block:
+        rest = super()._split(block, size)
+        if self._tail[block.small] is block:
+            self._tail[block.small] = rest
+        return rest
+
+    def free(self, key) -> None:
+        block = self._live[key]
+        super().free(key)  # merges free neighbours into `block`: the last block of the segment when next is None
+        if block.next is None:
+            self._tail[block.small] = block
+
+    def _new_block(self, key, nbytes: int, small: bool, size: int) -> _Block:
+        """Map the pages the request misses after the segment's free tail (try_allocate_expandable_block)."""
+        page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
+        tail = self._tail[small]
+        free_tail = tail if tail is not None and not tail.allocated else None
+        need = size - (free_tail.size if free_tail is not None else 0)
+        mapped = -(-need // page) * page
+        if not self._cuda_malloc(mapped):
+            raise AllocatorOOM(key, nbytes, self.reserved_bytes, self.allocated_bytes, self.capacity_bytes)
+        if free_tail is not None:
+            self._remove(free_tail)
+            free_tail.size += mapped
+            return free_tail
+        if tail is None:
+            self.num_segments += 1
+            block = _Block(self._next_addr, mapped, small)
+            self._next_addr += 1 << 50  # the segment's reserved virtual range
+        else:
+            block = _Block(tail.addr + tail.size, mapped, small, prev=tail)
+            tail.next = block
+        self._tail[small] = block
+        return block
+
+
 @dataclass(frozen=True, slots=True)
 class ReservedEstimate:
     """The caching-allocator replay of a steady-state step. Bytes are ints."""
@@ -188,20 +258,26 @@ class ReservedEstimate:
     segments: int  # cudaMalloc segments held at the end of the step
     alloc_retries: int  # cudaMalloc failures that released the cache and retried
     oom: str  # '' or the request that found no memory
+    oom_sid: int | None = None  # the storage whose allocation failed
+    oom_step: str = ""  # 'first' or 'steady': the step it failed in
+    oom_state: tuple[int, int] = (0, 0)  # (reserved, allocated) bytes when it failed
 
 
-def replay_steps(first, steady, capacity_bytes: int | None = None, max_split_size: int | None = None
-                 ) -> ReservedEstimate:
+def replay_steps(first, steady, capacity_bytes: int | None = None, conf=None) -> ReservedEstimate:
     """Replay a first step then a steady-state step (two `liveness.Timeline`s of the same recording, CUDA block
-    rounding applied) through `CachingAllocatorModel`, as a training loop runs them; the peaks are the steady
-    step's (`reset_peak_memory_stats()` between the steps, as the measurement does).
+    rounding applied) through `CachingAllocatorModel` (`ExpandableSegmentsModel` when `conf`, a
+    `device.AllocConf`, says expandable_segments; its max_split_size applies), as a training loop runs them; the
+    peaks are the steady step's (`reset_peak_memory_stats()` between the steps, as the measurement does). With
+    `capacity_bytes`, an allocation that finds no memory stops the replay: `oom`, `oom_sid` and `oom_step` name it.
 
     Per step: storages alive at its start are allocated first (parameters, buffers, inputs; in the steady step
     the optimizer state already is), then at each graph step the storages born there are allocated and those
     dying there are freed; whatever the first step leaves that is not persistent is freed before the second.
     """
-    sim = CachingAllocatorModel(capacity_bytes, max_split_size)
-    oom = ""
+    mss = conf.max_split_size if conf is not None else None
+    expandable = conf is not None and conf.expandable_segments
+    sim = (ExpandableSegmentsModel if expandable else CachingAllocatorModel)(capacity_bytes, mss)
+    oom, failed, tag = "", None, ""
     try:
         for tag, tl in (("first", first), ("steady", steady)):
             if tag == "steady":
@@ -226,6 +302,7 @@ def replay_steps(first, steady, capacity_bytes: int | None = None, max_split_siz
                 for lt in deaths.get(step, ()):
                     sim.free(key_of[lt.sid])
     except AllocatorOOM as e:
-        oom = str(e)
+        oom, failed = str(e), e
     return ReservedEstimate(sim.peak_reserved_bytes, sim.peak_allocated_bytes, sim.num_segments,
-                            sim.num_alloc_retries, oom)
+                            sim.num_alloc_retries, oom, failed.key[1] if failed else None, tag if failed else "",
+                            (failed.reserved_bytes, failed.allocated_bytes) if failed else (0, 0))

@@ -18,7 +18,11 @@ class Category(str, enum.Enum):
     KV_CACHE = "kv_cache"  # the key/value cache a model builds when use_cache is on (transformers' Cache)
     OUTPUTS = "outputs"  # the model's outputs the loop holds (logits, loss), neither saved nor categorised above
     KEPT = "kept_across_steps"  # made by a step and kept for the next (a --step function's EMA copy, scaler state)
+    # cuBLAS workspaces: one per (thread, stream) that runs GEMMs, allocated through the caching allocator and
+    # never freed (analysis/device.py::cublas_workspace_bytes)
+    CUBLAS_WORKSPACE = "cublas_workspace"
 
 
 # Categories whose storages must outlive the step even under last-use freeing (graph-optimal figure).
-PERSISTENT = frozenset({Category.PARAMETER, Category.OPTIMIZER_STATE, Category.INPUT, Category.KEPT})
+PERSISTENT = frozenset({Category.PARAMETER, Category.OPTIMIZER_STATE, Category.INPUT, Category.KEPT,
+                        Category.CUBLAS_WORKSPACE})

@@ -7,7 +7,8 @@ from typing import Any
 
 from .categories import Category
 from .allocator import replay_steps
-from .liveness import Timeline
+from .liveness import Timeline, round_block
+from ..units import format_bytes
 
 SCHEMA_VERSION = 1
 
@@ -120,6 +121,23 @@ def _phase_marks(tl: Timeline) -> tuple[PhaseMark, ...]:
     return tuple(marks)
 
 
+def _oom(first: Timeline, steady: Timeline, capacity: int, conf, storages) -> dict:
+    """The allocator replayed with `capacity` bytes for cudaMalloc (the device less the CUDA context), through the
+    release-and-retry path of CUDACachingAllocator.cpp `malloc`: {'oom': a message naming the allocation that
+    fails, as PyTorch's OutOfMemoryError does, or ''; 'alloc_retries': the cache releases on the way}."""
+    est = replay_steps(first, steady, capacity_bytes=capacity, conf=conf)
+    if est.oom_sid is None:
+        return {"oom": "", "alloc_retries": est.alloc_retries}
+    s = next(x for x in storages if x.sid == est.oom_sid)
+    reserved, allocated = est.oom_state
+    what = s.name or f"{s.op} in {s.module or '(root)'}"
+    where = "at the start of" if s.op_index < 0 else f"in the {s.phase} of"
+    return {"oom": f"CUDA out of memory. Tried to allocate {format_bytes(round_block(s.nbytes, 512))} ({what}, "
+                   f"{s.dtype}{list(s.shape)}, {where} the {est.oom_step} step). Of the allocated memory "
+                   f"{format_bytes(allocated)} is allocated by PyTorch, and {format_bytes(reserved - allocated)} is "
+                   "reserved by PyTorch but unallocated.", "alloc_retries": est.alloc_retries}
+
+
 def flops(ops: tuple, steady: Timeline) -> tuple[int, int]:
     """(forward + backward FLOPs without recompute, FLOPs of checkpointed forward ops re-run in the backward) of
     the steady step (`torch.utils.flop_counter` formulas, counted per op by the recorder)."""
@@ -158,17 +176,26 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
     step_flops, recompute_flops = flops(ops, steady)
     fit = reserved = allocator = None
     if gpu is not None and gpu.get("cuda", True):
-        est = replay_steps(first, steady)
+        conf, context = gpu.get("alloc_conf"), gpu.get("cuda_context_bytes", 0)
+        est = replay_steps(first, steady, conf=conf)
         reserved = est.peak_reserved_bytes
-        allocator = {"model": "c10/cuda/CUDACachingAllocator.cpp defaults (512 B blocks, 2 MiB small and 20 MiB "
-                              "large segments, best fit, splitting)", "segments": est.segments,
-                     "peak_reserved_bytes": reserved,
+        allocator = {"model": "c10/cuda/CUDACachingAllocator.cpp " + (
+                         f"with PYTORCH_CUDA_ALLOC_CONF={conf}" if conf is not None and str(conf) else
+                         "defaults (512 B blocks, 2 MiB small and 20 MiB large segments, best fit, splitting)"),
+                     "segments": est.segments, "peak_reserved_bytes": reserved,
                      # the allocator counts a whole block when it does not split off a remainder <= 1 MiB
                      "peak_allocated_bytes": est.peak_allocated_bytes}
-        headroom = gpu["memory_bytes"] - reserved
-        fit = {"gpu": gpu["name"], "capacity_bytes": gpu["memory_bytes"], "headroom_bytes": headroom,
-               "fits": headroom >= 0, "basis": "peak reserved (caching-allocator model; the CUDA context and "
-                                                "cuBLAS workspaces are not included)"}
+        if conf is not None and conf.garbage_collection_threshold is not None:
+            allocator["note"] = ("garbage_collection_threshold acts only under a per-process memory fraction below "
+                                 "1 (CUDACachingAllocator.cpp garbage_collect_cached_blocks): no effect modelled")
+        total = reserved + context
+        headroom = gpu["memory_bytes"] - total
+        fit = {"gpu": gpu["name"], "capacity_bytes": gpu["memory_bytes"], "cuda_context_bytes": context,
+               "device_total_bytes": total, "headroom_bytes": headroom, "fits": headroom >= 0,
+               "basis": f"device total: peak reserved (caching-allocator model, cuBLAS workspaces included) + "
+                        f"CUDA context {format_bytes(context)}"}
+        if headroom < 0:
+            fit.update(_oom(first, steady, gpu["memory_bytes"] - context, conf, storages))
     elif gpu is not None:
         headroom = gpu["memory_bytes"] - steady.peak_bytes
         fit = {"gpu": gpu["name"], "capacity_bytes": gpu["memory_bytes"], "headroom_bytes": headroom,

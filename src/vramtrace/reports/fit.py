@@ -55,3 +55,79 @@ def render_fit(result, console: Console, model: str, target: str) -> None:
 
 def _peak(p) -> int:
     return p.peak_reserved_bytes if p.peak_reserved_bytes is not None else p.peak_allocated_bytes
+
+
+def render_sweep(result, console: Console, model: str, target: str) -> None:
+    """The grid: one row per batch, one column per sequence length; each cell the peak the verdict compares (peak
+    reserved on a CUDA target where the allocated bytes fit, else peak allocated), red when it does not fit."""
+    r = result
+    budget = f" (budget {format_bytes(r.budget_bytes)})" if r.budget_bytes is not None else ""
+    console.print(f"[bold]{escape(model)}[/] on {escape(target)}{budget}: peak over batch × sequence")
+    console.print(f"[dim]{escape(r.method)}; {r.traces} exact traces; reserved where the allocated bytes fit, "
+                  "else allocated (marked a)[/]")
+    table = Table(title_justify="left")
+    table.add_column("batch \\ seq", justify="right")
+    for s in r.seqs:
+        table.add_column(f"{s:,}", justify="right")
+    cells = {(p.batch, p.seq): p for p in r.points}
+    for b in r.batches:
+        row = [f"{b:,}"]
+        for s in r.seqs:
+            p = cells[(b, s)]
+            text = (format_bytes(p.peak_reserved_bytes) if p.peak_reserved_bytes is not None
+                    else format_bytes(p.peak_allocated_bytes) + (" a" if r.budget_bytes is not None and
+                                                                 p.fits is False else ""))
+            row.append(f"[red]{text}[/]" if p.fits is False else f"[green]{text}[/]" if p.fits else text)
+        table.add_row(*row)
+    console.print(table)
+
+
+def render_fit_html(result, model: str, target: str) -> str:
+    """A self-contained page (inline SVG, no script, no network) with the curve of `vramtrace fit`: the peak the
+    verdict compares over the size, exact and interpolated points marked, the budget as a line; and the table."""
+    import jinja2
+    from importlib import resources
+
+    from .. import __version__
+
+    r = result
+    reserved = r.curve and r.curve[0].peak_reserved_bytes is not None
+    w, h, left, right, top, bottom = 900, 420, 80, 20, 20, 50
+    xs = [p.x for p in r.curve]
+    ys = [_peak(p) for p in r.curve] + [p.peak_allocated_bytes for p in r.curve] + [r.budget_bytes]
+    x0, x1 = min(xs), max(xs)
+    y1 = max(ys) * 1.05 or 1
+
+    def sx(x: int) -> float:
+        return round(left + (x - x0) / ((x1 - x0) or 1) * (w - left - right), 1)
+
+    def sy(y: int) -> float:
+        return round(top + (1 - y / y1) * (h - top - bottom), 1)
+
+    lines = [{"name": "compared", "color": "#4c78a8", "points": " ".join(f"{sx(p.x)},{sy(_peak(p))}" for p in r.curve)}]
+    if reserved:
+        lines.append({"name": "allocated", "color": "#aaa",
+                      "points": " ".join(f"{sx(p.x)},{sy(p.peak_allocated_bytes)}" for p in r.curve)})
+    dots = [{"x": sx(p.x), "y": sy(_peak(p)), "fill": "#4c78a8" if p.exact else "#fff",
+             "tip": f"{r.axis} {p.x}: {format_bytes(_peak(p))} ({'traced' if p.exact else 'interpolated'})"}
+            for p in r.curve]
+    yticks = [{"y": sy(y1 * k / 5), "label": format_bytes(int(y1 * k / 5))} for k in range(6)]
+    xticks = [{"x": sx(x), "label": f"{x:,}"} for x in xs] if len(xs) <= 16 else \
+        [{"x": sx(x), "label": f"{x:,}"} for x in xs[::max(1, len(xs) // 12)]]
+    if r.best is None:
+        answer = f"Does not fit even at {_AXIS[r.axis]} {r.next.x}."
+    else:
+        answer = f"Largest {_AXIS[r.axis]} that fits: {r.best.x} (peak {format_bytes(_peak(r.best))})."
+    other = f" at seq {r.fixed}" if r.axis == "batch" and r.fixed else f" at batch {r.fixed}" if r.axis == "seq" else ""
+    rows = [{"x": f"{p.x:,}", "allocated": format_bytes(p.peak_allocated_bytes),
+             "reserved": format_bytes(p.peak_reserved_bytes) if p.peak_reserved_bytes is not None else "",
+             "fits": p.fits, "how": "traced" if p.exact else "interpolated"} for p in r.curve]
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
+    template = env.from_string((resources.files("vramtrace.reports") / "templates" / "fit.html.j2")
+                               .read_text(encoding="utf-8"))
+    return template.render(
+        title=f"{model} on {target}{other}", answer=answer, method=f"fits: {r.basis}; {r.method}; {r.traces} exact "
+        "traces", w=w, h=h, left=left, right=right, top=top, bottom=bottom, yticks=yticks, xticks=xticks,
+        axis=r.axis, budget_y=sy(r.budget_bytes), budget=format_bytes(r.budget_bytes), lines=lines, dots=dots,
+        basis_label="peak reserved" if reserved else "peak allocated", has_allocated_line=bool(reserved),
+        has_reserved=bool(reserved), rows=rows, version=__version__)

@@ -24,7 +24,7 @@ CATEGORY_COLORS = {  # stacked bottom to top in this order
     Category.PARAMETER: "#4c78a8", Category.OPTIMIZER_STATE: "#72b7b2", Category.GRADIENT: "#54a24b",
     Category.INPUT: "#b279a2", Category.KEPT: "#9d755d", Category.AUTOCAST_WEIGHTS: "#bab0ac",
     Category.ACTIVATION: "#f58518", Category.KV_CACHE: "#eeca3b", Category.OUTPUTS: "#ff9da6",
-    Category.TEMPORARY: "#e45756",
+    Category.TEMPORARY: "#e45756", Category.CUBLAS_WORKSPACE: "#79706e",
 }
 
 

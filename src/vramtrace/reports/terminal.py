@@ -16,6 +16,7 @@ _CATEGORY_LABELS = {
     "activation": "activations (saved for backward)", "temporary": "temporaries", "input": "inputs / buffers",
     "autocast_weights": "autocast weight copies", "kv_cache": "KV cache (use_cache)",
     "outputs": "outputs held by the loop", "kept_across_steps": "kept across steps",
+    "cublas_workspace": "cuBLAS workspaces",
 }
 _LOOP_CODE = {"trainer": "output released before backward", "function": "outputs kept until train_step returns",
               "script": "outputs kept until the next forward returns"}
@@ -108,6 +109,8 @@ def render(report: MemoryReport, console: Console) -> None:
         c = r["cpu_kernels"]
         head.add_row("CPU kernels", f"measured on {c['cpu']} ({c['cpu_flags'] or 'no AVX flags'}), oneDNN ISA "
                      f"{c['onednn_max_isa']}, ATen {c['aten_capability']}, {c['threads']} threads, torch {c['torch']}")
+    for warning in r.get("warnings", ()):
+        head.add_row("warning", Text(warning, style="bold yellow"))
     console.print(Panel(head, title="vramtrace", border_style="cyan"))
 
     peak = Text.assemble(("Peak allocated: ", "bold"), (format_bytes(report.peak_allocated_bytes), "bold magenta"),
@@ -157,13 +160,22 @@ def render(report: MemoryReport, console: Console) -> None:
 
     if report.fit is not None:
         f = report.fit
+        total = (f" device total {format_bytes(f['device_total_bytes'])} (reserved "
+                 f"{format_bytes(report.peak_reserved_bytes)} + CUDA context {format_bytes(f['cuda_context_bytes'])})"
+                 if "device_total_bytes" in f else "")
         if f["fits"]:
-            msg = Text(f"Fits on {f['gpu']} ({format_bytes(f['capacity_bytes'])}) with "
+            msg = Text(f"Fits on {f['gpu']} ({format_bytes(f['capacity_bytes'])}):{total} with "
                        f"{format_bytes(f['headroom_bytes'])} spare", style="bold green")
         else:
-            msg = Text(f"Does not fit on {f['gpu']} ({format_bytes(f['capacity_bytes'])}): over by "
+            msg = Text(f"Does not fit on {f['gpu']} ({format_bytes(f['capacity_bytes'])}):{total} over by "
                        f"{format_bytes(-f['headroom_bytes'])}", style="bold red")
         console.print(msg)
+        if f.get("oom"):
+            console.print(Text(f"replayed with the device's capacity: {f['oom']}", style="red"))
+        elif not f["fits"] and "oom" in f:
+            console.print(Text(f"replayed with the device's capacity it runs, but only by releasing the allocator's "
+                               f"cache {f['alloc_retries']} times per step (cudaMalloc retries: slow, fragile)",
+                               style="yellow"))
         console.print(Text(f"basis: {f['basis']}", style="dim"))
     if report.levers is not None:
         from .levers import render_levers

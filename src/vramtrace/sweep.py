@@ -1,0 +1,184 @@
+"""`vramtrace fit MODEL --sweep B1,B2,..xS1,S2,..`: the peak at every (batch, sequence) of a grid.
+
+The same construction as `fit` (`vramtrace/fit.py`), in two sizes at once. Exact traces at batch 2, 3 and sequence
+h, 2h, 3h (h = 64, or less for short models) give each storage's bytes as a parabola in the sequence at batch 2
+and at batch 3 (`fit._Curve`); between them it is linear in the batch. Checked by an exact trace at (4, 4h). A grid
+point's peak allocated is the liveness sum of the interpolated bytes (block-rounded) over the recording's
+lifetimes, vectorised with numpy in int64 (exact: no float). Batch 1 has its own recording (a reshape that is a
+view at batch 1 copies at 2 and more), so its own parabola from exact traces at batch 1 and the same sequences,
+checked at 4h (else traced at each sequence). On a CUDA target the caching-allocator model is replayed
+at the points whose allocated bytes fit (where allocated does not, reserved cannot). When the structures differ
+or a storage is not polynomial, every point is traced exactly, and the result says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from .errors import UsageError
+from .spec import Device, RunSpec
+
+MAX_POINTS = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class SweepPoint:
+    batch: int
+    seq: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int | None  # CUDA target, where the allocated bytes fit (else None)
+    fits: bool | None  # None: no capacity to check against
+    exact: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SweepResult:
+    batches: tuple[int, ...]
+    seqs: tuple[int, ...]
+    budget_bytes: int | None
+    points: tuple[SweepPoint, ...]
+    method: str
+    traces: int
+
+    def to_dict(self) -> dict:
+        return {"batches": list(self.batches), "seqs": list(self.seqs), "budget_bytes": self.budget_bytes,
+                "method": self.method, "traces": self.traces,
+                "points": [{f: getattr(p, f) for f in p.__dataclass_fields__} for p in self.points]}
+
+
+def parse_grid(text: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """'1,2,4x512,1024' -> ((1, 2, 4), (512, 1024)). Raises UsageError."""
+    left, sep, right = text.replace(" ", "").lower().partition("x")
+    try:
+        batches = tuple(sorted({int(b) for b in left.split(",") if b}))
+        seqs = tuple(sorted({int(s) for s in right.split(",") if s}))
+    except ValueError:
+        batches = seqs = ()
+    if not sep or not batches or not seqs or min(batches) < 1 or min(seqs) < 1:
+        raise UsageError(f"bad --sweep {text!r}; write batches x sequences, e.g. 1,2,4,8x512,1024,2048")
+    if len(batches) * len(seqs) > MAX_POINTS:
+        raise UsageError(f"--sweep {text!r} has {len(batches) * len(seqs):,} points; at most {MAX_POINTS:,}")
+    return batches, seqs
+
+
+def sweep(spec: RunSpec, batches: tuple[int, ...], seqs: tuple[int, ...], headroom: float = 0.0,
+          progress: Callable[[str], None] | None = None) -> SweepResult:
+    """The peak of `spec` at every (batch, seq) of `batches` × `seqs`, checked against `spec.capacity` less
+    `headroom` and the CUDA context when there is one. Raises UsageError, and what `analyze` raises."""
+    from . import _FrozenHeap
+
+    say = progress or (lambda _m: None)
+    budget = None
+    if spec.capacity is not None:
+        budget = int(spec.capacity[1] * (1 - headroom)) - spec.cuda_context
+    with _FrozenHeap() as heap:
+        return _sweep(spec, batches, seqs, budget, say, heap)
+
+
+def _sweep(spec, batches, seqs, budget, say, heap) -> SweepResult:
+    import numpy as np
+
+    from .fit import SEQ_STEP, _aligned, _Curve
+    from .tables import step_tables
+    from .tracer.building import load_model
+    from .tracer.checkpoint_headers import precision_for
+    from .tracer.loading import resolve_config
+
+    resolved = resolve_config(spec.model)
+    spec = replace(spec, precision=precision_for(spec, resolved)[0])
+    cuda = spec.device is Device.CUDA
+    exact: dict[tuple[int, int], object] = {}
+
+    def trace(b: int, s: int):
+        if (b, s) not in exact:
+            say(f"exact trace at batch {b}, seq {s}")
+            sized = replace(spec, batch=b, seq=s)
+            exact[(b, s)] = step_tables(sized, load_model(sized, resolved))
+            heap.refreeze()
+        return exact[(b, s)]
+
+    def verdict(alloc: int, reserved: int | None) -> bool | None:
+        return None if budget is None else (reserved if cuda else alloc) <= budget
+
+    def exact_point(b: int, s: int) -> SweepPoint:
+        alloc, reserved = trace(b, s).peaks(cuda=cuda)
+        return SweepPoint(b, s, alloc, reserved, verdict(alloc, reserved), True)
+
+    model = load_model(replace(spec, seq=SEQ_STEP), resolved)
+    limit = getattr(getattr(model.model, "config", None), "max_position_embeddings", None) or 1 << 20
+    if max(seqs) > limit:
+        raise UsageError(f"--sweep sequence {max(seqs)} is past the model's max_position_embeddings ({limit})")
+    h = min(SEQ_STEP, max(1, limit // 4))
+    s_nodes = (h, 2 * h, 3 * h)
+    nodes = [(b, s) for b in (2, 3) for s in s_nodes] + [(4, 4 * h)]
+    for b, s in nodes:
+        trace(b, s)
+    base = exact[nodes[0]]
+    why = ""
+    if not all(_aligned(base, exact[n]) for n in nodes[1:]):
+        why = "the recordings at the nodes differ in structure"
+    curves = {} if why else {b: _Curve(s_nodes, [exact[(b, s)] for s in s_nodes], 2) for b in (2, 3)}
+    if not why and 1 in batches:  # batch 1 has its own structure: its own parabola in the sequence
+        ones = [trace(1, s) for s in (*s_nodes, 4 * h)]
+        if all(_aligned(ones[0], t) for t in ones[1:]):
+            curve = _Curve(s_nodes, ones[:3], 2)
+            if curve.bytes_at(4 * h) == [r.nbytes for r in ones[3].table]:
+                curves[1] = curve
+
+    def interpolated(b: int, s: int):
+        if b == 1:
+            y = curves[1].bytes_at(s) if 1 in curves else None
+            return None if y is None else np.array(y, dtype=np.int64)
+        y2, y3 = curves[2].bytes_at(s), curves[3].bytes_at(s)
+        if y2 is None or y3 is None:
+            return None
+        y2 = np.array(y2, dtype=np.int64)
+        return y2 + (b - 2) * (np.array(y3, dtype=np.int64) - y2)
+
+    if not why:
+        check = interpolated(4, 4 * h)
+        if check is None or check.tolist() != [r.nbytes for r in exact[(4, 4 * h)].table]:
+            why = "a storage's bytes are not linear in the batch and quadratic in the sequence (checked at (4, 4h))"
+    structure: dict[int, tuple] = {}  # 1 (batch 1's recording) or 2 (the others'): lifetimes as arrays
+
+    def peak_of(b: int, sizes) -> tuple[int, object]:
+        """(peak allocated, the base StepTables) of the recording of batch b with `sizes` as its storages' bytes."""
+        key = 1 if b == 1 else 2
+        t = exact[(1, s_nodes[0])] if key == 1 else base
+        if key not in structure:
+            steady = t.timeline()
+            index = {r.sid: i for i, r in enumerate(t.table)}
+            structure[key] = (np.array([index[lt.sid] for lt in steady.lifetimes], dtype=np.int64),
+                              np.array([lt.birth for lt in steady.lifetimes], dtype=np.int64),
+                              np.array([lt.death for lt in steady.lifetimes], dtype=np.int64), len(steady.steps))
+        rows, births, deaths, n = structure[key]
+        nbytes = sizes[rows]
+        if t.block > 1:  # liveness.round_block, vectorised
+            nbytes = np.where(nbytes > 0, -(-nbytes // t.block) * t.block, 0)
+        diff = np.zeros(n + 1, dtype=np.int64)
+        np.add.at(diff, births, nbytes)
+        np.add.at(diff, deaths + 1, -nbytes)
+        return int(np.cumsum(diff)[:-1].max()), t
+
+    points = []
+    for b in batches:
+        for s in seqs:
+            sizes = None if why or (b, s) in exact else interpolated(b, s)
+            if sizes is None:
+                points.append(exact_point(b, s))
+                continue
+            alloc, t = peak_of(b, sizes)
+            reserved = None
+            if cuda and (budget is None or alloc <= budget):
+                new_rows = tuple(r if r.nbytes == n else replace(r, nbytes=n)
+                                 for r, n in zip(t.table, sizes.tolist()))
+                reserved = t.peaks(new_rows, cuda=True)[1]
+            points.append(SweepPoint(b, s, alloc, reserved, verdict(alloc, reserved) if reserved is not None or not cuda
+                                     else False, False))
+    ones = ("; batch 1 from its own traces at the same sequences, checked at " + str(4 * h) if 1 in curves
+            else "; batch 1 traced at each sequence" if 1 in batches else "")
+    method = (f"every point traced ({why})" if why else
+              f"interpolated from exact traces at batch 2, 3 × seq {', '.join(map(str, s_nodes))}, checked at "
+              f"(4, {4 * h}){ones}")
+    return SweepResult(tuple(batches), tuple(seqs), budget, tuple(points), method, len(exact))
