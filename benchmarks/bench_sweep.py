@@ -11,22 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from bench_fit import _timed  # this directory is on sys.path when run as a script
 
 GRIDS = {"gpt2": "1,2,3,4,5,6,7,8,9,10x128,200,256,300,384,512,600,700,800,1024",
          "meta-llama/Llama-2-7b": "1,2,3,4,5,6,7,8,9,10x256,512,768,1024,1280,1536,1792,2048,2304,2560"}
-
-
-def _timed(cmd: list[str]) -> float:
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode != 0:
-        sys.exit(p.stderr)
-    return time.perf_counter() - t0
 
 
 def main() -> None:

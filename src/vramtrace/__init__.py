@@ -38,9 +38,12 @@ def analyze(spec: RunSpec, progress: Callable[[str], None] | None = None, levers
         if levers and report.fit is not None and not report.fit["fits"]:
             from .levers import Evaluator, find_levers
 
-            ev = Evaluator(keep["resolved"], spec.device is Device.CUDA, say, heap)
-            for traced_spec, out in keep["outcomes"].items():
-                ev.seed(traced_spec, out)
+            from .tables import outcome
+
+            cuda = spec.device is Device.CUDA
+            ev = Evaluator(keep["resolved"], cuda, say, heap)
+            for traced_spec, (tables, num_layers) in keep["traces"].items():  # the traces made: not traced again
+                ev.seed(traced_spec, outcome(tables, num_layers, cuda))
             budget = report.fit["capacity_bytes"] - report.fit.get("cuda_context_bytes", 0)
             report = replace(report, levers=find_levers(keep["spec"], ev, budget))
     if ckpt.kind == "none":
@@ -214,8 +217,8 @@ def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
 
 def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _FrozenHeap, keep: dict | None = None):
     """The MemoryReport of `spec`. With `keep`, also fills keep['spec'] (the spec with its precision resolved),
-    keep['resolved'] (the resolved config) and keep['outcomes'] ({spec: tables.Outcome} of the traces made), for
-    the lever search."""
+    keep['resolved'] (the resolved config) and keep['traces'] ({spec: (StepTables, layers in its stack)} of the
+    traces made), for the lever search."""
     from dataclasses import replace
 
     from .tracer.checkpoint_headers import precision_for
@@ -229,7 +232,7 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
     from .analysis.storages import loop_peaks as loops_peaks
     from .analysis.summary import summarize
     from .spec import Device
-    from .tables import outcome, step_tables
+    from .tables import step_tables
     from .tracer.building import load_model
 
     say("building model on meta")
@@ -243,10 +246,9 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
     if spec.mode is Mode.TRAIN and spec.step is None:
         loop_peaks = loops_peaks(steady, traced.ops, traced.storages, traced.marks, loop, traced.counted_devices, block)
     cache_off_peak = None
-    outcomes = {}
+    traces = {spec: (main, loaded.num_layers)}
     if keep is not None:
-        outcomes[spec] = outcome(main, loaded.num_layers, spec.device is Device.CUDA)
-        keep.update(spec=spec, resolved=resolved, outcomes=outcomes)
+        keep.update(spec=spec, resolved=resolved, traces=traces)
     if spec.mode is Mode.TRAIN and spec.use_cache is None and any(
             lt.category == "kv_cache" and lt.birth <= steady.peak_step <= lt.death for lt in steady.lifetimes):
         # the config's KV cache is live at the peak: what --use-cache false saves, traced (not derived: without
@@ -256,8 +258,7 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
         off_loaded = load_model(off, resolved)
         off_tables = step_tables(off, off_loaded)
         cache_off_peak = off_tables.peaks()[0]
-        if keep is not None:
-            outcomes[off] = outcome(off_tables, off_loaded.num_layers, spec.device is Device.CUDA)
+        traces[off] = (off_tables, off_loaded.num_layers)
     gpu = spec.gpu_preset
     model_info = {
         "ref": resolved.ref, "config_source": resolved.source, "config_location": resolved.location,
