@@ -81,22 +81,27 @@ class _Curve:
     forward differences in integers): `degree` + 1 nodes determine it, the others check it."""
 
     def __init__(self, nodes: tuple[int, ...], tables: list, degree: int):
+        import numpy as np
+
         self.base = tables[0]
         self.x0, self.h, self.degree = nodes[0], nodes[1] - nodes[0], degree
-        sizes = [[r.nbytes for r in t.table] for t in tables]
-        self.diffs = []  # per storage: (Δ^0, ..., Δ^degree) of its bytes at the first degree + 1 nodes
-        for ys in zip(*sizes):
-            d, row = [], list(ys[:degree + 1])
-            for _ in range(degree + 1):
-                d.append(row[0])
-                row = [b - a for a, b in zip(row, row[1:])]
-            self.diffs.append(tuple(d))
+        row = np.array([[r.nbytes for r in t.table] for t in tables[:degree + 1]], dtype=np.int64)
+        diffs = []  # (Δ^0, ..., Δ^degree) of each storage's bytes at the first degree + 1 nodes
+        for _ in range(degree + 1):
+            diffs.append(row[0])
+            row = row[1:] - row[:-1]
+        self.diffs = np.stack(diffs, axis=1)  # (storages, degree + 1)
+        self._bound = [int(v) for v in np.abs(self.diffs).max(axis=0, initial=0)]
 
-    def bytes_at(self, x: int) -> list[int] | None:
-        """Every storage's bytes at size x, or None when one of them is not an integer there (not polynomial).
+    def bytes_at(self, x: int):
+        """Every storage's bytes at size x (an int64 numpy array in the base table's order), or None when one of
+        them is not an integer there (not polynomial).
 
         y(x) = Σ_k Δ^k y0 · Π_{j<k} (x - x0 - j·h) / (h^k · k!), all over the common denominator
-        D = h^degree · degree!, so that the sum is exact in integers."""
+        D = h^degree · degree!, so that the sum is exact in integers (in int64 when it cannot overflow, else in
+        Python's ints)."""
+        import numpy as np
+
         deg, h = self.degree, self.h
         factorials = [1]
         for k in range(1, deg + 1):
@@ -106,20 +111,25 @@ class _Curve:
         for k in range(deg + 1):
             terms.append(prod * h ** (deg - k) * (factorials[deg] // factorials[k]))
             prod *= x - self.x0 - k * h
-        out = []
-        for d in self.diffs:
-            n = sum(dk * t for dk, t in zip(d, terms))
-            if n % denominator:
-                return None
-            out.append(n // denominator)
-        return out
+        if sum(b * abs(t) for b, t in zip(self._bound, terms)) < 1 << 62:
+            n = self.diffs @ np.array(terms, dtype=np.int64)
+        else:
+            n = np.array([sum(int(d) * t for d, t in zip(row, terms)) for row in self.diffs.tolist()], dtype=object)
+        if (n % denominator).any():
+            return None
+        return (n // denominator).astype(np.int64)
 
     def rows_at(self, x: int):
         """The base table with each storage's bytes at size x (shapes are the base trace's: not reported)."""
         sizes = self.bytes_at(x)
         if sizes is None:
             return None
-        return tuple(r if r.nbytes == n else replace(r, nbytes=n) for r, n in zip(self.base.table, sizes))
+        return tuple(r if r.nbytes == n else replace(r, nbytes=n) for r, n in zip(self.base.table, sizes.tolist()))
+
+
+def _equal(sizes, tables) -> bool:
+    """Whether interpolated `sizes` (None: not polynomial) are the bytes of the exact trace `tables`."""
+    return sizes is not None and sizes.tolist() == [r.nbytes for r in tables.table]
 
 
 def _aligned(a, b) -> bool:
@@ -212,7 +222,7 @@ def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, 
     else:
         curve = _Curve(nodes, [tables[x] for x in nodes], degree)
         for x in nodes[degree + 1:]:
-            if curve.bytes_at(x) != [r.nbytes for r in tables[x].table]:
+            if not _equal(curve.bytes_at(x), tables[x]):
                 why = f"a storage's bytes are not a degree-{degree} polynomial of the {axis} (checked at {x})"
                 curve = None
                 break

@@ -79,7 +79,8 @@ def sweep(spec: RunSpec, batches: tuple[int, ...], seqs: tuple[int, ...], headro
 def _sweep(spec, batches, seqs, budget, say, heap) -> SweepResult:
     import numpy as np
 
-    from .fit import SEQ_STEP, _aligned, _Curve
+    from .analysis.allocator import ReplaySchedule
+    from .fit import SEQ_STEP, _aligned, _Curve, _equal
     from .tables import step_tables
     from .tracer.building import load_model
     from .tracer.checkpoint_headers import precision_for
@@ -123,43 +124,46 @@ def _sweep(spec, batches, seqs, budget, say, heap) -> SweepResult:
         ones = [trace(1, s) for s in (*s_nodes, 4 * h)]
         if all(_aligned(ones[0], t) for t in ones[1:]):
             curve = _Curve(s_nodes, ones[:3], 2)
-            if curve.bytes_at(4 * h) == [r.nbytes for r in ones[3].table]:
+            if _equal(curve.bytes_at(4 * h), ones[3]):
                 curves[1] = curve
 
     def interpolated(b: int, s: int):
         if b == 1:
-            y = curves[1].bytes_at(s) if 1 in curves else None
-            return None if y is None else np.array(y, dtype=np.int64)
+            return curves[1].bytes_at(s) if 1 in curves else None
         y2, y3 = curves[2].bytes_at(s), curves[3].bytes_at(s)
-        if y2 is None or y3 is None:
-            return None
-        y2 = np.array(y2, dtype=np.int64)
-        return y2 + (b - 2) * (np.array(y3, dtype=np.int64) - y2)
+        return None if y2 is None or y3 is None else y2 + (b - 2) * (y3 - y2)
 
-    if not why:
-        check = interpolated(4, 4 * h)
-        if check is None or check.tolist() != [r.nbytes for r in exact[(4, 4 * h)].table]:
-            why = "a storage's bytes are not linear in the batch and quadratic in the sequence (checked at (4, 4h))"
+    if not why and not _equal(interpolated(4, 4 * h), exact[(4, 4 * h)]):
+        why = "a storage's bytes are not linear in the batch and quadratic in the sequence (checked at (4, 4h))"
     structure: dict[int, tuple] = {}  # 1 (batch 1's recording) or 2 (the others'): lifetimes as arrays
 
-    def peak_of(b: int, sizes) -> tuple[int, object]:
-        """(peak allocated, the base StepTables) of the recording of batch b with `sizes` as its storages' bytes."""
+    def peak_of(b: int, sizes) -> tuple[int, int | None]:
+        """(peak allocated, peak reserved on a CUDA target when the allocated bytes fit, else None) of the
+        recording of batch b with `sizes` as its storages' bytes: the liveness sum of `StepTables.peaks`
+        vectorised, and the same allocator replay (`ReplaySchedule`) without rebuilding the timelines."""
         key = 1 if b == 1 else 2
-        t = exact[(1, s_nodes[0])] if key == 1 else base
         if key not in structure:
-            steady = t.timeline()
+            t = exact[(1, s_nodes[0])] if key == 1 else base
+            unit = tuple(replace(r, nbytes=1) for r in t.table)  # every storage on the timelines, even at 0 bytes
+            first, steady = t.timeline(unit, 0), t.timeline(unit)
             index = {r.sid: i for i, r in enumerate(t.table)}
+            schedule = ReplaySchedule.of(first, steady) if cuda else None
             structure[key] = (np.array([index[lt.sid] for lt in steady.lifetimes], dtype=np.int64),
                               np.array([lt.birth for lt in steady.lifetimes], dtype=np.int64),
-                              np.array([lt.death for lt in steady.lifetimes], dtype=np.int64), len(steady.steps))
-        rows, births, deaths, n = structure[key]
+                              np.array([lt.death for lt in steady.lifetimes], dtype=np.int64), len(steady.steps),
+                              t.block, schedule,
+                              schedule and np.array([index[sid] for sid in schedule.sids], dtype=np.int64))
+        rows, births, deaths, n, block, schedule, replay_rows = structure[key]
+        if block > 1:  # liveness.round_block, vectorised
+            sizes = np.where(sizes > 0, -(-sizes // block) * block, 0)
         nbytes = sizes[rows]
-        if t.block > 1:  # liveness.round_block, vectorised
-            nbytes = np.where(nbytes > 0, -(-nbytes // t.block) * t.block, 0)
         diff = np.zeros(n + 1, dtype=np.int64)
         np.add.at(diff, births, nbytes)
         np.add.at(diff, deaths + 1, -nbytes)
-        return int(np.cumsum(diff)[:-1].max()), t
+        alloc = int(np.cumsum(diff)[:-1].max())
+        if not cuda or (budget is not None and alloc > budget):
+            return alloc, None
+        return alloc, schedule.replay(sizes[replay_rows].tolist(), conf=base.alloc_conf).peak_reserved_bytes
 
     points = []
     for b in batches:
@@ -168,12 +172,7 @@ def _sweep(spec, batches, seqs, budget, say, heap) -> SweepResult:
             if sizes is None:
                 points.append(exact_point(b, s))
                 continue
-            alloc, t = peak_of(b, sizes)
-            reserved = None
-            if cuda and (budget is None or alloc <= budget):
-                new_rows = tuple(r if r.nbytes == n else replace(r, nbytes=n)
-                                 for r, n in zip(t.table, sizes.tolist()))
-                reserved = t.peaks(new_rows, cuda=True)[1]
+            alloc, reserved = peak_of(b, sizes)
             points.append(SweepPoint(b, s, alloc, reserved, verdict(alloc, reserved) if reserved is not None or not cuda
                                      else False, False))
     ones = ("; batch 1 from its own traces at the same sequences, checked at " + str(4 * h) if 1 in curves

@@ -269,40 +269,73 @@ def replay_steps(first, steady, capacity_bytes: int | None = None, conf=None) ->
     `device.AllocConf`, says expandable_segments; its max_split_size applies), as a training loop runs them; the
     peaks are the steady step's (`reset_peak_memory_stats()` between the steps, as the measurement does). With
     `capacity_bytes`, an allocation that finds no memory stops the replay: `oom`, `oom_sid` and `oom_step` name it.
+    The order of events is `ReplaySchedule`'s."""
+    schedule = ReplaySchedule.of(first, steady)
+    nbytes = {lt.sid: lt.bytes for tl in (first, steady) for lt in tl.lifetimes}
+    return schedule.replay([nbytes[sid] for sid in schedule.sids], capacity_bytes, conf)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplaySchedule:
+    """The allocator events of a first step then a steady-state step of one recording, independent of the
+    storages' sizes, so that `fit --sweep` replays the same recording at many sizes.
 
     Per step: storages alive at its start are allocated first (parameters, buffers, inputs; in the steady step
     the optimizer state already is), then at each graph step the storages born there are allocated and those
     dying there are freed; whatever the first step leaves that is not persistent is freed before the second.
+
+    sids: the storage of each index; steps: per step ('first', 'steady'), its events (malloc?, key, index) in
+    order, a key being ('persistent' | step, sid).
     """
-    mss = conf.max_split_size if conf is not None else None
-    expandable = conf is not None and conf.expandable_segments
-    sim = (ExpandableSegmentsModel if expandable else CachingAllocatorModel)(capacity_bytes, mss)
-    oom, failed, tag = "", None, ""
-    try:
+
+    sids: tuple[int, ...]
+    steps: tuple[tuple[str, tuple[tuple[bool, tuple, int], ...]], ...]
+
+    @classmethod
+    def of(cls, first, steady) -> ReplaySchedule:
+        index: dict[int, int] = {}
+        steps = []
         for tag, tl in (("first", first), ("steady", steady)):
-            if tag == "steady":
-                for key in [k for k in sim._live if k[0] == "first"]:
-                    sim.free(key)
-                sim.reset_peaks()
-            key_of = {lt.sid: (("persistent", lt.sid) if lt.at_start or lt.outlives_step else (tag, lt.sid))
-                      for lt in tl.lifetimes}
+            events: list[tuple[bool, tuple, int]] = []
             births: dict[int, list] = {}
             deaths: dict[int, list] = {}
             for lt in tl.lifetimes:
+                key = ("persistent", lt.sid) if lt.at_start or lt.outlives_step else (tag, lt.sid)
+                i = index.setdefault(lt.sid, len(index))
                 if lt.at_start:
-                    if key_of[lt.sid] not in sim._live:
-                        sim.malloc(key_of[lt.sid], lt.bytes)
+                    events.append((True, key, i))
                 else:
-                    births.setdefault(lt.birth, []).append(lt)
+                    births.setdefault(lt.birth, []).append((True, key, i))
                 if not lt.outlives_step:
-                    deaths.setdefault(lt.death, []).append(lt)
+                    deaths.setdefault(lt.death, []).append((False, key, i))
             for step in range(len(tl.steps)):
-                for lt in births.get(step, ()):
-                    sim.malloc(key_of[lt.sid], lt.bytes)
-                for lt in deaths.get(step, ()):
-                    sim.free(key_of[lt.sid])
-    except AllocatorOOM as e:
-        oom, failed = str(e), e
-    return ReservedEstimate(sim.peak_reserved_bytes, sim.peak_allocated_bytes, sim.num_segments,
-                            sim.num_alloc_retries, oom, failed.key[1] if failed else None, tag if failed else "",
-                            (failed.reserved_bytes, failed.allocated_bytes) if failed else (0, 0))
+                events += births.get(step, ())
+                events += deaths.get(step, ())
+            steps.append((tag, tuple(events)))
+        return cls(tuple(index), tuple(steps))
+
+    def replay(self, nbytes, capacity_bytes: int | None = None, conf=None) -> ReservedEstimate:
+        """The replay with `nbytes[i]` (block-rounded) the bytes of storage `sids[i]`; one of 0 bytes is neither
+        allocated nor freed (PyTorch returns a null pointer for it). See `replay_steps`."""
+        mss = conf.max_split_size if conf is not None else None
+        expandable = conf is not None and conf.expandable_segments
+        sim = (ExpandableSegmentsModel if expandable else CachingAllocatorModel)(capacity_bytes, mss)
+        oom, failed, tag = "", None, ""
+        live = sim._live
+        try:
+            for tag, events in self.steps:
+                if tag == "steady":
+                    for key in [k for k in live if k[0] == "first"]:
+                        sim.free(key)
+                    sim.reset_peaks()
+                for is_malloc, key, i in events:
+                    if is_malloc:
+                        if key not in live and nbytes[i]:
+                            sim.malloc(key, nbytes[i])
+                    elif key in live:
+                        sim.free(key)
+        except AllocatorOOM as e:
+            oom, failed = str(e), e
+        return ReservedEstimate(sim.peak_reserved_bytes, sim.peak_allocated_bytes, sim.num_segments,
+                                sim.num_alloc_retries, oom, failed.key[1] if failed else None, tag if failed else "",
+                                (failed.reserved_bytes, failed.allocated_bytes) if failed else (0, 0))
