@@ -9,6 +9,8 @@ checkpointing, inputs, freeze, LoRA, image size, multiple-choice count) and buil
   built with `from_config`, random weights (seed 0); inputs drawn here per head;
 - custom modules (`path.py:NAME`): the file imported with importlib, `NAME()` called;
 - the optimizer: a plain `torch.optim.AdamW(params)` (or the case's Adam/SGD, for-loop or foreach);
+- a generation case (mode generate): `model.generate(input_ids, attention_mask=ones, max_new_tokens=N,
+  min_new_tokens=N, do_sample=False, cache_implementation='static' or None)`, transformers' documented call;
 - the literal loop of the case (`loop` trainer | function | script, `grad_accum`, `clip_grad_norm`, `zero_grad`,
   fp16-mixed with `torch.amp.GradScaler("cpu")`; see `RealStep`), or the case's `--step` file's function called
   as FUNC(model, batch, optimizer); one warm-up step then the measured one;
@@ -308,6 +310,14 @@ class RealStep:
             model = hf_model(config, weight_dtype)
             self.kwargs = hf_batch(model, config, spec.batch, spec.seq, self.train, getattr(spec, "image_size", None),
                                    weight_dtype, getattr(spec, "choices", None) or 2)
+            if mode == "generate":  # a tokenizer's output for unpadded prompts
+                self.kwargs = {"input_ids": self.kwargs["input_ids"],
+                               "attention_mask": torch.ones_like(self.kwargs["input_ids"])}
+        self.generate = None
+        if mode == "generate":
+            cache = _v(getattr(spec, "cache", "dynamic"))
+            self.generate = dict(max_new_tokens=spec.new_tokens, min_new_tokens=spec.new_tokens, do_sample=False,
+                                 cache_implementation="static" if cache == "static" else None)
         for pattern in getattr(spec, "freeze", ()) or ():
             for n, p in model.named_parameters():
                 if fnmatch.fnmatchcase(n, pattern):
@@ -390,6 +400,11 @@ class RealStep:
 
     def run(self) -> None:
         """One optimizer step of the case's loop (or one call of its --step function), literally."""
+        if self.generate is not None:  # model.generate() runs under torch.no_grad() itself
+            with self._autocast():
+                out = self.model.generate(**self.kwargs, **self.generate)
+            del out
+            return
         if not self.train:
             with torch.no_grad(), self._autocast():
                 out = self.model(*self.args, **self.kwargs)

@@ -67,7 +67,9 @@ def test_every_target_is_patched_while_installed_and_restored_after_an_error():
     patched = {k for k in before if during[k] is not before[k]}
     for b in bridges.BRIDGES:
         # patched on the model instance (see test below), or per call from the kernel policy
-        if b not in (bridges.CHECKPOINT_FUNCTION, bridges.FUNCTIONAL_TORCH_FUNCTION_CHECK):
+        # (generation_questions: patched while a generation is traced, tests/test_generate.py)
+        if b not in (bridges.CHECKPOINT_FUNCTION, bridges.FUNCTIONAL_TORCH_FUNCTION_CHECK,
+                     bridges.GENERATION_QUESTIONS):
             assert (b.targets[0]) in patched, b.name
     assert all(k in patched for k in before if k[1] == "maybe_autocast")  # every module's binding
     after = _targets()
@@ -92,6 +94,10 @@ def test_a_missing_target_is_a_bridge_error_and_nothing_is_patched(monkeypatch, 
 
         with pytest.raises(BridgeError, match=name):
             layer_stack(torch.nn.Sequential())
+    elif bridge is bridges.GENERATION_QUESTIONS:  # installed around a traced model.generate()
+        with pytest.raises(BridgeError, match=name):
+            with bridges.generating(3):
+                pytest.fail("generating() went on without its target")
     else:
         with pytest.raises(BridgeError, match=name):
             with _installed():

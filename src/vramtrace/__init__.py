@@ -154,7 +154,9 @@ def step_summary(spec: RunSpec, loop_peaks: dict[str, int], use_cache_false_peak
     """The report's `run` entries about the step: the loop (or the --step function), gradient accumulation
     (micro-batches, effective batch), zero_grad, clipping, the KV cache switch, each loop's peak bytes, and the
     peak bytes of the same step traced with use_cache false (when the config's KV cache is live at the peak)."""
-    if spec.mode is Mode.INFERENCE:
+    if spec.mode is Mode.GENERATE:
+        return {"new_tokens": spec.new_tokens, "cache": spec.cache.value, "total_length": spec.seq + spec.new_tokens}
+    if spec.mode is not Mode.TRAIN:
         return {}
     out = {"loop": spec.loop.value if spec.step is None else f"--step {spec.step}",
            "grad_accum": spec.grad_accum, "effective_batch": spec.batch * spec.grad_accum,
@@ -284,6 +286,10 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
         **step_summary(spec, loop_peaks, cache_off_peak),
         "adapters": adapters_summary(spec), "image_size": loaded.image_size, **moe_summary(spec, loaded.model),
     }
+    if spec.mode is Mode.GENERATE:
+        from .analysis.summary import generation_summary
+
+        run_info.update(generation_summary(traced.ops, table, steady, spec.batch, spec.seq, spec.new_tokens))
     if traced.cpu_environment:
         run_info["cpu_kernels"] = dict(traced.cpu_environment)
     warnings = target_warnings(spec, loaded.precision.value)

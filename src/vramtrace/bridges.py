@@ -133,10 +133,26 @@ ADAFACTOR_SCALARS = Bridge(
     ".item() meta cannot answer. The norms' ops run; while either function runs, Tensor.item of a meta tensor "
     "answers 1.0: the values only scale the update, never a size")
 
+GENERATION_QUESTIONS = Bridge(
+    "generation_questions", "transformers",
+    (("transformers.generation.utils", "GenerationMixin.generate"),
+     ("transformers.generation.utils", "GenerationMixin._prepare_special_tokens"),
+     ("transformers.generation.utils", "GenerationMixin._get_logits_processor"),
+     ("transformers.generation.utils", "StopCheck")), TRANSFORMERS_WRITTEN_FOR,
+    "model.generate() reads values: Tensor.__bool__ and Tensor.item of meta tensors, which meta cannot answer. "
+    "While a generation is traced (`generating`), they are answered as the real run with the traced inputs "
+    "(an unpadded prompt of token ids in [0, vocab), its attention mask all ones, greedy with min_new_tokens = "
+    "max_new_tokens = N) answers them, by the function asking: generate's `has_right_padding = torch.any("
+    "attention_mask[:, -1] == 0).item()` False and `(attention_mask == 1).all()` True (the mask is then dropped); "
+    "_prepare_special_tokens' eos/pad checks False (they only log warnings); _get_logits_processor's "
+    "`(encoder_input_ids < 0).any()` False; StopCheck's `bool(unfinished_sequences.max() == 0)` False until the "
+    "N-th token, then True (MaxLengthCriteria ends every row at once). A question from any other function is a "
+    "TraceError naming it")
+
 BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_CHECK, PADDING_MASK_CHECK,
                                PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION, MHA_FAST_PATH,
                                FUNCTIONAL_TORCH_FUNCTION_CHECK, GRAD_SCALER_FOUND_INF, CLIP_GRAD_FOREACH,
-                               FUSED_OPTIMIZER_DEVICES, ADAFACTOR_SCALARS)
+                               FUSED_OPTIMIZER_DEVICES, ADAFACTOR_SCALARS, GENERATION_QUESTIONS)
 
 
 def _installed_version(library: str) -> str:
@@ -415,6 +431,59 @@ def _adafactor_scalars(stack: contextlib.ExitStack) -> None:
 
     for name in ("_single_tensor_adafactor", "_multi_tensor_adafactor"):
         stack.enter_context(_set(_adafactor, name, bridged(getattr(_adafactor, name))))
+
+
+@contextlib.contextmanager
+def generating(new_tokens: int) -> Iterator[None]:
+    """GENERATION_QUESTIONS while a `model.generate()` of `new_tokens` tokens is traced: Tensor.__bool__ and
+    Tensor.item of meta tensors answered by the transformers function asking (see the bridge's `why`); the
+    originals back on exit. Raises BridgeError (nothing patched) when a target is missing; while it runs, a
+    question from another function raises TraceError."""
+    import inspect
+
+    from .errors import TraceError
+
+    found = resolve(GENERATION_QUESTIONS)
+    mod = "transformers.generation.utils."
+    code = {name: inspect.unwrap(found[mod + name]).__code__
+            for name in ("GenerationMixin.generate", "GenerationMixin._prepare_special_tokens",
+                         "GenerationMixin._get_logits_processor")}
+    stop_call = vars(found[mod + "StopCheck"]).get("__call__")  # a class is callable without its own __call__
+    if stop_call is None:
+        raise _missing(GENERATION_QUESTIONS, mod + "StopCheck.__call__")
+    code["StopCheck.__call__"] = stop_call.__code__
+    stops = [0]
+
+    def stop_check() -> bool:
+        stops[0] += 1
+        return stops[0] >= new_tokens
+
+    answers: dict[tuple[object, str], Callable[[], bool]] = {
+        (code["GenerationMixin.generate"], "item"): lambda: False,  # has_right_padding
+        (code["GenerationMixin.generate"], "__bool__"): lambda: True,  # (attention_mask == 1).all()
+        (code["GenerationMixin._prepare_special_tokens"], "__bool__"): lambda: False,
+        (code["GenerationMixin._get_logits_processor"], "__bool__"): lambda: False,
+        (code["StopCheck.__call__"], "__bool__"): stop_check,
+    }
+
+    def answering(name: str):
+        original = getattr(torch.Tensor, name)
+
+        def answer(self):
+            if self.device.type != "meta":
+                return original(self)
+            caller = sys._getframe(1)
+            known = answers.get((caller.f_code, name))
+            if known is None:
+                raise TraceError(f"model.generate() asked for a value of a meta tensor (Tensor.{name}) in "
+                                 f"{caller.f_code.co_qualname} ({caller.f_code.co_filename}:{caller.f_lineno}), a "
+                                 f"question bridge {GENERATION_QUESTIONS.name} does not answer")
+            value = known()
+            return value if name == "__bool__" else int(value)
+        return answer
+
+    with _set(torch.Tensor, "__bool__", answering("__bool__")), _set(torch.Tensor, "item", answering("item")):
+        yield
 
 
 @contextlib.contextmanager

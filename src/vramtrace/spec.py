@@ -24,7 +24,16 @@ class _Choice(str, enum.Enum):
 
 class Mode(_Choice):
     TRAIN = "train"
-    INFERENCE = "inference"
+    INFERENCE = "inference"  # one no_grad forward over the whole sequence
+    GENERATE = "generate"  # model.generate(): a prefill over the prompt, then one decode step per new token
+
+
+class CacheKind(_Choice):
+    """The KV cache `model.generate()` builds (`--cache`): transformers' `DynamicCache`, which grows by `torch.cat`
+    every decode step, or `StaticCache`, preallocated to the prompt + new tokens (`cache_implementation='static'`)."""
+
+    DYNAMIC = "dynamic"
+    STATIC = "static"
 
 
 class Precision(_Choice):
@@ -453,9 +462,11 @@ class RunSpec:
     gpu_memory_bytes: int | None = None
     cuda_context_bytes: int | None = None
     alloc_conf: AllocConf | str = ""
+    new_tokens: int | None = None
+    cache: CacheKind = CacheKind.DYNAMIC
 
     def __post_init__(self) -> None:
-        for name in ("batch", "seq", "lora_rank", "image_size", "choices", "grad_accum"):
+        for name in ("batch", "seq", "lora_rank", "image_size", "choices", "grad_accum", "new_tokens"):
             v = getattr(self, name)
             if v is None and name != "batch":
                 continue
@@ -479,6 +490,8 @@ class RunSpec:
             raise UsageError(f"--choices applies to multiple-choice heads, not --task {self.task.value}")
         object.__setattr__(self, "moe_routing", MoeRouting.parse(self.moe_routing, "MoE routing"))
         object.__setattr__(self, "mode", Mode.parse(self.mode, "mode"))
+        object.__setattr__(self, "cache", CacheKind.parse(self.cache, "--cache"))
+        self._check_generate_options()
         if self.precision is not None:
             object.__setattr__(self, "precision", Precision.parse(self.precision, "precision"))
         self._resolve_optimizer()
@@ -493,8 +506,8 @@ class RunSpec:
         self._check_step_options()
         ckpt = Checkpointing.parse(self.checkpointing)
         object.__setattr__(self, "checkpointing", ckpt)
-        if ckpt.kind != "none" and self.mode is Mode.INFERENCE:
-            raise UsageError("--checkpointing applies to training; drop it for --mode inference")
+        if ckpt.kind != "none" and self.mode is not Mode.TRAIN:
+            raise UsageError(f"--checkpointing applies to training; drop it for --mode {self.mode.value}")
         if ckpt.kind == "auto" and not self.memory_budget_bytes:
             raise UsageError("--checkpointing auto needs --memory-budget, e.g. --memory-budget 40GiB")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
@@ -532,16 +545,32 @@ class RunSpec:
         object.__setattr__(self, "optimizer", kind)
         object.__setattr__(self, "optimizer_impl", impl)
 
+    def _check_generate_options(self) -> None:
+        """Raise UsageError for generation options given without --mode generate, or missing with it."""
+        if self.mode is not Mode.GENERATE:
+            if self.new_tokens is not None or self.cache is not CacheKind.DYNAMIC:
+                raise UsageError("--new-tokens and --cache apply to --mode generate; add it or drop them")
+            return
+        if self.new_tokens is None:
+            raise UsageError("--mode generate needs --new-tokens N (the prompt is --seq tokens)")
+        if self.seq is None:
+            raise UsageError("--mode generate needs --seq S, the prompt length")
+        if custom_ref(self.model) is not None:
+            raise UsageError("--mode generate runs transformers' model.generate(); a custom module has none")
+        if self.lora_rank is not None:
+            raise UsageError("--mode generate with --lora-rank is not supported yet (peft's generate wraps the "
+                             "model's); merge the adapter or drop --lora-rank")
+
     def _check_step_options(self) -> None:
         """Raise UsageError for step options that would be silently ignored."""
         loop_options = [name for name, given in (
             ("--loop", self.loop is not Loop.TRAINER), ("--grad-accum", self.grad_accum != 1),
             ("--zero-grad", self.zero_grad is not ZeroGrad.NONE), ("--clip-grad-norm", self.clip_grad_norm is not None))
             if given]
-        if self.mode is Mode.INFERENCE and (loop_options or self.step):
+        if self.mode is not Mode.TRAIN and (loop_options or self.step):
             raise UsageError(f"{', '.join(loop_options + (['--step'] if self.step else []))} appl"
                              f"{'ies' if len(loop_options) + bool(self.step) == 1 else 'y'} to training; drop "
-                             "it for --mode inference")
+                             f"it for --mode {self.mode.value}")
         if self.step is not None:
             target = custom_ref(self.step)
             if target is None or not target[0].endswith(".py"):

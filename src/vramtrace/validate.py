@@ -78,7 +78,7 @@ def _measure(spec: RunSpec, setup: Callable | None) -> Measurement:
     from .tracer.checkpointing import apply_checkpointing, layer_stack
     from .tracer.kernels import run_profiled_steps, unique_storage_bytes
     from .tracer.optim import make_optimizer
-    from .tracer.step import QuietObserver, StepContext, load_user_step, run_inference, run_training
+    from .tracer.step import QuietObserver, StepContext, load_user_step, run_generation, run_inference, run_training
 
     device = spec.device.value
     loaded = real_model(spec, device)
@@ -101,6 +101,8 @@ def _measure(spec: RunSpec, setup: Callable | None) -> Measurement:
     def step():
         if train:
             run_training(ctx, spec, obs, literal=True, steps=1)
+        elif spec.mode is Mode.GENERATE:
+            run_generation(ctx, spec, obs)
         else:
             run_inference(ctx, obs)
 

@@ -106,13 +106,18 @@ class MemoryReport:
         return d
 
 
-def _phase_marks(tl: Timeline) -> tuple[PhaseMark, ...]:
+def _phase_marks(tl: Timeline, ops: tuple, generate: bool) -> tuple[PhaseMark, ...]:
+    """The waterfall: the start, then each phase's peak and its end. A generation's phases are its prefill (the
+    model's first forward, micro-step 0, with what generate does before it) and its decode steps (the rest)."""
     marks = [PhaseMark("start of step", tl.start_bytes, 0)]
     by_phase: dict[str, list[int]] = {}
     for i, ph in enumerate(tl.phases):
+        if generate:
+            ph = "prefill" if ops[tl.steps[i]].micro == 0 else "decode"
         by_phase.setdefault(ph, []).append(i)
     labels = {"forward": "forward", "backward": "backward", "clip_grad_norm": "clip_grad_norm",
-              "optimizer": "optimizer step", "zero_grad": "zero_grad", "step": "your step function"}
+              "optimizer": "optimizer step", "zero_grad": "zero_grad", "step": "your step function",
+              "prefill": "prefill", "decode": "decode steps"}
     for ph, idx in by_phase.items():
         peak_i = max(idx, key=lambda i: tl.live_bytes[i])
         if ph != "zero_grad":
@@ -136,6 +141,30 @@ def _oom(first: Timeline, steady: Timeline, capacity: int, conf, storages) -> di
                    f"{s.dtype}{list(s.shape)}, {where} the {est.oom_step} step). Of the allocated memory "
                    f"{format_bytes(allocated)} is allocated by PyTorch, and {format_bytes(reserved - allocated)} is "
                    "reserved by PyTorch but unallocated.", "alloc_retries": est.alloc_retries}
+
+
+def generation_summary(ops: tuple, storages: tuple, steady: Timeline, batch: int, prompt: int,
+                       new_tokens: int) -> dict:
+    """The report's `run` entries of a generation (`--mode generate`): where its peak is (the prefill, or decode
+    step k of N - 1: the N-th token needs no forward), the peak of the prefill and of the decode steps, and the
+    KV cache it ends with: its bytes, the tokens it holds per request (prompt + N - 1: a DynamicCache never
+    computes the last token's keys and values, and generate sizes a StaticCache to max_length - 1,
+    transformers/generation/utils.py `GenerationMixin.generate`), and the bytes of keys and values (floating-point
+    cache tensors, before the allocator's block rounding; a StaticCache's per-layer int64 length counters left
+    out) per token per request. Bytes are ints."""
+    micro = [ops[i].micro for i in steady.steps]
+    at = micro[steady.peak_step]
+    prefill = max((b for b, m in zip(steady.live_bytes, micro) if m == 0), default=0)
+    decode = max((b for b, m in zip(steady.live_bytes, micro) if m > 0), default=0)
+    end = len(steady.steps) - 1
+    by_sid = {s.sid: s for s in storages}
+    cache = [lt for lt in steady.lifetimes if lt.category is Category.KV_CACHE and lt.birth <= end <= lt.death]
+    kv = sum(lt.bytes for lt in cache)
+    keys_values = sum(by_sid[lt.sid].nbytes for lt in cache if "float" in by_sid[lt.sid].dtype)  # not block-rounded
+    tokens = prompt + new_tokens - 1
+    return {"peak_in": "prefill" if at == 0 else f"decode step {at} of {new_tokens - 1}",
+            "prefill_peak_bytes": prefill, "decode_peak_bytes": decode, "kv_cache_bytes_at_end": kv,
+            "kv_tokens_per_request": tokens, "kv_bytes_per_token": keys_values // (batch * tokens)}
 
 
 def flops(ops: tuple, steady: Timeline) -> tuple[int, int]:
@@ -207,7 +236,7 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
         graph_optimal_peak_bytes=graph_optimal.peak_bytes,
         peak_step=peak, peak_phase=str(peak_op.phase), peak_op=peak_op.name, peak_module=peak_op.module,
         peak_micro_step=peak_op.micro,
-        breakdown_at_peak=breakdown, phases=_phase_marks(steady), top_tensors=top, tensors=tuple(rows),
+        breakdown_at_peak=breakdown, phases=_phase_marks(steady, ops, run.get("mode") == "generate"), top_tensors=top, tensors=tuple(rows),
         num_steps=len(steady.steps), fit=fit, activation_bytes=activation, step_flops=step_flops,
         recompute_flops=recompute_flops, peak_reserved_bytes=reserved, allocator=allocator,
         steps=tuple((ops[i].name, ops[i].module, str(ops[i].phase)) for i in steady.steps), unresolved=unresolved)

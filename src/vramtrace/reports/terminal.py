@@ -94,11 +94,15 @@ def render(report: MemoryReport, console: Console) -> None:
                  + (f"; precision {r['precision']}: {escape(r['precision_source'])}" if r.get("precision_source") else ""))
     sdpa = ", ".join(f"{k}×{v}" for k, v in m["sdpa_backends"].items()) or "none"
     head.add_row("attention", f"{m['attn_implementation']} (SDPA backend: {sdpa})")
-    head.add_row("run", f"{r['mode']}, {r['precision']}, optimizer {r['optimizer']} ({r['optimizer_impl']}), "
-                        f"batch {r['batch']}" + (f" × seq {r['seq']}" if r.get("seq") else "")
-                 + (f", image {'×'.join(map(str, r['image_size']))}" if r.get("image_size") else "")
-                 + f", checkpointing {r['checkpointing']}"
-                 + (f", MoE routing {r['moe_routing']}" if r.get("moe_layers") else ""))
+    if r["mode"] == "generate":
+        head.add_row("run", f"generate, {r['precision']}, batch {r['batch']} × prompt {r['seq']} + {r['new_tokens']} "
+                            f"new tokens (greedy), {r['cache']} cache")
+    else:
+        head.add_row("run", f"{r['mode']}, {r['precision']}, optimizer {r['optimizer']} ({r['optimizer_impl']}), "
+                            f"batch {r['batch']}" + (f" × seq {r['seq']}" if r.get("seq") else "")
+                     + (f", image {'×'.join(map(str, r['image_size']))}" if r.get("image_size") else "")
+                     + f", checkpointing {r['checkpointing']}"
+                     + (f", MoE routing {r['moe_routing']}" if r.get("moe_layers") else ""))
     if step_line(r):
         head.add_row("step", escape(step_line(r)))
     target = f"{r['device']}" + (f" ({r['gpu']}, 512 B blocks)" if r["device"] == "cuda" else " (no rounding)")
@@ -123,6 +127,13 @@ def render(report: MemoryReport, console: Console) -> None:
                  f"   graph-optimal (last-use freeing): {format_bytes(report.graph_optimal_peak_bytes)}", style="dim")
     if report.run.get("grad_accum", 1) > 1:
         where.append(f" (micro-step {report.peak_micro_step + 1} of {report.run['grad_accum']})")
+    if report.run.get("peak_in"):
+        r = report.run
+        where.append(f" ({r['peak_in']})")
+        extra = Text(f"prefill peak {format_bytes(r['prefill_peak_bytes'])}   decode peak "
+                     f"{format_bytes(r['decode_peak_bytes'])}   KV cache at the end {format_bytes(r['kv_cache_bytes_at_end'])}"
+                     f" ({r['batch']} × {r['kv_tokens_per_request']:,} tokens, {format_bytes(r['kv_bytes_per_token'])} "
+                     "per token per request)", style="dim")
     loops = [Text(line, style="yellow") for line in loop_notes(report.run, report.peak_allocated_bytes)
              + [kv_cache_note(report)] if line]
     console.print(Panel(Group(peak, where, extra, *loops, Text(f"timeline {sparkline(report)}  (max per column, 0 "

@@ -263,8 +263,10 @@ def step_inputs(spec: RunSpec, config, task: str, device: str, float_dtype: torc
       [0, C) to train;
     - image-classification: `pixel_values` (B, C, H, W) in `float_dtype` (C: config.num_channels, H = W:
       --image-size or config.image_size), plus `labels` int64 (B,) in [0, num_labels) to train;
-    - contrastive (CLIP): `input_ids` (B, S) and `pixel_values`, plus `return_loss=True` to train.
-    Raises UsageError when --seq is needed and missing.
+    - contrastive (CLIP): `input_ids` (B, S) and `pixel_values`, plus `return_loss=True` to train;
+    - --mode generate: the prompt `input_ids` (B, S) and its `attention_mask` int64 (B, S) of ones, as a tokenizer
+      returns them for unpadded prompts (`model.generate(**inputs)`).
+    Raises UsageError when --seq is needed and missing, or --mode generate is asked of a head that cannot generate.
     """
     train = spec.mode is Mode.TRAIN
     real = device != "meta"
@@ -299,6 +301,13 @@ def step_inputs(spec: RunSpec, config, task: str, device: str, float_dtype: torc
             inputs["labels"] = ints((B,), C)  # (B,): the right choice
         return inputs
     inputs["input_ids"] = ids = ints((B, S), text.vocab_size, pad)  # (B, S)
+    if spec.mode is Mode.GENERATE:
+        if task != Task.CAUSAL_LM.value:
+            raise UsageError(f"--mode generate needs a causal LM head (--task causal-lm); this model is built as "
+                             f"{task}")
+        inputs["attention_mask"] = (torch.ones((B, S), dtype=torch.int64, device=device) if real
+                                    else torch.empty((B, S), dtype=torch.int64, device="meta"))
+        return inputs
     if task == "contrastive":
         if train:
             inputs["return_loss"] = True

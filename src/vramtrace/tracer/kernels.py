@@ -154,6 +154,11 @@ class MoeRoutingPolicy:
         return torch.empty((n, t.dim()), dtype=torch.int64, device=t.device)
 
 
+# Factories that copy host data (Python numbers, lists, arrays) into a new tensor: torch/csrc/utils/tensor_new.cpp
+# `internal_new_from_data` builds it with the Python dispatch key excluded, then moves it to the device.
+_HOST_DATA_FACTORIES = (torch.tensor, torch.as_tensor, torch.asarray)
+
+
 class KernelPolicyMode(TorchFunctionMode):
     """Torch-function mode applying the target's SDPA, dropout and autocast behaviour to meta tensors.
 
@@ -175,6 +180,9 @@ class KernelPolicyMode(TorchFunctionMode):
         self.sdpa_calls: list[tuple[str, str]] = []  # (backend, module path) of every SDPA call
         self.current_module = lambda: ""  # set by the tracer
         self.on_output = None  # callback(out) for every torch-function result (autograd-node module tagging)
+        # callback(out) for a tensor made from host data on the traced device (torch.tensor(x, device=...)): its
+        # storage is allocated outside the dispatcher, so no dispatch mode sees it born
+        self.on_host_data = None
         self.moe: MoeRoutingPolicy | None = None  # set while an experts module's eager forward runs
         self.unresolved: list[str] = []  # what the target's kernels do that the trace cannot size
 
@@ -337,6 +345,11 @@ class KernelPolicyMode(TorchFunctionMode):
                                    "CUDA kernel is traced as one op; its internal buffers are not counted")
         if self.device is Device.CUDA and func is F.dropout:
             return self._cuda_dropout(*args, **kwargs)
+        if func in _HOST_DATA_FACTORIES and self.on_host_data is not None:
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                self.on_host_data(out)
+            return out
         cast = False
         if self.autocast_active:
             name = _op_name(func)

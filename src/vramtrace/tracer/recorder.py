@@ -107,6 +107,18 @@ class StepRecorder(TorchDispatchMode):
         self._live[key] = sid
         self._finalizers.append(weakref.finalize(st, self._on_free, key, sid))
 
+    def host_data(self, t: torch.Tensor) -> None:
+        """A tensor made from host data (`torch.tensor(x, device=...)`, kernels.py `_HOST_DATA_FACTORIES`) whose
+        storage no op recorded: record its allocation as the op `aten.lift_fresh` that the same call records on
+        the CPU (on a CUDA device it is an allocation of the caching allocator and a host-to-device copy). A
+        storage an op already recorded (the CPU path's own `aten.lift_fresh`) is left as it is."""
+        if t.untyped_storage()._cdata in self._live:
+            return
+        index, name = len(self.ops), str(torch.ops.aten.lift_fresh.default)
+        sid = self.storage_id(t, op_index=index, op=name)
+        self.ops.append(RecOp(index, name, self.phase, self.current_module(), (), (sid,), (), 0, 0, False,
+                              self.step, self.micro))
+
     def live_sid(self, t: torch.Tensor) -> int | None:
         """The sid of t's storage if it is registered and alive, else None."""
         return self._live.get(t.untyped_storage()._cdata)

@@ -27,6 +27,9 @@ then, after the last micro-step's backward (`optimizer_step`):
 
 A user step function (`--step file.py:FUNC`) is called as `FUNC(model, batch, optimizer)` once per step.
 
+Inference is one `no_grad` forward (`run_inference`); a generation is transformers' `model.generate()` as a user
+calls it for exactly N greedy tokens (`run_generation`).
+
 `literal=True` (a real run) holds each loop's references as its code does. The trace runs with
 `literal=False`: it releases `outputs` as the trainer loop does and reports, through the observer, the
 storages each loop would hold and where it would release them (`MicroMarks`), so that one recording gives the
@@ -226,6 +229,39 @@ def run_inference(ctx: StepContext, obs: StepObserver) -> None:
     with torch.no_grad(), ctx.autocast():
         out = ctx.model(*ctx.args, **ctx.kwargs)
     del out
+
+
+def run_generation(ctx: StepContext, spec: RunSpec, obs: StepObserver) -> None:
+    """What a user's `model.generate(**inputs, max_new_tokens=N, min_new_tokens=N, do_sample=False,
+    cache_implementation=...)` does (greedy, exactly N new tokens: the EOS score is masked until then), under
+    autocast; the generated ids are dropped. transformers' generate runs under `torch.no_grad()`
+    (generation/utils.py `GenerationMixin.generate`). Each call of the model's forward is one micro-step for the
+    observer: micro 0 the prefill over the prompt, micro k decode step k (k = 1..N-1); `obs.forward_returned`
+    sees each forward's outputs (the cache among them)."""
+    calls = [0]
+
+    def before(module, args, kwargs):
+        if calls[0]:  # the prefill's micro-step began with generate()
+            obs.begin(0, calls[0])
+            obs.phase(Phase.FORWARD)
+
+    def after(module, args, kwargs, out):
+        calls[0] += 1
+        obs.forward_returned(out)
+
+    hooks = [ctx.model.register_forward_pre_hook(before, with_kwargs=True),
+             ctx.model.register_forward_hook(after, with_kwargs=True)]
+    cache = "static" if spec.cache.value == "static" else None  # None: transformers' default, a DynamicCache
+    obs.begin(0, 0)  # what generate does before the first forward belongs to the prefill
+    obs.phase(Phase.FORWARD)
+    try:
+        with ctx.autocast():
+            out = ctx.model.generate(*ctx.args, **ctx.kwargs, max_new_tokens=spec.new_tokens,
+                                     min_new_tokens=spec.new_tokens, do_sample=False, cache_implementation=cache)
+        del out
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def load_user_step(ref: str) -> Callable:

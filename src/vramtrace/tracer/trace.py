@@ -32,7 +32,7 @@ from .records import MicroMarks, OpInfo, Phase, RecStorage
 from .recorder import StepRecorder, tag_autograd_nodes
 from .replay import MicroRecord, capture, replay, replayable
 from .replication import TRACED_LAYERS, LayerPlan, NotPeriodic, replicate_layers
-from .step import STEPS, StepContext, load_user_step, run_inference, run_training
+from .step import STEPS, StepContext, load_user_step, run_generation, run_inference, run_training
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +256,7 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
     # Tag each autograd node with the module that created it, as soon as it is created.
     policy.on_output = (lambda out: tag_autograd_nodes(out, rec.current_module(), rec.watch_node)
                         if rec.phase is Phase.FORWARD else None)
+    policy.on_host_data = rec.host_data
     policy.on_weight_cast = lambda w, copy: rec.set_category(copy, Category.AUTOCAST_WEIGHTS,
                                                              f"{weight_names.get(id(w), '?')} (autocast copy)")
     ctx = StepContext(model, args, inputs, loaded.loss, optimizer,
@@ -272,6 +273,9 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
             if train:
                 run_training(ctx, spec, obs, literal=False)
                 _tag_gradients(model, rec)  # kept by zero_grad(set_to_none=False), or with no optimizer
+            elif spec.mode is Mode.GENERATE:
+                with bridges.generating(spec.new_tokens):
+                    run_generation(ctx, spec, obs)
             else:
                 run_inference(ctx, obs)
             if ctx.scaler is not None:

@@ -1,0 +1,87 @@
+"""`--mode generate`: transformers' own `model.generate()` traced on meta against the same generate() run for real on
+the CPU (tests/oracle.py: public APIs only), the KV cache against the config's arithmetic, and the options' errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import FIXTURES
+from oracle import measure_cpu_peak
+from vramtrace import RunSpec, analyze, bridges
+from vramtrace.cli import main
+from vramtrace.errors import TraceError, UsageError
+
+GPT2 = str(FIXTURES / "tiny-gpt2.json")
+LLAMA = str(FIXTURES / "tiny-llama-gqa.json")
+
+
+def _spec(model, batch, cache, seq=4, new_tokens=10, precision="fp32"):
+    return RunSpec(model, batch=batch, seq=seq, mode="generate", new_tokens=new_tokens, cache=cache, device="cpu",
+                   precision=precision)
+
+
+@pytest.mark.parametrize("model,batch,cache,precision", [
+    (GPT2, 1, "dynamic", "fp32"), (GPT2, 4, "static", "fp32"), (LLAMA, 1, "static", "fp32"),
+    (LLAMA, 4, "dynamic", "fp32"), (LLAMA, 4, "static", "bf16"), (GPT2, 4, "dynamic", "bf16")],
+    ids=lambda x: x.rsplit("/", 1)[-1].removesuffix(".json") if isinstance(x, str) else str(x))
+def test_generate_matches_a_real_cpu_generate(model, batch, cache, precision):
+    spec = _spec(model, batch, cache, precision=precision)
+    report = analyze(spec)
+    real = measure_cpu_peak(spec)
+    assert abs(report.peak_allocated_bytes - real) <= 0.001 * real, (report.peak_allocated_bytes, real)
+
+
+def test_the_peak_moves_from_the_prefill_to_the_decode_steps_as_real_runs_do():
+    """A long prompt peaks in the prefill (logits of the last position only, the prompt's activations); a short
+    prompt with many new tokens peaks in a decode step (the cache grown by torch.cat, old and new copies)."""
+    long_prompt, many_tokens = _spec(LLAMA, 2, "dynamic", seq=48, new_tokens=2), _spec(LLAMA, 2, "dynamic", seq=2,
+                                                                                          new_tokens=40)
+    a, b = analyze(long_prompt), analyze(many_tokens)
+    assert a.run["peak_in"] == "prefill" and b.run["peak_in"].startswith("decode step")
+    for spec, report in ((long_prompt, a), (many_tokens, b)):
+        assert abs(report.peak_allocated_bytes - measure_cpu_peak(spec)) <= 0.001 * report.peak_allocated_bytes
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_kv_cache_bytes_per_token_are_the_configs(cache):
+    """2 (keys, values) × layers × KV heads × head dim × dtype bytes, per token per request (GQA: 2 KV heads)."""
+    cfg = json.loads((FIXTURES / "tiny-llama-gqa.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2  # bf16
+    report = analyze(RunSpec(LLAMA, batch=3, seq=5, mode="generate", new_tokens=7, cache=cache, device="cpu"))
+    assert report.run["kv_bytes_per_token"] == per_token
+    assert report.run["kv_tokens_per_request"] == 5 + 7 - 1
+    assert report.run["kv_cache_bytes_at_end"] >= 3 * 11 * per_token
+    assert report.breakdown_at_peak["optimizer_state"] == 0 and report.breakdown_at_peak["gradient"] == 0
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"new_tokens": 4}, "--new-tokens and --cache apply to --mode generate"),
+    ({"mode": "generate"}, "--mode generate needs --new-tokens"),
+    ({"mode": "generate", "new_tokens": 4, "cache": "paged"}, "unknown --cache 'paged'"),
+    ({"mode": "generate", "new_tokens": 0}, "--new-tokens must be a positive integer"),
+    ({"mode": "generate", "new_tokens": 2, "lora_rank": 8}, "--mode generate with --lora-rank is not supported"),
+])
+def test_bad_generation_options_are_usage_errors(kwargs, message):
+    with pytest.raises(UsageError, match=message):
+        RunSpec(GPT2, batch=1, seq=8, **kwargs)
+
+
+def test_generate_needs_a_causal_lm_and_the_cli_says_so(capsys):
+    assert main([str(FIXTURES / "tiny-bert.json"), "--mode", "generate", "--seq", "8", "--new-tokens", "2",
+                 "--device", "cpu"]) in (1, 2)
+    err = capsys.readouterr().err.strip()
+    assert "--mode generate needs a causal LM head" in err and "\n" not in err
+
+
+def test_a_question_generate_was_not_known_to_ask_is_a_trace_error():
+    with bridges.generating(3):
+        assert torch.zeros((), device="meta").add(1).numel() == 1
+        with pytest.raises(TraceError, match="test_a_question_generate_was_not_known_to_ask"):
+            bool(torch.zeros((), device="meta"))
+        assert bool(torch.ones(()))  # real tensors answer as always
+    with pytest.raises(RuntimeError):
+        bool(torch.zeros((), device="meta"))  # the original Tensor.__bool__ is back
