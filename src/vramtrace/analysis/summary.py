@@ -236,7 +236,8 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
         graph_optimal_peak_bytes=graph_optimal.peak_bytes,
         peak_step=peak, peak_phase=str(peak_op.phase), peak_op=peak_op.name, peak_module=peak_op.module,
         peak_micro_step=peak_op.micro,
-        breakdown_at_peak=breakdown, phases=_phase_marks(steady, ops, run.get("mode") == "generate"), top_tensors=top, tensors=tuple(rows),
+        breakdown_at_peak=breakdown, phases=_phase_marks(steady, ops, run.get("mode") == "generate"),
+        top_tensors=top, tensors=tuple(rows),
         num_steps=len(steady.steps), fit=fit, activation_bytes=activation, step_flops=step_flops,
         recompute_flops=recompute_flops, peak_reserved_bytes=reserved, allocator=allocator,
         steps=tuple((ops[i].name, ops[i].module, str(ops[i].phase)) for i in steady.steps), unresolved=unresolved)
