@@ -240,18 +240,13 @@ def _fit(spec, axis: str, headroom: str | None, json_path: str | None, quiet: bo
     """`vramtrace fit MODEL ...`: the largest batch (or sequence) that fits (vramtrace.fit)."""
     from .fit import fit
     from .reports.fit import render_fit
-    from .reports.json_report import write_json
     from .units import parse_fraction
 
     share = parse_fraction(headroom, "--headroom") if headroom is not None else 0.0
     with err.status("fit", spinner="dots") as status:
         result = fit(spec, axis, headroom=share, progress=lambda msg: status.update(f"fit: {msg}"), levers=levers)
     target = spec.capacity[0] if spec.capacity is not None else "the CPU"
-    if not quiet and json_path != "-":
-        render_fit(result, Console(), spec.model, target)
-    if json_path is not None:
-        write_json({"model": spec.model, "device": spec.device.value, "target": target, **result.to_dict()},
-                   json_path)
+    _emit(spec, result, target, render_fit, json_path, quiet)
     if html_path is not None:
         from .errors import ReportWriteError
         from .reports.fit import render_fit_html
@@ -265,7 +260,6 @@ def _fit(spec, axis: str, headroom: str | None, json_path: str | None, quiet: bo
 def _sweep(spec, grid: str, headroom: str | None, json_path: str | None, quiet: bool, err: Console) -> None:
     """`vramtrace fit MODEL --sweep BxS ...`: the peak over a grid (vramtrace.sweep)."""
     from .reports.fit import render_sweep
-    from .reports.json_report import write_json
     from .sweep import parse_grid, sweep
     from .units import parse_fraction
 
@@ -274,8 +268,16 @@ def _sweep(spec, grid: str, headroom: str | None, json_path: str | None, quiet: 
     with err.status("sweep", spinner="dots") as status:
         result = sweep(spec, batches, seqs, share, progress=lambda msg: status.update(f"sweep: {msg}"))
     target = spec.capacity[0] if spec.capacity is not None else "the CPU (no --gpu-memory: no verdict)"
+    _emit(spec, result, target, render_sweep, json_path, quiet)
+
+
+def _emit(spec, result, target: str, render, json_path: str | None, quiet: bool) -> None:
+    """A fit or sweep result: `render(result, console, model, target)` on the terminal (unless --quiet or the JSON
+    goes to stdout), and the JSON report with the model, device and target."""
+    from .reports.json_report import write_json
+
     if not quiet and json_path != "-":
-        render_sweep(result, Console(), spec.model, target)
+        render(result, Console(), spec.model, target)
     if json_path is not None:
         write_json({"model": spec.model, "device": spec.device.value, "target": target, **result.to_dict()},
                    json_path)

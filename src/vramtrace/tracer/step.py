@@ -47,7 +47,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from ..errors import UsageError
-from ..spec import Loop, RunSpec, ZeroGrad, custom_ref
+from ..spec import CacheKind, Loop, RunSpec, ZeroGrad, custom_ref
 from .records import Phase
 
 STEPS = 2  # the first step (optimizer state created lazily) and the steady state
@@ -251,7 +251,7 @@ def run_generation(ctx: StepContext, spec: RunSpec, obs: StepObserver) -> None:
 
     hooks = [ctx.model.register_forward_pre_hook(before, with_kwargs=True),
              ctx.model.register_forward_hook(after, with_kwargs=True)]
-    cache = "static" if spec.cache.value == "static" else None  # None: transformers' default, a DynamicCache
+    cache = "static" if spec.cache is CacheKind.STATIC else None  # None: transformers' default, a DynamicCache
     obs.begin(0, 0)  # what generate does before the first forward belongs to the prefill
     obs.phase(Phase.FORWARD)
     try:
