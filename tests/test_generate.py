@@ -85,3 +85,48 @@ def test_a_question_generate_was_not_known_to_ask_is_a_trace_error():
         assert bool(torch.ones(()))  # real tensors answer as always
     with pytest.raises(RuntimeError):
         bool(torch.zeros((), device="meta"))  # the original Tensor.__bool__ is back
+
+
+MISTRAL_SW = str(FIXTURES / "tiny-mistral-sw.json")  # sliding_window 8: DynamicSlidingWindowLayer stops growing
+
+
+@pytest.mark.parametrize("model,cache,seq,new_tokens,precision", [
+    (LLAMA, "dynamic", 5, 20, "fp32"), (GPT2, "static", 7, 16, "bf16"),
+    (MISTRAL_SW, "dynamic", 2, 20, "fp32"),  # the window fills at decode step 6: the pattern starts after it
+    (MISTRAL_SW, "static", 12, 14, "bf16"),  # the prompt is past the window already
+], ids=["llama-dynamic", "gpt2-static", "mistral-window-fills", "mistral-past-window"])
+def test_rebuilt_decode_steps_equal_every_step_traced(model, cache, seq, new_tokens, precision):
+    """Decode steps traced in part and rebuilt (tracer/decoding.py) give the recording of tracing every step: the
+    same ops, storages, frees and SDPA calls, to the field."""
+    from vramtrace.tracer.building import load_model
+    from vramtrace.tracer.loading import resolve_config
+    from vramtrace.tracer.trace import trace_step
+
+    spec = _spec(model, 2, cache, seq=seq, new_tokens=new_tokens, precision=precision)
+    loaded = load_model(spec, resolve_config(spec.model))
+    rebuilt, full = trace_step(spec, loaded), trace_step(spec, loaded, rebuild_decode=False)
+    assert "the rest rebuilt" in rebuilt.trace_note and "decode" not in full.trace_note
+    assert rebuilt.ops == full.ops
+    assert rebuilt.storages == full.storages
+    assert rebuilt.sdpa_backends == full.sdpa_backends
+
+
+def test_the_pattern_starts_after_a_sliding_window_fills():
+    from vramtrace.tracer.decoding import TRACED_DECODE_STEPS, decode_steps_to_trace
+
+    assert decode_steps_to_trace(512, 512, ()) == TRACED_DECODE_STEPS
+    assert decode_steps_to_trace(512, 512, (4096,)) == TRACED_DECODE_STEPS  # the window is never reached
+    assert decode_steps_to_trace(512, 8192, (4096,)) == TRACED_DECODE_STEPS  # filled in the prefill
+    assert decode_steps_to_trace(512, 200, (256,)) == 56 + 2 + 3 + 1  # fills at step 56: 3 steps after it
+    assert decode_steps_to_trace(8, 512, ()) is None  # too few steps to rebuild any
+
+
+@pytest.mark.parametrize("batch,cache", [(1, "dynamic"), (4, "static"), (4, "dynamic"), (1, "static")])
+def test_sliding_window_generate_matches_a_real_cpu_generate(batch, cache):
+    """Mistral with an 8-token window, a 4-token prompt and 20 new tokens: the window fills during the
+    generation, the decode steps after it are rebuilt; a real CPU generate() is the truth."""
+    spec = _spec(MISTRAL_SW, batch, cache, seq=4, new_tokens=20)
+    report = analyze(spec)
+    real = measure_cpu_peak(spec)
+    assert "the rest rebuilt" in report.run["trace"]
+    assert abs(report.peak_allocated_bytes - real) <= 0.001 * real, (report.peak_allocated_bytes, real)

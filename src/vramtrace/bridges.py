@@ -434,10 +434,12 @@ def _adafactor_scalars(stack: contextlib.ExitStack) -> None:
 
 
 @contextlib.contextmanager
-def generating(new_tokens: int) -> Iterator[None]:
+def generating(new_tokens: int, stop_after: int | None = None) -> Iterator[None]:
     """GENERATION_QUESTIONS while a `model.generate()` of `new_tokens` tokens is traced: Tensor.__bool__ and
     Tensor.item of meta tensors answered by the transformers function asking (see the bridge's `why`); the
-    originals back on exit. Raises BridgeError (nothing patched) when a target is missing; while it runs, a
+    originals back on exit. `stop_after`: the stop check answers "every row finished" after that many tokens
+    instead (a generation traced in part, `tracer/decoding.py`: the loop exits there as it does after the N-th
+    token). Raises BridgeError (nothing patched) when a target is missing; while it runs, a
     question from another function raises TraceError."""
     import inspect
 
@@ -456,7 +458,7 @@ def generating(new_tokens: int) -> Iterator[None]:
 
     def stop_check() -> bool:
         stops[0] += 1
-        return stops[0] >= new_tokens
+        return stops[0] >= (new_tokens if stop_after is None else min(stop_after, new_tokens))
 
     answers: dict[tuple[object, str], Callable[[], bool]] = {
         (code["GenerationMixin.generate"], "item"): lambda: False,  # has_right_padding

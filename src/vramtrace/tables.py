@@ -7,7 +7,7 @@ steady step (and, on a CUDA target, the caching-allocator replay of the first an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from .analysis.allocator import replay_steps
@@ -27,13 +27,21 @@ class StepTables:
     loop: str
     block: int
     alloc_conf: object = None  # the target's `analysis.device.AllocConf` (CUDA), for the allocator replay
+    # this table's timelines by (step, optimal): a recording of one step (inference, a generation) has its first
+    # step as its steady one, and a generation's million ops cost seconds per timeline
+    _timelines: dict = field(default_factory=dict, compare=False, repr=False)
 
     def timeline(self, rows: tuple[StorageInfo, ...] | None = None, step: int | None = None,
                  optimal: bool = False) -> Timeline:
         """The timeline of `step` (default: the steady one) over `rows` (default: this table)."""
         t = self.traced
-        return build_timeline(t.ops, self.table if rows is None else rows, t.steps - 1 if step is None else step,
-                              t.counted_devices, self.block, optimal)
+        step = t.steps - 1 if step is None else step
+        if rows is not None:
+            return build_timeline(t.ops, rows, step, t.counted_devices, self.block, optimal)
+        key = (step, optimal)
+        if key not in self._timelines:
+            self._timelines[key] = build_timeline(t.ops, self.table, step, t.counted_devices, self.block, optimal)
+        return self._timelines[key]
 
     def peaks(self, rows: tuple[StorageInfo, ...] | None = None, cuda: bool = False) -> tuple[int, int | None]:
         """(peak allocated bytes of the steady step, peak reserved bytes by the caching-allocator model on a CUDA

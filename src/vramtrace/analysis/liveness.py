@@ -159,5 +159,7 @@ def build_timeline(ops: Iterable[_Op], storages: Iterable[_Storage], step: int,
         live.append(acc)
         after.append(acc_a)
     peak = max(live)
-    return Timeline(tuple(steps), tuple(str(ops[i].phase) for i in steps), tuple(lifetimes), tuple(live),
+    names: dict = {}  # str() of an enum member is slow, and a generation has a million ops
+    phases = tuple(names.get(p) or names.setdefault(p, str(p)) for p in (ops[i].phase for i in steps))
+    return Timeline(tuple(steps), phases, tuple(lifetimes), tuple(live),
                     tuple(after), start, peak, live.index(peak))

@@ -31,6 +31,7 @@ from .optim import make_optimizer
 from .records import MicroMarks, OpInfo, Phase, RecStorage
 from .recorder import StepRecorder, tag_autograd_nodes
 from .replay import MicroRecord, capture, replay, replayable
+from .decoding import PATTERN, decode_steps_to_trace, rebuild_decode_steps
 from .replication import TRACED_LAYERS, LayerPlan, NotPeriodic, replicate_layers
 from .step import STEPS, StepContext, load_user_step, run_generation, run_inference, run_training
 
@@ -99,6 +100,7 @@ class _TraceObserver:
         self._step_map: dict[int, int] = {}  # a first-step sid -> its copy in the step being replayed
         self._start = (0, 0)  # (op, sid) counts when the current micro-step began
         self._sdpa: dict[int, list] = {}  # the first step's SDPA calls, by micro
+        self.sdpa_starts: dict[int, int] = {}  # the first step's micro -> SDPA calls made before it began
         self.replayed = 0
 
     def _last_op(self) -> int:
@@ -116,6 +118,8 @@ class _TraceObserver:
             self.policy.sdpa_calls.clear()  # the report counts the calls of one (the last) step
             self.say(f"step {step + 1} of {STEPS} ({'first' if step == 0 else 'steady state'})")
         self._sdpa_start = len(self.policy.sdpa_calls)
+        if step == 0:
+            self.sdpa_starts[micro] = self._sdpa_start
 
     def backward_returned(self) -> None:
         if self._replay_params is not None and self.rec.step == 0:
@@ -196,10 +200,11 @@ def _grad_scaler(spec: RunSpec, loaded: LoadedModel):
 
 
 def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Callable[[str], None],
-            layers: torch.nn.ModuleList | None, replay_steady: bool = True):
+            layers: torch.nn.ModuleList | None, replay_steady: bool = True, stop_after: int | None = None):
     """Apply the checkpointing policy to `model` (`loaded.model` or its shallow copy), then run the step on it
-    with `loaded`'s inputs and loss under the recorder. Returns (recorder, kernel policy, optimizer or None, the
-    release marks, how many micro-steps were replayed rather than traced)."""
+    with `loaded`'s inputs and loss under the recorder; a generation stops after `stop_after` tokens when given
+    (`tracer/decoding.py`). Returns (recorder, kernel policy, optimizer or None, the release marks, how many
+    micro-steps were replayed rather than traced, the observer)."""
     inputs, args, compute_dtype = loaded.inputs, loaded.args, loaded.compute_dtype
     rec = StepRecorder()
     rec.phase = Phase.STEP
@@ -274,7 +279,7 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
                 run_training(ctx, spec, obs, literal=False)
                 _tag_gradients(model, rec)  # kept by zero_grad(set_to_none=False), or with no optimizer
             elif spec.mode is Mode.GENERATE:
-                with bridges.generating(spec.new_tokens):
+                with bridges.generating(spec.new_tokens, stop_after):
                     run_generation(ctx, spec, obs)
             else:
                 run_inference(ctx, obs)
@@ -295,7 +300,7 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
                          f"{type(e).__name__}: {text}") from e
     finally:
         rec.detach()
-    return rec, policy, optimizer, obs.marks, obs.replayed
+    return rec, policy, optimizer, obs.marks, obs.replayed, obs
 
 
 
@@ -310,16 +315,30 @@ def _check_parameters(model: torch.nn.Module, storages: list[RecStorage]) -> Non
         raise NotPeriodic(f"the rebuilt parameters differ from the model's (e.g. {missing})")
 
 
-def _sdpa_counts(policy: KernelPolicyMode, plan: LayerPlan | None) -> dict[str, int]:
-    """SDPA calls per backend in the full model: with a plan, a traced call counts for the layers it stands for."""
+def _sdpa_counts(calls: list[tuple[str, str]], plan: LayerPlan | None) -> dict[str, int]:
+    """SDPA calls per backend in the full model from the traced (backend, module) `calls`: with a plan, a traced
+    call counts for the layers it stands for."""
     counts: dict[str, int] = {}
-    for backend, module in policy.sdpa_calls:
+    for backend, module in calls:
         counts[backend] = counts.get(backend, 0) + (plan.weight(plan.layer_of(module)) if plan else 1)
     return counts
 
 
+def cache_windows(model: torch.nn.Module) -> tuple[int, ...]:
+    """The sliding windows (tokens) of the cache layers transformers makes for `model`'s decoder: what
+    `DynamicCache(config=...)` reads (transformers/cache_utils.py `get_layer_types_and_kwargs`: a layer's
+    `sliding_window`, or a chunked layer's `attention_chunk_size`); () for a model without a config."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "get_text_config"):
+        return ()
+    _types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return tuple(sorted({k["sliding_window"] for k in kwargs if k.get("sliding_window")}))
+
+
 def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], None] | None = None, *,
-               replay_steady: bool = True) -> TracedGraph:
+               replay_steady: bool = True, rebuild_decode: bool = True) -> TracedGraph:
     """Run the steps of `spec` on `loaded` (meta device) and record them. Raises TraceError, UnsupportedOpError,
     UsageError (a bad --step file).
 
@@ -328,34 +347,66 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
 
     With a `loaded.layer_plan`, the model with 4 layers is traced and the records of all layers are rebuilt
     (`replication.replicate_layers`); if that step turns out not to be periodic, every layer is traced.
+
+    A generation is traced for its first few decode steps and the records of the rest are rebuilt
+    (`decoding.rebuild_decode_steps`); if the decode steps turn out not to be periodic, or `rebuild_decode` is
+    False, every decode step is traced.
     """
     say = progress or (lambda _msg: None)
+    traced_steps = None
+    if spec.mode is Mode.GENERATE and rebuild_decode:
+        traced_steps = decode_steps_to_trace(spec.new_tokens, spec.seq, cache_windows(loaded.model))
+    if traced_steps is not None:
+        say(f"tracing {traced_steps} of {spec.new_tokens - 1} decode steps")
+        try:
+            return _trace_step(spec, loaded, say, replay_steady, traced_steps)
+        except NotPeriodic as e:
+            say(f"every decode step traced ({e})")
+            return _trace_step(spec, loaded, say, replay_steady, None, f"every decode step traced ({e})")
+    return _trace_step(spec, loaded, say, replay_steady, None)
+
+
+def _trace_step(spec: RunSpec, loaded: LoadedModel, say: Callable[[str], None], replay_steady: bool,
+                traced_steps: int | None, decode_note: str = "") -> TracedGraph:
+    """`trace_step` with `traced_steps` decode steps traced and the rest rebuilt (None: every step traced).
+    Raises NotPeriodic when that rebuild fails (a layer replication that fails traces every layer here)."""
     plan, note = loaded.layer_plan, loaded.replication_note
+    stop_after = None if traced_steps is None else traced_steps + 1  # the prefill makes the first token
     result = None
     if plan is not None:
         say(f"tracing {TRACED_LAYERS} of {plan.num_layers} layers")
         with quiet_transformers_logs():
-            rec, policy, optimizer, marks, replayed = _record(spec, loaded.traced_model, loaded, say,
-                                                              layer_stack(loaded.traced_model), replay_steady)
+            rec, policy, optimizer, marks, replayed, obs = _record(
+                spec, loaded.traced_model, loaded, say, layer_stack(loaded.traced_model), replay_steady, stop_after)
         try:
             ops, storages, new_index = replicate_layers(plan, rec.ops, rec.storages)
             _check_parameters(loaded.model, storages)
             marks = [MicroMarks(m.step, m.micro, new_index[m.forward_returned], new_index[m.loss_taken],
                                 new_index[m.body_end]) for m in marks]
-            result = ops, storages, marks, _sdpa_counts(policy, plan), optimizer is not None
+            result = ops, storages, marks, _sdpa_counts(policy.sdpa_calls, plan), optimizer is not None
             note = f"traced {TRACED_LAYERS} of {plan.num_layers} layers; the middle layer replicated"
         except NotPeriodic as e:
             note = f"traced every layer ({e})"
             say(note)
     if result is None:
+        plan = None
         with quiet_transformers_logs():
-            rec, policy, optimizer, marks, replayed = _record(spec, loaded.model, loaded, say,
-                                                              layer_stack(loaded.model), replay_steady)
-        result = rec.ops, rec.storages, marks, _sdpa_counts(policy, None), optimizer is not None
+            rec, policy, optimizer, marks, replayed, obs = _record(
+                spec, loaded.model, loaded, say, layer_stack(loaded.model), replay_steady, stop_after)
+        result = rec.ops, rec.storages, marks, _sdpa_counts(policy.sdpa_calls, None), optimizer is not None
     ops, storages, marks, sdpa, has_optimizer = result
+    if traced_steps is not None:
+        ops, storages, copies = rebuild_decode_steps(ops, storages, spec.new_tokens)
+        last = max(obs.sdpa_starts)  # the template is the step before the last traced one
+        template_calls = policy.sdpa_calls[obs.sdpa_starts[last - 1]:obs.sdpa_starts[last]]
+        for backend, n in _sdpa_counts(template_calls, plan).items():
+            sdpa[backend] = sdpa.get(backend, 0) + copies * n
+        decode_note = (f"traced {traced_steps} of {spec.new_tokens - 1} decode steps; the rest rebuilt from the "
+                       f"last regular one (sizes affine in the step, checked over {PATTERN})")
     if replayed:
         note = "; ".join(filter(None, [note, "the steady step's forward and backward copied from the first step's "
                                              f"record ({replayed} micro-step{'s' * (replayed > 1)})"]))
+    note = "; ".join(filter(None, [note, decode_note]))
     unresolved = tuple(dict.fromkeys(rec.unresolved + policy.unresolved)) + tuple(
         f"{op}: CPU kernel workspace not measured, counted as 0 bytes ({why})"
         for op, why in getattr(rec.workspace, "failures", {}).items())
@@ -367,6 +418,7 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
         counted_devices=counted, sdpa_backends=tuple(sorted(sdpa.items())), has_optimizer=has_optimizer,
         trace_note=note, unresolved=unresolved,
         cpu_environment=_cpu_kernels(rec.workspace) if spec.device is Device.CPU else ())
+
 
 def _cpu_kernels(probe: CpuWorkspaceProbe) -> tuple[tuple[str, str | int], ...]:
     """What the CPU target's kernels depend on (`kernels.cpu_environment`), plus the ops whose CPU outputs the
