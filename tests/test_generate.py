@@ -16,6 +16,7 @@ from vramtrace.errors import TraceError, UsageError
 
 GPT2 = str(FIXTURES / "tiny-gpt2.json")
 LLAMA = str(FIXTURES / "tiny-llama-gqa.json")
+T5 = str(FIXTURES / "tiny-t5.json")  # encoder-decoder: the prompt in the encoder, an EncoderDecoderCache
 
 
 def _spec(model, batch, cache, seq=4, new_tokens=10, precision="fp32"):
@@ -25,7 +26,8 @@ def _spec(model, batch, cache, seq=4, new_tokens=10, precision="fp32"):
 
 @pytest.mark.parametrize("model,batch,cache,precision", [
     (GPT2, 1, "dynamic", "fp32"), (GPT2, 4, "static", "fp32"), (LLAMA, 1, "static", "fp32"),
-    (LLAMA, 4, "dynamic", "fp32"), (LLAMA, 4, "static", "bf16"), (GPT2, 4, "dynamic", "bf16")],
+    (LLAMA, 4, "dynamic", "fp32"), (LLAMA, 4, "static", "bf16"), (GPT2, 4, "dynamic", "bf16"),
+    (T5, 1, "dynamic", "fp32"), (T5, 4, "static", "bf16"), (T5, 4, "dynamic", "bf16"), (T5, 1, "static", "fp32")],
     ids=lambda x: x.rsplit("/", 1)[-1].removesuffix(".json") if isinstance(x, str) else str(x))
 def test_generate_matches_a_real_cpu_generate(model, batch, cache, precision):
     spec = _spec(model, batch, cache, precision=precision)
@@ -58,6 +60,18 @@ def test_kv_cache_bytes_per_token_are_the_configs(cache):
     assert report.breakdown_at_peak["optimizer_state"] == 0 and report.breakdown_at_peak["gradient"] == 0
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_encoder_decoder_cache_splits_self_and_cross_attention(cache):
+    """T5: the decoder's self-attention cache holds N tokens (start token + N - 1), the cross-attention cache the
+    encoder's keys and values of the S prompt tokens; each 2 × decoder layers × heads × d_kv × dtype bytes."""
+    cfg = json.loads((FIXTURES / "tiny-t5.json").read_text())
+    per_token = 2 * cfg["num_decoder_layers"] * cfg["num_heads"] * cfg["d_kv"] * 2  # bf16
+    report = analyze(RunSpec(T5, batch=3, seq=5, mode="generate", new_tokens=7, cache=cache, device="cpu"))
+    r = report.run
+    assert (r["kv_tokens_per_request"], r["kv_bytes_per_token"]) == (7, per_token)
+    assert r["kv_cross_attention_bytes"] == 3 * 5 * per_token and r["kv_cross_bytes_per_token"] == per_token
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"new_tokens": 4}, "--new-tokens and --cache apply to --mode generate"),
     ({"mode": "generate"}, "--mode generate needs --new-tokens"),
@@ -74,7 +88,7 @@ def test_generate_needs_a_causal_lm_and_the_cli_says_so(capsys):
     assert main([str(FIXTURES / "tiny-bert.json"), "--mode", "generate", "--seq", "8", "--new-tokens", "2",
                  "--device", "cpu"]) in (1, 2)
     err = capsys.readouterr().err.strip()
-    assert "--mode generate needs a causal LM head" in err and "\n" not in err
+    assert "--mode generate needs a causal or seq2seq LM head" in err and "\n" not in err
 
 
 def test_a_question_generate_was_not_known_to_ask_is_a_trace_error():
@@ -94,7 +108,8 @@ MISTRAL_SW = str(FIXTURES / "tiny-mistral-sw.json")  # sliding_window 8: Dynamic
     (LLAMA, "dynamic", 5, 20, "fp32"), (GPT2, "static", 7, 16, "bf16"),
     (MISTRAL_SW, "dynamic", 2, 20, "fp32"),  # the window fills at decode step 6: the pattern starts after it
     (MISTRAL_SW, "static", 12, 14, "bf16"),  # the prompt is past the window already
-], ids=["llama-dynamic", "gpt2-static", "mistral-window-fills", "mistral-past-window"])
+    (T5, "dynamic", 6, 14, "fp32"),
+], ids=["llama-dynamic", "gpt2-static", "mistral-window-fills", "mistral-past-window", "t5"])
 def test_rebuilt_decode_steps_equal_every_step_traced(model, cache, seq, new_tokens, precision):
     """Decode steps traced in part and rebuilt (tracer/decoding.py) give the recording of tracing every step: the
     same ops, storages, frees and SDPA calls, to the field."""

@@ -289,7 +289,8 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
     if spec.mode is Mode.GENERATE:
         from .analysis.summary import generation_summary
 
-        run_info.update(generation_summary(traced.ops, table, steady, spec.batch, spec.seq, spec.new_tokens))
+        run_info.update(generation_summary(traced.ops, table, steady, spec.batch, spec.seq, spec.new_tokens,
+                                            loaded.task == "seq2seq-lm"))
     if traced.cpu_environment:
         run_info["cpu_kernels"] = dict(traced.cpu_environment)
     warnings = target_warnings(spec, loaded.precision.value)

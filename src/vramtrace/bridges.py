@@ -138,13 +138,16 @@ GENERATION_QUESTIONS = Bridge(
     (("transformers.generation.utils", "GenerationMixin.generate"),
      ("transformers.generation.utils", "GenerationMixin._prepare_special_tokens"),
      ("transformers.generation.utils", "GenerationMixin._get_logits_processor"),
-     ("transformers.generation.utils", "StopCheck")), TRANSFORMERS_WRITTEN_FOR,
+     ("transformers.generation.utils", "StopCheck"),
+     ("transformers.masking_utils", "_ignore_bidirectional_mask_sdpa")), TRANSFORMERS_WRITTEN_FOR,
     "model.generate() reads values: Tensor.__bool__ and Tensor.item of meta tensors, which meta cannot answer. "
     "While a generation is traced (`generating`), they are answered as the real run with the traced inputs "
     "(an unpadded prompt of token ids in [0, vocab), its attention mask all ones, greedy with min_new_tokens = "
     "max_new_tokens = N) answers them, by the function asking: generate's `has_right_padding = torch.any("
     "attention_mask[:, -1] == 0).item()` False and `(attention_mask == 1).all()` True (the mask is then dropped); "
-    "_prepare_special_tokens' eos/pad checks False (they only log warnings); _get_logits_processor's "
+    "_prepare_special_tokens' eos/pad checks False (they only log warnings); an encoder-decoder's "
+    "_ignore_bidirectional_mask_sdpa's `padding_mask.all()` True (the prompt has no padding); "
+    "_get_logits_processor's "
     "`(encoder_input_ids < 0).any()` False; StopCheck's `bool(unfinished_sequences.max() == 0)` False until the "
     "N-th token, then True (MaxLengthCriteria ends every row at once). A question from any other function is a "
     "TraceError naming it")
@@ -450,6 +453,8 @@ def generating(new_tokens: int, stop_after: int | None = None) -> Iterator[None]
     code = {name: inspect.unwrap(found[mod + name]).__code__
             for name in ("GenerationMixin.generate", "GenerationMixin._prepare_special_tokens",
                          "GenerationMixin._get_logits_processor")}
+    code["_ignore_bidirectional_mask_sdpa"] = inspect.unwrap(
+        found["transformers.masking_utils._ignore_bidirectional_mask_sdpa"]).__code__
     stop_call = vars(found[mod + "StopCheck"]).get("__call__")  # a class is callable without its own __call__
     if stop_call is None:
         raise _missing(GENERATION_QUESTIONS, mod + "StopCheck.__call__")
@@ -465,6 +470,7 @@ def generating(new_tokens: int, stop_after: int | None = None) -> Iterator[None]
         (code["GenerationMixin.generate"], "__bool__"): lambda: True,  # (attention_mask == 1).all()
         (code["GenerationMixin._prepare_special_tokens"], "__bool__"): lambda: False,
         (code["GenerationMixin._get_logits_processor"], "__bool__"): lambda: False,
+        (code["_ignore_bidirectional_mask_sdpa"], "__bool__"): lambda: True,  # the prompt's mask: all ones
         (code["StopCheck.__call__"], "__bool__"): stop_check,
     }
 

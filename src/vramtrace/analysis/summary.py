@@ -144,14 +144,19 @@ def _oom(first: Timeline, steady: Timeline, capacity: int, conf, storages) -> di
 
 
 def generation_summary(ops: tuple, storages: tuple, steady: Timeline, batch: int, prompt: int,
-                       new_tokens: int) -> dict:
+                       new_tokens: int, encoder_decoder: bool = False) -> dict:
     """The report's `run` entries of a generation (`--mode generate`): where its peak is (the prefill, or decode
     step k of N - 1: the N-th token needs no forward), the peak of the prefill and of the decode steps, and the
-    KV cache it ends with: its bytes, the tokens it holds per request (prompt + N - 1: a DynamicCache never
-    computes the last token's keys and values, and generate sizes a StaticCache to max_length - 1,
-    transformers/generation/utils.py `GenerationMixin.generate`), and the bytes of keys and values (floating-point
-    cache tensors, before the allocator's block rounding; a StaticCache's per-layer int64 length counters left
-    out) per token per request. Bytes are ints."""
+    KV cache it ends with: its bytes, the tokens its self-attention cache holds per request, and the bytes of
+    keys and values (floating-point cache tensors, before the allocator's block rounding; a StaticCache's
+    per-layer int64 length counters left out) per token per request. Bytes are ints.
+
+    Tokens per request: a decoder-only model's cache holds prompt + N - 1 (the last token's keys and values are
+    never computed, and generate sizes a StaticCache to max_length - 1, transformers/generation/utils.py
+    `GenerationMixin.generate`). An encoder-decoder (`encoder_decoder`, T5) has the prompt in its encoder: its
+    decoder's self-attention cache holds N tokens (the decoder start token and N - 1 generated ones; a
+    StaticCache sized to max_length = N + 1), and its cross-attention cache the encoder's keys and values, the
+    prompt's tokens once (`kv_cross_attention_bytes`, per prompt token `kv_cross_bytes_per_token`)."""
     micro = [ops[i].micro for i in steady.steps]
     at = micro[steady.peak_step]
     prefill = max((b for b, m in zip(steady.live_bytes, micro) if m == 0), default=0)
@@ -160,11 +165,16 @@ def generation_summary(ops: tuple, storages: tuple, steady: Timeline, batch: int
     by_sid = {s.sid: s for s in storages}
     cache = [lt for lt in steady.lifetimes if lt.category is Category.KV_CACHE and lt.birth <= end <= lt.death]
     kv = sum(lt.bytes for lt in cache)
-    keys_values = sum(by_sid[lt.sid].nbytes for lt in cache if "float" in by_sid[lt.sid].dtype)  # not block-rounded
-    tokens = prompt + new_tokens - 1
-    return {"peak_in": "prefill" if at == 0 else f"decode step {at} of {new_tokens - 1}",
-            "prefill_peak_bytes": prefill, "decode_peak_bytes": decode, "kv_cache_bytes_at_end": kv,
-            "kv_tokens_per_request": tokens, "kv_bytes_per_token": keys_values // (batch * tokens)}
+    floats = [by_sid[lt.sid] for lt in cache if "float" in by_sid[lt.sid].dtype]
+    cross = sum(s.nbytes for s in floats if "cross-attention" in s.name)  # not block-rounded
+    keys_values = sum(s.nbytes for s in floats) - cross
+    tokens = new_tokens if encoder_decoder else prompt + new_tokens - 1
+    out = {"peak_in": "prefill" if at == 0 else f"decode step {at} of {new_tokens - 1}",
+           "prefill_peak_bytes": prefill, "decode_peak_bytes": decode, "kv_cache_bytes_at_end": kv,
+           "kv_tokens_per_request": tokens, "kv_bytes_per_token": keys_values // (batch * tokens)}
+    if encoder_decoder:
+        out.update(kv_cross_attention_bytes=cross, kv_cross_bytes_per_token=cross // (batch * prompt))
+    return out
 
 
 def flops(ops: tuple, steady: Timeline) -> tuple[int, int]:

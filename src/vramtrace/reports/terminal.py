@@ -133,7 +133,9 @@ def render(report: MemoryReport, console: Console) -> None:
         extra = Text(f"prefill peak {format_bytes(r['prefill_peak_bytes'])}   decode peak "
                      f"{format_bytes(r['decode_peak_bytes'])}   KV cache at the end {format_bytes(r['kv_cache_bytes_at_end'])}"
                      f" ({r['batch']} × {r['kv_tokens_per_request']:,} tokens, {format_bytes(r['kv_bytes_per_token'])} "
-                     "per token per request)", style="dim")
+                     "per token per request" + (f"; cross-attention {format_bytes(r['kv_cross_attention_bytes'])}, "
+                                                f"{format_bytes(r['kv_cross_bytes_per_token'])} per prompt token"
+                                                if "kv_cross_attention_bytes" in r else "") + ")", style="dim")
     loops = [Text(line, style="yellow") for line in loop_notes(report.run, report.peak_allocated_bytes)
              + [kv_cache_note(report)] if line]
     console.print(Panel(Group(peak, where, extra, *loops, Text(f"timeline {sparkline(report)}  (max per column, 0 "

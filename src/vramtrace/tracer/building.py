@@ -265,7 +265,8 @@ def step_inputs(spec: RunSpec, config, task: str, device: str, float_dtype: torc
       --image-size or config.image_size), plus `labels` int64 (B,) in [0, num_labels) to train;
     - contrastive (CLIP): `input_ids` (B, S) and `pixel_values`, plus `return_loss=True` to train;
     - --mode generate: the prompt `input_ids` (B, S) and its `attention_mask` int64 (B, S) of ones, as a tokenizer
-      returns them for unpadded prompts (`model.generate(**inputs)`).
+      returns them for unpadded prompts (`model.generate(**inputs)`); for a seq2seq LM the prompt is the encoder's
+      input, the decoder starts from `decoder_start_token_id`.
     Raises UsageError when --seq is needed and missing, or --mode generate is asked of a head that cannot generate.
     """
     train = spec.mode is Mode.TRAIN
@@ -302,9 +303,9 @@ def step_inputs(spec: RunSpec, config, task: str, device: str, float_dtype: torc
         return inputs
     inputs["input_ids"] = ids = ints((B, S), text.vocab_size, pad)  # (B, S)
     if spec.mode is Mode.GENERATE:
-        if task != Task.CAUSAL_LM.value:
-            raise UsageError(f"--mode generate needs a causal LM head (--task causal-lm); this model is built as "
-                             f"{task}")
+        if task not in (Task.CAUSAL_LM.value, Task.SEQ2SEQ_LM.value):
+            raise UsageError(f"--mode generate needs a causal or seq2seq LM head (--task causal-lm or seq2seq-lm); "
+                             f"this model is built as {task}")
         inputs["attention_mask"] = (torch.ones((B, S), dtype=torch.int64, device=device) if real
                                     else torch.empty((B, S), dtype=torch.int64, device="meta"))
         return inputs

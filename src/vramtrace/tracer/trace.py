@@ -55,30 +55,38 @@ class TracedGraph:
     cpu_environment: tuple[tuple[str, str | int], ...] = ()  # CPU target: what its kernel workspaces depend on
 
 
-def reachable_tensors(obj: Any, depth: int = 6) -> list[tuple[torch.Tensor, bool]]:
+KV_CACHE_NAME = "past_key_values"
+CROSS_ATTENTION_CACHE_NAME = "past_key_values (cross-attention)"  # EncoderDecoderCache.cross_attention_cache
+
+
+def reachable_tensors(obj: Any, depth: int = 6) -> list[tuple[torch.Tensor, str]]:
     """The tensors reachable from a model's output object (ModelOutput fields, tuples, a transformers Cache and
-    its layers' attributes), each with whether it was reached through a transformers Cache."""
-    found: list[tuple[torch.Tensor, bool]] = []
+    its layers' attributes), each with '' or, when reached through a transformers Cache, the cache's name:
+    `CROSS_ATTENTION_CACHE_NAME` under an `EncoderDecoderCache`'s `cross_attention_cache` (keys and values of the
+    encoder's output, computed once), else `KV_CACHE_NAME`."""
+    found: list[tuple[torch.Tensor, str]] = []
     seen: set[int] = set()
-    stack = [(obj, depth, False)]  # iterative: a recursive closure would be a reference cycle holding the tensors
+    stack = [(obj, depth, "")]  # iterative: a recursive closure would be a reference cycle holding the tensors
     while stack:
-        x, d, in_cache = stack.pop()
+        x, d, cache = stack.pop()
         if isinstance(x, torch.Tensor):
-            found.append((x, in_cache))
+            found.append((x, cache))
             continue
         if d < 0 or id(x) in seen or isinstance(x, (str, bytes, int, float, bool, type(None), torch.nn.Module)):
             continue
         seen.add(id(x))
-        in_cache = in_cache or any(c.__module__.startswith("transformers.cache_utils") for c in type(x).__mro__)
+        is_cache = any(c.__module__.startswith("transformers.cache_utils") for c in type(x).__mro__)
+        cache = cache or (KV_CACHE_NAME if is_cache else "")
         if isinstance(x, dict):
-            items = list(x.values())
+            items = [(v, cache) for v in x.values()]
         elif isinstance(x, (list, tuple, set)):
-            items = list(x)
+            items = [(v, cache) for v in x]
         elif hasattr(x, "__dict__"):
-            items = list(vars(x).values())
+            items = [(v, CROSS_ATTENTION_CACHE_NAME if is_cache and k == "cross_attention_cache" else cache)
+                     for k, v in vars(x).items()]
         else:
             continue
-        stack.extend((v, d - 1, in_cache) for v in reversed(items))
+        stack.extend((v, d - 1, c) for v, c in reversed(items))
     return found
 
 
@@ -141,9 +149,9 @@ class _TraceObserver:
 
     def forward_returned(self, outputs: Any) -> None:
         self._pending["forward_returned"] = self._last_op()
-        for t, in_cache in reachable_tensors(outputs):
-            if in_cache:
-                self.rec.set_category(t, Category.KV_CACHE, "past_key_values")
+        for t, cache in reachable_tensors(outputs):
+            if cache:
+                self.rec.set_category(t, Category.KV_CACHE, cache)
             self.rec.hold(t, "outputs", self.micro_count)
 
     def loss_taken(self) -> None:
