@@ -427,6 +427,9 @@ class RunSpec:
     cuda_context_bytes: the CUDA context's bytes outside the allocator (`--cuda-context`); None: the documented
         default (`analysis/device.py::DEFAULT_CUDA_CONTEXT_BYTES`). CUDA target only.
     alloc_conf: PYTORCH_CUDA_ALLOC_CONF as the target sets it (`--alloc-conf`, `analysis/device.py::AllocConf`).
+    serve_requests: R, for `vramtrace serve`'s trace of a paged-attention server's profile run: an inference
+        forward of batch 1 × seq tokens packed as R requests, logits only at each request's last token, then the
+        server's dummy sampler over those R rows (`tracer/serving.py`). None: an ordinary forward.
     """
 
     model: str
@@ -464,9 +467,11 @@ class RunSpec:
     alloc_conf: AllocConf | str = ""
     new_tokens: int | None = None
     cache: CacheKind = CacheKind.DYNAMIC
+    serve_requests: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("batch", "seq", "lora_rank", "image_size", "choices", "grad_accum", "new_tokens"):
+        for name in ("batch", "seq", "lora_rank", "image_size", "choices", "grad_accum", "new_tokens",
+                     "serve_requests"):
             v = getattr(self, name)
             if v is None and name != "batch":
                 continue
@@ -492,6 +497,7 @@ class RunSpec:
         object.__setattr__(self, "mode", Mode.parse(self.mode, "mode"))
         object.__setattr__(self, "cache", CacheKind.parse(self.cache, "--cache"))
         self._check_generate_options()
+        self._check_serve_profile()
         if self.precision is not None:
             object.__setattr__(self, "precision", Precision.parse(self.precision, "precision"))
         self._resolve_optimizer()
@@ -560,6 +566,13 @@ class RunSpec:
         if self.lora_rank is not None:
             raise UsageError("--mode generate with --lora-rank is not supported yet (peft's generate wraps the "
                              "model's); merge the adapter or drop --lora-rank")
+
+    def _check_serve_profile(self) -> None:
+        if self.serve_requests is None:
+            return
+        if self.mode is not Mode.INFERENCE or self.batch != 1 or self.seq is None or self.serve_requests > self.seq:
+            raise UsageError("a serving profile run is one inference forward of batch 1 and at least as many "
+                             "tokens as requests")
 
     def _check_step_options(self) -> None:
         """Raise UsageError for step options that would be silently ignored."""

@@ -309,6 +309,11 @@ def step_inputs(spec: RunSpec, config, task: str, device: str, float_dtype: torc
         inputs["attention_mask"] = (torch.ones((B, S), dtype=torch.int64, device=device) if real
                                     else torch.empty((B, S), dtype=torch.int64, device="meta"))
         return inputs
+    if spec.serve_requests is not None:
+        if task != Task.CAUSAL_LM.value:
+            raise UsageError(f"vramtrace serve needs a causal LM head; this model is built as {task}")
+        inputs["logits_to_keep"] = serve_logits_indices(S, spec.serve_requests, device)  # (R,)
+        return inputs
     if task == "contrastive":
         if train:
             inputs["return_loss"] = True
@@ -325,6 +330,17 @@ def step_inputs(spec: RunSpec, config, task: str, device: str, float_dtype: torc
     else:  # causal, masked and seq2seq LM
         inputs["labels"] = ids
     return inputs
+
+
+def serve_logits_indices(tokens: int, requests: int, device: str) -> torch.Tensor:
+    """The positions of each request's last token when `tokens` are packed as `requests` requests, the first
+    requests one token shorter when they do not divide (vLLM 0.33 `vllm/v1/worker/gpu/model_runner.py`
+    `GPUModelRunner._dummy_run`: `num_tokens // num_reqs + (i >= num_reqs - num_tokens % num_reqs)`): int64 (R,),
+    empty on meta. The model computes logits at these positions only (transformers' `logits_to_keep`)."""
+    if device == "meta":
+        return torch.empty((requests,), dtype=torch.int64, device="meta")
+    sizes = [tokens // requests + (i >= requests - tokens % requests) for i in range(requests)]
+    return torch.tensor(sizes, dtype=torch.int64, device=device).cumsum(0) - 1
 
 
 @contextlib.contextmanager

@@ -124,6 +124,7 @@ class StepContext:
     scaler: Any = None
     user_step: Callable | None = None
     held: dict = field(default_factory=dict)  # the script loop's variables, across steps
+    sample: Callable[[Any], None] | None = None  # inference: what runs on the outputs after the forward
 
     @property
     def batch(self):
@@ -223,11 +224,14 @@ def optimizer_step(ctx: StepContext, spec: RunSpec, obs: StepObserver) -> None:
 
 
 def run_inference(ctx: StepContext, obs: StepObserver) -> None:
-    """One forward under `torch.no_grad()` (and autocast); the output is dropped."""
+    """One forward under `torch.no_grad()` (and autocast), then `ctx.sample(outputs)` if given (a serving
+    profile run's dummy sampler, `tracer/serving.py`); the output is dropped."""
     obs.begin(0, 0)
     obs.phase(Phase.FORWARD)
     with torch.no_grad(), ctx.autocast():
         out = ctx.model(*ctx.args, **ctx.kwargs)
+        if ctx.sample is not None:
+            ctx.sample(out)
     del out
 
 

@@ -275,6 +275,15 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
     ctx = StepContext(model, args, inputs, loaded.loss, optimizer,
                       (lambda: policy.autocast_region()) if compute_dtype is not None else contextlib.nullcontext,
                       _grad_scaler(spec, loaded), user_step)
+    serve_buffers = {}  # a serving profile run's persistent runner buffers, alive through the recording
+    if spec.serve_requests is not None:
+        from .serving import dummy_sampler, runner_buffers
+
+        vocab = model.config.get_text_config().vocab_size
+        serve_buffers = runner_buffers(spec.seq, spec.serve_requests, vocab, "meta")
+        for n, t in serve_buffers.items():
+            rec.register_existing(t, Category.INPUT, n)
+        ctx.sample = lambda out: dummy_sampler(out.logits[0])  # (R, V): one row per request
     # the steady step's micro-steps replay the first step's (replay.py) when nothing carries over between them
     repeatable = (replay_steady and train and user_step is None and ctx.scaler is None
                   and spec.zero_grad is ZeroGrad.NONE)
@@ -308,6 +317,7 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
                          f"{type(e).__name__}: {text}") from e
     finally:
         rec.detach()
+        del serve_buffers
     return rec, policy, optimizer, obs.marks, obs.replayed, obs
 
 

@@ -1,0 +1,96 @@
+"""`vramtrace serve`: vLLM 0.33's KV budget term by term (serve.py), with its profile run traced (the forward of
+max_num_batched_tokens tokens, logits at each request's last token, the dummy sampler, the runner's buffers).
+No vLLM runs here (CUDA only): the arithmetic is checked against vLLM's formulas worked by hand for a real config,
+the trace against the tensors vLLM's profile run makes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import FIXTURES
+from vramtrace import RunSpec
+from vramtrace.cli import main
+from vramtrace.errors import UsageError
+from vramtrace.serve import ServeSpec, analyze_serve, batch_defaults, plan
+
+LLAMA = str(FIXTURES / "tiny-llama-gqa.json")
+LLAMA31_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
+              "max_position_embeddings": 131072, "vocab_size": 128256}
+
+
+def test_llama31_8b_on_l40s_worked_by_hand():
+    """With a profile peak of 15 GiB (weights 14.96 GiB): requested = ceil(47577038848 × 0.92) = 43770875741;
+    available = requested - 15 GiB - 256 MiB - 512 MiB; a block is 32 layers × 2 × 16 × 8 × 128 × 2 B = 2 MiB;
+    8192 tokens need 512 blocks."""
+    r = plan(ServeSpec("x", gpu="L40S", max_model_len=8192), lambda t, s: (15 * 2**30, 16060522496, "mlp"),
+             LLAMA31_8B, 2)
+    assert (r["max_num_batched_tokens"], r["max_num_seqs"]) == (2048, 256)  # L40S is below 70 GiB
+    assert r["requested_bytes"] == 43770875741
+    available = 43770875741 - 15 * 2**30 - 256 * 2**20 - 512 * 2**20
+    assert r["available_kv_bytes"] == available and r["bytes_per_block"] == 2 * 2**20
+    assert r["num_blocks"] == available // (2 * 2**20) and r["blocks_per_request"] == 512
+    assert r["max_concurrency"] == r["num_blocks"] / 512 and r["kv_cache_tokens"] == int(r["num_blocks"] / 512 * 8192)
+    assert r["longest_by_kv_bytes"] == (available - 2 * 2**20) // (2 * 2**20) * 16
+    fp8 = plan(ServeSpec("x", gpu="L40S", max_model_len=8192, kv_cache_dtype="fp8", enforce_eager=True),
+               lambda t, s: (15 * 2**30, 16060522496, "mlp"), LLAMA31_8B, 2)
+    assert fp8["bytes_per_block"] == 2**20 and fp8["cudagraph_bytes"] == 0
+
+
+def test_batch_defaults_follow_the_gpu_tier():
+    assert batch_defaults(80 * 2**30, "H100-80GB") == (8192, 1024)
+    assert batch_defaults(80 * 2**30, "A100-80GB") == (2048, 256)
+    assert batch_defaults(180 * 2**30, "B200") == (16384, 1024)
+    # max_num_batched_tokens is capped at max_num_seqs × max_model_len (arg_utils)
+    r = plan(ServeSpec("x", gpu="H100-80GB", max_model_len=4), lambda t, s: (2**30, 2**29, ""), LLAMA31_8B, 2)
+    assert (r["max_num_batched_tokens"], r["max_num_seqs"]) == (4096, 1024)
+
+
+def test_a_long_max_model_len_that_does_not_fit_says_so():
+    r = plan(ServeSpec("x", gpu="T4", max_model_len=131072), lambda t, s: (14 * 2**30, 14 * 2**30, ""),
+             LLAMA31_8B, 2)
+    assert not r["fits_one_request"] and r["longest_max_model_len"] < 131072
+
+
+def test_the_profile_run_trace_holds_vllms_tensors():
+    """The traced forward keeps logits for R rows only, the dummy sampler's fp32 (R, V) copies exist, and the
+    runner's (M, V) int32 bin counts are alive from the start."""
+    from vramtrace.tables import step_tables
+    from vramtrace.tracer.building import load_model
+    from vramtrace.tracer.loading import resolve_config
+
+    cfg = json.loads((FIXTURES / "tiny-llama-gqa.json").read_text())
+    V, T, R = cfg["vocab_size"], 40, 8  # T: not the hidden size (64), so shapes tell them apart
+    spec = RunSpec(LLAMA, batch=1, seq=T, mode="inference", precision="bf16", serve_requests=R)
+    tables = step_tables(spec, load_model(spec, resolve_config(LLAMA)))
+    shapes = [(s.shape, s.dtype) for s in tables.traced.storages]
+    assert ((R, V), "bfloat16") in shapes  # the lm_head's output: R rows (a matmul over (R, hidden))
+    assert not any(V in shape and T in shape for shape, _ in shapes)  # no logits for every token
+    assert shapes.count(((R, V), "float32")) >= 3  # the fp32 copy, the masked logits, the probabilities
+    bins = [s for s in tables.traced.storages if s.name == "vLLM output_bin_counts"]
+    assert bins and bins[0].shape == (R, V) and bins[0].op_index == -1
+
+
+def test_serve_cli_prints_blocks_and_concurrency(capsys):
+    assert main(["serve", LLAMA, "--gpu", "T4", "--max-model-len", "256", "--max-num-batched-tokens", "64",
+                 "--max-num-seqs", "4"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the terminal wraps at its width
+    assert "blocks of 16 tokens" in out and "maximum concurrency for 256 tokens per request" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tp", "2"], "--tp N > 1 is not modelled yet"),
+    (["--kv-cache-dtype", "int3"], "unknown --kv-cache-dtype 'int3'"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
+    (["--max-model-len", "100000"], "longer than the model's max_position_embeddings 256"),
+])
+def test_serve_usage_errors_are_one_line(capsys, args, message):
+    assert main(["serve", LLAMA, "--gpu", "T4", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_serve_refuses_sliding_window_configs():
+    with pytest.raises(UsageError, match="sliding-window"):
+        analyze_serve(ServeSpec(str(FIXTURES / "tiny-mistral-sw.json"), gpu="T4", max_model_len=128))
