@@ -3,7 +3,10 @@ transformers import floor, to show how the cost grows with the decode steps.
 
 Reproduce: python benchmarks/bench_generate.py [MODEL] [--new-tokens 4,16,128] [--seq 512] [--batch 4] [--repeat 1]
 Goal (issue 15): `--new-tokens 512` on Llama-2-7b must not cost 512 traced decode steps (trace a few, rebuild the
-rest, check, as layer replication does). Today every decode step is traced: the time grows linearly with N.
+rest, check, as layer replication does). The tracer traces 6 decode steps and rebuilds the rest
+(`tracer/decoding.py`); what still grows with N is the analysis of the rebuilt ops (about 2,500 per decode step for
+Llama-2-7b: timelines, the caching-allocator replay). Before the rebuild
+(every step traced, commit d272b86) the same benchmark measured about 0.21 s per extra decode step.
 """
 
 from __future__ import annotations
