@@ -10,7 +10,8 @@ checkpointing, inputs, freeze, LoRA, image size, multiple-choice count) and buil
 - custom modules (`path.py:NAME`): the file imported with importlib, `NAME()` called;
 - the optimizer: a plain `torch.optim.AdamW(params)` (or the case's Adam/SGD, for-loop or foreach);
 - a generation case (mode generate): `model.generate(input_ids, attention_mask=ones, max_new_tokens=N,
-  min_new_tokens=N, do_sample=False, cache_implementation='static' or None)`, transformers' documented call;
+  min_new_tokens=N, do_sample=False, cache_implementation='static' or None, or 'quantized' with
+  cache_config={'backend': 'fp8'})`, transformers' documented call;
 - the literal loop of the case (`loop` trainer | function | script, `grad_accum`, `clip_grad_norm`, `zero_grad`,
   fp16-mixed with `torch.amp.GradScaler("cpu")`; see `RealStep`), or the case's `--step` file's function called
   as FUNC(model, batch, optimizer); one warm-up step then the measured one;
@@ -318,6 +319,8 @@ class RealStep:
             cache = _v(getattr(spec, "cache", "dynamic"))
             self.generate = dict(max_new_tokens=spec.new_tokens, min_new_tokens=spec.new_tokens, do_sample=False,
                                  cache_implementation="static" if cache == "static" else None)
+            if _v(getattr(spec, "kv_dtype", "auto")) == "fp8":  # transformers' QuantizedCache, fp8 backend
+                self.generate.update(cache_implementation="quantized", cache_config={"backend": "fp8"})
         for pattern in getattr(spec, "freeze", ()) or ():
             for n, p in model.named_parameters():
                 if fnmatch.fnmatchcase(n, pattern):

@@ -73,7 +73,10 @@ def test_encoder_decoder_cache_splits_self_and_cross_attention(cache):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"new_tokens": 4}, "--new-tokens and --cache apply to --mode generate"),
+    ({"new_tokens": 4}, "--new-tokens, --cache and --kv-dtype apply to --mode generate"),
+    ({"kv_dtype": "fp8"}, "--new-tokens, --cache and --kv-dtype apply to --mode generate"),
+    ({"mode": "generate", "new_tokens": 4, "kv_dtype": "int3"}, "unknown --kv-dtype 'int3'"),
+    ({"mode": "generate", "new_tokens": 4, "kv_dtype": "fp8", "cache": "static"}, "a dynamic cache; drop --cache"),
     ({"mode": "generate"}, "--mode generate needs --new-tokens"),
     ({"mode": "generate", "new_tokens": 4, "cache": "paged"}, "unknown --cache 'paged'"),
     ({"mode": "generate", "new_tokens": 0}, "--new-tokens must be a positive integer"),
@@ -82,6 +85,34 @@ def test_encoder_decoder_cache_splits_self_and_cross_attention(cache):
 def test_bad_generation_options_are_usage_errors(kwargs, message):
     with pytest.raises(UsageError, match=message):
         RunSpec(GPT2, batch=1, seq=8, **kwargs)
+
+
+@pytest.mark.parametrize("model,batch,seq,new_tokens,precision", [
+    (LLAMA, 4, 4, 10, "fp32"), (GPT2, 1, 3, 12, "bf16"), (LLAMA, 2, 24, 3, "bf16")])
+def test_fp8_quantized_cache_matches_a_real_cpu_generate(model, batch, seq, new_tokens, precision):
+    """transformers' QuantizedCache(backend="fp8"): fp8 states appended each step, then dequantized whole (a float32
+    copy and the compute dtype), as real generate() runs allocate them."""
+    spec = RunSpec(model, batch=batch, seq=seq, mode="generate", new_tokens=new_tokens, kv_dtype="fp8", device="cpu",
+                   precision=precision)
+    report = analyze(spec)
+    real = measure_cpu_peak(spec)
+    assert abs(report.peak_allocated_bytes - real) <= 0.001 * real, (report.peak_allocated_bytes, real)
+    assert report.run["kv_dtype"] == "fp8"
+
+
+def test_fp8_cache_keeps_one_byte_per_element():
+    """2 × layers × KV heads × head dim × 1 byte (float8_e4m3fn) per token per request; the scales are per layer."""
+    cfg = json.loads((FIXTURES / "tiny-llama-gqa.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    report = analyze(RunSpec(LLAMA, batch=3, seq=5, mode="generate", new_tokens=7, kv_dtype="fp8", device="cpu"))
+    assert report.run["kv_bytes_per_token"] == 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim
+
+
+def test_fp8_cache_on_an_encoder_decoder_is_a_usage_error(capsys):
+    assert main([T5, "--mode", "generate", "--seq", "4", "--new-tokens", "2", "--kv-dtype", "fp8",
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "QuantizedCache has no encoder-decoder form" in err and "\n" not in err
 
 
 def test_generate_needs_a_causal_lm_and_the_cli_says_so(capsys):

@@ -155,7 +155,8 @@ def step_summary(spec: RunSpec, loop_peaks: dict[str, int], use_cache_false_peak
     (micro-batches, effective batch), zero_grad, clipping, the KV cache switch, each loop's peak bytes, and the
     peak bytes of the same step traced with use_cache false (when the config's KV cache is live at the peak)."""
     if spec.mode is Mode.GENERATE:
-        return {"new_tokens": spec.new_tokens, "cache": spec.cache.value, "total_length": spec.seq + spec.new_tokens}
+        return {"new_tokens": spec.new_tokens, "cache": spec.cache.value, "kv_dtype": spec.kv_dtype.value,
+                "total_length": spec.seq + spec.new_tokens}
     if spec.mode is not Mode.TRAIN:
         return {}
     out = {"loop": spec.loop.value if spec.step is None else f"--step {spec.step}",

@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 from rich.console import Console
 
 from .errors import UsageError, VramtraceError
-from .spec import DEFAULT_CHOICES, GPU_PRESETS, TASK_ALIASES, AttnImplementation, CacheKind, Device, Mode, OptimizerImpl, OptimizerKind, Precision, Task
+from .spec import DEFAULT_CHOICES, GPU_PRESETS, TASK_ALIASES, AttnImplementation, CacheKind, Device, KvDtype, Mode, OptimizerImpl, OptimizerKind, Precision, Task
 
 app = typer.Typer(add_completion=False, context_settings={"help_option_names": ["-h", "--help"]},
                   pretty_exceptions_enable=False)
@@ -94,6 +94,9 @@ def main_command(
                                              "prompt (model.generate(max_new_tokens=N, min_new_tokens=N, greedy))"),
     cache: str = typer.Option("dynamic", "--cache", help="--mode generate: " + _choices(CacheKind) + " (transformers' "
                               "DynamicCache grows by torch.cat; StaticCache is preallocated to prompt + new tokens)"),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="--mode generate: " + _choices(KvDtype) + " (auto: the "
+                                 "compute dtype; fp8: transformers' QuantizedCache(backend='fp8'), float8_e4m3fn keys "
+                                 "and values, dequantized every decode step)"),
     strict: bool = typer.Option(False, "--strict", help="an op without a meta kernel is an error, not an unresolved entry"),
     compare_policies: bool = typer.Option(False, "--compare", help="compare checkpointing none, layers and selective"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write the JSON report to PATH, or '-' for stdout"),
@@ -166,7 +169,7 @@ def main_command(
                        gpu_memory_bytes=parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory is not None else None,
                        cuda_context_bytes=(parse_bytes(cuda_context, "--cuda-context")
                                            if cuda_context is not None else None),
-                       alloc_conf=alloc_conf, new_tokens=new_tokens, cache=cache)
+                       alloc_conf=alloc_conf, new_tokens=new_tokens, cache=cache, kv_dtype=kv_dtype)
         err = Console(stderr=True)
         if fit_axis == "sweep":
             _sweep(spec, sweep_grid, headroom, json_path, quiet, err)

@@ -36,6 +36,17 @@ class CacheKind(_Choice):
     STATIC = "static"
 
 
+class KvDtype(_Choice):
+    """The dtype of the KV cache `model.generate()` keeps (`--kv-dtype`): `auto`, the model's compute dtype, or
+    `fp8`, transformers' `QuantizedCache(backend="fp8")` (`cache_implementation="quantized"`,
+    transformers/cache_utils.py `Fp8QuantizedLayer`): keys and values stored as float8_e4m3fn with one fp32 scale
+    per layer, frozen at the prefill; every decode step appends the new token and dequantizes the whole cache
+    (a float32 copy, then the compute dtype) for attention. A dynamic cache: it grows by `torch.cat`."""
+
+    AUTO = "auto"
+    FP8 = "fp8"
+
+
 class Precision(_Choice):
     FP32 = "fp32"
     BF16 = "bf16"
@@ -467,6 +478,7 @@ class RunSpec:
     alloc_conf: AllocConf | str = ""
     new_tokens: int | None = None
     cache: CacheKind = CacheKind.DYNAMIC
+    kv_dtype: KvDtype = KvDtype.AUTO
     serve_requests: int | None = None
 
     def __post_init__(self) -> None:
@@ -496,6 +508,7 @@ class RunSpec:
         object.__setattr__(self, "moe_routing", MoeRouting.parse(self.moe_routing, "MoE routing"))
         object.__setattr__(self, "mode", Mode.parse(self.mode, "mode"))
         object.__setattr__(self, "cache", CacheKind.parse(self.cache, "--cache"))
+        object.__setattr__(self, "kv_dtype", KvDtype.parse(self.kv_dtype, "--kv-dtype"))
         self._check_generate_options()
         self._check_serve_profile()
         if self.precision is not None:
@@ -554,9 +567,12 @@ class RunSpec:
     def _check_generate_options(self) -> None:
         """Raise UsageError for generation options given without --mode generate, or missing with it."""
         if self.mode is not Mode.GENERATE:
-            if self.new_tokens is not None or self.cache is not CacheKind.DYNAMIC:
-                raise UsageError("--new-tokens and --cache apply to --mode generate; add it or drop them")
+            if self.new_tokens is not None or self.cache is not CacheKind.DYNAMIC or self.kv_dtype is not KvDtype.AUTO:
+                raise UsageError("--new-tokens, --cache and --kv-dtype apply to --mode generate; add it or drop them")
             return
+        if self.kv_dtype is not KvDtype.AUTO and self.cache is not CacheKind.DYNAMIC:
+            raise UsageError(f"--kv-dtype {self.kv_dtype.value} is transformers' QuantizedCache, a dynamic cache; drop "
+                             f"--cache {self.cache.value}")
         if self.new_tokens is None:
             raise UsageError("--mode generate needs --new-tokens N (the prompt is --seq tokens)")
         if self.seq is None:

@@ -149,7 +149,7 @@ def generation_summary(ops: tuple, storages: tuple, steady: Timeline, batch: int
     step k of N - 1: the N-th token needs no forward), the peak of the prefill and of the decode steps, and the
     KV cache it ends with: its bytes, the tokens its self-attention cache holds per request, and the bytes of
     keys and values (floating-point cache tensors, before the allocator's block rounding; a StaticCache's
-    per-layer int64 length counters left out) per token per request. Bytes are ints.
+    per-layer int64 length counters and a QuantizedCache's scalar fp32 scales left out) per token per request. Bytes are ints.
 
     Tokens per request: a decoder-only model's cache holds prompt + N - 1 (the last token's keys and values are
     never computed, and generate sizes a StaticCache to max_length - 1, transformers/generation/utils.py
@@ -165,7 +165,9 @@ def generation_summary(ops: tuple, storages: tuple, steady: Timeline, batch: int
     by_sid = {s.sid: s for s in storages}
     cache = [lt for lt in steady.lifetimes if lt.category is Category.KV_CACHE and lt.birth <= end <= lt.death]
     kv = sum(lt.bytes for lt in cache)
-    floats = [by_sid[lt.sid] for lt in cache if "float" in by_sid[lt.sid].dtype]
+    # keys and values: floating-point tensors with a token axis (a QuantizedCache's fp8 states; its per-layer
+    # scalar scales and a StaticCache's int64 counters left out)
+    floats = [by_sid[lt.sid] for lt in cache if "float" in by_sid[lt.sid].dtype and by_sid[lt.sid].shape]
     cross = sum(s.nbytes for s in floats if "cross-attention" in s.name)  # not block-rounded
     keys_values = sum(s.nbytes for s in floats) - cross
     tokens = new_tokens if encoder_decoder else prompt + new_tokens - 1

@@ -96,7 +96,8 @@ def render(report: MemoryReport, console: Console) -> None:
     head.add_row("attention", f"{m['attn_implementation']} (SDPA backend: {sdpa})")
     if r["mode"] == "generate":
         head.add_row("run", f"generate, {r['precision']}, batch {r['batch']} × prompt {r['seq']} + {r['new_tokens']} "
-                            f"new tokens (greedy), {r['cache']} cache")
+                            f"new tokens (greedy), {r['cache']} cache"
+                            + (f" in {r['kv_dtype']} (QuantizedCache)" if r.get("kv_dtype", "auto") != "auto" else ""))
     else:
         head.add_row("run", f"{r['mode']}, {r['precision']}, optimizer {r['optimizer']} ({r['optimizer_impl']}), "
                             f"batch {r['batch']}" + (f" × seq {r['seq']}" if r.get("seq") else "")

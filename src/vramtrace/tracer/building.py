@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ModelLoadError, UsageError
-from ..spec import DEFAULT_CHOICES, AttnImplementation, Device, Mode, Precision, RunSpec, Task
+from ..spec import DEFAULT_CHOICES, AttnImplementation, Device, KvDtype, Mode, Precision, RunSpec, Task
 from .loading import ResolvedConfig
 from .checkpoint_headers import precision_for
 from .checkpointing import layer_stack
@@ -306,6 +306,9 @@ def step_inputs(spec: RunSpec, config, task: str, device: str, float_dtype: torc
         if task not in (Task.CAUSAL_LM.value, Task.SEQ2SEQ_LM.value):
             raise UsageError(f"--mode generate needs a causal or seq2seq LM head (--task causal-lm or seq2seq-lm); "
                              f"this model is built as {task}")
+        if task == Task.SEQ2SEQ_LM.value and spec.kv_dtype is not KvDtype.AUTO:
+            raise UsageError(f"--kv-dtype {spec.kv_dtype.value}: transformers' QuantizedCache has no encoder-decoder "
+                             "form; drop --kv-dtype")
         inputs["attention_mask"] = (torch.ones((B, S), dtype=torch.int64, device=device) if real
                                     else torch.empty((B, S), dtype=torch.int64, device="meta"))
         return inputs

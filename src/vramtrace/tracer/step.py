@@ -47,7 +47,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from ..errors import UsageError
-from ..spec import CacheKind, Loop, RunSpec, ZeroGrad, custom_ref
+from ..spec import CacheKind, KvDtype, Loop, RunSpec, ZeroGrad, custom_ref
 from .records import Phase
 
 STEPS = 2  # the first step (optimizer state created lazily) and the steady state
@@ -237,7 +237,7 @@ def run_inference(ctx: StepContext, obs: StepObserver) -> None:
 
 def run_generation(ctx: StepContext, spec: RunSpec, obs: StepObserver) -> None:
     """What a user's `model.generate(**inputs, max_new_tokens=N, min_new_tokens=N, do_sample=False,
-    cache_implementation=...)` does (greedy, exactly N new tokens: the EOS score is masked until then), under
+    cache_implementation=..., cache_config=...)` does (greedy, exactly N new tokens: the EOS score is masked until then), under
     autocast; the generated ids are dropped. transformers' generate runs under `torch.no_grad()`
     (generation/utils.py `GenerationMixin.generate`). Each call of the model's forward is one micro-step for the
     observer: micro 0 the prefill over the prompt, micro k decode step k (k = 1..N-1); `obs.forward_returned`
@@ -255,13 +255,18 @@ def run_generation(ctx: StepContext, spec: RunSpec, obs: StepObserver) -> None:
 
     hooks = [ctx.model.register_forward_pre_hook(before, with_kwargs=True),
              ctx.model.register_forward_hook(after, with_kwargs=True)]
-    cache = "static" if spec.cache is CacheKind.STATIC else None  # None: transformers' default, a DynamicCache
+    # None: transformers' default, a DynamicCache; "quantized" with the fp8 backend: a QuantizedCache
+    # (transformers/generation/utils.py `GenerationMixin._prepare_cache_for_generation`)
+    cache, cache_config = "static" if spec.cache is CacheKind.STATIC else None, None
+    if spec.kv_dtype is KvDtype.FP8:
+        cache, cache_config = "quantized", {"backend": "fp8"}
     obs.begin(0, 0)  # what generate does before the first forward belongs to the prefill
     obs.phase(Phase.FORWARD)
     try:
         with ctx.autocast():
             out = ctx.model.generate(*ctx.args, **ctx.kwargs, max_new_tokens=spec.new_tokens,
-                                     min_new_tokens=spec.new_tokens, do_sample=False, cache_implementation=cache)
+                                     min_new_tokens=spec.new_tokens, do_sample=False, cache_implementation=cache,
+                                     cache_config=cache_config)
         del out
     finally:
         for h in hooks:
