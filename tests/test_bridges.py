@@ -67,13 +67,25 @@ def test_every_target_is_patched_while_installed_and_restored_after_an_error():
     patched = {k for k in before if during[k] is not before[k]}
     for b in bridges.BRIDGES:
         # patched on the model instance (see test below), or per call from the kernel policy
-        # (generation_questions: patched while a generation is traced, tests/test_generate.py)
+        # (generation_questions: patched while a generation is traced, tests/test_generate.py; fsdp_on_meta:
+        # while FSDP2 is applied and a sharded step traced, the test below)
         if b not in (bridges.CHECKPOINT_FUNCTION, bridges.FUNCTIONAL_TORCH_FUNCTION_CHECK,
-                     bridges.GENERATION_QUESTIONS):
+                     bridges.GENERATION_QUESTIONS, bridges.FSDP_ON_META):
             assert (b.targets[0]) in patched, b.name
     assert all(k in patched for k in before if k[1] == "maybe_autocast")  # every module's binding
     after = _targets()
     assert all(after[k] is before[k] for k in before), [k for k in before if after[k] is not before[k]]
+
+
+def test_fsdp_on_meta_patches_every_target_and_restores_them_after_an_error():
+    before = _targets()
+    with pytest.raises(KeyError, match="inside"):
+        with bridges.fsdp_on_meta(StepRecorder()):
+            during = _targets()
+            raise KeyError("inside")
+    assert all(during[t] is not before[t] for t in bridges.FSDP_ON_META.targets)
+    after = _targets()
+    assert all(after[k] is before[k] for k in before)
 
 
 @pytest.mark.parametrize("bridge,target", [(b, t) for b in RAISING for t in b.targets],
@@ -98,6 +110,10 @@ def test_a_missing_target_is_a_bridge_error_and_nothing_is_patched(monkeypatch, 
         with pytest.raises(BridgeError, match=name):
             with bridges.generating(3):
                 pytest.fail("generating() went on without its target")
+    elif bridge is bridges.FSDP_ON_META:  # installed around fully_shard and a sharded step
+        with pytest.raises(BridgeError, match=name):
+            with bridges.fsdp_on_meta(StepRecorder()):
+                pytest.fail("fsdp_on_meta() went on without its target")
     else:
         with pytest.raises(BridgeError, match=name):
             with _installed():

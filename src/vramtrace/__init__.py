@@ -171,6 +171,26 @@ def step_summary(spec: RunSpec, loop_peaks: dict[str, int], use_cache_false_peak
     return out
 
 
+def _ranks_text(ranks: tuple[int, ...]) -> str:
+    """'3' or '0-6' (consecutive ranks, as rank_classes groups them) or '1, 5'."""
+    if len(ranks) > 1 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
+
+
+def sharding_summary(spec: RunSpec, rank_peaks: dict[str, int]) -> dict:
+    """The report's `run` entries of a sharded step: {'fsdp': {world, reshard_after_forward, rank (the one
+    reported), global_batch (per-rank batch × ranks × gradient accumulation), rank_peaks (bytes per rank class
+    traced, when every class was)}}; {} without sharding."""
+    if spec.fsdp is None:
+        return {}
+    out = {"world": spec.fsdp, "reshard_after_forward": spec.reshard_after_forward, "rank": spec.rank,
+           "global_batch": spec.batch * spec.fsdp * spec.grad_accum}
+    if rank_peaks:
+        out["rank_peaks"] = rank_peaks
+    return {"fsdp": out}
+
+
 def target_warnings(spec: RunSpec, precision: str) -> list[str]:
     """What the target GPU cannot do natively: bf16 below sm80 (V100, T4), where torch emulates it (slowly);
     `torch.cuda.is_bf16_supported()` still answers True there (torch/cuda/__init__.py, including_emulation)."""
@@ -241,7 +261,20 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
     say("building model on meta")
     loaded = load_model(spec, resolved)
     heap.refreeze()  # torch, transformers and the model are built: out of the collector's way
-    main = step_tables(spec, loaded, progress=say)
+    rank_peaks = {}
+    if spec.fsdp is not None and spec.rank is None:  # every distinct rank class traced; the largest reported
+        from .tracer.sharding import rank_classes
+
+        classes = rank_classes(loaded.model, spec.fsdp)
+        tables = {}
+        for ranks in classes:
+            say(f"rank {ranks[0]} (for ranks {_ranks_text(ranks)})")
+            tables[ranks] = step_tables(replace(spec, rank=ranks[0]), loaded, progress=say)
+            rank_peaks[_ranks_text(ranks)] = tables[ranks].peaks()[0]
+        worst = max(classes, key=lambda g: (tables[g].peaks()[0], -g[0]))
+        spec, main = replace(spec, rank=worst[0]), tables[worst]
+    else:
+        main = step_tables(spec, loaded, progress=say)
     say("liveness analysis")
     traced, table, loop, block = main.traced, main.table, main.loop, main.block
     steady = main.timeline()
@@ -284,7 +317,7 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
         "num_layers": loaded.num_layers, "layer_stack": loaded.layer_stack_path,
         "allocator_block_bytes": block, "num_ops": len(traced.ops), "trace": traced.trace_note,
         "inputs": [f"{n}={d}{list(s)}" for n, d, s in loaded.input_summary()] if loaded.task == "custom" else [],
-        **step_summary(spec, loop_peaks, cache_off_peak),
+        **step_summary(spec, loop_peaks, cache_off_peak), **sharding_summary(spec, rank_peaks),
         "adapters": adapters_summary(spec), "image_size": loaded.image_size, **moe_summary(spec, loaded.model),
     }
     if spec.mode is Mode.GENERATE:

@@ -152,10 +152,28 @@ GENERATION_QUESTIONS = Bridge(
     "N-th token, then True (MaxLengthCriteria ends every row at once). A question from any other function is a "
     "TraceError naming it")
 
+_FSDP = "torch.distributed.fsdp._fully_shard."
+FSDP_ON_META = Bridge(
+    "fsdp_on_meta", "torch",
+    (("torch.distributed.device_mesh", "_get_device_handle"),
+     *((_FSDP + m, "_get_device_handle") for m in ("_fsdp_collectives", "_fsdp_init", "_fsdp_param_group",
+                                                   "_fsdp_state")),
+     (_FSDP + "_fully_shard", "_get_device_from_mesh"),
+     (_FSDP + "_fsdp_param_group", "FSDPParamGroup._validate_no_meta_params"),
+     (_FSDP + "_fsdp_param", "alloc_storage"), (_FSDP + "_fsdp_param", "free_storage"),
+     (_FSDP + "_fsdp_param_group", "alloc_storage")), TORCH_WRITTEN_FOR,
+    "FSDP2 (fully_shard) runs on a DeviceMesh of the meta device (`fsdp_on_meta`): its device handle "
+    "(`_get_device_handle(device_type)`, getattr(torch, type)) has no `torch.meta`, so 'meta' gets `torch.cpu`, "
+    "whose Stream, Event and stream() are no-ops (on the CPU FSDP2 runs on one stream too; CUDA's stream timing is "
+    "modelled apart); `_get_device_from_mesh` gives the meta device; `_validate_no_meta_params`, which refuses "
+    "meta parameters, lets them through; and FSDP2's `alloc_storage`/`free_storage` "
+    "(`tensor.untyped_storage().resize_(n)`, outside the dispatcher) are told to the recorder, which records a "
+    "resize to 0 as the storage's free and a resize up as a new allocation, as the CPU allocator makes one")
+
 BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_CHECK, PADDING_MASK_CHECK,
                                PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION, MHA_FAST_PATH,
                                FUNCTIONAL_TORCH_FUNCTION_CHECK, GRAD_SCALER_FOUND_INF, CLIP_GRAD_FOREACH,
-                               FUSED_OPTIMIZER_DEVICES, ADAFACTOR_SCALARS, GENERATION_QUESTIONS)
+                               FUSED_OPTIMIZER_DEVICES, ADAFACTOR_SCALARS, GENERATION_QUESTIONS, FSDP_ON_META)
 
 
 def _installed_version(library: str) -> str:
@@ -491,6 +509,48 @@ def generating(new_tokens: int, stop_after: int | None = None) -> Iterator[None]
         return answer
 
     with _set(torch.Tensor, "__bool__", answering("__bool__")), _set(torch.Tensor, "item", answering("item")):
+        yield
+
+
+@contextlib.contextmanager
+def fsdp_on_meta(rec: StepRecorder | None = None) -> Iterator[None]:
+    """FSDP_ON_META while FSDP2 is applied (`rec` None) or a sharded step is recorded by `rec`: the originals back
+    on exit. Raises BridgeError, with nothing patched, when a target is missing."""
+    found = resolve(FSDP_ON_META)
+    handle = found["torch.distributed.device_mesh._get_device_handle"]
+
+    def device_handle(device_type: str = "cuda"):
+        return torch.cpu if device_type == "meta" else handle(device_type)
+
+    param_mod = importlib.import_module(_FSDP + "_fsdp_param")
+    alloc, free = found[_FSDP + "_fsdp_param.alloc_storage"], found[_FSDP + "_fsdp_param.free_storage"]
+
+    def alloc_storage(tensor: torch.Tensor) -> None:
+        before = tensor.untyped_storage().nbytes()
+        alloc(tensor)
+        if rec is not None and tensor.untyped_storage().nbytes() != before:
+            rec.storage_resized(tensor)
+
+    def free_storage(tensor: torch.Tensor) -> None:
+        before = tensor.untyped_storage().nbytes()
+        free(tensor)
+        if rec is not None and before:
+            rec.storage_resized(tensor)
+
+    group_class = importlib.import_module(_FSDP + "_fsdp_param_group").FSDPParamGroup
+    device_from_mesh = found[_FSDP + "_fully_shard._get_device_from_mesh"]
+    with contextlib.ExitStack() as stack:
+        for module in ("torch.distributed.device_mesh", *(_FSDP + m for m in (
+                "_fsdp_collectives", "_fsdp_init", "_fsdp_param_group", "_fsdp_state"))):
+            stack.enter_context(_set(importlib.import_module(module), "_get_device_handle", device_handle))
+        stack.enter_context(_set(importlib.import_module(_FSDP + "_fully_shard"), "_get_device_from_mesh",
+                                 lambda mesh: torch.device("meta") if mesh.device_type == "meta"
+                                 else device_from_mesh(mesh)))
+        stack.enter_context(_set(group_class, "_validate_no_meta_params", lambda self: None))
+        stack.enter_context(_set(param_mod, "alloc_storage", alloc_storage))
+        stack.enter_context(_set(param_mod, "free_storage", free_storage))
+        stack.enter_context(_set(importlib.import_module(_FSDP + "_fsdp_param_group"), "alloc_storage",
+                                 alloc_storage))
         yield
 
 

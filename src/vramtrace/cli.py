@@ -97,6 +97,13 @@ def main_command(
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="--mode generate: " + _choices(KvDtype) + " (auto: the "
                                  "compute dtype; fp8: transformers' QuantizedCache(backend='fp8'), float8_e4m3fn keys "
                                  "and values, dequantized every decode step)"),
+    fsdp: Optional[int] = typer.Option(None, "--fsdp", help="N ranks of PyTorch FSDP2: fully_shard on each layer and the "
+                                       "root, traced on fake ranks; --batch is the per-rank micro-batch"),
+    reshard_after_forward: str = typer.Option("true", "--reshard-after-forward", help="--fsdp: true | false "
+                                              "(false keeps each layer's parameters unsharded until its backward, "
+                                              "ZeRO-2 style)"),
+    rank: Optional[int] = typer.Option(None, "--rank", help="--fsdp: trace this rank only [default: every distinct "
+                                       "rank, the largest reported]"),
     strict: bool = typer.Option(False, "--strict", help="an op without a meta kernel is an error, not an unresolved entry"),
     compare_policies: bool = typer.Option(False, "--compare", help="compare checkpointing none, layers and selective"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write the JSON report to PATH, or '-' for stdout"),
@@ -169,7 +176,9 @@ def main_command(
                        gpu_memory_bytes=parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory is not None else None,
                        cuda_context_bytes=(parse_bytes(cuda_context, "--cuda-context")
                                            if cuda_context is not None else None),
-                       alloc_conf=alloc_conf, new_tokens=new_tokens, cache=cache, kv_dtype=kv_dtype)
+                       alloc_conf=alloc_conf, new_tokens=new_tokens, cache=cache, kv_dtype=kv_dtype,
+                       fsdp=fsdp, reshard_after_forward=_bool_option(reshard_after_forward, "--reshard-after-forward"),
+                       rank=rank)
         err = Console(stderr=True)
         if fit_axis == "sweep":
             _sweep(spec, sweep_grid, headroom, json_path, quiet, err)

@@ -441,6 +441,11 @@ class RunSpec:
     serve_requests: R, for `vramtrace serve`'s trace of a paged-attention server's profile run: an inference
         forward of batch 1 × seq tokens packed as R requests, logits only at each request's last token, then the
         server's dummy sampler over those R rows (`tracer/serving.py`). None: an ordinary forward.
+    fsdp: N ranks of PyTorch's FSDP2 (`fully_shard` on each layer and the root, `tracer/sharding.py`), batch
+        being the per-rank micro-batch; None: one device.
+    reshard_after_forward: FSDP2's `reshard_after_forward` (False keeps each layer's parameters unsharded from
+        its forward to its backward, ZeRO-2 style).
+    rank: the rank whose program is traced (0 .. fsdp - 1); None: every distinct rank class (`analyze`).
     """
 
     model: str
@@ -480,10 +485,13 @@ class RunSpec:
     cache: CacheKind = CacheKind.DYNAMIC
     kv_dtype: KvDtype = KvDtype.AUTO
     serve_requests: int | None = None
+    fsdp: int | None = None
+    reshard_after_forward: bool = True
+    rank: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq", "lora_rank", "image_size", "choices", "grad_accum", "new_tokens",
-                     "serve_requests"):
+                     "serve_requests", "fsdp"):
             v = getattr(self, name)
             if v is None and name != "batch":
                 continue
@@ -511,6 +519,7 @@ class RunSpec:
         object.__setattr__(self, "kv_dtype", KvDtype.parse(self.kv_dtype, "--kv-dtype"))
         self._check_generate_options()
         self._check_serve_profile()
+        self._check_sharding()
         if self.precision is not None:
             object.__setattr__(self, "precision", Precision.parse(self.precision, "precision"))
         self._resolve_optimizer()
@@ -582,6 +591,21 @@ class RunSpec:
         if self.lora_rank is not None:
             raise UsageError("--mode generate with --lora-rank is not supported yet (peft's generate wraps the "
                              "model's); merge the adapter or drop --lora-rank")
+
+    def _check_sharding(self) -> None:
+        """Raise UsageError for sharding options that do not go together."""
+        if self.fsdp is None:
+            if self.rank is not None or not self.reshard_after_forward:
+                raise UsageError("--reshard-after-forward and --rank apply to --fsdp N; add it or drop them")
+            return
+        if self.mode is not Mode.TRAIN:
+            raise UsageError(f"--fsdp shards a training step; --mode {self.mode.value} is not supported with it yet")
+        if custom_ref(self.model) is not None or self.step is not None:
+            raise UsageError("--fsdp shards a transformers model's layer stack and runs vramtrace's loop; drop "
+                             "--step, or use a transformers model")
+        if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int)
+                                      or not 0 <= self.rank < self.fsdp):
+            raise UsageError(f"--rank must be in 0..{self.fsdp - 1} for --fsdp {self.fsdp}, got {self.rank}")
 
     def _check_serve_profile(self) -> None:
         if self.serve_requests is None:

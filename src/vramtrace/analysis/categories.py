@@ -21,6 +21,15 @@ class Category(str, enum.Enum):
     # cuBLAS workspaces: one per (thread, stream) that runs GEMMs, allocated through the caching allocator and
     # never freed (analysis/device.py::cublas_workspace_bytes)
     CUBLAS_WORKSPACE = "cublas_workspace"
+    # FSDP2 (`--fsdp`, tracer/sharding.py): each layer's parameters all-gathered whole for its forward and
+    # backward (FSDPParam.all_gather_outputs, freed by resizing their storage to 0 at reshard)
+    UNSHARDED_PARAMETERS = "unsharded_parameters"
+    # FSDP2's flat all-gather input/output (fsdp.all_gather_copy_in) and reduce-scatter input (fsdp.chunk_cat)
+    COLLECTIVE_BUFFERS = "collective_buffers"
+
+
+# Categories only a sharded step has (a report leaves them out of its table when they hold nothing).
+SHARDING = frozenset({Category.UNSHARDED_PARAMETERS, Category.COLLECTIVE_BUFFERS})
 
 
 # Categories whose storages must outlive the step even under last-use freeing (graph-optimal figure).

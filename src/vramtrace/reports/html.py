@@ -25,6 +25,7 @@ CATEGORY_COLORS = {  # stacked bottom to top in this order
     Category.INPUT: "#b279a2", Category.KEPT: "#9d755d", Category.AUTOCAST_WEIGHTS: "#bab0ac",
     Category.ACTIVATION: "#f58518", Category.KV_CACHE: "#eeca3b", Category.OUTPUTS: "#ff9da6",
     Category.TEMPORARY: "#e45756", Category.CUBLAS_WORKSPACE: "#79706e",
+    Category.UNSHARDED_PARAMETERS: "#1f4e79", Category.COLLECTIVE_BUFFERS: "#a05195",
 }
 
 

@@ -8,6 +8,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from ..analysis.categories import SHARDING
 from ..analysis.summary import MemoryReport
 from ..units import format_bytes, format_count
 
@@ -16,8 +17,19 @@ _CATEGORY_LABELS = {
     "activation": "activations (saved for backward)", "temporary": "temporaries", "input": "inputs / buffers",
     "autocast_weights": "autocast weight copies", "kv_cache": "KV cache (use_cache)",
     "outputs": "outputs held by the loop", "kept_across_steps": "kept across steps",
-    "cublas_workspace": "cuBLAS workspaces",
+    "cublas_workspace": "cuBLAS workspaces", "unsharded_parameters": "unsharded parameters (FSDP all-gather)",
+    "collective_buffers": "all-gather / reduce-scatter buffers",
 }
+def sharding_line(f: dict) -> str:
+    """'FSDP2 over 8 ranks (reshard after forward), per rank: rank 0 shown (ranks 0-6 3.10 GiB, 7 2.90 GiB);
+    global batch 32'."""
+    text = (f"FSDP2 over {f['world']} ranks ({'reshard' if f['reshard_after_forward'] else 'no reshard'} after "
+            f"forward); per rank, rank {f['rank']} shown")
+    if len(f.get("rank_peaks", {})) > 1:
+        text += " (" + ", ".join(f"ranks {k} {format_bytes(v)}" for k, v in f["rank_peaks"].items()) + ")"
+    return text + f"; global batch {f['global_batch']}"
+
+
 _LOOP_CODE = {"trainer": "output released before backward", "function": "outputs kept until train_step returns",
               "script": "outputs kept until the next forward returns"}
 
@@ -106,6 +118,8 @@ def render(report: MemoryReport, console: Console) -> None:
                      + (f", MoE routing {r['moe_routing']}" if r.get("moe_layers") else ""))
     if step_line(r):
         head.add_row("step", escape(step_line(r)))
+    if r.get("fsdp"):
+        head.add_row("sharding", sharding_line(r["fsdp"]))
     target = f"{r['device']}" + (f" ({r['gpu']}, 512 B blocks)" if r["device"] == "cuda" else " (no rounding)")
     head.add_row("target", target)
     if r.get("trace"):
@@ -150,6 +164,8 @@ def render(report: MemoryReport, console: Console) -> None:
     bd.add_column("share", justify="right")
     total = max(report.peak_allocated_bytes, 1)
     for cat, b in sorted(report.breakdown_at_peak.items(), key=lambda kv: -kv[1]):
+        if not b and cat in SHARDING:
+            continue
         bd.add_row(_CATEGORY_LABELS.get(cat, cat), format_bytes(b), f"{100 * b / total:.1f}%")
     wf = Table(title="Step waterfall (predicted)", title_justify="left")
     wf.add_column("moment")

@@ -29,10 +29,19 @@ from .records import Phase, RecOp, RecStorage
 FALLBACK_LIMIT_BYTES = 256 << 20  # inputs of an op without a meta kernel that the CPU fallback may run
 
 _MODULE_KEY = "vramtrace_module"
+RESIZE_OP = "storage.resize_"  # the pseudo-op of an in-place storage resize up (storage_resized)
 _ADD = torch.ops.aten.add.Tensor
 # references to an input-buffer gradient seen from the top of __torch_dispatch__ when the engine holds the last one
 # (the buffer, the dispatcher's argument, the Python argument, the engine's own copy): see _accumulates_in_place
 ACCUMULATE_USE_COUNT = 4
+
+
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage that holds t's data: a DTensor's (FSDP2's sharded parameters, their gradients and optimizer
+    states, TP's weights) is its local tensor's; the DTensor wrapper's own `untyped_storage()` is a storage of
+    the global shape that holds nothing (torch/distributed/tensor/_api.py: a wrapper subclass)."""
+    local = getattr(t, "_local_tensor", None)
+    return (local if isinstance(local, torch.Tensor) else t).untyped_storage()
 
 
 class StepRecorder(TorchDispatchMode):
@@ -62,6 +71,10 @@ class StepRecorder(TorchDispatchMode):
         self.strict = False  # an op without a meta kernel raises UnsupportedOpError (else: CPU fallback, listed)
         self.unresolved: list[str] = []
         self._finished_node = None  # the autograd node whose apply just finished: the engine accumulates its outputs
+        # op name -> ('outputs' or a keyword argument, category): storages an op makes or writes that get a
+        # category when they have none (sharding.FSDP_OP_CATEGORIES)
+        self.op_categories: dict[str, tuple[str, str]] = {}
+        self._resized_away: set[int] = set()  # records whose storage was resized (storage_resized): freed there
 
     @property
     def phase(self) -> Phase:
@@ -84,19 +97,43 @@ class StepRecorder(TorchDispatchMode):
         with self._lock:
             if self._live.get(key) == sid:
                 del self._live[key]
-            self.free_after[sid] = len(self.ops) - 1
+            if sid not in self._resized_away:
+                self.free_after[sid] = len(self.ops) - 1
+
+    def storage_resized(self, t: torch.Tensor) -> None:
+        """t's storage was resized in place (`UntypedStorage.resize_`, which the dispatcher does not see; FSDP2's
+        `alloc_storage`/`free_storage` for its unsharded parameters, `bridges.FSDP_ON_META`). The CPU allocator
+        frees the old data and allocates the new size (c10/core/StorageImpl resize, `resize_bytes_cpu`): the
+        storage's record so far dies after the last op, and a size above 0 is a new record born at a pseudo-op
+        `storage.resize_`, with the category and name of the old record."""
+        st = storage_of(t)
+        key = st._cdata
+        old = self._live.pop(key, None)
+        if old is not None:
+            self.free_after[old] = len(self.ops) - 1
+            self._resized_away.add(old)
+        if st.nbytes() == 0:
+            return
+        index = len(self.ops)
+        sid = self.storage_id(t, op_index=index, op=RESIZE_OP)
+        if old is not None:
+            self.storages[sid].category = self.storages[old].category
+            self.storages[sid].name = self.storages[old].name
+        self.ops.append(RecOp(index, RESIZE_OP, self.phase, self.current_module(), (), (sid,), (), 0, 0, False,
+                              self.step, self.micro))
 
     def storage_id(self, t: torch.Tensor, *, op_index: int, op: str, category: str | None = None,
                    name: str = "") -> int:
         """The sid of t's storage, registering it (born at `op_index`) if it is new."""
-        st = t.untyped_storage()
+        st = storage_of(t)
         key = st._cdata
         sid = self._live.get(key)
         if sid is not None:
             return sid
         sid = len(self.storages)
         module = self.current_module() if op_index >= 0 else ""
-        self.storages.append(RecStorage(sid, st.nbytes(), str(t.dtype).removeprefix("torch."), tuple(t.shape),
+        shape = tuple(getattr(t, "_local_tensor", t).shape)
+        self.storages.append(RecStorage(sid, st.nbytes(), str(t.dtype).removeprefix("torch."), shape,
                                       t.device.type, op_index, op, module, str(self.phase), category, name))
         self._watch(st, sid)
         return sid
@@ -112,7 +149,7 @@ class StepRecorder(TorchDispatchMode):
         storage no op recorded: record its allocation as the op `aten.lift_fresh` that the same call records on
         the CPU (on a CUDA device it is an allocation of the caching allocator and a host-to-device copy). A
         storage an op already recorded (the CPU path's own `aten.lift_fresh`) is left as it is."""
-        if t.untyped_storage()._cdata in self._live:
+        if storage_of(t)._cdata in self._live:
             return
         index, name = len(self.ops), str(torch.ops.aten.lift_fresh.default)
         sid = self.storage_id(t, op_index=index, op=name)
@@ -121,16 +158,16 @@ class StepRecorder(TorchDispatchMode):
 
     def live_sid(self, t: torch.Tensor) -> int | None:
         """The sid of t's storage if it is registered and alive, else None."""
-        return self._live.get(t.untyped_storage()._cdata)
+        return self._live.get(storage_of(t)._cdata)
 
     def adopt(self, t: torch.Tensor, sid: int) -> None:
         """Make t's storage the live storage of the existing record `sid` (a storage whose birth was written by
         replaying an earlier record, `trace._TraceObserver.replay`): its free is then recorded where t's dies."""
-        self._watch(t.untyped_storage(), sid)
+        self._watch(storage_of(t), sid)
 
     def forget(self, t: torch.Tensor) -> None:
         """Stop watching t's storage: its record's free is written by the caller (a replayed record)."""
-        self._live.pop(t.untyped_storage()._cdata, None)
+        self._live.pop(storage_of(t)._cdata, None)
 
     def register_existing(self, t: torch.Tensor, category: str, name: str) -> int:
         """Register a tensor alive at step start (parameter, buffer, input, optimizer state)."""
@@ -143,13 +180,13 @@ class StepRecorder(TorchDispatchMode):
     def hold(self, t: torch.Tensor, what: str, micro: int) -> None:
         """Mark t's storage as the loop's `what` ('outputs' or 'loss') of micro-step `micro` (analysis/storages.py
         derives each loop's release from it)."""
-        sid = self._live.get(t.untyped_storage()._cdata)
+        sid = self._live.get(storage_of(t)._cdata)
         if sid is not None and self.storages[sid].op_index >= 0:
             s = self.storages[sid]
             s.held_as, s.held_micro = what, micro
 
     def set_category(self, t: torch.Tensor, category: str, name: str = "") -> None:
-        sid = self._live.get(t.untyped_storage()._cdata)
+        sid = self._live.get(storage_of(t)._cdata)
         if sid is not None:
             s = self.storages[sid]
             s.category = category
@@ -222,7 +259,7 @@ class StepRecorder(TorchDispatchMode):
     # -- saved tensors ------------------------------------------------------------------------------------------
     def pack_hook(self, t: torch.Tensor) -> torch.Tensor:
         if self.phase is Phase.FORWARD:
-            sid = self._live.get(t.untyped_storage()._cdata)
+            sid = self._live.get(storage_of(t)._cdata)
             if sid is not None:
                 self.storages[sid].saved = True
         return t
@@ -259,6 +296,8 @@ class StepRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace == "profiler":  # record_function markers: no storage in or out, not recorded (their
+            return func(*args, **kwargs)  # number varies between layers, FSDP2's hooks open one per hook)
         try:
             if self._accumulates_in_place(func, args, kwargs):
                 out = args[0].add_(args[1])  # the input buffer's storage is reused, as the real engine does
@@ -288,6 +327,11 @@ class StepRecorder(TorchDispatchMode):
                                             str(self.phase), None, "kernel workspace"))
             self.free_after[sid] = index
             new.append(sid)
+        if name in self.op_categories:
+            where, category = self.op_categories[name]
+            for t in tree_flatten(out if where == "outputs" else kwargs.get(where))[0]:
+                if isinstance(t, torch.Tensor) and self.storages[self.storage_id(t, op_index=index, op=name)].category is None:
+                    self.set_category(t, category)
         first = args[0] if args else None
         lead = len(first) if isinstance(first, (list, tuple)) else int(isinstance(first, torch.Tensor))
         flop_rule = flop_registry.get(func.overloadpacket)

@@ -139,7 +139,7 @@ def _is_foreach(o: RecOp) -> bool:
     return o.name.startswith("aten._foreach_")
 
 
-def _own_births(plan: LayerPlan, o: RecOp, born: list[int], unit: tuple[_Unit, int] | None,
+def _own_births(plan: LayerPlan, o: RecOp, born: list[int], unit: tuple[_Unit, tuple[str, str, int]] | None,
                 storages: list[RecStorage], owner: list[tuple[int, tuple] | None]) -> None:
     """Set the owners of the storages op `o` allocated: the layer in its name (a gradient, an optimizer state:
     an optimizer may create the next parameter's step counter in this layer's unit), else its unit's layer, or
@@ -210,7 +210,10 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
     owner_layer: list[int | None] = [None] * len(ops)
     multi = [False] * len(ops)
     units: list[_Unit] = []
-    unit_of: dict[int, tuple[_Unit, int]] = {}  # op index -> (unit, offset in it)
+    # op index -> (unit, (op name, module relative to the unit's layer, how many such ops precede it in the
+    # unit)): a storage's key, which survives a boundary layer running fewer ops of other kinds (the first
+    # layer's backward has no all-gather of a layer before it to prefetch, under FSDP2)
+    unit_of: dict[int, tuple[_Unit, tuple[str, str, int]]] = {}
     phases: dict[tuple, list[int]] = {}
     for o in ops:  # each micro-step's phases are swept separately
         phases.setdefault((o.step, o.micro, o.phase), []).append(o.index)
@@ -238,8 +241,11 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
                     owner[s] = None
                 unit_of.pop(k, None)
             for u in phase_units:
+                seen: dict[tuple[str, str], int] = {}
                 for k in range(u.start, u.stop):
-                    unit_of[k] = (u, k - u.start)
+                    what = (ops[k].name, plan.rename(ops[k].module, {u.layer: -1}))
+                    unit_of[k] = (u, (*what, seen.get(what, 0)))
+                    seen[what] = seen.get(what, 0) + 1
             for k in idxs:
                 _own_births(plan, ops[k], births[k], unit_of.get(k), storages, owner)
             if phase_units == previous:

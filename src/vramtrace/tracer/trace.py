@@ -12,6 +12,7 @@ steady step's forward and backward from the first step's record where nothing ca
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -32,6 +33,7 @@ from .records import MicroMarks, OpInfo, Phase, RecStorage
 from .recorder import StepRecorder, tag_autograd_nodes
 from .replay import MicroRecord, capture, replay, replayable
 from .decoding import PATTERN, decode_steps_to_trace, rebuild_decode_steps
+from .sharding import FSDP_OP_CATEGORIES, mixed_precision_policy, sharded_bytes
 from .replication import TRACED_LAYERS, LayerPlan, NotPeriodic, replicate_layers
 from .step import STEPS, StepContext, load_user_step, run_generation, run_inference, run_training
 
@@ -209,16 +211,35 @@ def _grad_scaler(spec: RunSpec, loaded: LoadedModel):
 
 def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Callable[[str], None],
             layers: torch.nn.ModuleList | None, replay_steady: bool = True, stop_after: int | None = None):
+    """`_record_on` the model; with `spec.fsdp`, on a copy of it sharded by FSDP2 as rank `spec.rank` (0 when
+    None) of a fake process group (`sharding.py`), where the steady step is traced, not replayed."""
+    if spec.fsdp is None:
+        return _record_on(spec, model, loaded, say, layers, replay_steady, stop_after)
+    from .sharding import fake_rank, shard
+
+    with fake_rank(spec.fsdp, spec.rank or 0):
+        model = copy.deepcopy(model)  # fully_shard changes the modules' classes and parameters in place
+        layers = layer_stack(model)
+        shard(model, layers, spec, loaded.precision)  # checkpointing after: transformers' is by attribute
+        return _record_on(spec, model, loaded, say, layers, False, stop_after)
+
+
+def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Callable[[str], None],
+               layers: torch.nn.ModuleList | None, replay_steady: bool = True, stop_after: int | None = None):
     """Apply the checkpointing policy to `model` (`loaded.model` or its shallow copy), then run the step on it
     with `loaded`'s inputs and loss under the recorder; a generation stops after `stop_after` tokens when given
     (`tracer/decoding.py`). Returns (recorder, kernel policy, optimizer or None, the release marks, how many
     micro-steps were replayed rather than traced, the observer)."""
     inputs, args, compute_dtype = loaded.inputs, loaded.args, loaded.compute_dtype
+    if spec.fsdp is not None and mixed_precision_policy(loaded.precision) is not None:
+        compute_dtype = None  # FSDP2's MixedPrecisionPolicy casts the parameters; no autocast (sharding.py)
     rec = StepRecorder()
     rec.phase = Phase.STEP
     policy = KernelPolicyMode(spec.device, spec.gpu_preset.sm, compute_dtype)
     policy.current_module = rec.current_module
     rec.strict = spec.strict
+    if spec.fsdp is not None:
+        rec.op_categories = FSDP_OP_CATEGORIES
     if spec.device is Device.CPU:
         rec.workspace = CpuWorkspaceProbe(autocast_dtype=lambda: policy.kernel_autocast_dtype)
 
@@ -289,7 +310,8 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
                   and spec.zero_grad is ZeroGrad.NONE)
     obs = _TraceObserver(rec, say, policy, params if repeatable else None)
     try:
-        with (bridges.installed(policy, rec), moe_routing(model, spec, policy), module_hooks(model, rec), policy,
+        sharded = bridges.fsdp_on_meta(rec) if spec.fsdp is not None else contextlib.nullcontext()
+        with (bridges.installed(policy, rec), sharded, moe_routing(model, spec, policy), module_hooks(model, rec), policy,
               _optimizer_hooks(model, rec), torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, lambda t: t),
               rec):
             if train:
@@ -322,11 +344,12 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
 
 
 
-def _check_parameters(model: torch.nn.Module, storages: list[RecStorage]) -> None:
-    """The rebuilt records must hold exactly the full model's parameters (name and bytes)."""
+def _check_parameters(model: torch.nn.Module, storages: list[RecStorage], fsdp: int | None = None) -> None:
+    """The rebuilt records must hold exactly the full model's parameters (name and bytes; FSDP2's sharded
+    storages of them with `fsdp` ranks)."""
     want = {}
     for n, p in model.named_parameters():
-        want[n] = p.untyped_storage().nbytes()
+        want[n] = p.untyped_storage().nbytes() if fsdp is None else sharded_bytes(p, fsdp)
     got = {s.name: s.nbytes for s in storages if s.category == Category.PARAMETER}
     if got != want:
         missing = sorted(set(want) - set(got))[:3] or sorted(set(got) - set(want))[:3]
@@ -398,7 +421,7 @@ def _trace_step(spec: RunSpec, loaded: LoadedModel, say: Callable[[str], None], 
                 spec, loaded.traced_model, loaded, say, layer_stack(loaded.traced_model), replay_steady, stop_after)
         try:
             ops, storages, new_index = replicate_layers(plan, rec.ops, rec.storages)
-            _check_parameters(loaded.model, storages)
+            _check_parameters(loaded.model, storages, spec.fsdp)
             marks = [MicroMarks(m.step, m.micro, new_index[m.forward_returned], new_index[m.loss_taken],
                                 new_index[m.body_end]) for m in marks]
             result = ops, storages, marks, _sdpa_counts(policy.sdpa_calls, plan), optimizer is not None

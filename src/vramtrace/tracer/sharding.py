@@ -1,0 +1,109 @@
+"""PyTorch's own FSDP2 applied to a meta-device model on one fake rank of N.
+
+`fake_rank(world, rank)` starts torch.distributed's built-in fake backend (`dist.init_process_group("fake")`,
+torch/csrc/distributed/c10d/FakeProcessGroup.hpp: every collective returns at once and writes nothing), so one
+process runs rank `rank`'s program. `shard(model, layers, spec)` applies `fully_shard` to each layer of the stack
+and then to the root, as torchtitan (`torchtitan/models/llama3/infra/parallelize.py` `apply_fsdp`) and HF
+accelerate's FSDP2 plugin do, on a DeviceMesh of the meta device (`bridges.FSDP_ON_META` lets FSDP2 run there).
+The step then runs FSDP2's own hooks: all-gathers (`fsdp.all_gather_copy_in`, `c10d._allgather_base_`,
+`fsdp.split_with_sizes_copy`), the unsharded parameters' storages resized up and down, reduce-scatters
+(`fsdp.chunk_cat`, `c10d._reduce_scatter_base_`) and sharded gradients, all recorded like any other op.
+
+FSDP2 shards each parameter with `torch.chunk` on dim 0, padded to ceil(dim0 / N) rows
+(torch/distributed/fsdp/_fully_shard/_fsdp_param.py `FSDPParam._init_sharded_param`): every rank's sharded
+parameter storage has the padded size, but its local tensor (what the optimizer's states copy) has only its own
+rows, so the last ranks can hold less. Ranks are traced one at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+
+from ..analysis.categories import Category
+from ..errors import TraceError
+from ..spec import Precision, RunSpec
+
+
+# What FSDP2's own ops make or write (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): the flat
+# all-gather input and output (`foreach_all_gather`), the per-parameter unsharded storages the output is copied
+# into (`foreach_all_gather_copy_out`), the flat reduce-scatter input (`foreach_reduce`); the reduce-scatter
+# output becomes the sharded gradients (views of it), categorised as gradients.
+FSDP_OP_CATEGORIES = {
+    "fsdp.all_gather_copy_in.default": ("outputs", Category.COLLECTIVE_BUFFERS),
+    "fsdp.split_with_sizes_copy.default": ("out", Category.UNSHARDED_PARAMETERS),
+    "fsdp.chunk_cat.default": ("out", Category.COLLECTIVE_BUFFERS),
+}
+
+
+@contextlib.contextmanager
+def fake_rank(world: int, rank: int) -> Iterator[None]:
+    """The default process group of the fake backend as rank `rank` of `world`, destroyed on exit. Raises
+    TraceError when a process group is already initialized (the caller's own: it is left alone)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise TraceError("a torch.distributed process group is already initialized in this process; a sharded "
+                         "trace starts its own fake one: call vramtrace outside the distributed job")
+    dist.init_process_group("fake", rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def mixed_precision_policy(precision: Precision):
+    """FSDP2's MixedPrecisionPolicy for a mixed precision (parameters all-gathered in bf16/fp16, gradients
+    reduce-scattered in fp32, torchtitan's default `mixed_precision_param = bfloat16`, `mixed_precision_reduce =
+    float32`); None for a pure precision (the parameters' own dtype throughout). With the policy the step runs
+    without autocast: FSDP2 casts the parameters (torchtitan `maybe_enable_amp`: no autocast under FSDP)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    low = {Precision.BF16_MIXED: torch.bfloat16, Precision.FP16_MIXED: torch.float16}.get(precision)
+    return None if low is None else MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+
+
+def shard(model: torch.nn.Module, layers: torch.nn.ModuleList | None, spec: RunSpec, precision: Precision) -> None:
+    """`fully_shard` each module of `layers`, then `model`, on a meta DeviceMesh of `spec.fsdp` ranks, with
+    `reshard_after_forward=spec.reshard_after_forward` and `mixed_precision_policy(precision)`. Call inside
+    `fake_rank`. Raises TraceError when the model has no layer stack to shard."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from .. import bridges
+
+    if layers is None:
+        raise TraceError("--fsdp shards each layer of the model's layer stack, and this model has none that "
+                         "vramtrace recognises")
+    mesh = DeviceMesh("meta", torch.arange(spec.fsdp))
+    kwargs = {"mesh": mesh, "reshard_after_forward": spec.reshard_after_forward}
+    policy = mixed_precision_policy(precision)
+    if policy is not None:
+        kwargs["mp_policy"] = policy
+    with bridges.fsdp_on_meta():
+        for layer in layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+
+
+def sharded_bytes(param: torch.Tensor, world: int) -> int:
+    """Bytes of FSDP2's sharded storage of `param` on any of `world` ranks: ceil(dim0 / world) rows of the
+    parameter (`FSDPParam._init_sharded_param` pads every rank's shard to the same size)."""
+    shape = tuple(param.shape) or (1,)
+    return math.ceil(shape[0] / world) * math.prod(shape[1:]) * param.element_size()
+
+
+def rank_classes(model: torch.nn.Module, world: int) -> list[tuple[int, ...]]:
+    """The ranks of `world` grouped by what FSDP2 gives them to hold: ranks whose local shards have the same rows
+    for every parameter (`torch.chunk` on dim 0: ceil(dim0 / world) rows for the first ranks, fewer or none for
+    the last) run the same program with the same sizes. Each group lists its ranks in order; groups are ordered
+    by their first rank."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    shapes = {tuple(p.shape) or (1,) for p in model.parameters()}
+    for r in range(world):
+        key = tuple(max(0, min(math.ceil(s[0] / world), s[0] - r * math.ceil(s[0] / world))) for s in sorted(shapes))
+        groups.setdefault(key, []).append(r)
+    return sorted((tuple(g) for g in groups.values()), key=lambda g: g[0])
