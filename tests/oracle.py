@@ -17,7 +17,14 @@ checkpointing, inputs, freeze, LoRA, image size, multiple-choice count) and buil
   as FUNC(model, batch, optimizer); one warm-up step then the measured one;
 - the measurement: the bytes of every unique storage alive before the warm-up (parameters, buffers, inputs)
   plus the running sum of torch.profiler's `[memory]` allocator events (`profile_memory=True`) from the warm-up's
-  start, maximised over the measured step.
+  start, maximised over the measured step;
+- a distributed case (`fsdp` or `ddp` = N ranks; `measure_cpu_peak_ranks`): N CPU processes over gloo (forked
+  from a fork server), each building the same case (seed 0, same inputs, `batch` per rank) and wrapping the model
+  before making the optimizer: FSDP2 as torchtitan applies it (`fully_shard` on each decoder layer then the root,
+  `reshard_after_forward`, a `MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)` instead of autocast for
+  bf16/fp16-mixed) or `DistributedDataParallel(model)` with its defaults; each rank measured as one process is.
+  FSDP's all-gather and reduce-scatter are gloo's own (their CPU temporaries counted), called so that their
+  buffers are freed on the rank's main thread (see `_GlooAllGather`).
 """
 
 from __future__ import annotations
@@ -269,9 +276,11 @@ def storage_bytes(tensors) -> int:
 
 class RealStep:
     """A case built for real on the CPU: `model`, `args`/`kwargs` of its forward, `loss_of(output)`, the
-    optimizer and the autocast dtype. `run()` is one literal step."""
+    optimizer and the autocast dtype. `run()` is one literal step. `setup(model)` replaces applying the case's
+    checkpointing; `wrap(model)` (a parallel wrapper: FSDP2, DDP) returns the model the step and the optimizer
+    use, applied after checkpointing and before the optimizer is made."""
 
-    def __init__(self, spec, setup=None):
+    def __init__(self, spec, setup=None, wrap=None):
         mode = _v(spec.mode)
         self.train = mode == "train"
         precision = _v(spec.precision) or ("bf16-mixed" if self.train else "bf16")
@@ -339,6 +348,8 @@ class RealStep:
             setup(model)
         elif self.train:
             apply_checkpointing(model, str(spec.checkpointing))
+        if wrap is not None:  # the parallelism (FSDP2 / DDP) wraps the model before the optimizer sees it
+            model = wrap(model)
         self.model = model
         params = [p for p in model.parameters() if p.requires_grad]
         self.opt = make_optimizer(_v(spec.optimizer), _v(spec.optimizer_impl), params) if self.train else None
@@ -450,8 +461,13 @@ def measure_cpu_peak(spec, setup=None) -> int:
     being named, and its frees in the measured step are seen (the profiler reports no free of an allocation made
     before it started). `setup(model)` replaces applying the case's checkpointing."""
     assert _v(spec.device) == "cpu"
-    step = RealStep(spec, setup)
-    start = storage_bytes(step.alive_at_start())
+    return _measure_step(RealStep(spec, setup))
+
+
+def _measure_step(step: RealStep) -> int:
+    """`measure_cpu_peak`'s measurement of a built step: storages alive before the warm-up, then the profiler's
+    `[memory]` events from the warm-up's start, maximised from the marker (the measured step) on."""
+    start = storage_bytes(_local(t) for t in step.alive_at_start())
     with _quiet_fd2(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                               profile_memory=True) as prof:
         step.run()  # warm-up: the optimizer creates its state
@@ -470,6 +486,261 @@ def measure_cpu_peak(spec, setup=None) -> int:
         if measuring:
             peak = cur if peak is None else max(peak, cur)
     return start + (cur if peak is None else peak)
+
+
+def _local(t):
+    """A DTensor's local shard (FSDP2's sharded parameters, their optimizer state), which holds its storage."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+# -- the distributed step: N CPU ranks over gloo ------------------------------------------------------------------
+_PLAIN_FIELDS = ("model", "batch", "seq", "mode", "precision", "optimizer", "optimizer_impl", "device",
+                 "checkpointing", "inputs", "freeze", "lora_rank", "lora_alpha", "lora_targets", "image_size",
+                 "choices", "use_cache", "loop", "grad_accum", "zero_grad", "clip_grad_norm", "step", "new_tokens",
+                 "cache", "kv_dtype", "fsdp", "ddp", "reshard_after_forward")
+
+
+def _plain_spec(spec):
+    """The spec's plain fields as a picklable namespace (enums as their values), so a child never unpickles (nor
+    imports) the caller's spec class."""
+    import types
+
+    missing = object()
+    fields = {}
+    for name in _PLAIN_FIELDS:
+        value = getattr(spec, name, missing)
+        if value is missing:
+            continue
+        if name == "checkpointing":
+            value = str(value)
+        elif isinstance(value, (list, tuple)):
+            value = tuple(_v(x) for x in value)
+        else:
+            value = _v(value)
+        fields[name] = value
+    return types.SimpleNamespace(**fields)
+
+
+def _world(spec) -> tuple[str, int]:
+    fsdp, ddp = getattr(spec, "fsdp", None), getattr(spec, "ddp", None)
+    if (fsdp is None) == (ddp is None):
+        raise ValueError(f"oracle: a distributed case sets exactly one of fsdp, ddp (got fsdp={fsdp!r}, ddp={ddp!r})")
+    kind, n = ("fsdp", fsdp) if fsdp is not None else ("ddp", ddp)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"oracle: {kind} must be a world size >= 1, got {n!r}")
+    return kind, n
+
+
+def _fsdp_wrap(spec, mixed):
+    """torchtitan's FSDP2: `fully_shard` on each transformer block, then on the root; a bf16/fp16-mixed case casts
+    through FSDP's MixedPrecisionPolicy (fp32 reduce) instead of autocast. Every FSDP module gets the
+    `_GlooAllGather`/`_GlooReduceScatter` comms (FSDP's `set_custom_all_gather`/`set_custom_reduce_scatter`)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kw = {"reshard_after_forward": bool(getattr(spec, "reshard_after_forward", True))}
+    if mixed is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32)
+
+    def wrap(model):
+        try:
+            layers = _decoder_layers(model)
+        except StopIteration:
+            raise ValueError(f"oracle: fsdp needs a transformers model with a list of decoder layers, "
+                             f"{type(model).__name__} has none") from None
+        for module in (*layers, model):
+            fully_shard(module, **kw)
+            module.set_custom_all_gather(_GlooAllGather())
+            module.set_custom_reduce_scatter(_GlooReduceScatter())
+        return model
+
+    return wrap
+
+
+# FSDP2's default comms on gloo, with one difference: no tensor is released by a gloo worker thread. Gloo runs each
+# collective on a worker thread, and its Work object (which holds the collective's tensors) is dropped by whichever
+# of the worker and the caller lets go last. A storage freed on the worker thread is freed where the profiler does
+# not listen (its memory reporting is per thread), so its `[memory]` free event is lost, at random: the running sum
+# then drifts up by that buffer for the rest of the run. These comms call the same collectives, wait, and hold the
+# buffers until gloo's references to them are gone, so the caller's thread frees them, as in the common, unraced
+# case. Sizes and lifetimes are gloo's: all-gather as `dist.all_gather_single`; reduce-scatter as gloo's
+# `reduce_scatter_tensor` does it (ProcessGroupGloo.cpp: clone the input, all-reduce the clone in place, copy this
+# rank's chunk out, drop the clone), written out here so that the clone is a tensor the caller holds. Gloo's own
+# temporaries are counted too (its worker runs each collective under the caller's profiler state): all-gather
+# fills a flat output of the full unsharded size on the worker, then copies it into FSDP's output. Both that and
+# the reduce-scatter's full-size clone are gloo's, on the CPU; NCCL allocates neither.
+def _storage_uses(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor on `t`'s storage: what the Work holds of it then counts in the storage's use count."""
+    return t.view(t.shape)
+
+
+def _await_release(held: list, timeout: float = 60.0) -> None:
+    """Wait until each tensor's storage is referenced no more than it was before the collective (gloo's worker
+    has dropped the Work holding it)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while any(_storage_uses(t) > n for t, n in held):
+        if time.monotonic() > deadline:
+            raise RuntimeError("oracle: gloo kept a collective's tensors alive after the collective completed")
+        os.sched_yield()
+
+
+class _GlooAllGather:
+    """FSDP2's all-gather (DefaultAllGather: a fresh `torch.empty` output, `dist.all_gather_single`), synchronous."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        if async_op:
+            raise NotImplementedError("oracle: FSDP's asynchronous all-gather (explicit unshard(async_op=True))")
+        import torch.distributed as dist
+
+        held = [(t, _storage_uses(t)) for t in (output_tensor, input_tensor)]
+        work = dist.all_gather_single(_alias(output_tensor), _alias(input_tensor), group=group, async_op=True)
+        work.wait()
+        del work
+        _await_release(held)
+        return None
+
+
+class _GlooReduceScatter:
+    """FSDP2's reduce-scatter as gloo runs `reduce_scatter_tensor`: clone, in-place all-reduce, copy out the chunk."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        if async_op:
+            raise NotImplementedError("oracle: FSDP's asynchronous reduce-scatter")
+        import torch.distributed as dist
+
+        buffer = input_tensor.clone()
+        held = [(buffer, _storage_uses(buffer))]
+        work = dist.all_reduce(_alias(buffer), op=op, group=group, async_op=True)
+        work.wait()
+        del work
+        _await_release(held)
+        output_tensor.copy_(buffer.chunk(group.size())[group.rank()])
+        return None
+
+
+def _rank_main(rank: int, world: int, spec, init_file: str, out_dir: str) -> None:
+    """One rank (a child process): build the case, wrap it, measure; its peak or its traceback goes to a file."""
+    import traceback
+
+    torch.set_num_threads(1)  # N ranks share the machine's cores
+    warnings.filterwarnings("ignore")
+    result = {}
+    try:
+        import torch.distributed as dist
+
+        kind, _ = _world(spec)
+        # Gloo's worker threads finish each collective and drop its Work (and the tensors it holds) just after they
+        # wake the waiting caller; a tensor whose last reference goes there is freed off the profiled thread, and
+        # its free event is lost (see `_GlooAllGather`). DDP's own collectives (its buffer broadcast, its bucket
+        # rebuild's broadcasts) cannot be rearranged from here, so the rank runs on one core, gloo's threads
+        # included, with its main thread SCHED_BATCH: a woken batch thread does not preempt the running worker, which
+        # drops the Work before the main thread runs on.
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})  # inherited by gloo's threads, made next
+        with _quiet_fd2():  # gloo's connection lines
+            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        with contextlib.suppress(OSError, AttributeError):
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # this thread only: gloo's stay normal
+        try:
+            precision = _v(spec.precision) or "bf16-mixed"
+            if kind == "fsdp":
+                mixed = MIXED.get(precision)
+                step = RealStep(spec, wrap=_fsdp_wrap(spec, mixed))
+                step.autocast = None  # FSDP's MixedPrecisionPolicy casts, no autocast (torchtitan)
+            else:
+                from torch.nn.parallel import DistributedDataParallel
+
+                step = RealStep(spec, wrap=DistributedDataParallel)
+            result["peak"] = _measure_step(step)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        result = {"error": traceback.format_exc()}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def measure_cpu_peak_ranks(spec, timeout: float = 600.0) -> list[int]:
+    """Peak bytes of each rank (index = rank) of the case's steady-state step run for real as a distributed job:
+    `spec.fsdp` (or `spec.ddp`) = N CPU processes over gloo, each building the same case (seed 0, same
+    inputs: `batch` is the per-rank micro-batch), wrapping it before the optimizer is made and measured as
+    `measure_cpu_peak` measures one process. FSDP2: `fully_shard` per decoder layer then the root, with
+    `reshard_after_forward=spec.reshard_after_forward` (default True) and, for bf16/fp16-mixed, a
+    MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32) and no autocast. DDP: `DistributedDataParallel(model)`
+    with its defaults, under the case's autocast; its gradient bucket, made at construction (before the warm-up,
+    uncounted), is remade in gradient-ready order at the second forward (the measured step's), counted from there.
+    Gradient accumulation is the literal loop: every micro-step's backward synchronises (no `no_sync` /
+    `set_requires_gradient_sync(False)`). The peaks include gloo's own CPU buffers (see `_GlooAllGather`)."""
+    import multiprocessing as mp
+    import multiprocessing.connection
+    import tempfile
+    import time
+
+    assert _v(spec.device) == "cpu"
+    _, world = _world(spec)
+    if _v(spec.mode) != "train":
+        raise NotImplementedError(f"oracle: distributed cases measure a training step, not mode {_v(spec.mode)!r}")
+    plain = _plain_spec(spec)
+    # A fork server (a clean process, like spawn's) that has imported this module, torch, transformers' model code
+    # and torch.distributed's wrappers once: each rank is then a fork of it, not a fresh interpreter (seconds).
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__, "transformers.modeling_utils", "torch.distributed.fsdp",
+                                "torch.distributed.tensor", "torch.nn.parallel"])
+    with tempfile.TemporaryDirectory(prefix="oracle-ranks-") as tmp:
+        procs = [ctx.Process(target=_rank_main, args=(r, world, plain, os.path.join(tmp, "store"), tmp),
+                             name=f"oracle-rank{r}", daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+        stopped = []
+        try:
+            deadline = time.monotonic() + timeout
+            pending = {p.sentinel: r for r, p in enumerate(procs)}
+            failed = False
+            while pending and not failed:  # a failed rank stops the others: they may wait on it in a collective
+                ready = multiprocessing.connection.wait(list(pending), timeout=max(deadline - time.monotonic(), 0))
+                if not ready:
+                    raise TimeoutError(f"oracle: distributed case timed out after {timeout:.0f}s "
+                                       f"(ranks still running: {sorted(pending.values())})")
+                for sentinel in ready:
+                    r = pending.pop(sentinel)
+                    procs[r].join()
+                    failed |= procs[r].exitcode != 0 or "error" in _rank_result(tmp, r)
+        finally:
+            for r, p in enumerate(procs):
+                if p.is_alive():
+                    stopped.append(r)
+                    p.terminate()
+                p.join()
+        results = [_rank_result(tmp, r) for r in range(world)]
+    note = f" (ranks {stopped} were stopped)" if stopped else ""
+    errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
+    if errors:
+        raise RuntimeError(f"oracle: a rank of the distributed case failed{note}\n" + "\n".join(errors))
+    missing = [f"rank {r} (exit code {p.exitcode})" for r, (p, res) in enumerate(zip(procs, results))
+               if "peak" not in res and r not in stopped]
+    if missing or stopped:
+        raise RuntimeError(f"oracle: distributed case: no result from {', '.join(missing)}{note}; see the ranks' "
+                           "stderr")
+    return [res["peak"] for res in results]
+
+
+def _rank_result(tmp: str, rank: int) -> dict:
+    path = Path(tmp, f"rank{rank}.json")
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 class _StorageCounter(torch.utils._python_dispatch.TorchDispatchMode):

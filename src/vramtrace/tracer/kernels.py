@@ -497,6 +497,14 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+# The CPU target's collectives are gloo's (torch.distributed's CPU backend), and two of them allocate a temporary
+# for the duration of the collective (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp): `_reduce_scatter_base`
+# (`reduce_scatter_tensor_coalesced`) clones the whole input, all-reduces the clone in place and copies this rank's
+# chunk out; `_allgather_base` gathers into a temporary of the output's size, then copies it into the output. NCCL
+# (a CUDA target) reduces and gathers in place. Op -> the argument (0: output, 1: input) whose bytes it holds.
+GLOO_TEMPORARY = {"c10d._reduce_scatter_base_.default": 1, "c10d._allgather_base_.default": 0}
+
+
 class CpuWorkspaceProbe:
     """Bytes a CPU kernel allocates and frees inside one op (its workspace), beyond its new outputs.
 
@@ -548,6 +556,9 @@ class CpuWorkspaceProbe:
         holds (listed in `notes`)."""
         if not self.probed(func):
             return 0, out
+        if str(func) in GLOO_TEMPORARY:  # a collective: the fake backend runs no kernel to probe
+            t = args[GLOO_TEMPORARY[str(func)]]
+            return t.numel() * t.element_size(), out
         autocast = self.autocast_dtype()
         key = (str(func), self._key(args), self._key(tuple(sorted(kwargs.items()))), autocast)
         if key not in self._cache:

@@ -75,6 +75,7 @@ class StepRecorder(TorchDispatchMode):
         # category when they have none (sharding.FSDP_OP_CATEGORIES)
         self.op_categories: dict[str, tuple[str, str]] = {}
         self._resized_away: set[int] = set()  # records whose storage was resized (storage_resized): freed there
+        self._resized_from: dict[int, int] = {}  # StorageImpl address -> its last record, while resized to 0
 
     @property
     def phase(self) -> Phase:
@@ -97,6 +98,8 @@ class StepRecorder(TorchDispatchMode):
         with self._lock:
             if self._live.get(key) == sid:
                 del self._live[key]
+            if self._resized_from.get(key) == sid:
+                del self._resized_from[key]
             if sid not in self._resized_away:
                 self.free_after[sid] = len(self.ops) - 1
 
@@ -105,17 +108,19 @@ class StepRecorder(TorchDispatchMode):
         `alloc_storage`/`free_storage` for its unsharded parameters, `bridges.FSDP_ON_META`). The CPU allocator
         frees the old data and allocates the new size (c10/core/StorageImpl resize, `resize_bytes_cpu`): the
         storage's record so far dies after the last op, and a size above 0 is a new record born at a pseudo-op
-        `storage.resize_`, with the category and name of the old record."""
+        `storage.resize_`, with the category and name of the storage's last record (also across a resize to 0)."""
         st = storage_of(t)
         key = st._cdata
         old = self._live.pop(key, None)
         if old is not None:
             self.free_after[old] = len(self.ops) - 1
             self._resized_away.add(old)
+            self._resized_from[key] = old
         if st.nbytes() == 0:
             return
         index = len(self.ops)
         sid = self.storage_id(t, op_index=index, op=RESIZE_OP)
+        old = self._resized_from.pop(key, None)
         if old is not None:
             self.storages[sid].category = self.storages[old].category
             self.storages[sid].name = self.storages[old].name

@@ -1,0 +1,123 @@
+"""`--fsdp N`: PyTorch's own FSDP2 traced on fake ranks, against the same sharded step run for real by N gloo
+processes on the CPU (tests/oracle.py `measure_cpu_peak_ranks`: public APIs only), rank by rank; layer
+replication of a sharded stack against tracing every layer; the rank classes; the options' errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FIXTURES, deep_config
+from oracle import measure_cpu_peak_ranks
+from vramtrace import RunSpec, analyze
+from vramtrace.cli import main
+from vramtrace.errors import TraceError, UsageError
+from vramtrace.tracer.recorder import RESIZE_OP, StepRecorder
+from vramtrace.tracer.sharding import fake_rank, rank_classes
+
+GPT2 = str(FIXTURES / "tiny-gpt2.json")
+LLAMA = str(FIXTURES / "tiny-llama-gqa.json")
+
+
+def _spec(model, precision, reshard=True, rank=None, fsdp=2, **kw):
+    return RunSpec(model, batch=2, seq=16, device="cpu", precision=precision, fsdp=fsdp, rank=rank,
+                   reshard_after_forward=reshard, **kw)
+
+
+@pytest.mark.parametrize("model,precision,reshard", [
+    (LLAMA, "fp32", True), (LLAMA, "bf16-mixed", False), (GPT2, "bf16-mixed", True), (GPT2, "fp32", False)],
+    ids=lambda x: x.rsplit("/", 1)[-1].removesuffix(".json") if isinstance(x, str) else str(x))
+def test_fsdp_matches_real_gloo_ranks(model, precision, reshard):
+    """Each rank's prediction equals that rank's real peak (2 processes, gloo) within 0.5%."""
+    real = measure_cpu_peak_ranks(_spec(model, precision, reshard))
+    for rank, measured in enumerate(real):
+        predicted = analyze(_spec(model, precision, reshard, rank=rank)).peak_allocated_bytes
+        assert abs(predicted - measured) <= 0.005 * measured, (rank, predicted, measured)
+
+
+def test_the_report_shows_the_largest_rank_class_and_each_class_peak(tmp_path):
+    """3 ranks over dims of 64: ranks 0 and 1 hold 22 rows, rank 2 holds 20: two classes, both traced."""
+    report = analyze(_spec(LLAMA, "fp32", fsdp=3))
+    f = report.run["fsdp"]
+    assert set(f["rank_peaks"]) == {"0-1", "2"} and f["rank"] == 0
+    assert report.peak_allocated_bytes == f["rank_peaks"]["0-1"] > f["rank_peaks"]["2"]
+    assert f["global_batch"] == 2 * 3
+    shown = analyze(_spec(LLAMA, "fp32", fsdp=3, rank=2))
+    assert shown.peak_allocated_bytes == f["rank_peaks"]["2"]
+
+
+def test_sharding_categories_hold_what_fsdp_allocates():
+    """fp32, no reshard after forward, at a backward peak: every layer's parameters unsharded (the whole model
+    minus nothing: FSDP2 gathers each layer, and the root's embeddings and head, whole), sharded parameters
+    half the model's bytes."""
+    report = analyze(_spec(LLAMA, "fp32", reshard=False, rank=0))
+    full = report.params * 4  # fp32: every parameter of the model, in bytes
+    assert report.breakdown_at_peak["parameter"] == full // 2  # dims are even: no padding
+    assert report.breakdown_at_peak["unsharded_parameters"] == full
+    assert report.breakdown_at_peak["collective_buffers"] > 0
+
+
+@pytest.mark.parametrize("precision,reshard,world,rank", [("bf16-mixed", True, 3, 2), ("fp32", False, 2, 0)])
+def test_replicated_sharded_stack_equals_every_layer_traced(tmp_path, precision, reshard, world, rank):
+    deep = deep_config(tmp_path, "tiny-llama-gqa", 8)
+    a = analyze(_spec(deep, precision, reshard, rank=rank, fsdp=world))
+    b = analyze(_spec(deep, precision, reshard, rank=rank, fsdp=world, replicate_layers=False))
+    assert a.run["trace"].startswith("traced 4 of 8 layers")
+    assert a.peak_allocated_bytes == b.peak_allocated_bytes
+    assert a.breakdown_at_peak == b.breakdown_at_peak
+
+
+def test_rank_classes_follow_torch_chunk():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 10), torch.nn.Linear(10, 8))  # dim 0: 10 and 8 (and biases)
+    assert rank_classes(model, 2) == [(0, 1)]
+    # 4 ranks: ceil(10/4) = 3 rows -> 3, 3, 3, 1; ceil(8/4) = 2 -> 2 each
+    assert rank_classes(model, 4) == [(0, 1, 2), (3,)]
+    # 3 ranks: 10 -> 4, 4, 2; 8 -> 3, 3, 2
+    assert rank_classes(model, 3) == [(0, 1), (2,)]
+
+
+def test_a_storage_resized_in_place_is_a_free_and_a_new_allocation():
+    """FSDP2 frees unsharded parameters with `untyped_storage().resize_(0)` and reallocates them with resize_(n):
+    the recorder writes a free, then a new record born at the pseudo-op, with the old one's category."""
+    rec = StepRecorder()
+    with rec:
+        t = torch.empty(16, device="meta")
+    rec.set_category(t, "unsharded_parameters")
+    first = rec.live_sid(t)
+    t.untyped_storage().resize_(0)
+    rec.storage_resized(t)
+    assert rec.live_sid(t) is None and rec.free_after[first] == len(rec.ops) - 1
+    t.untyped_storage().resize_(64)
+    rec.storage_resized(t)
+    second = rec.live_sid(t)
+    assert second != first and rec.storages[second].nbytes == 64
+    assert rec.ops[-1].name == RESIZE_OP and rec.ops[-1].outs == (second,)
+    assert rec.storages[second].category == "unsharded_parameters"
+    rec.detach()
+
+
+def test_an_initialized_process_group_is_left_alone():
+    with fake_rank(2, 0):
+        with pytest.raises(TraceError, match="already initialized"):
+            with fake_rank(2, 1):
+                pass
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"rank": 1}, "--reshard-after-forward and --rank apply to --fsdp N"),
+    ({"fsdp": 2, "rank": 2}, "--rank must be in 0..1 for --fsdp 2"),
+    ({"fsdp": 0}, "--fsdp must be a positive integer"),
+    ({"fsdp": 2, "mode": "inference"}, "--fsdp shards a training step"),
+])
+def test_bad_sharding_options_are_usage_errors(kwargs, message):
+    with pytest.raises(UsageError, match=message):
+        RunSpec(GPT2, batch=1, seq=8, **kwargs)
+
+
+def test_the_cli_prints_the_sharding_line(capsys):
+    assert main([LLAMA, "--batch", "2", "--seq", "16", "--fsdp", "2", "--reshard-after-forward", "false",
+                 "--device", "cpu", "--precision", "bf16-mixed"]) == 0
+    out = capsys.readouterr().out
+    assert "FSDP2 over 2 ranks (no reshard after forward)" in out and "global batch 4" in out
+    assert "unsharded parameters (FSDP all-gather)" in out
