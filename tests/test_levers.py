@@ -19,7 +19,7 @@ from vramtrace.reports.terminal import render
 LLAMA, GPT2 = (str(FIXTURES / f"{c}.json") for c in ("tiny-llama-gqa", "tiny-gpt2"))
 BASE = ["--batch", "4", "--seq", "64", "--device", "cpu"]
 # the cost classes of the module docstring, by family (the optimizer's for-loop is class 1, its others 0)
-COST_CLASS = {"use_cache": 0, "optimizer_impl": 0, "checkpointing": 2, "micro_batch": 3, "lora": 4}
+COST_CLASS = {"use_cache": 0, "optimizer_impl": 0, "checkpointing": 2, "micro_batch": 3, "lora": 4, "fsdp": 5}
 
 
 def _cli_peak(args: list[str], tmp_path, capsys) -> int:

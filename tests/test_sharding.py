@@ -120,4 +120,14 @@ def test_the_cli_prints_the_sharding_line(capsys):
                  "--device", "cpu", "--precision", "bf16-mixed"]) == 0
     out = capsys.readouterr().out
     assert "FSDP2 over 2 ranks (no reshard after forward)" in out and "global batch 4" in out
-    assert "unsharded parameters (FSDP all-gather)" in out
+    assert "collective buffers (FSDP)" in out  # the peak is the root's reduce-scatter: its input and gloo's clone
+
+
+def test_sharding_is_a_lever_with_the_fewest_gpus_that_fit():
+    """2.5 MiB: one CPU 'device' is too small (2.66 MiB), 2 FSDP ranks fit: the lever says --fsdp 2, and the
+    sharded run traced on its own agrees."""
+    report = analyze(RunSpec(LLAMA, batch=2, seq=16, device="cpu", precision="fp32", gpu_memory_bytes=5 << 19))
+    sharding = [lv for lv in report.levers["levers"] if lv["family"] == "fsdp"]
+    assert [lv["options"] for lv in sharding] == ["--fsdp 2"] and sharding[0]["fits"]
+    sharded = analyze(_spec(LLAMA, "fp32", fsdp=2))
+    assert sharding[0]["peak_allocated_bytes"] == sharded.peak_allocated_bytes <= 5 << 19

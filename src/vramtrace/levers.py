@@ -13,15 +13,15 @@ Levers are ranked from cheapest, by what they cost the run, then by how much the
   2. recompute: checkpointing, ranked by its recompute FLOPs as a share of the step's forward + backward FLOPs;
   3. throughput: k micro-batches per optimizer step instead of one (the same effective batch and update, lower
      GPU utilisation at small micro-batches), ranked by k;
-  4. a different training: LoRA trains adapters on the frozen base weights.
+  4. a different training: LoRA trains adapters on the frozen base weights;
+  5. more hardware: FSDP2 over the fewest GPUs that fits (`--fsdp N`), ranked by N.
 
 When no single lever fits, a combination is built: each family's strongest lever is added in rank order until
 the run fits; then the non-free levers the fit does not need are dropped (most expensive first), and
 checkpointing and the micro-batch are relaxed to the cheapest setting that still fits. Every step of that is
 traced.
 
-The families are `FAMILIES`, in rank order: the seam where 8-bit optimizers (bitsandbytes) and sharding over N
-GPUs join as they land.
+The families are `FAMILIES`, in rank order: the seam where 8-bit optimizers (bitsandbytes) join as they land.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ LORA_RANK = 16  # the LoRA lever's rank: peft's examples and HF's PEFT guides st
 @dataclass(frozen=True, slots=True)
 class Lever:
     """One lever, traced. `changes`: the RunSpec fields it sets, as (name, value) pairs; `rank`: (cost class
-    0..4, amount) as in the module docstring; `cost`: what it costs, in words."""
+    0..5, amount) as in the module docstring; `cost`: what it costs, in words."""
 
     family: str
     changes: tuple[tuple[str, object], ...]
@@ -77,6 +77,8 @@ def options_text(changes: dict) -> str:
             parts.append(f"--checkpointing {value}")
         elif name == "lora_rank":
             parts.append(f"--lora-rank {value}")
+        elif name == "fsdp":
+            parts.append(f"--fsdp {value}")
         else:  # pragma: no cover - a family added without its option text
             raise ValueError(f"no option text for {name}")
     return " ".join(parts)
@@ -102,7 +104,7 @@ class Evaluator:
 
             if self.base is not None:
                 diff = {f: getattr(spec, f) for f in ("use_cache", "optimizer_impl", "checkpointing", "batch",
-                                                      "grad_accum", "lora_rank")
+                                                      "grad_accum", "lora_rank", "fsdp")
                         if getattr(spec, f) != getattr(self.base, f)}
                 if "batch" in diff or "grad_accum" in diff:
                     diff.update(batch=spec.batch, grad_accum=spec.grad_accum)
@@ -213,9 +215,37 @@ def _lora(s: _Search, on: RunSpec) -> list[Lever]:
                     "weights frozen")]
 
 
+MAX_FSDP = 1024  # the sharding lever's largest world size
+
+
+def _sharding(s: _Search, on: RunSpec) -> list[Lever]:
+    """FSDP2 over N GPUs (`--fsdp N`, the per-rank batch kept): the smallest power of two N <= MAX_FSDP that
+    fits, bisected (the per-rank peak falls with N), or MAX_FSDP when none does. Each N is traced at rank 0, whose
+    shards are the largest (ceil(dim0 / N) rows of every parameter, `sharding.rank_classes`)."""
+    if on.mode is not Mode.TRAIN or on.fsdp is not None or on.step is not None or custom_ref(on.model) is not None \
+            or not s.ev(on).num_layers:
+        return []
+    sizes = [1 << k for k in range(1, MAX_FSDP.bit_length())]
+
+    def lever(n: int) -> Lever:
+        return s.lever("fsdp", on, {"fsdp": n}, (5, float(n)),
+                       f"hardware: {n} GPUs (FSDP2), each step all-gathers every layer's parameters (twice with "
+                       "reshard after forward) and reduce-scatters the gradients")
+
+    lo, hi, best = 0, len(sizes) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        cand = lever(sizes[mid])
+        if cand.fits:
+            best, hi = cand, mid - 1
+        else:
+            lo = mid + 1
+    return [best or lever(sizes[-1])]
+
+
 FAMILIES: tuple[tuple[str, Callable[[_Search, RunSpec], list[Lever]]], ...] = (
     ("use_cache", _use_cache), ("optimizer_impl", _optimizer_impl), ("checkpointing", _checkpointing),
-    ("micro_batch", _micro_batch), ("lora", _lora),
+    ("micro_batch", _micro_batch), ("lora", _lora), ("fsdp", _sharding),
 )
 
 

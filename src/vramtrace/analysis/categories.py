@@ -24,7 +24,8 @@ class Category(str, enum.Enum):
     # FSDP2 (`--fsdp`, tracer/sharding.py): each layer's parameters all-gathered whole for its forward and
     # backward (FSDPParam.all_gather_outputs, freed by resizing their storage to 0 at reshard)
     UNSHARDED_PARAMETERS = "unsharded_parameters"
-    # FSDP2's flat all-gather input/output (fsdp.all_gather_copy_in) and reduce-scatter input (fsdp.chunk_cat)
+    # FSDP2's flat all-gather input/output (fsdp.all_gather_copy_in), reduce-scatter input (fsdp.chunk_cat) and the
+    # temporaries a CPU target's gloo collectives hold
     COLLECTIVE_BUFFERS = "collective_buffers"
 
 

@@ -17,8 +17,8 @@ _CATEGORY_LABELS = {
     "activation": "activations (saved for backward)", "temporary": "temporaries", "input": "inputs / buffers",
     "autocast_weights": "autocast weight copies", "kv_cache": "KV cache (use_cache)",
     "outputs": "outputs held by the loop", "kept_across_steps": "kept across steps",
-    "cublas_workspace": "cuBLAS workspaces", "unsharded_parameters": "unsharded parameters (FSDP all-gather)",
-    "collective_buffers": "all-gather / reduce-scatter buffers",
+    "cublas_workspace": "cuBLAS workspaces", "unsharded_parameters": "unsharded parameters (FSDP)",
+    "collective_buffers": "collective buffers (FSDP)",
 }
 def sharding_line(f: dict) -> str:
     """'FSDP2 over 8 ranks (reshard after forward), per rank: rank 0 shown (ranks 0-6 3.10 GiB, 7 2.90 GiB);

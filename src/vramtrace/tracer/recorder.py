@@ -71,8 +71,8 @@ class StepRecorder(TorchDispatchMode):
         self.strict = False  # an op without a meta kernel raises UnsupportedOpError (else: CPU fallback, listed)
         self.unresolved: list[str] = []
         self._finished_node = None  # the autograd node whose apply just finished: the engine accumulates its outputs
-        # op name -> ('outputs' or a keyword argument, category): storages an op makes or writes that get a
-        # category when they have none (sharding.FSDP_OP_CATEGORIES)
+        # op name -> ('outputs', a keyword argument or 'workspace', category): storages an op makes or writes, or
+        # the workspace it holds, that get a category when they have none (sharding.FSDP_OP_CATEGORIES)
         self.op_categories: dict[str, tuple[str, str]] = {}
         self._resized_away: set[int] = set()  # records whose storage was resized (storage_resized): freed there
         self._resized_from: dict[int, int] = {}  # StorageImpl address -> its last record, while resized to 0
@@ -328,11 +328,13 @@ class StepRecorder(TorchDispatchMode):
                     new.append(sid)
         if ws > 0:  # a storage born and freed within the op: what the kernel holds while it runs
             sid = len(self.storages)
+            where, category = self.op_categories.get(name, ("", None))
             self.storages.append(RecStorage(sid, ws, "uint8", (ws,), "meta", index, name, self.current_module(),
-                                            str(self.phase), None, "kernel workspace"))
+                                            str(self.phase), category if where == "workspace" else None,
+                                            "kernel workspace"))
             self.free_after[sid] = index
             new.append(sid)
-        if name in self.op_categories:
+        if name in self.op_categories and self.op_categories[name][0] != "workspace":
             where, category = self.op_categories[name]
             for t in tree_flatten(out if where == "outputs" else kwargs.get(where))[0]:
                 if isinstance(t, torch.Tensor) and self.storages[self.storage_id(t, op_index=index, op=name)].category is None:
