@@ -126,7 +126,7 @@ def test_cli_fit_json_and_errors(tmp_path, capsys):
     assert d["axis"] == "batch" and d["fixed"] == 64 and d["best"]["fits"] and not d["next"]["fits"]
     assert d["budget_bytes"] == int(120 * 2**20 * 0.95) and d["target"] == "a CUDA device"
     for args, needle in [
-        (["fit", GPT2, "--seq", "64", "--batch", "2"], "give one"),
+        (["fit", GPT2, "--seq", "64", "--batch", "2", "--fsdp", "2"], "drop --fsdp"),
         (["fit", GPT2, "--seq", "64", "--device", "cpu"], "pass --gpu-memory"),
         (["fit", GPT2, "--seq", "64", "--headroom", "120%"], "--headroom"),
         (["fit", GPT2, "--seq", "64", "--gpu-memory", "48"], "has no unit"),

@@ -4,6 +4,8 @@ replication of a sharded stack against tracing every layer; the rank classes; th
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -131,3 +133,15 @@ def test_sharding_is_a_lever_with_the_fewest_gpus_that_fit():
     assert [lv["options"] for lv in sharding] == ["--fsdp 2"] and sharding[0]["fits"]
     sharded = analyze(_spec(LLAMA, "fp32", fsdp=2))
     assert sharding[0]["peak_allocated_bytes"] == sharded.peak_allocated_bytes <= 5 << 19
+
+
+def test_fit_with_batch_and_seq_finds_the_fewest_ranks(tmp_path, capsys):
+    """2.5 MiB: 1 rank does not fit, 2 do (the same capacity as the lever above); each point is the sharded run's
+    own prediction at rank 0."""
+    out = tmp_path / "fit.json"
+    assert main(["fit", LLAMA, "--batch", "2", "--seq", "16", "--device", "cpu", "--precision", "fp32",
+                 "--gpu-memory", "2.5MiB", "--json", str(out)]) == 0
+    assert "Fewest GPUs that fit (FSDP2, --fsdp): 2" in capsys.readouterr().out
+    d = json.loads(out.read_text())
+    assert d["axis"] == "fsdp" and d["best"]["x"] == 2 and d["next"]["x"] == 1 and not d["next"]["fits"]
+    assert d["best"]["peak_allocated_bytes"] == analyze(_spec(LLAMA, "fp32", rank=0)).peak_allocated_bytes

@@ -17,7 +17,8 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 from rich.console import Console
 
 from .errors import UsageError, VramtraceError
-from .spec import DEFAULT_CHOICES, GPU_PRESETS, TASK_ALIASES, AttnImplementation, CacheKind, Device, KvDtype, Mode, OptimizerImpl, OptimizerKind, Precision, Task
+from .spec import (DEFAULT_CHOICES, GPU_PRESETS, TASK_ALIASES, AttnImplementation, CacheKind, Device, KvDtype, Mode,
+                   OptimizerImpl, OptimizerKind, Precision, Task)
 
 app = typer.Typer(add_completion=False, context_settings={"help_option_names": ["-h", "--help"]},
                   pretty_exceptions_enable=False)
@@ -97,8 +98,8 @@ def main_command(
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="--mode generate: " + _choices(KvDtype) + " (auto: the "
                                  "compute dtype; fp8: transformers' QuantizedCache(backend='fp8'), float8_e4m3fn keys "
                                  "and values, dequantized every decode step)"),
-    fsdp: Optional[int] = typer.Option(None, "--fsdp", help="N ranks of PyTorch FSDP2: fully_shard on each layer and the "
-                                       "root, traced on fake ranks; --batch is the per-rank micro-batch"),
+    fsdp: Optional[int] = typer.Option(None, "--fsdp", help="N ranks of PyTorch FSDP2: fully_shard on each layer and "
+                                       "the root, traced on fake ranks; --batch is the per-rank micro-batch"),
     reshard_after_forward: str = typer.Option("true", "--reshard-after-forward", help="--fsdp: true | false "
                                               "(false keeps each layer's parameters unsharded until its backward, "
                                               "ZeRO-2 style)"),
@@ -348,7 +349,8 @@ def serve_command(
 
 def _fit_axis(argv: list[str]) -> str:
     """`vramtrace fit`'s search axis from the options given: the batch at a given --seq (or with neither, for
-    models without a sequence), the sequence at a given --batch. Raises UsageError when both are given."""
+    models without a sequence), the sequence at a given --batch, the fewest FSDP ranks at both. Raises
+    UsageError for --sweep with either."""
     def given(*names: str) -> bool:
         return any(a in names or a.split("=", 1)[0] in names for a in argv)
 
@@ -358,7 +360,7 @@ def _fit_axis(argv: list[str]) -> str:
             raise UsageError("--sweep gives the batches and sequences itself; drop --batch and --seq")
         return "sweep"
     if has_seq and has_batch:
-        raise UsageError("fit searches the batch at a given --seq, or the sequence at a given --batch: give one")
+        return "fsdp"  # both sizes fixed: the fewest FSDP ranks that fit
     return "seq" if has_batch else "batch"
 
 

@@ -152,15 +152,18 @@ def _aligned(a, b) -> bool:
 def fit(spec: RunSpec, axis: str, capacity_bytes: int | None = None, headroom: float = 0.0,
         progress: Callable[[str], None] | None = None, levers: bool = True) -> FitResult:
     """The largest batch (`axis` 'batch', at `spec.seq`) or the longest sequence (`axis` 'seq', at
-    `spec.batch`) whose step fits in `capacity_bytes` (default: `spec.capacity`) less `headroom` (a fraction in
+    `spec.batch`), or the fewest FSDP2 ranks (`axis` 'fsdp', at both: `_fit_ranks`), whose step fits in
+    `capacity_bytes` (default: `spec.capacity`) less `headroom` (a fraction in
     [0, 1)). When not even the smallest size fits and `levers` is true, the result's `levers` says what makes it
     fit (`vramtrace.levers`). Raises UsageError (bad axis, capacity or headroom; the CPU target without a
     capacity), and what `analyze` raises."""
     from . import _FrozenHeap
 
     say = progress or (lambda _m: None)
-    if axis not in ("batch", "seq"):
-        raise UsageError(f"fit searches 'batch' or 'seq', got {axis!r}")
+    if axis not in ("batch", "seq", "fsdp"):
+        raise UsageError(f"fit searches 'batch', 'seq' or 'fsdp', got {axis!r}")
+    if axis == "fsdp" and spec.fsdp is not None:
+        raise UsageError("fit with --batch and --seq searches the number of FSDP ranks itself; drop --fsdp")
     if not 0 <= headroom < 1:
         raise UsageError(f"--headroom must be in [0%, 100%), got {headroom:.0%}")
     cuda = spec.device is Device.CUDA
@@ -186,6 +189,8 @@ def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, 
 
     resolved = resolve_config(spec.model)
     spec = replace(spec, precision=precision_for(spec, resolved)[0])
+    if axis == "fsdp":
+        return _fit_ranks(spec, resolved, capacity, budget, cuda, say, heap)
     exact: dict[int, FitPoint] = {}
     tables: dict[int, object] = {}
     num_layers: dict[int, int] = {}
@@ -330,6 +335,45 @@ def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, 
         found = find_levers(sized(next_point.x), ev, budget)
     return FitResult(axis, spec.seq if axis == "batch" else spec.batch, limit, capacity, budget, basis, best_point,
                      next_point, curve_points, method, len(exact), found)
+
+
+MAX_RANKS = 1024  # the largest FSDP world size `fit` tries
+
+
+def _fit_ranks(spec: RunSpec, resolved, capacity: int, budget: int, cuda: bool, say, heap) -> FitResult:
+    """The fewest GPUs, a power of two up to MAX_RANKS (1: no sharding), whose FSDP2 step (`--fsdp N`, the per-rank
+    batch and sequence kept) fits: bisection by exact traces, the per-rank peak falling with N. Each N is traced
+    at rank 0, whose shards are the largest (ceil(dim0 / N) rows of every parameter, `sharding.rank_classes`)."""
+    from .tables import step_tables
+    from .tracer.building import load_model
+
+    sizes = [1 << k for k in range(MAX_RANKS.bit_length())]
+    exact: dict[int, FitPoint] = {}
+
+    def trace(n: int) -> FitPoint:
+        if n not in exact:
+            say(f"exact trace at --fsdp {n}")
+            sized = replace(spec, fsdp=n if n > 1 else None)
+            t = step_tables(sized, load_model(sized, resolved))
+            heap.refreeze()
+            alloc, reserved = t.peaks(cuda=cuda)
+            exact[n] = FitPoint(n, alloc, reserved, (reserved if cuda else alloc) <= budget, True)
+        return exact[n]
+
+    lo, hi, best = 0, len(sizes) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if trace(sizes[mid]).fits:
+            best, hi = sizes[mid], mid - 1
+        else:
+            lo = mid + 1
+    below = None if best == 1 else (best // 2 if best else sizes[-1])
+    basis = (f"peak reserved (caching-allocator model, cuBLAS workspaces included) + the CUDA context "
+             f"({spec.cuda_context:,} bytes), rank 0" if cuda else "peak allocated (CPU target), rank 0")
+    return FitResult("fsdp", spec.batch, MAX_RANKS, capacity, budget, basis,
+                     trace(best) if best else None, trace(below) if below else None,
+                     tuple(exact[n] for n in sorted(exact)),
+                     "bisection over powers of two by exact traces (FSDP2 on each layer and the root)", len(exact))
 
 
 def _powers(n: int) -> list[int]:

@@ -149,7 +149,8 @@ def generation_summary(ops: tuple, storages: tuple, steady: Timeline, batch: int
     step k of N - 1: the N-th token needs no forward), the peak of the prefill and of the decode steps, and the
     KV cache it ends with: its bytes, the tokens its self-attention cache holds per request, and the bytes of
     keys and values (floating-point cache tensors, before the allocator's block rounding; a StaticCache's
-    per-layer int64 length counters and a QuantizedCache's scalar fp32 scales left out) per token per request. Bytes are ints.
+    per-layer int64 length counters and a QuantizedCache's scalar fp32 scales left out) per token per request.
+    Bytes are ints.
 
     Tokens per request: a decoder-only model's cache holds prompt + N - 1 (the last token's keys and values are
     never computed, and generate sizes a StaticCache to max_length - 1, transformers/generation/utils.py

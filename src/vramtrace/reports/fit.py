@@ -8,19 +8,21 @@ from rich.table import Table
 
 from ..units import format_bytes
 
-_AXIS = {"batch": "micro-batch", "seq": "sequence length"}
+_AXIS = {"batch": "micro-batch", "seq": "sequence length", "fsdp": "FSDP ranks (GPUs)"}
 
 
 def render_fit(result, console: Console, model: str, target: str) -> None:
     """Print the answer, the first size that does not fit, how it was found, and the curve."""
     r = result
     other = (f" at seq {r.fixed}" if r.axis == "batch" and r.fixed else f" at batch {r.fixed}" if r.axis == "seq"
-             else "")
+             else f" at per-rank batch {r.fixed}" if r.axis == "fsdp" else "")
     budget = (f"{format_bytes(r.budget_bytes)} of {format_bytes(r.capacity_bytes)}" if r.budget_bytes != r.capacity_bytes
               else format_bytes(r.capacity_bytes))
     console.print(f"[bold]{escape(model)}[/] on {escape(target)} ({budget}){other}")
     basis = "reserved" if (r.best or r.next).peak_reserved_bytes is not None else "allocated"
-    if r.best is None:
+    if r.axis == "fsdp":
+        _render_ranks(r, console, basis)
+    elif r.best is None:
         first = r.next
         console.print(f"[bold red]Does not fit even at {_AXIS[r.axis]} {first.x}[/]: peak {basis} "
                       f"{format_bytes(_peak(first))} (over by {format_bytes(_peak(first) - r.budget_bytes)})")
@@ -51,6 +53,19 @@ def render_fit(result, console: Console, model: str, target: str) -> None:
         from .levers import render_levers
 
         render_levers(r.levers, console)
+
+
+def _render_ranks(r, console: Console, basis: str) -> None:
+    """The fewest FSDP ranks that fit, and the next power of two down that does not."""
+    if r.best is None:
+        console.print(f"[bold red]Does not fit even on {r.next.x} GPUs with FSDP2[/]: peak {basis} per rank "
+                      f"{format_bytes(_peak(r.next))} (over by {format_bytes(_peak(r.next) - r.budget_bytes)})")
+        return
+    console.print(f"Fewest GPUs that fit (FSDP2, --fsdp): [bold magenta]{r.best.x}[/] (peak {basis} per rank "
+                  f"{format_bytes(_peak(r.best))}, allocated {format_bytes(r.best.peak_allocated_bytes)})")
+    if r.next is not None:
+        console.print(f"{r.next.x} GPUs do not fit: peak {basis} per rank {format_bytes(_peak(r.next))} (over by "
+                      f"{format_bytes(_peak(r.next) - r.budget_bytes)})")
 
 
 def _peak(p) -> int:

@@ -105,9 +105,9 @@ class StepRecorder(TorchDispatchMode):
 
     def storage_resized(self, t: torch.Tensor) -> None:
         """t's storage was resized in place (`UntypedStorage.resize_`, which the dispatcher does not see; FSDP2's
-        `alloc_storage`/`free_storage` for its unsharded parameters, `bridges.FSDP_ON_META`). The CPU allocator
-        frees the old data and allocates the new size (c10/core/StorageImpl resize, `resize_bytes_cpu`): the
-        storage's record so far dies after the last op, and a size above 0 is a new record born at a pseudo-op
+        `alloc_storage`/`free_storage` for its unsharded parameters, `bridges.FSDP_ON_META`). The CPU resize
+        allocates the new size, copies and frees the old data (aten/src/ATen/native/Resize.cpp `resize_bytes_cpu`):
+        the storage's record so far dies after the last op, and a size above 0 is a new record born at a pseudo-op
         `storage.resize_`, with the category and name of the storage's last record (also across a resize to 0)."""
         st = storage_of(t)
         key = st._cdata
@@ -337,7 +337,9 @@ class StepRecorder(TorchDispatchMode):
         if name in self.op_categories and self.op_categories[name][0] != "workspace":
             where, category = self.op_categories[name]
             for t in tree_flatten(out if where == "outputs" else kwargs.get(where))[0]:
-                if isinstance(t, torch.Tensor) and self.storages[self.storage_id(t, op_index=index, op=name)].category is None:
+                if not isinstance(t, torch.Tensor):
+                    continue
+                if self.storages[self.storage_id(t, op_index=index, op=name)].category is None:
                     self.set_category(t, category)
         first = args[0] if args else None
         lead = len(first) if isinstance(first, (list, tuple)) else int(isinstance(first, torch.Tensor))

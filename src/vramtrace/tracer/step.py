@@ -237,8 +237,8 @@ def run_inference(ctx: StepContext, obs: StepObserver) -> None:
 
 def run_generation(ctx: StepContext, spec: RunSpec, obs: StepObserver) -> None:
     """What a user's `model.generate(**inputs, max_new_tokens=N, min_new_tokens=N, do_sample=False,
-    cache_implementation=..., cache_config=...)` does (greedy, exactly N new tokens: the EOS score is masked until then), under
-    autocast; the generated ids are dropped. transformers' generate runs under `torch.no_grad()`
+    cache_implementation=..., cache_config=...)` does (greedy, exactly N new tokens: the EOS score is masked until
+    then), under autocast; the generated ids are dropped. transformers' generate runs under `torch.no_grad()`
     (generation/utils.py `GenerationMixin.generate`). Each call of the model's forward is one micro-step for the
     observer: micro 0 the prefill over the prompt, micro k decode step k (k = 1..N-1); `obs.forward_returned`
     sees each forward's outputs (the cache among them)."""

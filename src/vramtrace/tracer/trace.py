@@ -311,9 +311,9 @@ def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: 
     obs = _TraceObserver(rec, say, policy, params if repeatable else None)
     try:
         sharded = bridges.fsdp_on_meta(rec) if spec.fsdp is not None else contextlib.nullcontext()
-        with (bridges.installed(policy, rec), sharded, moe_routing(model, spec, policy), module_hooks(model, rec), policy,
-              _optimizer_hooks(model, rec), torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, lambda t: t),
-              rec):
+        with (bridges.installed(policy, rec), sharded, moe_routing(model, spec, policy), module_hooks(model, rec),
+              policy, _optimizer_hooks(model, rec),
+              torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, lambda t: t), rec):
             if train:
                 run_training(ctx, spec, obs, literal=False)
                 _tag_gradients(model, rec)  # kept by zero_grad(set_to_none=False), or with no optimizer
