@@ -179,9 +179,11 @@ def _ranks_text(ranks: tuple[int, ...]) -> str:
 
 
 def sharding_summary(spec: RunSpec, rank_peaks: dict[str, int]) -> dict:
-    """The report's `run` entries of a sharded step: {'fsdp': {world, reshard_after_forward, rank (the one
+    """The report's `run` entries of a distributed step: {'fsdp': {world, reshard_after_forward, rank (the one
     reported), global_batch (per-rank batch × ranks × gradient accumulation), rank_peaks (bytes per rank class
-    traced, when every class was)}}; {} without sharding."""
+    traced, when every class was)}} or {'ddp': {world, global_batch}}; {} on one device."""
+    if spec.ddp is not None:
+        return {"ddp": {"world": spec.ddp, "global_batch": spec.batch * spec.ddp * spec.grad_accum}}
     if spec.fsdp is None:
         return {}
     out = {"world": spec.fsdp, "reshard_after_forward": spec.reshard_after_forward, "rank": spec.rank,

@@ -170,10 +170,21 @@ FSDP_ON_META = Bridge(
     "(`tensor.untyped_storage().resize_(n)`, outside the dispatcher) are told to the recorder, which records a "
     "resize to 0 as the storage's free and a resize up as a new allocation, as the CPU allocator makes one")
 
+DDP_ON_META = Bridge(
+    "ddp_on_meta", "torch",
+    (("torch.distributed", "Reducer._rebuild_buckets"), ("torch.distributed", "Logger.set_runtime_stats_and_log")),
+    TORCH_WRITTEN_FOR,
+    "DistributedDataParallel on meta (`ddp_on_meta`, on one DDP object's reducer and logger, C++ objects whose "
+    "methods cannot be patched: their attributes are replaced by proxies): the bucket rebuild at the second "
+    "forward answers False (it syncs the bucket order through a tensor copied to the host; tracer/sharding.py "
+    "`wrap_ddp` says what that leaves out) and the logger's runtime statistics are not collected (timers that "
+    "warn on a device without one)")
+
 BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_CHECK, PADDING_MASK_CHECK,
                                PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION, MHA_FAST_PATH,
                                FUNCTIONAL_TORCH_FUNCTION_CHECK, GRAD_SCALER_FOUND_INF, CLIP_GRAD_FOREACH,
-                               FUSED_OPTIMIZER_DEVICES, ADAFACTOR_SCALARS, GENERATION_QUESTIONS, FSDP_ON_META)
+                               FUSED_OPTIMIZER_DEVICES, ADAFACTOR_SCALARS, GENERATION_QUESTIONS, FSDP_ON_META,
+                               DDP_ON_META)
 
 
 def _installed_version(library: str) -> str:
@@ -552,6 +563,28 @@ def fsdp_on_meta(rec: StepRecorder | None = None) -> Iterator[None]:
         stack.enter_context(_set(importlib.import_module(_FSDP + "_fsdp_param_group"), "alloc_storage",
                                  alloc_storage))
         yield
+
+
+class _Overridden:
+    """`target` with the methods in `overrides` replaced (name -> the value they return); every other attribute is
+    the target's."""
+
+    def __init__(self, target, **overrides) -> None:
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_overrides", overrides)
+
+    def __getattr__(self, name: str):
+        if name in self._overrides:
+            return lambda *args, **kwargs: self._overrides[name]
+        return getattr(self._target, name)
+
+
+def ddp_on_meta(ddp) -> None:
+    """DDP_ON_META on the DistributedDataParallel object `ddp` (for as long as it lives). Raises BridgeError when a
+    target is missing."""
+    resolve(DDP_ON_META)
+    ddp.reducer = _Overridden(ddp.reducer, _rebuild_buckets=False)
+    ddp.logger = _Overridden(ddp.logger, set_runtime_stats_and_log=None)
 
 
 @contextlib.contextmanager

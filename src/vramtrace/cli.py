@@ -103,6 +103,8 @@ def main_command(
     reshard_after_forward: str = typer.Option("true", "--reshard-after-forward", help="--fsdp: true | false "
                                               "(false keeps each layer's parameters unsharded until its backward, "
                                               "ZeRO-2 style)"),
+    ddp: Optional[int] = typer.Option(None, "--ddp", help="N ranks of PyTorch DistributedDataParallel (its default "
+                                      "gradient buckets), traced on a fake rank; --batch is the per-rank micro-batch"),
     rank: Optional[int] = typer.Option(None, "--rank", help="--fsdp: trace this rank only [default: every distinct "
                                        "rank, the largest reported]"),
     strict: bool = typer.Option(False, "--strict", help="an op without a meta kernel is an error, not an unresolved entry"),
@@ -179,7 +181,7 @@ def main_command(
                                            if cuda_context is not None else None),
                        alloc_conf=alloc_conf, new_tokens=new_tokens, cache=cache, kv_dtype=kv_dtype,
                        fsdp=fsdp, reshard_after_forward=_bool_option(reshard_after_forward, "--reshard-after-forward"),
-                       rank=rank)
+                       rank=rank, ddp=ddp)
         err = Console(stderr=True)
         if fit_axis == "sweep":
             _sweep(spec, sweep_grid, headroom, json_path, quiet, err)

@@ -222,7 +222,7 @@ def _sharding(s: _Search, on: RunSpec) -> list[Lever]:
     """FSDP2 over N GPUs (`--fsdp N`, the per-rank batch kept): the smallest power of two N <= MAX_FSDP that
     fits, bisected (the per-rank peak falls with N), or MAX_FSDP when none does. Each N is traced at rank 0, whose
     shards are the largest (ceil(dim0 / N) rows of every parameter, `sharding.rank_classes`)."""
-    if on.mode is not Mode.TRAIN or on.fsdp is not None or on.step is not None or custom_ref(on.model) is not None \
+    if on.mode is not Mode.TRAIN or on.fsdp is not None or on.ddp is not None or on.step is not None or custom_ref(on.model) is not None \
             or not s.ev(on).num_layers:
         return []
     sizes = [1 << k for k in range(1, MAX_FSDP.bit_length())]

@@ -446,6 +446,8 @@ class RunSpec:
     reshard_after_forward: FSDP2's `reshard_after_forward` (False keeps each layer's parameters unsharded from
         its forward to its backward, ZeRO-2 style).
     rank: the rank whose program is traced (0 .. fsdp - 1); None: every distinct rank class (`analyze`).
+    ddp: N ranks of PyTorch's DistributedDataParallel (its defaults: 25 MiB gradient buckets, buffers broadcast
+        each forward; `tracer/sharding.py`), batch being the per-rank micro-batch; None: one device.
     """
 
     model: str
@@ -486,12 +488,13 @@ class RunSpec:
     kv_dtype: KvDtype = KvDtype.AUTO
     serve_requests: int | None = None
     fsdp: int | None = None
+    ddp: int | None = None
     reshard_after_forward: bool = True
     rank: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq", "lora_rank", "image_size", "choices", "grad_accum", "new_tokens",
-                     "serve_requests", "fsdp"):
+                     "serve_requests", "fsdp", "ddp"):
             v = getattr(self, name)
             if v is None and name != "batch":
                 continue
@@ -597,15 +600,23 @@ class RunSpec:
         if self.fsdp is None:
             if self.rank is not None or not self.reshard_after_forward:
                 raise UsageError("--reshard-after-forward and --rank apply to --fsdp N; add it or drop them")
+            if self.ddp is not None:
+                self._check_distributed("--ddp")
             return
-        if self.mode is not Mode.TRAIN:
-            raise UsageError(f"--fsdp shards a training step; --mode {self.mode.value} is not supported with it yet")
-        if custom_ref(self.model) is not None or self.step is not None:
-            raise UsageError("--fsdp shards a transformers model's layer stack and runs vramtrace's loop; drop "
-                             "--step, or use a transformers model")
+        if self.ddp is not None:
+            raise UsageError("--fsdp and --ddp are two ways to run N ranks; give one")
+        self._check_distributed("--fsdp")
         if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int)
                                       or not 0 <= self.rank < self.fsdp):
             raise UsageError(f"--rank must be in 0..{self.fsdp - 1} for --fsdp {self.fsdp}, got {self.rank}")
+
+    def _check_distributed(self, option: str) -> None:
+        if self.mode is not Mode.TRAIN:
+            raise UsageError(f"{option} runs a training step on N ranks; --mode {self.mode.value} is not supported "
+                             "with it yet")
+        if custom_ref(self.model) is not None or self.step is not None:
+            raise UsageError(f"{option} wraps a transformers model and runs vramtrace's loop; drop --step, or use a "
+                             "transformers model")
 
     def _check_serve_profile(self) -> None:
         if self.serve_requests is None:

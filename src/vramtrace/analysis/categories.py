@@ -25,7 +25,7 @@ class Category(str, enum.Enum):
     # backward (FSDPParam.all_gather_outputs, freed by resizing their storage to 0 at reshard)
     UNSHARDED_PARAMETERS = "unsharded_parameters"
     # FSDP2's flat all-gather input/output (fsdp.all_gather_copy_in), reduce-scatter input (fsdp.chunk_cat) and the
-    # temporaries a CPU target's gloo collectives hold
+    # temporaries a CPU target's gloo collectives hold; DDP's gradient buckets
     COLLECTIVE_BUFFERS = "collective_buffers"
 
 

@@ -18,7 +18,7 @@ _CATEGORY_LABELS = {
     "autocast_weights": "autocast weight copies", "kv_cache": "KV cache (use_cache)",
     "outputs": "outputs held by the loop", "kept_across_steps": "kept across steps",
     "cublas_workspace": "cuBLAS workspaces", "unsharded_parameters": "unsharded parameters (FSDP)",
-    "collective_buffers": "collective buffers (FSDP)",
+    "collective_buffers": "collective buffers (FSDP/DDP)",
 }
 def sharding_line(f: dict) -> str:
     """'FSDP2 over 8 ranks (reshard after forward), per rank: rank 0 shown (ranks 0-6 3.10 GiB, 7 2.90 GiB);
@@ -120,6 +120,9 @@ def render(report: MemoryReport, console: Console) -> None:
         head.add_row("step", escape(step_line(r)))
     if r.get("fsdp"):
         head.add_row("sharding", sharding_line(r["fsdp"]))
+    if r.get("ddp"):
+        head.add_row("sharding", f"DDP over {r['ddp']['world']} ranks (every rank holds the whole model and one "
+                                 f"set of gradient buckets); per rank; global batch {r['ddp']['global_batch']}")
     target = f"{r['device']}" + (f" ({r['gpu']}, 512 B blocks)" if r["device"] == "cuda" else " (no rounding)")
     head.add_row("target", target)
     if r.get("trace"):

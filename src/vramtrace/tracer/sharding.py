@@ -110,3 +110,35 @@ def rank_classes(model: torch.nn.Module, world: int) -> list[tuple[int, ...]]:
         key = tuple(max(0, min(math.ceil(s[0] / world), s[0] - r * math.ceil(s[0] / world))) for s in sorted(shapes))
         groups.setdefault(key, []).append(r)
     return sorted((tuple(g) for g in groups.values()), key=lambda g: g[0])
+
+
+def _in_place_all_reduce(state, bucket):
+    """DDP's all-reduce of a gradient bucket, in place (NCCL's and gloo's all-reduce write their input; the fake
+    backend's future carries no value): a completed future of the bucket's own buffer."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def wrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
+    """`DistributedDataParallel(model)` with its defaults (25 MiB buckets, the first 1 MiB, allocated by the
+    reducer when DDP is built: torch/csrc/distributed/c10d/reducer.cpp `initialize_buckets`), inside `fake_rank`.
+    Built with `init_sync=False`: the parameter-shape check at construction reads a value meta cannot give and the
+    initial broadcast leaves nothing allocated. Its all-reduce is `_in_place_all_reduce`.
+
+    Its bucket rebuild is skipped. At its second forward DDP rebuilds its buckets in the order the gradients became
+    ready (torch/nn/parallel/distributed.py `_pre_forward`, `reducer._rebuild_buckets()`), syncing the order from
+    rank 0 through a tensor copied to the host, which meta cannot answer. The rebuilt buckets hold the same
+    gradients, so the same bytes. What is not traced: the moment the rebuild allocates the new buckets while the
+    old ones are alive (before the forward, where the step's memory is lowest: parameters, optimizer state and one
+    set of buckets; the end of the backward holds that plus every gradient, as much as a second set of buckets,
+    with DDP's default `gradient_as_bucket_view=False`). DDP's runtime statistics for its logger (timers, which
+    warn on a device without one) are not collected: they allocate nothing (`bridges.DDP_ON_META`)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from .. import bridges
+
+    ddp = DistributedDataParallel(model, init_sync=False)
+    ddp.register_comm_hook(None, _in_place_all_reduce)
+    bridges.ddp_on_meta(ddp)
+    return ddp

@@ -212,10 +212,16 @@ def _grad_scaler(spec: RunSpec, loaded: LoadedModel):
 def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Callable[[str], None],
             layers: torch.nn.ModuleList | None, replay_steady: bool = True, stop_after: int | None = None):
     """`_record_on` the model; with `spec.fsdp`, on a copy of it sharded by FSDP2 as rank `spec.rank` (0 when
-    None) of a fake process group (`sharding.py`), where the steady step is traced, not replayed."""
+    None) of a fake process group (`sharding.py`); with `spec.ddp`, on a copy wrapped by DDP there. A distributed
+    step's steady step is traced, not replayed."""
+    from .sharding import fake_rank, shard, wrap_ddp
+
+    if spec.ddp is not None:
+        with fake_rank(spec.ddp, 0):  # every DDP rank runs the same program
+            model = copy.deepcopy(model)  # the reducer hooks the parameters' gradient accumulators
+            return _record_on(spec, model, loaded, say, layer_stack(model), False, stop_after, wrap=wrap_ddp)
     if spec.fsdp is None:
         return _record_on(spec, model, loaded, say, layers, replay_steady, stop_after)
-    from .sharding import fake_rank, shard
 
     with fake_rank(spec.fsdp, spec.rank or 0):
         model = copy.deepcopy(model)  # fully_shard changes the modules' classes and parameters in place
@@ -225,11 +231,14 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
 
 
 def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Callable[[str], None],
-               layers: torch.nn.ModuleList | None, replay_steady: bool = True, stop_after: int | None = None):
+               layers: torch.nn.ModuleList | None, replay_steady: bool = True, stop_after: int | None = None,
+               wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None):
     """Apply the checkpointing policy to `model` (`loaded.model` or its shallow copy), then run the step on it
     with `loaded`'s inputs and loss under the recorder; a generation stops after `stop_after` tokens when given
     (`tracer/decoding.py`). Returns (recorder, kernel policy, optimizer or None, the release marks, how many
-    micro-steps were replayed rather than traced, the observer)."""
+    micro-steps were replayed rather than traced, the observer). `wrap(model)` (DDP) is built under the recorder
+    just before the step, and the step calls what it returns; what it allocates is a collective buffer (DDP's
+    gradient buckets)."""
     inputs, args, compute_dtype = loaded.inputs, loaded.args, loaded.compute_dtype
     if spec.fsdp is not None and mixed_precision_policy(loaded.precision) is not None:
         compute_dtype = None  # FSDP2's MixedPrecisionPolicy casts the parameters; no autocast (sharding.py)
@@ -314,6 +323,11 @@ def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: 
         with (bridges.installed(policy, rec), sharded, moe_routing(model, spec, policy), module_hooks(model, rec),
               policy, _optimizer_hooks(model, rec),
               torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, lambda t: t), rec):
+            if wrap is not None:
+                born = len(rec.storages)
+                ctx.model = wrap(model)
+                for s in rec.storages[born:]:
+                    s.category, s.name = Category.COLLECTIVE_BUFFERS, "DDP gradient bucket"
             if train:
                 run_training(ctx, spec, obs, literal=False)
                 _tag_gradients(model, rec)  # kept by zero_grad(set_to_none=False), or with no optimizer
@@ -412,6 +426,8 @@ def _trace_step(spec: RunSpec, loaded: LoadedModel, say: Callable[[str], None], 
     """`trace_step` with `traced_steps` decode steps traced and the rest rebuilt (None: every step traced).
     Raises NotPeriodic when that rebuild fails (a layer replication that fails traces every layer here)."""
     plan, note = loaded.layer_plan, loaded.replication_note
+    if plan is not None and spec.ddp is not None:  # the reducer sizes its buckets from every parameter at once
+        plan, note = None, "traced every layer (DDP's gradient buckets are built from the whole model's parameters)"
     stop_after = None if traced_steps is None else traced_steps + 1  # the prefill makes the first token
     result = None
     if plan is not None:
