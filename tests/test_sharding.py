@@ -166,3 +166,9 @@ def test_ddp_matches_real_gloo_ranks(model, precision):
 def test_ddp_with_fsdp_is_a_usage_error():
     with pytest.raises(UsageError, match="give one"):
         RunSpec(GPT2, batch=1, seq=8, fsdp=2, ddp=2)
+
+
+def test_validate_refuses_a_distributed_step(capsys):
+    assert main(["validate", GPT2, "--batch", "1", "--seq", "8", "--device", "cpu", "--ddp", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "launch it with torchrun" in err and "\n" not in err

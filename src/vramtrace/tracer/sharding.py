@@ -1,4 +1,4 @@
-"""PyTorch's own FSDP2 applied to a meta-device model on one fake rank of N.
+"""PyTorch's own FSDP2 and DDP applied to a meta-device model on one fake rank of N.
 
 `fake_rank(world, rank)` starts torch.distributed's built-in fake backend (`dist.init_process_group("fake")`,
 torch/csrc/distributed/c10d/FakeProcessGroup.hpp: every collective returns at once and writes nothing), so one
@@ -13,6 +13,9 @@ FSDP2 shards each parameter with `torch.chunk` on dim 0, padded to ceil(dim0 / N
 (torch/distributed/fsdp/_fully_shard/_fsdp_param.py `FSDPParam._init_sharded_param`): every rank's sharded
 parameter storage has the padded size, but its local tensor (what the optimizer's states copy) has only its own
 rows, so the last ranks can hold less. Ranks are traced one at a time.
+
+`wrap_ddp(model)` wraps the model in `DistributedDataParallel` on the same fake process group (every DDP rank runs
+the same program).
 """
 
 from __future__ import annotations
