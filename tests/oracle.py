@@ -23,6 +23,8 @@ checkpointing, inputs, freeze, LoRA, image size, multiple-choice count) and buil
   before making the optimizer: FSDP2 as torchtitan applies it (`fully_shard` on each decoder layer then the root,
   `reshard_after_forward`, a `MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)` instead of autocast for
   bf16/fp16-mixed) or `DistributedDataParallel(model)` with its defaults; each rank measured as one process is.
+  Tensor parallelism (`tp`): transformers' own, the case's model saved and loaded back with
+  `from_pretrained(dir, distributed_config=DistributedConfig(tp_size=N))`.
   FSDP's all-gather and reduce-scatter are gloo's own (their CPU temporaries counted), called so that their
   buffers are freed on the rank's main thread (see `_GlooAllGather`).
 """
@@ -501,7 +503,7 @@ def _local(t):
 _PLAIN_FIELDS = ("model", "batch", "seq", "mode", "precision", "optimizer", "optimizer_impl", "device",
                  "checkpointing", "inputs", "freeze", "lora_rank", "lora_alpha", "lora_targets", "image_size",
                  "choices", "use_cache", "loop", "grad_accum", "zero_grad", "clip_grad_norm", "step", "new_tokens",
-                 "cache", "kv_dtype", "fsdp", "ddp", "reshard_after_forward")
+                 "cache", "kv_dtype", "fsdp", "ddp", "tp", "reshard_after_forward")
 
 
 def _plain_spec(spec):
@@ -526,10 +528,11 @@ def _plain_spec(spec):
 
 
 def _world(spec) -> tuple[str, int]:
-    fsdp, ddp = getattr(spec, "fsdp", None), getattr(spec, "ddp", None)
-    if (fsdp is None) == (ddp is None):
-        raise ValueError(f"oracle: a distributed case sets exactly one of fsdp, ddp (got fsdp={fsdp!r}, ddp={ddp!r})")
-    kind, n = ("fsdp", fsdp) if fsdp is not None else ("ddp", ddp)
+    given = {k: getattr(spec, k, None) for k in ("fsdp", "ddp", "tp")}
+    set_ = [(k, v) for k, v in given.items() if v is not None]
+    if len(set_) != 1:
+        raise ValueError(f"oracle: a distributed case sets exactly one of fsdp, ddp, tp (got {given})")
+    kind, n = set_[0]
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"oracle: {kind} must be a world size >= 1, got {n!r}")
     return kind, n
@@ -556,6 +559,24 @@ def _fsdp_wrap(spec, mixed):
             module.set_custom_all_gather(_GlooAllGather())
             module.set_custom_reduce_scatter(_GlooReduceScatter())
         return model
+
+    return wrap
+
+
+def _tp_wrap(world: int, directory: Path):
+    """transformers' tensor parallelism as a user gets it: the case's model saved (`save_pretrained`, by rank 0),
+    then loaded by every rank
+    with `from_pretrained(directory, distributed_config=DistributedConfig(tp_size=world))`, which shards it by the
+    model's `base_model_tp_plan` over the process group's ranks."""
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    def wrap(model):
+        model.save_pretrained(directory)  # rank 0 writes (transformers' should_save_on_this_rank): same seed, same model
+        torch.distributed.barrier()
+        dtype = next(model.parameters()).dtype
+        del model
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            directory, distributed_config=DistributedConfig(tp_size=world), dtype=dtype)
 
     return wrap
 
@@ -662,6 +683,8 @@ def _rank_main(rank: int, world: int, spec, init_file: str, out_dir: str) -> Non
                 mixed = MIXED.get(precision)
                 step = RealStep(spec, wrap=_fsdp_wrap(spec, mixed))
                 step.autocast = None  # FSDP's MixedPrecisionPolicy casts, no autocast (torchtitan)
+            elif kind == "tp":
+                step = RealStep(spec, wrap=_tp_wrap(world, Path(out_dir, "weights")))
             else:
                 from torch.nn.parallel import DistributedDataParallel
 
