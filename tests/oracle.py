@@ -571,7 +571,7 @@ def _tp_wrap(world: int, directory: Path):
     from transformers.distributed.configuration_utils import DistributedConfig
 
     def wrap(model):
-        model.save_pretrained(directory)  # rank 0 writes (transformers' should_save_on_this_rank): same seed, same model
+        model.save_pretrained(directory)  # rank 0 writes (transformers' should_save_on_this_rank); same seed
         torch.distributed.barrier()
         dtype = next(model.parameters()).dtype
         del model

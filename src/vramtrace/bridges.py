@@ -165,7 +165,8 @@ FSDP_ON_META = Bridge(
     "FSDP2 (fully_shard) runs on a DeviceMesh of the meta device (`fsdp_on_meta`): its device handle "
     "(`_get_device_handle(device_type)`, getattr(torch, type)) has no `torch.meta`, so 'meta' gets `torch.cpu`, "
     "whose Stream, Event and stream() are no-ops (on the CPU FSDP2 runs on one stream too; CUDA's side streams "
-    "delay the reuse of freed blocks, not the allocated bytes: FSDP2 frees by dropping references); `_get_device_from_mesh` gives the meta device; `_validate_no_meta_params`, which refuses "
+    "delay the reuse of freed blocks, not the allocated bytes: FSDP2 frees by dropping references); "
+    "`_get_device_from_mesh` gives the meta device; `_validate_no_meta_params`, which refuses "
     "meta parameters, lets them through; and FSDP2's `alloc_storage`/`free_storage` "
     "(`tensor.untyped_storage().resize_(n)`, outside the dispatcher) are told to the recorder, which records a "
     "resize to 0 as the storage's free and a resize up as a new allocation, as the CPU allocator makes one")

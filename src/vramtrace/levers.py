@@ -215,17 +215,17 @@ def _lora(s: _Search, on: RunSpec) -> list[Lever]:
                     "weights frozen")]
 
 
-MAX_FSDP = 1024  # the sharding lever's largest world size
-
-
 def _sharding(s: _Search, on: RunSpec) -> list[Lever]:
-    """FSDP2 over N GPUs (`--fsdp N`, the per-rank batch kept): the smallest power of two N <= MAX_FSDP that
-    fits, bisected (the per-rank peak falls with N), or MAX_FSDP when none does. Each N is traced at rank 0, whose
+    """FSDP2 over N GPUs (`--fsdp N`, the per-rank batch kept): the smallest power of two N <= `fit.MAX_RANKS`
+    that fits, bisected (the per-rank peak falls with N), or MAX_RANKS when none does. Each N is traced at rank 0, whose
     shards are the largest (ceil(dim0 / N) rows of every parameter, `sharding.rank_classes`)."""
-    if on.mode is not Mode.TRAIN or on.fsdp is not None or on.ddp is not None or on.step is not None or custom_ref(on.model) is not None \
+    from .fit import MAX_RANKS
+
+    distributed = on.fsdp is not None or on.ddp is not None
+    if on.mode is not Mode.TRAIN or distributed or on.step is not None or custom_ref(on.model) is not None \
             or not s.ev(on).num_layers:
         return []
-    sizes = [1 << k for k in range(1, MAX_FSDP.bit_length())]
+    sizes = [1 << k for k in range(1, MAX_RANKS.bit_length())]
 
     def lever(n: int) -> Lever:
         return s.lever("fsdp", on, {"fsdp": n}, (5, float(n)),

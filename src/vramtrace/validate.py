@@ -167,7 +167,8 @@ def free_bytes(device: Device) -> int:
 def validate(spec: RunSpec, progress: Callable[[str], None] | None = None) -> dict:
     """Predict `spec`, then measure it for real. Returns predicted vs measured bytes and the relative errors.
     Raises UsageError when the target device is not here (checked first, before tracing), for a distributed step,
-    or when the prediction does not fit the free memory (before allocating anything); TraceError when the real step fails."""
+    or when the prediction does not fit the free memory (before allocating anything); TraceError when the real step
+    fails."""
     from . import analyze
     from .units import format_bytes
 
