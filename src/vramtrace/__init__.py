@@ -273,7 +273,7 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
             say(f"rank {ranks[0]} (for ranks {_ranks_text(ranks)})")
             tables[ranks] = step_tables(replace(spec, rank=ranks[0]), loaded, progress=say)
             rank_peaks[_ranks_text(ranks)] = tables[ranks].peaks()[0]
-        worst = max(classes, key=lambda g: (tables[g].peaks()[0], -g[0]))
+        worst = max(classes, key=lambda g: (rank_peaks[_ranks_text(g)], -g[0]))
         spec, main = replace(spec, rank=worst[0]), tables[worst]
     else:
         main = step_tables(spec, loaded, progress=say)

@@ -340,6 +340,20 @@ def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, 
 MAX_RANKS = 1024  # the largest FSDP world size `fit` tries
 
 
+def fewest_ranks(fits: Callable[[int], bool], smallest: int = 1) -> int | None:
+    """The smallest power of two N in [smallest, MAX_RANKS] with `fits(N)`, bisected (the per-rank peak falls
+    with N), or None when even MAX_RANKS does not fit. `fits` is called on the bisection's points only."""
+    sizes = [1 << k for k in range(smallest.bit_length() - 1, MAX_RANKS.bit_length())]
+    lo, hi, best = 0, len(sizes) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(sizes[mid]):
+            best, hi = sizes[mid], mid - 1
+        else:
+            lo = mid + 1
+    return best
+
+
 def _fit_ranks(spec: RunSpec, resolved, capacity: int, budget: int, cuda: bool, say, heap) -> FitResult:
     """The fewest GPUs, a power of two up to MAX_RANKS (1: no sharding), whose FSDP2 step (`--fsdp N`, the per-rank
     batch and sequence kept) fits: bisection by exact traces, the per-rank peak falling with N. Each N is traced
@@ -347,7 +361,6 @@ def _fit_ranks(spec: RunSpec, resolved, capacity: int, budget: int, cuda: bool, 
     from .tables import step_tables
     from .tracer.building import load_model
 
-    sizes = [1 << k for k in range(MAX_RANKS.bit_length())]
     exact: dict[int, FitPoint] = {}
 
     def trace(n: int) -> FitPoint:
@@ -360,14 +373,8 @@ def _fit_ranks(spec: RunSpec, resolved, capacity: int, budget: int, cuda: bool, 
             exact[n] = FitPoint(n, alloc, reserved, (reserved if cuda else alloc) <= budget, True)
         return exact[n]
 
-    lo, hi, best = 0, len(sizes) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if trace(sizes[mid]).fits:
-            best, hi = sizes[mid], mid - 1
-        else:
-            lo = mid + 1
-    below = None if best == 1 else (best // 2 if best else sizes[-1])
+    best = fewest_ranks(lambda n: trace(n).fits)
+    below = None if best == 1 else (best // 2 if best else MAX_RANKS)
     basis = (f"peak reserved (caching-allocator model, cuBLAS workspaces included) + the CUDA context "
              f"({spec.cuda_context:,} bytes), rank 0" if cuda else "peak allocated (CPU target), rank 0")
     return FitResult("fsdp", spec.batch, MAX_RANKS, capacity, budget, basis,

@@ -216,31 +216,22 @@ def _lora(s: _Search, on: RunSpec) -> list[Lever]:
 
 
 def _sharding(s: _Search, on: RunSpec) -> list[Lever]:
-    """FSDP2 over N GPUs (`--fsdp N`, the per-rank batch kept): the smallest power of two N <= `fit.MAX_RANKS`
-    that fits, bisected (the per-rank peak falls with N), or MAX_RANKS when none does. Each N is traced at rank 0, whose
+    """FSDP2 over N GPUs (`--fsdp N`, the per-rank batch kept): the smallest power of two 2 <= N <= `fit.MAX_RANKS`
+    that fits (`fit.fewest_ranks`), or MAX_RANKS when none does. Each N is traced at rank 0, whose
     shards are the largest (ceil(dim0 / N) rows of every parameter, `sharding.rank_classes`)."""
-    from .fit import MAX_RANKS
+    from .fit import MAX_RANKS, fewest_ranks
 
     distributed = on.fsdp is not None or on.ddp is not None
     if on.mode is not Mode.TRAIN or distributed or on.step is not None or custom_ref(on.model) is not None \
             or not s.ev(on).num_layers:
         return []
-    sizes = [1 << k for k in range(1, MAX_RANKS.bit_length())]
 
     def lever(n: int) -> Lever:
         return s.lever("fsdp", on, {"fsdp": n}, (5, float(n)),
                        f"hardware: {n} GPUs (FSDP2), each step all-gathers every layer's parameters (twice with "
                        "reshard after forward) and reduce-scatters the gradients")
 
-    lo, hi, best = 0, len(sizes) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        cand = lever(sizes[mid])
-        if cand.fits:
-            best, hi = cand, mid - 1
-        else:
-            lo = mid + 1
-    return [best or lever(sizes[-1])]
+    return [lever(fewest_ranks(lambda n: lever(n).fits, smallest=2) or MAX_RANKS)]
 
 
 FAMILIES: tuple[tuple[str, Callable[[_Search, RunSpec], list[Lever]]], ...] = (

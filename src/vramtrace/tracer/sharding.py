@@ -99,7 +99,14 @@ def sharded_bytes(param: torch.Tensor, world: int) -> int:
     """Bytes of FSDP2's sharded storage of `param` on any of `world` ranks: ceil(dim0 / world) rows of the
     parameter (`FSDPParam._init_sharded_param` pads every rank's shard to the same size)."""
     shape = tuple(param.shape) or (1,)
-    return math.ceil(shape[0] / world) * math.prod(shape[1:]) * param.element_size()
+    return _rows(shape[0], world, 0) * math.prod(shape[1:]) * param.element_size()
+
+
+def _rows(dim0: int, world: int, rank: int) -> int:
+    """Rows of a dim-0 size `dim0` that `torch.chunk` gives `rank` of `world`: ceil(dim0 / world) for the first
+    ranks, fewer or none for the last (FSDP2 pads every rank's storage to the first's)."""
+    chunk = math.ceil(dim0 / world)
+    return max(0, min(chunk, dim0 - rank * chunk))
 
 
 def rank_classes(model: torch.nn.Module, world: int) -> list[tuple[int, ...]]:
@@ -110,7 +117,7 @@ def rank_classes(model: torch.nn.Module, world: int) -> list[tuple[int, ...]]:
     groups: dict[tuple[int, ...], list[int]] = {}
     shapes = {tuple(p.shape) or (1,) for p in model.parameters()}
     for r in range(world):
-        key = tuple(max(0, min(math.ceil(s[0] / world), s[0] - r * math.ceil(s[0] / world))) for s in sorted(shapes))
+        key = tuple(_rows(s[0], world, r) for s in sorted(shapes))
         groups.setdefault(key, []).append(r)
     return sorted((tuple(g) for g in groups.values()), key=lambda g: g[0])
 
