@@ -529,6 +529,8 @@ def _plain_spec(spec):
 
 def _world(spec) -> tuple[str, int]:
     given = {k: getattr(spec, k, None) for k in ("fsdp", "ddp", "tp")}
+    if given["tp"] == 1 and given["fsdp"] is not None:  # one TP rank is no TP (transformers' prepare_distribute_model)
+        given["tp"] = None
     set_ = [(k, v) for k, v in given.items() if v is not None]
     if len(set_) != 1:
         raise ValueError(f"oracle: a distributed case sets exactly one of fsdp, ddp, tp (got {given})")
@@ -575,8 +577,17 @@ def _tp_wrap(world: int, directory: Path):
         torch.distributed.barrier()
         dtype = next(model.parameters()).dtype
         del model
-        return transformers.AutoModelForCausalLM.from_pretrained(
+        model = transformers.AutoModelForCausalLM.from_pretrained(
             directory, distributed_config=DistributedConfig(tp_size=world), dtype=dtype)
+        # On the CPU the load leaves every dim-0 shard a view of the mmap'd safetensors file (the whole
+        # tensor's storage, file-backed pages, not an allocation: transformers/distributed/sharding_utils.py
+        # `DtensorShardOperation.shard_tensor` slices the file's tensor and `.to("cpu")` keeps the view), where a
+        # GPU load copies the shard alone. Each parameter is made resident, as a device load has it.
+        with torch.no_grad():
+            for module in model.modules():
+                for name, p in list(module.named_parameters(recurse=False)):
+                    setattr(module, name, torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+        return model
 
     return wrap
 

@@ -1,4 +1,4 @@
-"""`--fsdp N`: PyTorch's own FSDP2 traced on fake ranks, against the same sharded step run for real by N gloo
+"""`--fsdp N` and `--tp N`: PyTorch's own FSDP2 and transformers' own tensor parallelism traced on fake ranks, against the same sharded step run for real by N gloo
 processes on the CPU (tests/oracle.py `measure_cpu_peak_ranks`: public APIs only), rank by rank; layer
 replication of a sharded stack against tracing every layer; the rank classes; the options' errors."""
 
@@ -15,10 +15,11 @@ from vramtrace import RunSpec, analyze
 from vramtrace.cli import main
 from vramtrace.errors import TraceError, UsageError
 from vramtrace.tracer.recorder import RESIZE_OP, StepRecorder
-from vramtrace.tracer.sharding import fake_rank, rank_classes
+from vramtrace.tracer.sharding import fake_rank, local_shape, rank_classes
 
 GPT2 = str(FIXTURES / "tiny-gpt2.json")
 LLAMA = str(FIXTURES / "tiny-llama-gqa.json")
+MISTRAL = str(FIXTURES / "tiny-mistral-sw.json")
 
 
 def _spec(model, precision, reshard=True, rank=None, fsdp=2, **kw):
@@ -35,6 +36,51 @@ def test_fsdp_matches_real_gloo_ranks(model, precision, reshard):
     for rank, measured in enumerate(real):
         predicted = analyze(_spec(model, precision, reshard, rank=rank)).peak_allocated_bytes
         assert abs(predicted - measured) <= 0.005 * measured, (rank, predicted, measured)
+
+
+@pytest.mark.parametrize("model,precision", [(LLAMA, "fp32"), (MISTRAL, "bf16")],
+                         ids=lambda x: x.rsplit("/", 1)[-1].removesuffix(".json"))
+def test_tp_matches_real_gloo_ranks(model, precision):
+    """`--tp 2` against transformers' own TP loaded by 2 gloo ranks (`from_pretrained(distributed_config=
+    DistributedConfig(tp_size=2))`), rank by rank, within 0.5%."""
+    real = measure_cpu_peak_ranks(RunSpec(model, batch=2, seq=16, device="cpu", precision=precision, tp=2))
+    for rank, measured in enumerate(real):
+        predicted = analyze(RunSpec(model, batch=2, seq=16, device="cpu", precision=precision, tp=2, rank=rank))
+        assert abs(predicted.peak_allocated_bytes - measured) <= 0.005 * measured, (rank, predicted, measured)
+
+
+def test_fsdp_with_one_tp_rank_matches_real_gloo_ranks():
+    """`--fsdp 2 --tp 1` (a 2-D mesh whose TP dimension is one rank: transformers applies no plan to it) against the
+    real FSDP2 run."""
+    real = measure_cpu_peak_ranks(_spec(GPT2, "fp32"))
+    for rank, measured in enumerate(real):
+        predicted = analyze(_spec(GPT2, "fp32", rank=rank, tp=1)).peak_allocated_bytes
+        assert abs(predicted - measured) <= 0.005 * measured, (rank, predicted, measured)
+
+
+def test_tp_without_a_plan_is_a_usage_error():
+    with pytest.raises(UsageError, match="GPT2LMHeadModel has no tensor-parallel plan"):
+        analyze(RunSpec(GPT2, batch=2, seq=16, device="cpu", tp=2))
+
+
+def test_tp_shards_the_parameters_by_the_plan():
+    """Llama's plan: q/k/v/gate/up colwise, o/down rowwise, embeddings and lm_head sharded, norms replicated:
+    each rank holds half of every matrix and all of the norms."""
+    report = analyze(RunSpec(LLAMA, batch=2, seq=16, device="cpu", precision="fp32", tp=2, rank=1))
+    norms = 64 * 4 * (2 * 2 + 1)  # 2 layers × 2 RMSNorms + the final one, fp32
+    assert report.breakdown_at_peak["parameter"] == (report.params * 4 - norms) // 2 + norms
+    assert report.run["tp"] == {"world": 2, "rank": 1, "global_batch": 2}
+
+
+@pytest.mark.parametrize("kw", [{"tp": 2}, {"tp": 2, "fsdp": 2}])
+def test_replicated_tp_stack_equals_every_layer_traced(tmp_path, kw):
+    deep = deep_config(tmp_path, "tiny-llama-gqa", 8)
+    a = analyze(RunSpec(deep, batch=2, seq=16, device="cpu", precision="bf16-mixed", rank=0, **kw))
+    b = analyze(RunSpec(deep, batch=2, seq=16, device="cpu", precision="bf16-mixed", rank=0, replicate_layers=False,
+                        **kw))
+    assert a.run["trace"].startswith("traced 4 of 8 layers")
+    assert a.peak_allocated_bytes == b.peak_allocated_bytes
+    assert a.breakdown_at_peak == b.breakdown_at_peak
 
 
 def test_the_report_shows_the_largest_rank_class_and_each_class_peak(tmp_path):
@@ -71,31 +117,27 @@ def test_replicated_sharded_stack_equals_every_layer_traced(tmp_path, precision,
 
 def test_rank_classes_follow_torch_chunk():
     model = torch.nn.Sequential(torch.nn.Linear(4, 10), torch.nn.Linear(10, 8))  # dim 0: 10 and 8 (and biases)
-    assert rank_classes(model, 2) == [(0, 1)]
+
+    def classes(world):
+        return rank_classes(model, RunSpec(GPT2, batch=1, seq=8, fsdp=world))
+
+    assert classes(2) == [(0, 1)]
     # 4 ranks: ceil(10/4) = 3 rows -> 3, 3, 3, 1; ceil(8/4) = 2 -> 2 each
-    assert rank_classes(model, 4) == [(0, 1, 2), (3,)]
+    assert classes(4) == [(0, 1, 2), (3,)]
     # 3 ranks: 10 -> 4, 4, 2; 8 -> 3, 3, 2
-    assert rank_classes(model, 3) == [(0, 1), (2,)]
+    assert classes(3) == [(0, 1), (2,)]
 
 
-def test_a_storage_resized_in_place_is_a_free_and_a_new_allocation():
-    """FSDP2 frees unsharded parameters with `untyped_storage().resize_(0)` and reallocates them with resize_(n):
-    the recorder writes a free, then a new record born at the pseudo-op, with the old one's category."""
-    rec = StepRecorder()
-    with rec:
-        t = torch.empty(16, device="meta")
-    rec.set_category(t, "unsharded_parameters")
-    first = rec.live_sid(t)
-    t.untyped_storage().resize_(0)
-    rec.storage_resized(t)
-    assert rec.live_sid(t) is None and rec.free_after[first] == len(rec.ops) - 1
-    t.untyped_storage().resize_(64)
-    rec.storage_resized(t)
-    second = rec.live_sid(t)
-    assert second != first and rec.storages[second].nbytes == 64
-    assert rec.ops[-1].name == RESIZE_OP and rec.ops[-1].outs == (second,)
-    assert rec.storages[second].category == "unsharded_parameters"
-    rec.detach()
+def test_tp_rank_classes_chunk_the_tp_dim_then_fsdp_dim_0():
+    """A (10, 4) weight sharded on dim 0 by TP 2 (5 rows each), then FSDP 2 (3 and 2 rows of those); another on
+    dim 1 (2 columns each), then FSDP 2 on its 10 rows (5 each). Ranks are (dp, tp) = divmod(r, 2): the FSDP
+    rank decides."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 10, bias=False), torch.nn.Linear(4, 10, bias=False))
+    spec = RunSpec(GPT2, batch=1, seq=8, fsdp=2, tp=2)
+    layout = {"0.weight": 0, "1.weight": 1}
+    assert local_shape((10, 4), 0, spec, 3) == (2, 4) and local_shape((10, 4), 0, spec, 3, padded=True) == (3, 4)
+    assert local_shape((10, 4), 1, spec, 1) == (5, 2)
+    assert rank_classes(model, spec, layout) == [(0, 1), (2, 3)]
 
 
 def test_an_initialized_process_group_is_left_alone():
@@ -107,8 +149,12 @@ def test_an_initialized_process_group_is_left_alone():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"rank": 1}, "--reshard-after-forward and --rank apply to --fsdp N"),
-    ({"fsdp": 2, "rank": 2}, "--rank must be in 0..1 for --fsdp 2"),
+    ({"rank": 1}, "--rank applies to --fsdp N or --tp N"),
+    ({"reshard_after_forward": False}, "--reshard-after-forward applies to --fsdp N"),
+    ({"fsdp": 2, "rank": 2}, "--rank must be in 0..1 for 2 ranks"),
+    ({"fsdp": 2, "tp": 2, "rank": 4}, "--rank must be in 0..3 for 4 ranks"),
+    ({"ddp": 2, "tp": 2}, "--ddp replicates the model on N ranks"),
+    ({"tp": 2, "mode": "inference"}, "--tp runs a training step on N ranks"),
     ({"fsdp": 0}, "--fsdp must be a positive integer"),
     ({"fsdp": 2, "mode": "inference"}, "--fsdp runs a training step on N ranks"),
 ])
@@ -164,7 +210,7 @@ def test_ddp_matches_real_gloo_ranks(model, precision):
 
 
 def test_ddp_with_fsdp_is_a_usage_error():
-    with pytest.raises(UsageError, match="give one"):
+    with pytest.raises(UsageError, match="does not combine with --fsdp or --tp"):
         RunSpec(GPT2, batch=1, seq=8, fsdp=2, ddp=2)
 
 

@@ -180,17 +180,24 @@ def _ranks_text(ranks: tuple[int, ...]) -> str:
 
 def sharding_summary(spec: RunSpec, rank_peaks: dict[str, int]) -> dict:
     """The report's `run` entries of a distributed step: {'fsdp': {world, reshard_after_forward, rank (the one
-    reported), global_batch (per-rank batch × ranks × gradient accumulation), rank_peaks (bytes per rank class
-    traced, when every class was)}} or {'ddp': {world, global_batch}}; {} on one device."""
+    reported), global_batch (per-rank batch × data-parallel ranks × gradient accumulation), rank_peaks (bytes per
+    rank class traced, when every class was)}, 'tp': {world (TP ranks), rank, global_batch, rank_peaks}} (with
+    --fsdp M --tp N both, the fsdp entry's world is M and rank_peaks sit in it) or {'ddp': {world, global_batch}};
+    {} on one device."""
     if spec.ddp is not None:
         return {"ddp": {"world": spec.ddp, "global_batch": spec.batch * spec.ddp * spec.grad_accum}}
-    if spec.fsdp is None:
+    if spec.world is None:
         return {}
-    out = {"world": spec.fsdp, "reshard_after_forward": spec.reshard_after_forward, "rank": spec.rank,
-           "global_batch": spec.batch * spec.fsdp * spec.grad_accum}
+    out = {}
+    global_batch = spec.batch * (spec.fsdp or 1) * spec.grad_accum
+    if spec.tp is not None:
+        out["tp"] = {"world": spec.tp, "rank": spec.rank, "global_batch": global_batch}
+    if spec.fsdp is not None:
+        out["fsdp"] = {"world": spec.fsdp, "reshard_after_forward": spec.reshard_after_forward, "rank": spec.rank,
+                       "global_batch": global_batch}
     if rank_peaks:
-        out["rank_peaks"] = rank_peaks
-    return {"fsdp": out}
+        out["fsdp" if spec.fsdp is not None else "tp"]["rank_peaks"] = rank_peaks
+    return out
 
 
 def target_warnings(spec: RunSpec, precision: str) -> list[str]:
@@ -264,10 +271,11 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
     loaded = load_model(spec, resolved)
     heap.refreeze()  # torch, transformers and the model are built: out of the collector's way
     rank_peaks = {}
-    if spec.fsdp is not None and spec.rank is None:  # every distinct rank class traced; the largest reported
+    if spec.world is not None and spec.ddp is None and spec.rank is None:
+        # every distinct rank class traced; the largest reported
         from .tracer.sharding import rank_classes
 
-        classes = rank_classes(loaded.model, spec.fsdp)
+        classes = rank_classes(loaded.model, spec)
         tables = {}
         for ranks in classes:
             say(f"rank {ranks[0]} (for ranks {_ranks_text(ranks)})")

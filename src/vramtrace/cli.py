@@ -105,8 +105,10 @@ def main_command(
                                               "ZeRO-2 style)"),
     ddp: Optional[int] = typer.Option(None, "--ddp", help="N ranks of PyTorch DistributedDataParallel (its default "
                                       "gradient buckets), traced on a fake rank; --batch is the per-rank micro-batch"),
-    rank: Optional[int] = typer.Option(None, "--rank", help="--fsdp: trace this rank only [default: every distinct "
-                                       "rank, the largest reported]"),
+    tp: Optional[int] = typer.Option(None, "--tp", help="N ranks of tensor parallelism with the model's own plan "
+                                     "(transformers' base_model_tp_plan); with --fsdp M, a 2-D mesh of M x N ranks"),
+    rank: Optional[int] = typer.Option(None, "--rank", help="--fsdp/--tp: trace this rank only [default: every "
+                                       "distinct rank, the largest reported]"),
     strict: bool = typer.Option(False, "--strict", help="an op without a meta kernel is an error, not an unresolved entry"),
     compare_policies: bool = typer.Option(False, "--compare", help="compare checkpointing none, layers and selective"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write the JSON report to PATH, or '-' for stdout"),
@@ -181,7 +183,7 @@ def main_command(
                                            if cuda_context is not None else None),
                        alloc_conf=alloc_conf, new_tokens=new_tokens, cache=cache, kv_dtype=kv_dtype,
                        fsdp=fsdp, reshard_after_forward=_bool_option(reshard_after_forward, "--reshard-after-forward"),
-                       rank=rank, ddp=ddp)
+                       rank=rank, ddp=ddp, tp=tp)
         err = Console(stderr=True)
         if fit_axis == "sweep":
             _sweep(spec, sweep_grid, headroom, json_path, quiet, err)

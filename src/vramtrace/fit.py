@@ -162,8 +162,8 @@ def fit(spec: RunSpec, axis: str, capacity_bytes: int | None = None, headroom: f
     say = progress or (lambda _m: None)
     if axis not in ("batch", "seq", "fsdp"):
         raise UsageError(f"fit searches 'batch', 'seq' or 'fsdp', got {axis!r}")
-    if axis == "fsdp" and (spec.fsdp is not None or spec.ddp is not None):
-        raise UsageError("fit with --batch and --seq searches the number of FSDP ranks itself; drop --fsdp/--ddp")
+    if axis == "fsdp" and spec.world is not None:
+        raise UsageError("fit with --batch and --seq searches the number of FSDP ranks itself; drop --fsdp/--ddp/--tp")
     if not 0 <= headroom < 1:
         raise UsageError(f"--headroom must be in [0%, 100%), got {headroom:.0%}")
     cuda = spec.device is Device.CUDA

@@ -445,7 +445,12 @@ class RunSpec:
         being the per-rank micro-batch; None: one device.
     reshard_after_forward: FSDP2's `reshard_after_forward` (False keeps each layer's parameters unsharded from
         its forward to its backward, ZeRO-2 style).
-    rank: the rank whose program is traced (0 .. fsdp - 1); None: every distinct rank class (`analyze`).
+    tp: N ranks of tensor parallelism, transformers' own (the model's `base_model_tp_plan` applied by
+        `transformers.distributed.tensor_parallel.apply_tensor_parallelism`, `tracer/sharding.py`); with `fsdp` M
+        too, a 2-D mesh of M × N ranks (FSDP2 over the data-parallel dimension, TP within each group). The batch is
+        per data-parallel rank (TP ranks share it). None: no tensor parallelism.
+    rank: the rank whose program is traced (0 .. world - 1, world = fsdp × tp; with both, rank r is data-parallel
+        rank r // tp and TP rank r % tp); None: every distinct rank class (`analyze`).
     ddp: N ranks of PyTorch's DistributedDataParallel (its defaults: 25 MiB gradient buckets, buffers broadcast
         each forward; `tracer/sharding.py`), batch being the per-rank micro-batch; None: one device.
     """
@@ -489,12 +494,13 @@ class RunSpec:
     serve_requests: int | None = None
     fsdp: int | None = None
     ddp: int | None = None
+    tp: int | None = None
     reshard_after_forward: bool = True
     rank: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq", "lora_rank", "image_size", "choices", "grad_accum", "new_tokens",
-                     "serve_requests", "fsdp", "ddp"):
+                     "serve_requests", "fsdp", "ddp", "tp"):
             v = getattr(self, name)
             if v is None and name != "batch":
                 continue
@@ -595,20 +601,35 @@ class RunSpec:
             raise UsageError("--mode generate with --lora-rank is not supported yet (peft's generate wraps the "
                              "model's); merge the adapter or drop --lora-rank")
 
+    @property
+    def world(self) -> int | None:
+        """The ranks of a distributed step (fsdp × tp, or ddp); None on one device."""
+        if self.ddp is not None:
+            return self.ddp
+        if self.fsdp is None and self.tp is None:
+            return None
+        return (self.fsdp or 1) * (self.tp or 1)
+
     def _check_sharding(self) -> None:
         """Raise UsageError for sharding options that do not go together."""
-        if self.fsdp is None:
-            if self.rank is not None or not self.reshard_after_forward:
-                raise UsageError("--reshard-after-forward and --rank apply to --fsdp N; add it or drop them")
-            if self.ddp is not None:
-                self._check_distributed("--ddp")
-            return
         if self.ddp is not None:
-            raise UsageError("--fsdp and --ddp are two ways to run N ranks; give one")
-        self._check_distributed("--fsdp")
+            if self.fsdp is not None or self.tp is not None:
+                raise UsageError("--ddp replicates the model on N ranks; it does not combine with --fsdp or --tp "
+                                 "(use --fsdp M --tp N for a 2-D mesh)")
+            if self.rank is not None or not self.reshard_after_forward:
+                raise UsageError("--reshard-after-forward and --rank apply to --fsdp N or --tp N; drop them")
+            self._check_distributed("--ddp")
+            return
+        if self.fsdp is None and not self.reshard_after_forward:
+            raise UsageError("--reshard-after-forward applies to --fsdp N; add it or drop it")
+        if self.world is None:
+            if self.rank is not None:
+                raise UsageError("--rank applies to --fsdp N or --tp N; add one or drop it")
+            return
+        self._check_distributed("--fsdp" if self.tp is None else "--tp")
         if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int)
-                                      or not 0 <= self.rank < self.fsdp):
-            raise UsageError(f"--rank must be in 0..{self.fsdp - 1} for --fsdp {self.fsdp}, got {self.rank}")
+                                      or not 0 <= self.rank < self.world):
+            raise UsageError(f"--rank must be in 0..{self.world - 1} for {self.world} ranks, got {self.rank}")
 
     def _check_distributed(self, option: str) -> None:
         if self.mode is not Mode.TRAIN:

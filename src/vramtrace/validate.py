@@ -173,8 +173,8 @@ def validate(spec: RunSpec, progress: Callable[[str], None] | None = None) -> di
     from .units import format_bytes
 
     _require_local(spec.device)
-    if spec.fsdp is not None or spec.ddp is not None:
-        raise UsageError("validate runs the step in this one process; a distributed step (--fsdp, --ddp) runs on N "
+    if spec.world is not None:
+        raise UsageError("validate runs the step in this one process; a distributed step (--fsdp, --ddp, --tp) runs on N "
                          "ranks: launch it with torchrun and compare each rank's torch.cuda.max_memory_allocated()")
     say = progress or (lambda _m: None)
     report = analyze(spec, say)

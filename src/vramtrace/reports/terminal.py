@@ -20,14 +20,22 @@ _CATEGORY_LABELS = {
     "cublas_workspace": "cuBLAS workspaces", "unsharded_parameters": "unsharded parameters (FSDP)",
     "collective_buffers": "collective buffers (FSDP/DDP)",
 }
-def sharding_line(f: dict) -> str:
+def sharding_line(r: dict) -> str:
     """'FSDP2 over 8 ranks (reshard after forward), per rank: rank 0 shown (ranks 0-6 3.10 GiB, 7 2.90 GiB);
-    global batch 32'."""
-    text = (f"FSDP2 over {f['world']} ranks ({'reshard' if f['reshard_after_forward'] else 'no reshard'} after "
-            f"forward); per rank, rank {f['rank']} shown")
-    if len(f.get("rank_peaks", {})) > 1:
-        text += " (" + ", ".join(f"ranks {k} {format_bytes(v)}" for k, v in f["rank_peaks"].items()) + ")"
-    return text + f"; global batch {f['global_batch']}"
+    global batch 32', or 'tensor parallel over 2 ranks (transformers' plan), ...', or both for a 2-D mesh, from
+    the report's run entries."""
+    f, tp = r.get("fsdp"), r.get("tp")
+    parts = []
+    if f:
+        parts.append(f"FSDP2 over {f['world']} ranks ({'reshard' if f['reshard_after_forward'] else 'no reshard'} "
+                     "after forward)")
+    if tp:
+        parts.append(f"tensor parallel over {tp['world']} ranks (transformers' plan)")
+    shown = f or tp
+    text = " × ".join(parts) + f"; per rank, rank {shown['rank']} shown"
+    if len(shown.get("rank_peaks", {})) > 1:
+        text += " (" + ", ".join(f"ranks {k} {format_bytes(v)}" for k, v in shown["rank_peaks"].items()) + ")"
+    return text + f"; global batch {shown['global_batch']}"
 
 
 _LOOP_CODE = {"trainer": "output released before backward", "function": "outputs kept until train_step returns",
@@ -118,8 +126,8 @@ def render(report: MemoryReport, console: Console) -> None:
                      + (f", MoE routing {r['moe_routing']}" if r.get("moe_layers") else ""))
     if step_line(r):
         head.add_row("step", escape(step_line(r)))
-    if r.get("fsdp"):
-        head.add_row("sharding", sharding_line(r["fsdp"]))
+    if r.get("fsdp") or r.get("tp"):
+        head.add_row("sharding", sharding_line(r))
     if r.get("ddp"):
         head.add_row("sharding", f"DDP over {r['ddp']['world']} ranks (every rank holds the whole model and one "
                                  f"set of gradient buckets); per rank; global batch {r['ddp']['global_batch']}")

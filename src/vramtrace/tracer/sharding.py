@@ -14,6 +14,20 @@ FSDP2 shards each parameter with `torch.chunk` on dim 0, padded to ceil(dim0 / N
 parameter storage has the padded size, but its local tensor (what the optimizer's states copy) has only its own
 rows, so the last ranks can hold less. Ranks are traced one at a time.
 
+`tensor_parallel(model, mesh)` applies transformers' own tensor parallelism (the model's `base_model_tp_plan`,
+resolved as `from_pretrained(..., distributed_config=DistributedConfig(tp_size=N))` resolves it, applied by
+`transformers.distributed.tensor_parallel.apply_tensor_parallelism`): parameters become DTensors sharded by
+`distribute_tensor` (torch.chunk rows on the sharded dim), the styles' forward wrappers run
+`_c10d_functional` all-reduces and all-gathers, recorded with their outputs. The local computation DTensor runs
+below the dispatch mode is the same local computation the plain step runs, on the local shards: the styles hand
+the modules local tensors (`use_local_output`). `meshes(spec)` builds the 1-D mesh of `--fsdp N` or `--tp N`, or
+the 2-D ("dp", "tp") mesh of `--fsdp M --tp N` (rank r: data-parallel rank r // N, TP rank r % N), with FSDP2
+then sharding the TP-local tensors on dim 0.
+
+What a CPU run of transformers' TP loading does that a device run does not: `from_pretrained` leaves each dim-0
+shard a view of the memory-mapped checkpoint on the CPU (the whole tensor's file-backed storage); on a GPU the
+shard alone is copied to the device. The trace counts the shard (what a device holds).
+
 `wrap_ddp(model)` wraps the model in `DistributedDataParallel` on the same fake process group (every DDP rank runs
 the same program).
 """
@@ -21,13 +35,15 @@ the same program).
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
+import re
 from typing import Iterator
 
 import torch
 
 from ..analysis.categories import Category
-from ..errors import TraceError
+from ..errors import TraceError, UsageError
 from ..spec import Precision, RunSpec
 
 
@@ -72,10 +88,59 @@ def mixed_precision_policy(precision: Precision):
     return None if low is None else MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
 
 
-def shard(model: torch.nn.Module, layers: torch.nn.ModuleList | None, spec: RunSpec, precision: Precision) -> None:
-    """`fully_shard` each module of `layers`, then `model`, on a meta DeviceMesh of `spec.fsdp` ranks, with
-    `reshard_after_forward=spec.reshard_after_forward` and `mixed_precision_policy(precision)`. Call inside
-    `fake_rank`. Raises TraceError when the model has no layer stack to shard."""
+def meshes(spec: RunSpec):
+    """(the FSDP2 mesh or None, the TP mesh or None) of `spec`'s ranks on the meta device, inside `fake_rank`: one
+    1-D mesh of `spec.fsdp` or `spec.tp` ranks, or the two dimensions of a ("dp", "tp") mesh of fsdp × tp ranks
+    (TP innermost, as transformers/distributed/utils.py `initialize_distributed_mesh` and torchtitan's
+    `ParallelDims` lay them out). One TP rank is no TP."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if spec.tp == 1:  # transformers applies no plan to one TP rank (`prepare_distribute_model`)
+        return (DeviceMesh("meta", torch.arange(spec.fsdp)) if spec.fsdp is not None else None), None
+    if spec.fsdp is not None and spec.tp is not None:
+        mesh = DeviceMesh("meta", torch.arange(spec.fsdp * spec.tp).reshape(spec.fsdp, spec.tp),
+                          mesh_dim_names=("dp", "tp"))
+        return mesh["dp"], mesh["tp"]
+    mesh = DeviceMesh("meta", torch.arange(spec.fsdp or spec.tp))
+    return (mesh, None) if spec.fsdp is not None else (None, mesh)
+
+
+def tp_plan(model: torch.nn.Module, tp: int) -> dict[str, str]:
+    """The model's tensor-parallel plan for `tp` ranks, as `from_pretrained(distributed_config=DistributedConfig(
+    tp_size=tp))` resolves it (transformers/modeling_utils.py `PreTrainedModel._resolve_parallel_plans`: the
+    config's `base_model_tp_plan` prefixed, plus the head's `_tp_plan`). Raises UsageError for a model without
+    one."""
+    from transformers.distributed import DistributedConfig
+
+    resolve = getattr(model, "_resolve_parallel_plans", None)
+    try:
+        plan = resolve(DistributedConfig(tp_size=tp))[0] if resolve is not None else None
+    except ValueError:  # transformers/distributed/mixin.py: "`tp_size=N` was requested, but ... has no `tp_plan`"
+        plan = None
+    if not plan:
+        name = type(model).__name__
+        raise UsageError(f"--tp: {name} has no tensor-parallel plan in transformers (config.base_model_tp_plan); "
+                         "use --fsdp N")
+    return plan
+
+
+def tensor_parallel(model: torch.nn.Module, mesh) -> None:
+    """transformers' `apply_tensor_parallelism(model, mesh, tp_plan(model, mesh.size()))` on the meta device, inside
+    `fake_rank`. Raises UsageError for a model without a plan."""
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    from .. import bridges
+
+    plan = tp_plan(model, mesh.size())
+    with bridges.fsdp_on_meta():
+        apply_tensor_parallelism(model, mesh, plan)
+
+
+def shard(model: torch.nn.Module, layers: torch.nn.ModuleList | None, spec: RunSpec, precision: Precision,
+          mesh=None) -> None:
+    """`fully_shard` each module of `layers`, then `model`, on `mesh` (default: a meta DeviceMesh of `spec.fsdp`
+    ranks), with `reshard_after_forward=spec.reshard_after_forward` and `mixed_precision_policy(precision)`. Call
+    inside `fake_rank`. Raises TraceError when the model has no layer stack to shard."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -84,7 +149,7 @@ def shard(model: torch.nn.Module, layers: torch.nn.ModuleList | None, spec: RunS
     if layers is None:
         raise TraceError("--fsdp shards each layer of the model's layer stack, and this model has none that "
                          "vramtrace recognises")
-    mesh = DeviceMesh("meta", torch.arange(spec.fsdp))
+    mesh = mesh if mesh is not None else DeviceMesh("meta", torch.arange(spec.fsdp))
     kwargs = {"mesh": mesh, "reshard_after_forward": spec.reshard_after_forward}
     policy = mixed_precision_policy(precision)
     if policy is not None:
@@ -95,11 +160,61 @@ def shard(model: torch.nn.Module, layers: torch.nn.ModuleList | None, spec: RunS
         fully_shard(model, **kwargs)
 
 
-def sharded_bytes(param: torch.Tensor, world: int) -> int:
-    """Bytes of FSDP2's sharded storage of `param` on any of `world` ranks: ceil(dim0 / world) rows of the
-    parameter (`FSDPParam._init_sharded_param` pads every rank's shard to the same size)."""
-    shape = tuple(param.shape) or (1,)
-    return _rows(shape[0], world, 0) * math.prod(shape[1:]) * param.element_size()
+def parallelize(model: torch.nn.Module, spec: RunSpec, precision: Precision) -> torch.nn.Module:
+    """A deep copy of `model` with `spec`'s parallelism applied (TP first, then FSDP2, as torchtitan's
+    `parallelize_llama` orders them), inside `fake_rank(spec.world, rank)`; its layer stack is `layer_stack` of
+    the copy."""
+    from .building import layer_stack
+
+    model = copy.deepcopy(model)  # fully_shard and the TP styles change modules and parameters in place
+    dp_mesh, tp_mesh = meshes(spec)
+    if tp_mesh is not None:
+        tensor_parallel(model, tp_mesh)
+    if dp_mesh is not None:
+        shard(model, layer_stack(model), spec, precision, dp_mesh)  # checkpointing after: transformers' is by attribute
+    return model
+
+
+_LAYER_INDEX = re.compile(r"\.\d+\.")
+
+
+def tp_layout(model: torch.nn.Module, spec: RunSpec) -> dict[str, int | None]:
+    """Each parameter's TP-sharded dim (None: replicated), by name with layer indices as '*'. Applies the plan to a
+    copy on rank 0 of a fake group of `spec.tp` ranks; {} without TP."""
+    if spec.tp is None or spec.tp == 1:
+        return {}
+    from torch.distributed.device_mesh import DeviceMesh
+
+    with fake_rank(spec.tp, 0):
+        copied = copy.deepcopy(model)
+        tensor_parallel(copied, DeviceMesh("meta", torch.arange(spec.tp)))
+        out = {}
+        for n, p in copied.named_parameters():
+            dims = [pl.dim for pl in getattr(p, "placements", ()) if pl.is_shard()]
+            out[_LAYER_INDEX.sub(".*.", n)] = dims[0] % max(p.dim(), 1) if dims else None
+    return out
+
+
+def local_shape(shape: tuple[int, ...], tp_dim: int | None, spec: RunSpec, rank: int,
+                padded: bool = False) -> tuple[int, ...]:
+    """The shape of a parameter of global `shape` that rank `rank` holds: `spec.tp` torch.chunk rows on its TP dim
+    `tp_dim`, then `spec.fsdp` rows on dim 0 of that (FSDP2 shards the TP-local tensor: `_fsdp_param.py`
+    `FSDPParam._init_sharded_param`); `padded`: FSDP2's storage, padded to the first rank's rows."""
+    out = list(shape or (1,))
+    dp, t = divmod(rank, spec.tp or 1)
+    if tp_dim is not None:
+        out[tp_dim] = _rows(out[tp_dim], spec.tp, t)
+    if spec.fsdp is not None:
+        out[0] = _rows(out[0], spec.fsdp, 0 if padded else dp)
+    return tuple(out)
+
+
+def param_bytes(model: torch.nn.Module, spec: RunSpec, layout: dict[str, int | None]) -> dict[str, int]:
+    """Bytes of each parameter's storage on rank `spec.rank` (0 when None) of `spec`'s ranks (`layout`:
+    `tp_layout`)."""
+    rank = spec.rank or 0
+    return {n: math.prod(local_shape(tuple(p.shape), layout.get(_LAYER_INDEX.sub(".*.", n)), spec, rank, True))
+            * p.element_size() for n, p in model.named_parameters()}
 
 
 def _rows(dim0: int, world: int, rank: int) -> int:
@@ -109,15 +224,17 @@ def _rows(dim0: int, world: int, rank: int) -> int:
     return max(0, min(chunk, dim0 - rank * chunk))
 
 
-def rank_classes(model: torch.nn.Module, world: int) -> list[tuple[int, ...]]:
-    """The ranks of `world` grouped by what FSDP2 gives them to hold: ranks whose local shards have the same rows
-    for every parameter (`torch.chunk` on dim 0: ceil(dim0 / world) rows for the first ranks, fewer or none for
-    the last) run the same program with the same sizes. Each group lists its ranks in order; groups are ordered
-    by their first rank."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    shapes = {tuple(p.shape) or (1,) for p in model.parameters()}
-    for r in range(world):
-        key = tuple(_rows(s[0], world, r) for s in sorted(shapes))
+def rank_classes(model: torch.nn.Module, spec: RunSpec, layout: dict[str, int | None] | None = None,
+                 ) -> list[tuple[int, ...]]:
+    """The ranks of `spec.world` grouped by what they hold: ranks whose local shards have the same shape for every
+    parameter (`local_shape`: torch.chunk on the TP dim, then on dim 0 for FSDP2; ceil(size / N) rows for the first
+    ranks, fewer or none for the last) run the same program with the same sizes. `layout`: `tp_layout` (computed
+    when None). Each group lists its ranks in order; groups are ordered by their first rank."""
+    layout = tp_layout(model, spec) if layout is None else layout
+    params = {(tuple(p.shape), layout.get(_LAYER_INDEX.sub(".*.", n))) for n, p in model.named_parameters()}
+    groups: dict[tuple, list[int]] = {}
+    for r in range(spec.world):
+        key = tuple(local_shape(shape, dim, spec, r) for shape, dim in sorted(params, key=repr))
         groups.setdefault(key, []).append(r)
     return sorted((tuple(g) for g in groups.values()), key=lambda g: g[0])
 

@@ -33,7 +33,7 @@ from .records import MicroMarks, OpInfo, Phase, RecStorage
 from .recorder import StepRecorder, tag_autograd_nodes
 from .replay import MicroRecord, capture, replay, replayable
 from .decoding import PATTERN, decode_steps_to_trace, rebuild_decode_steps
-from .sharding import FSDP_OP_CATEGORIES, mixed_precision_policy, sharded_bytes
+from .sharding import FSDP_OP_CATEGORIES, mixed_precision_policy, param_bytes, tp_layout
 from .replication import TRACED_LAYERS, LayerPlan, NotPeriodic, replicate_layers
 from .step import STEPS, StepContext, load_user_step, run_generation, run_inference, run_training
 
@@ -211,23 +211,21 @@ def _grad_scaler(spec: RunSpec, loaded: LoadedModel):
 
 def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Callable[[str], None],
             layers: torch.nn.ModuleList | None, replay_steady: bool = True, stop_after: int | None = None):
-    """`_record_on` the model; with `spec.fsdp`, on a copy of it sharded by FSDP2 as rank `spec.rank` (0 when
-    None) of a fake process group (`sharding.py`); with `spec.ddp`, on a copy wrapped by DDP there. A distributed
-    step's steady step is traced, not replayed."""
-    from .sharding import fake_rank, shard, wrap_ddp
+    """`_record_on` the model; with `spec.fsdp` and/or `spec.tp`, on a copy of it parallelized as rank `spec.rank`
+    (0 when None) of a fake process group (`sharding.parallelize`); with `spec.ddp`, on a copy wrapped by DDP
+    there. A distributed step's steady step is traced, not replayed."""
+    from .sharding import fake_rank, parallelize, wrap_ddp
 
     if spec.ddp is not None:
         with fake_rank(spec.ddp, 0):  # every DDP rank runs the same program
             model = copy.deepcopy(model)  # the reducer hooks the parameters' gradient accumulators
             return _record_on(spec, model, loaded, say, layer_stack(model), False, stop_after, wrap=wrap_ddp)
-    if spec.fsdp is None:
+    if spec.world is None:
         return _record_on(spec, model, loaded, say, layers, replay_steady, stop_after)
 
-    with fake_rank(spec.fsdp, spec.rank or 0):
-        model = copy.deepcopy(model)  # fully_shard changes the modules' classes and parameters in place
-        layers = layer_stack(model)
-        shard(model, layers, spec, loaded.precision)  # checkpointing after: transformers' is by attribute
-        return _record_on(spec, model, loaded, say, layers, False, stop_after)
+    with fake_rank(spec.world, spec.rank or 0):
+        model = parallelize(model, spec, loaded.precision)
+        return _record_on(spec, model, loaded, say, layer_stack(model), False, stop_after)
 
 
 def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Callable[[str], None],
@@ -319,7 +317,7 @@ def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: 
                   and spec.zero_grad is ZeroGrad.NONE)
     obs = _TraceObserver(rec, say, policy, params if repeatable else None)
     try:
-        sharded = bridges.fsdp_on_meta(rec) if spec.fsdp is not None else contextlib.nullcontext()
+        sharded = bridges.fsdp_on_meta(rec) if spec.world is not None else contextlib.nullcontext()
         with (bridges.installed(policy, rec), sharded, moe_routing(model, spec, policy), module_hooks(model, rec),
               policy, _optimizer_hooks(model, rec),
               torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, lambda t: t), rec):
@@ -358,12 +356,13 @@ def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: 
 
 
 
-def _check_parameters(model: torch.nn.Module, storages: list[RecStorage], fsdp: int | None = None) -> None:
-    """The rebuilt records must hold exactly the full model's parameters (name and bytes; FSDP2's sharded
-    storages of them with `fsdp` ranks)."""
-    want = {}
-    for n, p in model.named_parameters():
-        want[n] = p.untyped_storage().nbytes() if fsdp is None else sharded_bytes(p, fsdp)
+def _check_parameters(model: torch.nn.Module, storages: list[RecStorage], spec: RunSpec) -> None:
+    """The rebuilt records must hold exactly the full model's parameters (name and bytes; with `spec.fsdp` or
+    `spec.tp`, the storages rank `spec.rank` holds of them: `sharding.param_bytes`)."""
+    if spec.world is None or spec.ddp is not None:
+        want = {n: p.untyped_storage().nbytes() for n, p in model.named_parameters()}
+    else:
+        want = param_bytes(model, spec, tp_layout(model, spec))
     got = {s.name: s.nbytes for s in storages if s.category == Category.PARAMETER}
     if got != want:
         missing = sorted(set(want) - set(got))[:3] or sorted(set(got) - set(want))[:3]
@@ -437,7 +436,7 @@ def _trace_step(spec: RunSpec, loaded: LoadedModel, say: Callable[[str], None], 
                 spec, loaded.traced_model, loaded, say, layer_stack(loaded.traced_model), replay_steady, stop_after)
         try:
             ops, storages, new_index = replicate_layers(plan, rec.ops, rec.storages)
-            _check_parameters(loaded.model, storages, spec.fsdp)
+            _check_parameters(loaded.model, storages, spec)
             marks = [MicroMarks(m.step, m.micro, new_index[m.forward_returned], new_index[m.loss_taken],
                                 new_index[m.body_end]) for m in marks]
             result = ops, storages, marks, _sdpa_counts(policy.sdpa_calls, plan), optimizer is not None
