@@ -725,9 +725,9 @@ def measure_cpu_peak_ranks(spec, timeout: float = 600.0) -> list[int]:
     import time
 
     assert _v(spec.device) == "cpu"
-    _, world = _world(spec)
-    if _v(spec.mode) != "train":
-        raise NotImplementedError(f"oracle: distributed cases measure a training step, not mode {_v(spec.mode)!r}")
+    kind, world = _world(spec)
+    if _v(spec.mode) != "train" and kind != "tp":  # TP also serves: inference and generate run as one process does
+        raise NotImplementedError(f"oracle: {kind} cases measure a training step, not mode {_v(spec.mode)!r}")
     plain = _plain_spec(spec)
     # A fork server (a clean process, like spawn's) that has imported this module, torch, transformers' model code
     # and torch.distributed's wrappers once: each rank is then a fork of it, not a fresh interpreter (seconds).

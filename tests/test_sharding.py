@@ -49,6 +49,18 @@ def test_tp_matches_real_gloo_ranks(model, precision):
         assert abs(predicted.peak_allocated_bytes - measured) <= 0.005 * measured, (rank, predicted, measured)
 
 
+@pytest.mark.parametrize("mode,kw", [("inference", {}), ("generate", {"new_tokens": 4})], ids=["inference", "generate"])
+def test_tp_inference_and_generation_match_real_gloo_ranks(mode, kw):
+    """TP serves too: a forward over the prompt (the logits gathered from both ranks' vocabulary halves by the
+    head's colwise_gather_output) and a generation with its KV cache of half the KV heads per rank."""
+    spec = RunSpec(LLAMA, batch=2, seq=16, device="cpu", precision="bf16", mode=mode, tp=2, **kw)
+    real = measure_cpu_peak_ranks(spec)
+    for rank, measured in enumerate(real):
+        predicted = analyze(RunSpec(LLAMA, batch=2, seq=16, device="cpu", precision="bf16", mode=mode, tp=2,
+                                    rank=rank, **kw)).peak_allocated_bytes
+        assert abs(predicted - measured) <= 0.005 * measured, (rank, predicted, measured)
+
+
 def test_fsdp_with_one_tp_rank_matches_real_gloo_ranks():
     """`--fsdp 2 --tp 1` (a 2-D mesh whose TP dimension is one rank: transformers applies no plan to it) against the
     real FSDP2 run."""
@@ -154,7 +166,7 @@ def test_an_initialized_process_group_is_left_alone():
     ({"fsdp": 2, "rank": 2}, "--rank must be in 0..1 for 2 ranks"),
     ({"fsdp": 2, "tp": 2, "rank": 4}, "--rank must be in 0..3 for 4 ranks"),
     ({"ddp": 2, "tp": 2}, "--ddp replicates the model on N ranks"),
-    ({"tp": 2, "mode": "inference"}, "--tp runs a training step on N ranks"),
+    ({"fsdp": 2, "tp": 2, "mode": "inference"}, "--fsdp runs a training step on N ranks"),
     ({"fsdp": 0}, "--fsdp must be a positive integer"),
     ({"fsdp": 2, "mode": "inference"}, "--fsdp runs a training step on N ranks"),
 ])

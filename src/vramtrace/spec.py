@@ -626,7 +626,10 @@ class RunSpec:
             if self.rank is not None:
                 raise UsageError("--rank applies to --fsdp N or --tp N; add one or drop it")
             return
-        self._check_distributed("--fsdp" if self.tp is None else "--tp")
+        if self.fsdp is not None or self.mode is Mode.TRAIN:  # TP alone also serves (inference, generate)
+            self._check_distributed("--fsdp" if self.fsdp is not None else "--tp")
+        elif custom_ref(self.model) is not None:
+            raise UsageError("--tp applies the transformers model's own plan; a custom module has none")
         if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int)
                                       or not 0 <= self.rank < self.world):
             raise UsageError(f"--rank must be in 0..{self.world - 1} for {self.world} ranks, got {self.rank}")

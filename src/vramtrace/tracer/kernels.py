@@ -559,6 +559,8 @@ class CpuWorkspaceProbe:
         if str(func) in GLOO_TEMPORARY:  # a collective: the fake backend runs no kernel to probe
             t = args[GLOO_TEMPORARY[str(func)]]
             return t.numel() * t.element_size(), out
+        if func.namespace in ("c10d", "_c10d_functional"):  # the other collectives: nothing the fake backend runs
+            return 0, out  # is gloo's, and a collective run here would wait in c10d's work registry for ever
         autocast = self.autocast_dtype()
         key = (str(func), self._key(args), self._key(tuple(sorted(kwargs.items()))), autocast)
         if key not in self._cache:

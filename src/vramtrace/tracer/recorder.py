@@ -31,6 +31,9 @@ FALLBACK_LIMIT_BYTES = 256 << 20  # inputs of an op without a meta kernel that t
 _MODULE_KEY = "vramtrace_module"
 RESIZE_OP = "storage.resize_"  # the pseudo-op of an in-place storage resize up (storage_resized)
 _ADD = torch.ops.aten.add.Tensor
+# A functional collective's output wrapped for autograd (torch/distributed/_functional_collectives.py
+# `_wrap_tensor_autograd`: an AsyncCollectiveTensor around the input, no allocation; its fake kernel is `empty_like`)
+_WRAP_COLLECTIVE = "_c10d_functional._wrap_tensor_autograd.default"
 # references to an input-buffer gradient seen from the top of __torch_dispatch__ when the engine holds the last one
 # (the buffer, the dispatcher's argument, the Python argument, the engine's own copy): see _accumulates_in_place
 ACCUMULATE_USE_COUNT = 4
@@ -306,6 +309,8 @@ class StepRecorder(TorchDispatchMode):
         try:
             if self._accumulates_in_place(func, args, kwargs):
                 out = args[0].add_(args[1])  # the input buffer's storage is reused, as the real engine does
+            elif func.namespace == "_c10d_functional" and str(func) == _WRAP_COLLECTIVE:
+                out = torch.ops.aten.alias.default(args[0])  # the real op wraps its input; its fake kernel copies
             else:
                 out = func(*args, **kwargs)
         except NotImplementedError as e:
