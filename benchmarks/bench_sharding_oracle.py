@@ -1,10 +1,13 @@
 """Per-rank peaks of sharded steps: vramtrace's prediction against the same step run for real by N gloo processes.
 
-Reproduce: python benchmarks/bench_sharding_oracle.py   (CPU only, sets HF_HUB_OFFLINE=1; about 2 minutes)
+Reproduce: python benchmarks/bench_sharding_oracle.py   (CPU only, sets HF_HUB_OFFLINE=1; about 3 minutes)
 Cases: tiny-gpt2 and tiny-llama-gqa (fixtures/configs), batch 2 x seq 16 per rank, AdamW:
 - FSDP2 over 2 and 3 ranks, fp32 and bf16-mixed, reshard_after_forward true and false (every rank);
 - FSDP2 over 2 ranks with checkpointing layers, grad_accum 2, clip_grad_norm 1.0, the script loop, fp16-mixed, bf16;
-- DDP over 2 ranks, fp32 and bf16-mixed.
+- DDP over 2 ranks, fp32 and bf16-mixed;
+- transformers' tensor parallelism over 2 ranks (tiny-llama-gqa and tiny-mistral-sw: GPT-2 has no TP plan), fp32,
+  bf16-mixed and bf16 training, bf16 inference and generation (4 new tokens; Mistral with a static cache);
+- FSDP2 over 2 ranks with `--tp 1` (no TP: transformers applies no plan to one rank).
 Columns: the real per-rank peaks (tests/oracle.py `measure_cpu_peak_ranks`: the storages alive before the warm-up
 plus torch.profiler's allocator events, maximised over the measured step), vramtrace's per-rank predictions
 (`analyze(RunSpec(..., device="cpu", fsdp=N, rank=r))`; DDP: one prediction for every rank), and the error in %.
@@ -39,14 +42,22 @@ def main() -> None:
     for model in ("tiny-gpt2", "tiny-llama-gqa"):
         for precision in ("fp32", "bf16-mixed"):
             cases.append((model, {"precision": precision, "ddp": 2}))
+    for model in ("tiny-llama-gqa", "tiny-mistral-sw"):
+        for precision in ("fp32", "bf16-mixed", "bf16"):
+            cases.append((model, {"precision": precision, "tp": 2}))
+    cases += [("tiny-llama-gqa", {"precision": "bf16", "tp": 2, "mode": "inference"}),
+              ("tiny-llama-gqa", {"precision": "bf16", "tp": 2, "mode": "generate", "new_tokens": 4}),
+              ("tiny-mistral-sw", {"precision": "bf16", "tp": 2, "mode": "generate", "new_tokens": 6,
+                                   "cache": "static"}),
+              ("tiny-gpt2", {"precision": "fp32", "fsdp": 2, "tp": 1})]
     print("| model | options | real per rank | predicted per rank | error % |")
     print("|---|---|---|---|---|")
     for model, kw in cases:
         path = str(configs / f"{model}.json")
         real = measure_cpu_peak_ranks(RunSpec(path, batch=2, seq=16, device="cpu", **kw))
-        if "fsdp" in kw:
+        if "fsdp" in kw or "tp" in kw:
             pred = [analyze(RunSpec(path, batch=2, seq=16, device="cpu", rank=r, **kw)).peak_allocated_bytes
-                    for r in range(kw["fsdp"])]
+                    for r in range(len(real))]
         else:
             pred = [analyze(RunSpec(path, batch=2, seq=16, device="cpu", **kw)).peak_allocated_bytes] * len(real)
         errors = ", ".join(f"{100 * (p - r) / r:+.3f}" for p, r in zip(pred, real))

@@ -79,8 +79,25 @@ def test_serve_cli_prints_blocks_and_concurrency(capsys):
     assert "blocks of 16 tokens" in out and "maximum concurrency for 256 tokens per request" in out
 
 
+def test_serve_with_tp_is_per_rank():
+    """Llama-3.1-8B by hand at TP 2: a block holds 4 KV heads per rank (half the bytes). The tiny Llama's profile
+    run traced under its TP plan: rank 0 holds half of every matrix and the whole norms, and as many blocks of
+    half the KV heads."""
+    r = plan(ServeSpec("x", gpu="L40S", max_model_len=8192, tp=2), lambda t, s: (8 * 2**30, 8030527488, "mlp"),
+             LLAMA31_8B, 2)
+    assert r["kv_heads_per_rank"] == 4 and r["bytes_per_block"] == 2**20
+    kw = {"gpu": "T4", "max_model_len": 256, "max_num_batched_tokens": 64, "max_num_seqs": 4}
+    one, two = analyze_serve(ServeSpec(LLAMA, **kw)), analyze_serve(ServeSpec(LLAMA, tp=2, **kw))
+    # bf16 rank-0 shards (rows × columns × 2 B), each in a 512-byte block: q 32×64, k and v 16×64, o 64×32,
+    # gate and up 88×64, down 64×88, two norms of 64 (one block each); embeddings and lm_head 256×64; final norm
+    layer = 2 * (32 * 64 + 16 * 64 * 2 + 64 * 32 + 88 * 64 * 3) + 2 * 512
+    assert two["weights_bytes"] == 2 * layer + 2 * (2 * 256 * 64) + 512
+    assert two["page_bytes"] * 2 == one["page_bytes"] and two["kv_heads_per_rank"] == 1
+    assert two["activation_peak_bytes"] < one["activation_peak_bytes"]
+
+
 @pytest.mark.parametrize("args,message", [
-    (["--tp", "2"], "--tp N > 1 is not modelled yet"),
+    (["--tp", "3"], "--tp 3: the model's 4 attention heads must be divisible"),
     (["--kv-cache-dtype", "int3"], "unknown --kv-cache-dtype 'int3'"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
     (["--max-model-len", "100000"], "longer than the model's max_position_embeddings 256"),

@@ -313,7 +313,8 @@ def serve_command(
                                                 "config's max_position_embeddings, as vLLM derives it)"),
     utilization: float = typer.Option(0.92, "--gpu-memory-utilization", help="vLLM's share of the GPU (0.92 in "
                                       "vLLM 0.33; 0.9 before 0.28)"),
-    tp: int = typer.Option(1, "--tp", help="tensor-parallel size (only 1 is modelled yet)"),
+    tp: int = typer.Option(1, "--tp", help="tensor-parallel size: the figures are per rank (the profile run traced "
+                           "under the model's own TP plan)"),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="auto (the weights' dtype) | fp8"),
     block_size: int = typer.Option(16, "--block-size", help="tokens per KV block"),
     max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens",

@@ -9,6 +9,19 @@ the QKV and gate/up projections, which changes the order of the MLP's temporarie
 skips attention in the profile run (`skip_attn=True`), which transformers cannot: the traced peak keeps
 attention's output, a (tokens, hidden) tensor the MLP's peak already exceeds.
 
+With `--tp N` the figures are rank 0's (vLLM's tensor-parallel ranks hold the same shards, so each profiles and
+sizes the same budget; the engine takes the smallest block count of all ranks,
+`vllm/v1/core/kv_cache_utils.py::get_kv_cache_configs`). The profile run is traced under transformers' own tensor
+parallelism on N fake ranks (`RunSpec.tp`, `tracer/sharding.py`): each rank holds 1/N of every projection and of
+the vocabulary (embeddings, `lm_head`), the norms whole, the attention and MLP intermediates of its heads and
+columns, and the all-reduced hidden states whole, as vLLM's QKVParallelLinear / MergedColumnParallelLinear /
+RowParallelLinear / VocabParallelEmbedding do (`vllm/model_executor/layers/linear.py`, `vocab_parallel_embedding.py`;
+vLLM pads the vocabulary to a multiple of 64 per rank first, which Llama's and Mistral's vocabularies already
+are). The KV heads per rank are max(1, kv_heads // N) (`ModelConfig.get_num_kv_heads`: fewer KV heads than ranks
+are replicated), and N must divide the attention heads (`ModelConfig.verify_with_parallel_config`). NCCL's and
+the custom all-reduce's buffers are outside PyTorch's allocator: part of the non-PyTorch memory (`--non-torch-memory`),
+which grows with N in vLLM's logs.
+
 The budget (`vllm/v1/worker/gpu_worker.py::Worker.determine_available_memory`):
 
     requested  = ceil(total × gpu_memory_utilization)          vllm/v1/worker/utils.py::request_memory
@@ -83,9 +96,6 @@ class ServeSpec:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_DTYPE_BYTES:
             raise UsageError(f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}; choose one of: auto, "
                              f"{', '.join(KV_DTYPE_BYTES)}")
-        if self.tp != 1:
-            raise UsageError("vramtrace serve --tp N > 1 is not modelled yet (tensor parallelism is issue 14); "
-                             "drop --tp")
         for name in ("non_torch_bytes", "cudagraph_bytes"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{name.removesuffix('_bytes').replace('_', '-')}-memory must be a size >= 0")
@@ -118,10 +128,11 @@ class KvShape:
     dtype_bytes: int
 
 
-def kv_shape(config: dict, weight_dtype_bytes: int, kv_cache_dtype: str) -> KvShape:
+def kv_shape(config: dict, weight_dtype_bytes: int, kv_cache_dtype: str, tp: int = 1) -> KvShape:
     """The `KvShape` of a transformers config dict (its text config for multimodal ones). Raises UsageError for
     what this planner does not model: sliding-window or chunked layers (vLLM sizes them as their own KV cache
-    groups), MLA (DeepSeek: one latent head without the factor 2), encoder-decoders."""
+    groups), MLA (DeepSeek: one latent head without the factor 2), encoder-decoders, attention heads that `tp`
+    ranks do not divide."""
     text = config.get("text_config") or config
     if config.get("is_encoder_decoder") or text.get("is_encoder_decoder"):
         raise UsageError("vramtrace serve models decoder-only models; this config is an encoder-decoder")
@@ -134,6 +145,9 @@ def kv_shape(config: dict, weight_dtype_bytes: int, kv_cache_dtype: str) -> KvSh
                          "other layer types, which vLLM sizes as separate KV cache groups (not modelled yet)")
     heads = text["num_attention_heads"]
     head_size = text.get("head_dim") or text["hidden_size"] // heads
+    if heads % tp:  # vllm/config/model.py ModelConfig.verify_with_parallel_config
+        raise UsageError(f"--tp {tp}: the model's {heads} attention heads must be divisible by the tensor-parallel "
+                         "size, as vLLM requires")
     kv_heads = text.get("num_key_value_heads") or heads
     dtype_bytes = weight_dtype_bytes if kv_cache_dtype == "auto" else KV_DTYPE_BYTES[kv_cache_dtype]
     return KvShape(text["num_hidden_layers"], kv_heads, head_size, dtype_bytes)
@@ -151,7 +165,7 @@ def plan(spec: ServeSpec, profile_peak: Callable[[int, int], tuple[int, int, str
     max_model_len beyond the model's)."""
     gpu = spec.preset
     total = spec.gpu_memory_bytes or gpu.memory_bytes
-    shape = kv_shape(config, weight_dtype_bytes, spec.kv_cache_dtype)
+    shape = kv_shape(config, weight_dtype_bytes, spec.kv_cache_dtype, spec.tp)
     text = config.get("text_config") or config
     model_max = text.get("max_position_embeddings")
     L = spec.max_model_len or model_max
@@ -201,7 +215,8 @@ def analyze_serve(spec: ServeSpec, progress: Callable[[str], None] | None = None
     """`plan` of `spec` with the profile run traced: transformers' model of `spec.model` built on meta in the
     serving dtype (vLLM's dtype 'auto': the config's fp16, else bf16), one inference forward of batch 1 ×
     max_num_batched_tokens packed as max_num_seqs requests with the dummy sampler (`RunSpec.serve_requests`),
-    on the CUDA target of `spec.gpu` (512-byte blocks). Raises what `analyze` raises, and UsageError."""
+    on the CUDA target of `spec.gpu` (512-byte blocks); with `spec.tp` > 1, rank 0 of transformers' tensor
+    parallelism over that many fake ranks (`RunSpec.tp`). Raises what `analyze` raises, and UsageError."""
     from .analysis.categories import Category
     from .spec import Mode, RunSpec
     from .tables import step_tables
@@ -215,12 +230,13 @@ def analyze_serve(spec: ServeSpec, progress: Callable[[str], None] | None = None
     text = config.get("text_config") or config
     stored = str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "")
     precision, dtype_bytes = ("fp16", 2) if stored.endswith("float16") and "b" not in stored else ("bf16", 2)
-    kv_shape(config, dtype_bytes, spec.kv_cache_dtype)  # a config this planner refuses, before any trace
+    kv_shape(config, dtype_bytes, spec.kv_cache_dtype, spec.tp)  # a config this planner refuses, before any trace
 
     def profile_peak(tokens: int, requests: int) -> tuple[int, int, str]:
         run = RunSpec(spec.model, batch=1, seq=tokens, mode=Mode.INFERENCE, precision=precision, gpu=spec.gpu,
                       gpu_memory_bytes=spec.gpu_memory_bytes, serve_requests=requests,
-                      trust_remote_code=spec.trust_remote_code)
+                      trust_remote_code=spec.trust_remote_code,
+                      tp=spec.tp if spec.tp > 1 else None, rank=0 if spec.tp > 1 else None)
         say(f"building model on meta ({precision})")
         loaded = load_model(run, resolved)
         say(f"tracing the profile run: {tokens:,} tokens as {requests:,} requests")
