@@ -70,6 +70,14 @@ def test_fsdp_with_one_tp_rank_matches_real_gloo_ranks():
         assert abs(predicted - measured) <= 0.005 * measured, (rank, predicted, measured)
 
 
+def test_tp_with_foreach_adamw_fails_as_the_real_step_does():
+    """On CUDA torch.optim picks the foreach AdamW, whose ops refuse a list mixing the TP shards (DTensors) and the
+    replicated norms (plain tensors): the real step raises the same; the error says what to use instead."""
+    with pytest.raises(TraceError, match="--optimizer-impl for-loop"):
+        analyze(RunSpec(LLAMA, batch=1, seq=16, tp=2, rank=0))
+    assert analyze(RunSpec(LLAMA, batch=1, seq=16, tp=2, rank=0, optimizer_impl="for-loop")).peak_allocated_bytes
+
+
 def test_tp_without_a_plan_is_a_usage_error():
     with pytest.raises(UsageError, match="GPT2LMHeadModel has no tensor-parallel plan"):
         analyze(RunSpec(GPT2, batch=2, seq=16, device="cpu", tp=2))

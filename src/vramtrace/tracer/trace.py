@@ -347,6 +347,10 @@ def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: 
         where = rec.current_module() or "(root)"
         last = rec.ops[-1].name if rec.ops else "no op yet"
         text = str(e).strip().splitlines()[0] if str(e).strip() else "(no message)"
+        if "got mixed torch.Tensor and DTensor" in text and rec.phase is Phase.OPTIMIZER:
+            raise TraceError(f"the optimizer step fails as the real one does: {text} (the foreach implementation, "
+                             "the CUDA default, gets the TP shards and the replicated parameters in one list, "
+                             "pytorch/pytorch#153354); use --optimizer-impl for-loop (foreach=False)") from e
         raise TraceError(f"tracing failed in phase {rec.phase}, module {where}, after {last}: "
                          f"{type(e).__name__}: {text}") from e
     finally:
