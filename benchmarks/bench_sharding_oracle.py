@@ -7,7 +7,8 @@ Cases: tiny-gpt2 and tiny-llama-gqa (fixtures/configs), batch 2 x seq 16 per ran
 - DDP over 2 ranks, fp32 and bf16-mixed;
 - transformers' tensor parallelism over 2 ranks (tiny-llama-gqa and tiny-mistral-sw: GPT-2 has no TP plan), fp32,
   bf16-mixed and bf16 training, bf16 inference and generation (4 new tokens; Mistral with a static cache);
-- FSDP2 over 2 ranks with `--tp 1` (no TP: transformers applies no plan to one rank).
+- FSDP2 over 2 ranks with `--tp 1` (no TP: transformers applies no plan to one rank);
+- transformers' own FSDP plan (`--fsdp-plan transformers`), 2 ranks and a 2 × 2 mesh with TP, fp32 and bf16-mixed.
 Columns: the real per-rank peaks (tests/oracle.py `measure_cpu_peak_ranks`: the storages alive before the warm-up
 plus torch.profiler's allocator events, maximised over the measured step), vramtrace's per-rank predictions
 (`analyze(RunSpec(..., device="cpu", fsdp=N, rank=r))`; DDP: one prediction for every rank), and the error in %.
@@ -50,6 +51,9 @@ def main() -> None:
               ("tiny-mistral-sw", {"precision": "bf16", "tp": 2, "mode": "generate", "new_tokens": 6,
                                    "cache": "static"}),
               ("tiny-gpt2", {"precision": "fp32", "fsdp": 2, "tp": 1})]
+    for extra in ({}, {"tp": 2}):
+        for precision in ("fp32", "bf16-mixed"):
+            cases.append(("tiny-llama-gqa", {"precision": precision, "fsdp": 2, "fsdp_plan": "transformers", **extra}))
     print("| model | options | real per rank | predicted per rank | error % |")
     print("|---|---|---|---|---|")
     for model, kw in cases:

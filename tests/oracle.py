@@ -24,7 +24,8 @@ checkpointing, inputs, freeze, LoRA, image size, multiple-choice count) and buil
   `reshard_after_forward`, a `MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)` instead of autocast for
   bf16/fp16-mixed) or `DistributedDataParallel(model)` with its defaults; each rank measured as one process is.
   Tensor parallelism (`tp`): transformers' own, the case's model saved and loaded back with
-  `from_pretrained(dir, distributed_config=DistributedConfig(tp_size=N))`.
+  `from_pretrained(dir, distributed_config=DistributedConfig(tp_size=N))`; with `fsdp_plan` 'transformers',
+  `DistributedConfig(fsdp_size=M, tp_size=N)`: transformers' own FSDP plan, with TP when N > 1.
   FSDP's all-gather and reduce-scatter are gloo's own (their CPU temporaries counted), called so that their
   buffers are freed on the rank's main thread (see `_GlooAllGather`).
 """
@@ -503,7 +504,7 @@ def _local(t):
 _PLAIN_FIELDS = ("model", "batch", "seq", "mode", "precision", "optimizer", "optimizer_impl", "device",
                  "checkpointing", "inputs", "freeze", "lora_rank", "lora_alpha", "lora_targets", "image_size",
                  "choices", "use_cache", "loop", "grad_accum", "zero_grad", "clip_grad_norm", "step", "new_tokens",
-                 "cache", "kv_dtype", "fsdp", "ddp", "tp", "reshard_after_forward")
+                 "cache", "kv_dtype", "fsdp", "ddp", "tp", "reshard_after_forward", "fsdp_plan")
 
 
 def _plain_spec(spec):
@@ -528,7 +529,11 @@ def _plain_spec(spec):
 
 
 def _world(spec) -> tuple[str, int]:
+    """(kind, world size): 'fsdp', 'ddp', 'tp', or 'transformers' (transformers' own distribution, its FSDP plan
+    with or without TP: `fsdp_plan` 'transformers')."""
     given = {k: getattr(spec, k, None) for k in ("fsdp", "ddp", "tp")}
+    if getattr(spec, "fsdp_plan", "layers") == "transformers" and given["fsdp"] and not given["ddp"]:
+        return "transformers", given["fsdp"] * (given["tp"] or 1)
     if given["tp"] == 1 and given["fsdp"] is not None:  # one TP rank is no TP (transformers' prepare_distribute_model)
         given["tp"] = None
     set_ = [(k, v) for k, v in given.items() if v is not None]
@@ -565,11 +570,13 @@ def _fsdp_wrap(spec, mixed):
     return wrap
 
 
-def _tp_wrap(world: int, directory: Path):
+def _tp_wrap(world: int, directory: Path, fsdp: int | None = None, mixed=None):
     """transformers' tensor parallelism as a user gets it: the case's model saved (`save_pretrained`, by rank 0),
     then loaded by every rank
     with `from_pretrained(directory, distributed_config=DistributedConfig(tp_size=world))`, which shards it by the
-    model's `base_model_tp_plan` over the process group's ranks."""
+    model's `base_model_tp_plan` over the process group's ranks. With `fsdp` M: `DistributedConfig(fsdp_size=M,
+    tp_size=world // M, fsdp_mixed_precision=<mixed is bf16>)`, transformers' own FSDP2 plan on top (its FSDP
+    modules then get the gloo comms of `_fsdp_wrap`)."""
     from transformers.distributed.configuration_utils import DistributedConfig
 
     def wrap(model):
@@ -577,8 +584,16 @@ def _tp_wrap(world: int, directory: Path):
         torch.distributed.barrier()
         dtype = next(model.parameters()).dtype
         del model
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            directory, distributed_config=DistributedConfig(tp_size=world), dtype=dtype)
+        config = (DistributedConfig(tp_size=world) if fsdp is None else
+                  DistributedConfig(fsdp_size=fsdp, tp_size=world // fsdp, fsdp_mixed_precision=mixed is not None))
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, distributed_config=config, dtype=dtype)
+        if fsdp is not None:
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_custom_all_gather(_GlooAllGather())
+                    module.set_custom_reduce_scatter(_GlooReduceScatter())
         # On the CPU the load leaves every dim-0 shard a view of the mmap'd safetensors file (the whole
         # tensor's storage, file-backed pages, not an allocation: transformers/distributed/sharding_utils.py
         # `DtensorShardOperation.shard_tensor` slices the file's tensor and `.to("cpu")` keeps the view), where a
@@ -696,6 +711,12 @@ def _rank_main(rank: int, world: int, spec, init_file: str, out_dir: str) -> Non
                 step.autocast = None  # FSDP's MixedPrecisionPolicy casts, no autocast (torchtitan)
             elif kind == "tp":
                 step = RealStep(spec, wrap=_tp_wrap(world, Path(out_dir, "weights")))
+            elif kind == "transformers":
+                mixed = MIXED.get(precision)
+                if mixed not in (None, torch.bfloat16):
+                    raise ValueError("oracle: transformers' fsdp_mixed_precision casts to bf16 only")
+                step = RealStep(spec, wrap=_tp_wrap(world, Path(out_dir, "weights"), spec.fsdp, mixed))
+                step.autocast = None  # FSDP's MixedPrecisionPolicy casts, no autocast
             else:
                 from torch.nn.parallel import DistributedDataParallel
 

@@ -61,6 +61,19 @@ def test_tp_inference_and_generation_match_real_gloo_ranks(mode, kw):
         assert abs(predicted - measured) <= 0.005 * measured, (rank, predicted, measured)
 
 
+def test_transformers_fsdp_plan_on_a_2d_mesh_matches_real_gloo_ranks():
+    """`--fsdp 2 --tp 2 --fsdp-plan transformers`: what `from_pretrained(distributed_config=DistributedConfig(
+    fsdp_size=2, tp_size=2, fsdp_mixed_precision=True))` builds, run for real by 4 gloo ranks (transformers' public
+    route to a 2-D mesh; its FSDP plan keeps the final norm and lm_head unsharded after forward)."""
+    kw = {"batch": 2, "seq": 16, "device": "cpu", "precision": "bf16-mixed", "fsdp": 2, "tp": 2,
+          "fsdp_plan": "transformers"}
+    real = measure_cpu_peak_ranks(RunSpec(LLAMA, **kw))
+    report = analyze(RunSpec(LLAMA, **kw))
+    assert set(report.run["fsdp"]["rank_peaks"]) == {"0-3"}  # every rank holds the same shapes here
+    for measured in real:
+        assert abs(report.peak_allocated_bytes - measured) <= 0.005 * measured, (report.peak_allocated_bytes, real)
+
+
 def test_fsdp_with_one_tp_rank_matches_real_gloo_ranks():
     """`--fsdp 2 --tp 1` (a 2-D mesh whose TP dimension is one rank: transformers applies no plan to it) against the
     real FSDP2 run."""
@@ -92,8 +105,9 @@ def test_tp_shards_the_parameters_by_the_plan():
     assert report.run["tp"] == {"world": 2, "rank": 1, "global_batch": 2}
 
 
-@pytest.mark.parametrize("kw", [{"tp": 2}, {"tp": 2, "fsdp": 2}])
-def test_replicated_tp_stack_equals_every_layer_traced(tmp_path, kw):
+def test_replicated_2d_stack_equals_every_layer_traced(tmp_path):
+    """TP and FSDP2 on a 2 × 2 mesh: 4 of 8 layers traced and the middle one replicated equals all 8 traced."""
+    kw = {"tp": 2, "fsdp": 2}
     deep = deep_config(tmp_path, "tiny-llama-gqa", 8)
     a = analyze(RunSpec(deep, batch=2, seq=16, device="cpu", precision="bf16-mixed", rank=0, **kw))
     b = analyze(RunSpec(deep, batch=2, seq=16, device="cpu", precision="bf16-mixed", rank=0, replicate_layers=False,
@@ -170,10 +184,13 @@ def test_an_initialized_process_group_is_left_alone():
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"rank": 1}, "--rank applies to --fsdp N or --tp N"),
-    ({"reshard_after_forward": False}, "--reshard-after-forward applies to --fsdp N"),
+    ({"reshard_after_forward": False}, "--reshard-after-forward and --fsdp-plan apply to --fsdp N"),
     ({"fsdp": 2, "rank": 2}, "--rank must be in 0..1 for 2 ranks"),
     ({"fsdp": 2, "tp": 2, "rank": 4}, "--rank must be in 0..3 for 4 ranks"),
     ({"ddp": 2, "tp": 2}, "--ddp replicates the model on N ranks"),
+    ({"fsdp_plan": "transformers"}, "--reshard-after-forward and --fsdp-plan apply to --fsdp N"),
+    ({"fsdp": 2, "fsdp_plan": "transformers", "reshard_after_forward": False}, "says per module whether"),
+    ({"fsdp": 2, "fsdp_plan": "deepspeed"}, "unknown --fsdp-plan 'deepspeed'"),
     ({"fsdp": 2, "tp": 2, "mode": "inference"}, "--fsdp runs a training step on N ranks"),
     ({"fsdp": 0}, "--fsdp must be a positive integer"),
     ({"fsdp": 2, "mode": "inference"}, "--fsdp runs a training step on N ranks"),

@@ -179,8 +179,8 @@ def _ranks_text(ranks: tuple[int, ...]) -> str:
 
 
 def sharding_summary(spec: RunSpec, rank_peaks: dict[str, int]) -> dict:
-    """The report's `run` entries of a distributed step: {'fsdp': {world, reshard_after_forward, rank (the one
-    reported), global_batch (per-rank batch × data-parallel ranks × gradient accumulation), rank_peaks (bytes per
+    """The report's `run` entries of a distributed step: {'fsdp': {world, reshard_after_forward, plan (`FsdpPlan`),
+    rank (the one reported), global_batch (per-rank batch × data-parallel ranks × gradient accumulation), rank_peaks (bytes per
     rank class traced, when every class was)}, 'tp': {world (TP ranks), rank, global_batch, rank_peaks}} (with
     --fsdp M --tp N both, the fsdp entry's world is M and rank_peaks sit in it) or {'ddp': {world, global_batch}};
     {} on one device."""
@@ -194,7 +194,7 @@ def sharding_summary(spec: RunSpec, rank_peaks: dict[str, int]) -> dict:
         out["tp"] = {"world": spec.tp, "rank": spec.rank, "global_batch": global_batch}
     if spec.fsdp is not None:
         out["fsdp"] = {"world": spec.fsdp, "reshard_after_forward": spec.reshard_after_forward, "rank": spec.rank,
-                       "global_batch": global_batch}
+                       "global_batch": global_batch, "plan": spec.fsdp_plan.value}
     if rank_peaks:
         out["fsdp" if spec.fsdp is not None else "tp"]["rank_peaks"] = rank_peaks
     return out

@@ -103,6 +103,9 @@ def main_command(
     reshard_after_forward: str = typer.Option("true", "--reshard-after-forward", help="--fsdp: true | false "
                                               "(false keeps each layer's parameters unsharded until its backward, "
                                               "ZeRO-2 style)"),
+    fsdp_plan: str = typer.Option("layers", "--fsdp-plan", help="--fsdp: layers (fully_shard each layer, then the "
+                                  "root: torchtitan, accelerate) | transformers (the model's own FSDP plan, as "
+                                  "DistributedConfig(fsdp_size=N) applies it)"),
     ddp: Optional[int] = typer.Option(None, "--ddp", help="N ranks of PyTorch DistributedDataParallel (its default "
                                       "gradient buckets), traced on a fake rank; --batch is the per-rank micro-batch"),
     tp: Optional[int] = typer.Option(None, "--tp", help="N ranks of tensor parallelism with the model's own plan "
@@ -183,7 +186,7 @@ def main_command(
                                            if cuda_context is not None else None),
                        alloc_conf=alloc_conf, new_tokens=new_tokens, cache=cache, kv_dtype=kv_dtype,
                        fsdp=fsdp, reshard_after_forward=_bool_option(reshard_after_forward, "--reshard-after-forward"),
-                       rank=rank, ddp=ddp, tp=tp)
+                       rank=rank, ddp=ddp, tp=tp, fsdp_plan=fsdp_plan)
         err = Console(stderr=True)
         if fit_axis == "sweep":
             _sweep(spec, sweep_grid, headroom, json_path, quiet, err)

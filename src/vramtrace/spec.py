@@ -47,6 +47,17 @@ class KvDtype(_Choice):
     FP8 = "fp8"
 
 
+class FsdpPlan(_Choice):
+    """Which modules `--fsdp` wraps with `fully_shard` (`--fsdp-plan`): `layers`, each layer of the stack then the
+    root (torchtitan's `apply_fsdp`, HF accelerate's FSDP2 plugin with TRANSFORMER_BASED_WRAP), or `transformers`,
+    the model's own FSDP plan as `from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=N))` applies
+    it (transformers/distributed/fsdp.py `apply_fully_sharded_data_parallelism`: the embeddings and each layer
+    resharded after forward, the final norm and `lm_head` kept unsharded, then the root)."""
+
+    LAYERS = "layers"
+    TRANSFORMERS = "transformers"
+
+
 class Precision(_Choice):
     FP32 = "fp32"
     BF16 = "bf16"
@@ -443,6 +454,7 @@ class RunSpec:
         server's dummy sampler over those R rows (`tracer/serving.py`). None: an ordinary forward.
     fsdp: N ranks of PyTorch's FSDP2 (`fully_shard` on each layer and the root, `tracer/sharding.py`), batch
         being the per-rank micro-batch; None: one device.
+    fsdp_plan: the modules `fully_shard` wraps (`FsdpPlan`).
     reshard_after_forward: FSDP2's `reshard_after_forward` (False keeps each layer's parameters unsharded from
         its forward to its backward, ZeRO-2 style).
     tp: N ranks of tensor parallelism, transformers' own (the model's `base_model_tp_plan` applied by
@@ -496,6 +508,7 @@ class RunSpec:
     ddp: int | None = None
     tp: int | None = None
     reshard_after_forward: bool = True
+    fsdp_plan: FsdpPlan = FsdpPlan.LAYERS
     rank: int | None = None
 
     def __post_init__(self) -> None:
@@ -526,6 +539,7 @@ class RunSpec:
         object.__setattr__(self, "mode", Mode.parse(self.mode, "mode"))
         object.__setattr__(self, "cache", CacheKind.parse(self.cache, "--cache"))
         object.__setattr__(self, "kv_dtype", KvDtype.parse(self.kv_dtype, "--kv-dtype"))
+        object.__setattr__(self, "fsdp_plan", FsdpPlan.parse(self.fsdp_plan, "--fsdp-plan"))
         self._check_generate_options()
         self._check_serve_profile()
         self._check_sharding()
@@ -616,12 +630,16 @@ class RunSpec:
             if self.fsdp is not None or self.tp is not None:
                 raise UsageError("--ddp replicates the model on N ranks; it does not combine with --fsdp or --tp "
                                  "(use --fsdp M --tp N for a 2-D mesh)")
-            if self.rank is not None or not self.reshard_after_forward:
-                raise UsageError("--reshard-after-forward and --rank apply to --fsdp N or --tp N; drop them")
+            if self.rank is not None or not self.reshard_after_forward or self.fsdp_plan is not FsdpPlan.LAYERS:
+                raise UsageError("--reshard-after-forward, --fsdp-plan and --rank apply to --fsdp N or --tp N; drop "
+                                 "them")
             self._check_distributed("--ddp")
             return
-        if self.fsdp is None and not self.reshard_after_forward:
-            raise UsageError("--reshard-after-forward applies to --fsdp N; add it or drop it")
+        if self.fsdp is None and (not self.reshard_after_forward or self.fsdp_plan is not FsdpPlan.LAYERS):
+            raise UsageError("--reshard-after-forward and --fsdp-plan apply to --fsdp N; add it or drop them")
+        if self.fsdp_plan is FsdpPlan.TRANSFORMERS and not self.reshard_after_forward:
+            raise UsageError("--fsdp-plan transformers says per module whether it reshards after forward; drop "
+                             "--reshard-after-forward")
         if self.world is None:
             if self.rank is not None:
                 raise UsageError("--rank applies to --fsdp N or --tp N; add one or drop it")

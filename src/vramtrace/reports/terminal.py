@@ -27,8 +27,9 @@ def sharding_line(r: dict) -> str:
     f, tp = r.get("fsdp"), r.get("tp")
     parts = []
     if f:
-        parts.append(f"FSDP2 over {f['world']} ranks ({'reshard' if f['reshard_after_forward'] else 'no reshard'} "
-                     "after forward)")
+        how = ("transformers' FSDP plan" if f.get("plan") == "transformers"
+               else f"{'reshard' if f['reshard_after_forward'] else 'no reshard'} after forward")
+        parts.append(f"FSDP2 over {f['world']} ranks ({how})")
     if tp:
         parts.append(f"tensor parallel over {tp['world']} ranks (transformers' plan)")
     shown = f or tp

@@ -75,6 +75,19 @@ def fake_rank(world: int, rank: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Clear DTensor's caches of sharding decisions and redistribution plans: their keys compare meshes by layout,
+    not by process group, so an entry made on a destroyed fake group would hand a later trace that group's name
+    (torch/distributed/tensor/debug/__init__.py `_clear_sharding_prop_cache`, _redistribute.py
+    `clear_redistribute_planner_cache`, the `_gen_transform_infos` lru_cache)."""
+    from torch.distributed.tensor import _redistribute, debug
+
+    debug._clear_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
 
 
 def mixed_precision_policy(precision: Precision):
@@ -160,13 +173,47 @@ def shard(model: torch.nn.Module, layers: torch.nn.ModuleList | None, spec: RunS
         fully_shard(model, **kwargs)
 
 
+def distribute_as_transformers(model: torch.nn.Module, spec: RunSpec, precision: Precision) -> None:
+    """transformers' own distribution of `model` (`--fsdp-plan transformers`): what `from_pretrained(...,
+    distributed_config=DistributedConfig(tp_size=N, fsdp_size=M, fsdp_mixed_precision=<bf16-mixed>))` runs
+    before loading the weights (transformers/distributed/mixin.py `maybe_distribute_model`: the TP plan, then the
+    model's FSDP plan by `apply_fully_sharded_data_parallelism`), on its (pp, dp_replicate, fsdp, tp) mesh and the
+    experts' (pp, dp_replicate, efsdp, ep) mesh (`initialize_distributed_mesh`) built on the meta device. Inside
+    `fake_rank(spec.world, rank)`. Raises UsageError for fp16-mixed (transformers' flag casts to bf16 only) and for
+    a model without the plans."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.utils import TransformersDeviceMesh
+
+    from .. import bridges
+
+    if precision is Precision.FP16_MIXED:
+        raise UsageError("--fsdp-plan transformers casts with fsdp_mixed_precision, bf16 only; use bf16-mixed or "
+                         "--fsdp-plan layers")
+    fsdp, tp = spec.fsdp, spec.tp or 1
+    config = DistributedConfig(fsdp_size=fsdp, tp_size=tp, fsdp_mixed_precision=precision is Precision.BF16_MIXED)
+    ranks = torch.arange(fsdp * tp)
+    dense = DeviceMesh("meta", ranks.reshape(1, 1, fsdp, tp), mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
+    experts = DeviceMesh("meta", ranks.reshape(1, 1, fsdp * tp, 1), mesh_dim_names=("pp", "dp_replicate", "efsdp",
+                                                                                        "ep"))
+    try:
+        with bridges.fsdp_on_meta():
+            type(model).maybe_distribute_model(model, config, TransformersDeviceMesh(dense, experts))
+    except ValueError as e:  # a plan the model lacks (transformers/distributed/mixin.py `_resolve_parallel_plans`)
+        raise UsageError(f"--fsdp-plan transformers: {str(e).splitlines()[0]}") from None
+
+
 def parallelize(model: torch.nn.Module, spec: RunSpec, precision: Precision) -> torch.nn.Module:
     """A deep copy of `model` with `spec`'s parallelism applied (TP first, then FSDP2, as torchtitan's
-    `parallelize_llama` orders them), inside `fake_rank(spec.world, rank)`; its layer stack is `layer_stack` of
-    the copy."""
+    `parallelize_llama` orders them; `--fsdp-plan transformers`: `distribute_as_transformers`), inside
+    `fake_rank(spec.world, rank)`; its layer stack is `layer_stack` of the copy."""
+    from ..spec import FsdpPlan
     from .building import layer_stack
 
     model = copy.deepcopy(model)  # fully_shard and the TP styles change modules and parameters in place
+    if spec.fsdp is not None and spec.fsdp_plan is FsdpPlan.TRANSFORMERS:
+        distribute_as_transformers(model, spec, precision)
+        return model
     dp_mesh, tp_mesh = meshes(spec)
     if tp_mesh is not None:
         tensor_parallel(model, tp_mesh)
