@@ -3,11 +3,16 @@
 This module imports nothing from vramtrace (a test asserts it), so a bug in vramtrace's model building,
 inputs, optimizer or checkpointing cannot hide behind itself. It reads a case description (a `RunSpec` is
 passed in, but only its plain fields are read: model reference, batch, seq, mode, precision, optimizer,
-checkpointing, inputs, freeze, LoRA, image size, multiple-choice count) and builds everything itself:
+checkpointing, inputs, freeze, LoRA, quantization, image size, multiple-choice count) and builds everything itself:
 
 - transformers models: `AutoConfig` and the class its `architectures` names (`getattr(transformers, arch)`),
   built with `from_config`, random weights (seed 0); inputs drawn here per head;
 - custom modules (`path.py:NAME`): the file imported with importlib, `NAME()` called;
+- a quantized case (`quantization` nf4|fp4): the model saved, then loaded back with `from_pretrained(dir,
+  quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=..., bnb_4bit_use_double_quant=...,
+  bnb_4bit_compute_dtype=...), device_map="cpu")`; with LoRA, `peft.prepare_model_for_kbit_training(model,
+  use_gradient_checkpointing=False)` before `get_peft_model` (QLoRA); the 4-bit weights' quantization constants
+  (bitsandbytes' public `Params4bit.quant_state`) count as alive before the warm-up;
 - the optimizer: a plain `torch.optim.AdamW(params)` (or the case's Adam/SGD, for-loop or foreach);
 - a generation case (mode generate): `model.generate(input_ids, attention_mask=ones, max_new_tokens=N,
   min_new_tokens=N, do_sample=False, cache_implementation='static' or None, or 'quantized' with
@@ -86,6 +91,23 @@ def hf_model(config, dtype: torch.dtype) -> torch.nn.Module:
             torch.manual_seed(0)
             return auto.from_config(config, dtype=dtype)
     raise ValueError(f"oracle: no Auto class builds {arch}")
+
+
+def _quantized(model, spec, dtype: torch.dtype):
+    """`model` saved and loaded back 4-bit by bitsandbytes, as `from_pretrained(..., quantization_config=...)`
+    loads a checkpoint on the CPU."""
+    import tempfile
+
+    kw = {"load_in_4bit": True, "bnb_4bit_quant_type": _v(spec.quantization),
+          "bnb_4bit_use_double_quant": bool(getattr(spec, "double_quant", False))}
+    if getattr(spec, "bnb_compute_dtype", None):
+        kw["bnb_4bit_compute_dtype"] = DTYPES[spec.bnb_compute_dtype]
+    with tempfile.TemporaryDirectory(prefix="oracle-bnb-") as directory:
+        model.save_pretrained(directory)
+        cls = type(model)
+        del model
+        return cls.from_pretrained(directory, quantization_config=transformers.BitsAndBytesConfig(**kw), dtype=dtype,
+                                   device_map="cpu")
 
 
 def _import_custom(ref: str):
@@ -321,6 +343,8 @@ class RealStep:
             if getattr(spec, "use_cache", None) is not None:
                 config.use_cache = spec.use_cache
             model = hf_model(config, weight_dtype)
+            if getattr(spec, "quantization", None):
+                model = _quantized(model, spec, weight_dtype)
             self.kwargs = hf_batch(model, config, spec.batch, spec.seq, self.train, getattr(spec, "image_size", None),
                                    weight_dtype, getattr(spec, "choices", None) or 2)
             if mode == "generate":  # a tokenizer's output for unpadded prompts
@@ -340,6 +364,8 @@ class RealStep:
         if getattr(spec, "lora_rank", None):
             import peft
 
+            if getattr(spec, "quantization", None):
+                model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
             lora = {"r": spec.lora_rank}
             if spec.lora_alpha is not None:
                 lora["lora_alpha"] = spec.lora_alpha
@@ -443,6 +469,11 @@ class RealStep:
 
     def alive_at_start(self) -> list:
         alive = [*self.model.parameters(), *self.model.buffers(), *self.args, *self.kwargs.values()]
+        for p in self.model.parameters():  # bitsandbytes' QuantState: absmax, code, offset, and its nested state
+            state = getattr(p, "quant_state", None)
+            while state is not None:
+                alive += [getattr(state, k, None) for k in ("absmax", "code", "offset")]
+                state = getattr(state, "state2", None)
         if self.opt is not None:
             alive += [v for st in self.opt.state.values() for v in st.values()]
         return [t for t in alive if isinstance(t, torch.Tensor)]

@@ -73,6 +73,12 @@ def main_command(
     lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA alpha [default: peft's]"),
     lora_targets: Optional[str] = typer.Option(None, "--lora-targets", help="LoRA target modules, e.g. q_proj,v_proj "
                                                "[default: peft's for the architecture]"),
+    quantization: Optional[str] = typer.Option(None, "--quantization", help="nf4 | fp4: bitsandbytes 4-bit weights as "
+                                               "transformers' BitsAndBytesConfig(load_in_4bit=True) loads them "
+                                               "(with --lora-rank: QLoRA, prepare_model_for_kbit_training)"),
+    double_quant: bool = typer.Option(False, "--double-quant", help="--quantization: bnb_4bit_use_double_quant"),
+    bnb_compute_dtype: Optional[str] = typer.Option(None, "--bnb-compute-dtype", help="--quantization: bf16 | fp16 | "
+                                                    "fp32 (bnb_4bit_compute_dtype; default fp32, as transformers')"),
     moe_routing: str = typer.Option("balanced", "--moe-routing", help="tokens per MoE expert: balanced (equal share) | "
                                     "worst (all tokens to the same top-k experts: the largest per-expert batches)"),
     loop: str = typer.Option(
@@ -176,6 +182,7 @@ def main_command(
                        trust_remote_code=trust_remote_code, replicate_layers=not trace_every_layer,
                        inputs=tuple(inputs), image_size=image_size, freeze=tuple(freeze), lora_rank=lora_rank,
                        lora_alpha=lora_alpha, lora_targets=targets, moe_routing=moe_routing, strict=strict,
+                       quantization=quantization, double_quant=double_quant, bnb_compute_dtype=bnb_compute_dtype,
                        memory_budget_bytes=(parse_bytes(memory_budget, "--memory-budget")
                                             if memory_budget is not None else None),
                        task=task, choices=choices, attn_implementation=attn_implementation, loop=loop, step=step,

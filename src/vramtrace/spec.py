@@ -58,6 +58,14 @@ class FsdpPlan(_Choice):
     TRANSFORMERS = "transformers"
 
 
+class Quantization(_Choice):
+    """bitsandbytes weight quantization (`--quantization`), what transformers' `BitsAndBytesConfig` loads:
+    `load_in_4bit=True` with `bnb_4bit_quant_type` nf4 or fp4 (`Linear4bit`, blocksize 64)."""
+
+    NF4 = "nf4"
+    FP4 = "fp4"
+
+
 class Precision(_Choice):
     FP32 = "fp32"
     BF16 = "bf16"
@@ -423,6 +431,11 @@ class RunSpec:
     freeze: glob patterns (fnmatch) of parameter names to freeze (requires_grad=False).
     lora_rank, lora_alpha, lora_targets: a peft LoRA adapter (rank None: no LoRA; targets None: peft's default
         target modules for the architecture).
+    quantization: bitsandbytes 4-bit weights (`Quantization`, `tracer/quantization.py`); None: none.
+    double_quant: `bnb_4bit_use_double_quant` (the absmax quantized to uint8 with a nested fp32 absmax per 256
+        blocks).
+    bnb_compute_dtype: `bnb_4bit_compute_dtype` ('bf16', 'fp16' or 'fp32'); None: BitsAndBytesConfig's default,
+        fp32.
     image_size: H = W of vision models' `pixel_values` (B, 3, H, W); None: the config's image_size.
     moe_routing: the tokens-per-expert policy of mixture-of-experts layers.
     strict: an op without a meta kernel is an error (else the report lists it as unresolved).
@@ -485,6 +498,9 @@ class RunSpec:
     lora_rank: int | None = None
     lora_alpha: float | None = None
     lora_targets: tuple[str, ...] | None = None
+    quantization: Quantization | None = None
+    double_quant: bool = False
+    bnb_compute_dtype: str | None = None
     image_size: int | None = None
     moe_routing: MoeRouting = MoeRouting.BALANCED
     strict: bool = False
@@ -540,6 +556,7 @@ class RunSpec:
         object.__setattr__(self, "cache", CacheKind.parse(self.cache, "--cache"))
         object.__setattr__(self, "kv_dtype", KvDtype.parse(self.kv_dtype, "--kv-dtype"))
         object.__setattr__(self, "fsdp_plan", FsdpPlan.parse(self.fsdp_plan, "--fsdp-plan"))
+        self._check_quantization()
         self._check_generate_options()
         self._check_serve_profile()
         self._check_sharding()
@@ -614,6 +631,22 @@ class RunSpec:
         if self.lora_rank is not None:
             raise UsageError("--mode generate with --lora-rank is not supported yet (peft's generate wraps the "
                              "model's); merge the adapter or drop --lora-rank")
+
+    def _check_quantization(self) -> None:
+        if self.quantization is not None:
+            object.__setattr__(self, "quantization", Quantization.parse(self.quantization, "--quantization"))
+        elif self.double_quant or self.bnb_compute_dtype is not None:
+            raise UsageError("--double-quant and --bnb-compute-dtype apply to --quantization nf4|fp4; add it or drop "
+                             "them")
+        if self.bnb_compute_dtype is not None and self.bnb_compute_dtype not in ("bf16", "fp16", "fp32"):
+            raise UsageError(f"unknown --bnb-compute-dtype {self.bnb_compute_dtype!r}; choose one of: bf16, fp16, fp32")
+        if self.quantization is None:
+            return
+        if custom_ref(self.model) is not None:
+            raise UsageError("--quantization loads a transformers model through BitsAndBytesConfig; a custom module "
+                             "has no quantizer")
+        if self.fsdp is not None or self.tp is not None or self.ddp is not None:
+            raise UsageError("--quantization with --fsdp, --tp or --ddp is not supported yet; drop one")
 
     @property
     def world(self) -> int | None:

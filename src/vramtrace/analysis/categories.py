@@ -27,12 +27,22 @@ class Category(str, enum.Enum):
     # FSDP2's flat all-gather input/output (fsdp.all_gather_copy_in), reduce-scatter input (fsdp.chunk_cat) and the
     # temporaries a CPU target's gloo collectives hold; DDP's gradient buckets
     COLLECTIVE_BUFFERS = "collective_buffers"
+    # bitsandbytes' quantized weights (`--quantization`, tracer/quantization.py): the packed 4-bit Params4bit
+    # storages (ceil(n / 2) bytes), and their quantization constants (QuantState: absmax per block, with double
+    # quantization the uint8 absmax plus its nested fp32 absmax, code tables and offset)
+    QUANTIZED_WEIGHTS = "quantized_weights"
+    QUANT_CONSTANTS = "quantization_constants"
+    # the weights bitsandbytes dequantizes for each matmul, in the forward and again in the backward
+    # (bitsandbytes/autograd/_functions.py `MatMul4Bit`: `F.dequantize_4bit`), freed after the matmul
+    DEQUANTIZED_WEIGHTS = "dequantized_weights"
 
 
-# Categories only a sharded step has (a report leaves them out of its table when they hold nothing).
-SHARDING = frozenset({Category.UNSHARDED_PARAMETERS, Category.COLLECTIVE_BUFFERS})
+# Categories only some steps have (a report leaves them out of its table when they hold nothing): a sharded
+# step's, a quantized model's.
+OPTIONAL = frozenset({Category.UNSHARDED_PARAMETERS, Category.COLLECTIVE_BUFFERS, Category.QUANTIZED_WEIGHTS,
+                      Category.QUANT_CONSTANTS, Category.DEQUANTIZED_WEIGHTS})
 
 
 # Categories whose storages must outlive the step even under last-use freeing (graph-optimal figure).
 PERSISTENT = frozenset({Category.PARAMETER, Category.OPTIMIZER_STATE, Category.INPUT, Category.KEPT,
-                        Category.CUBLAS_WORKSPACE})
+                        Category.CUBLAS_WORKSPACE, Category.QUANTIZED_WEIGHTS, Category.QUANT_CONSTANTS})

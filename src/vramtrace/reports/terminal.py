@@ -8,7 +8,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from ..analysis.categories import SHARDING
+from ..analysis.categories import OPTIONAL
 from ..analysis.summary import MemoryReport
 from ..units import format_bytes, format_count
 
@@ -18,7 +18,8 @@ _CATEGORY_LABELS = {
     "autocast_weights": "autocast weight copies", "kv_cache": "KV cache (use_cache)",
     "outputs": "outputs held by the loop", "kept_across_steps": "kept across steps",
     "cublas_workspace": "cuBLAS workspaces", "unsharded_parameters": "unsharded parameters (FSDP)",
-    "collective_buffers": "collective buffers (FSDP/DDP)",
+    "collective_buffers": "collective buffers (FSDP/DDP)", "quantized_weights": "quantized weights (bitsandbytes)",
+    "quantization_constants": "quantization constants", "dequantized_weights": "dequantized weight temporaries",
 }
 def sharding_line(r: dict) -> str:
     """'FSDP2 over 8 ranks (reshard after forward), per rank: rank 0 shown (ranks 0-6 3.10 GiB, 7 2.90 GiB);
@@ -176,7 +177,7 @@ def render(report: MemoryReport, console: Console) -> None:
     bd.add_column("share", justify="right")
     total = max(report.peak_allocated_bytes, 1)
     for cat, b in sorted(report.breakdown_at_peak.items(), key=lambda kv: -kv[1]):
-        if not b and cat in SHARDING:
+        if not b and cat in OPTIONAL:
             continue
         bd.add_row(_CATEGORY_LABELS.get(cat, cat), format_bytes(b), f"{100 * b / total:.1f}%")
     wf = Table(title="Step waterfall (predicted)", title_justify="left")

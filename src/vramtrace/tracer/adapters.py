@@ -56,6 +56,13 @@ def apply_adapters(spec: RunSpec, model: torch.nn.Module, device: str) -> torch.
         kwargs["lora_alpha"] = spec.lora_alpha
     if spec.lora_targets:
         kwargs["target_modules"] = list(spec.lora_targets)
+    if spec.quantization is not None:
+        # QLoRA: what `prepare_model_for_kbit_training` does to a quantized model before `get_peft_model`
+        # (peft/utils/other.py): every parameter frozen, the unquantized fp16/bf16 ones (norms, embeddings,
+        # lm_head) cast to fp32. Its checkpointing default is not applied here: --checkpointing says it.
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     try:
         config = LoraConfig(**kwargs)
         with torch.device(device) if device == "meta" else contextlib.nullcontext(), warnings.catch_warnings():

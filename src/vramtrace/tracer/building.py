@@ -433,7 +433,8 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
         kwargs["attn_implementation"] = attn  # what `from_config(config, attn_implementation=...)` selects
     if spec.trust_remote_code:
         kwargs["trust_remote_code"] = True
-    model = apply_adapters(spec, _build(cls, config, kwargs, arch, resolved.location, device), device)
+    model = apply_adapters(spec, _quantized(spec, _build(cls, config, kwargs, arch, resolved.location, device),
+                                            param_dtype), device)
     model.train(spec.mode is Mode.TRAIN)
     plan, traced_model, note = None, None, "layer replication off: every layer traced"
     ckpt = spec.checkpointing
@@ -449,7 +450,8 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
         shallow = copy.deepcopy(config)
         for key, value in overrides.items():
             setattr(shallow, key, value)
-        traced_model = apply_adapters(spec, _build(cls, shallow, kwargs, arch, resolved.location, device), device)
+        traced_model = apply_adapters(spec, _quantized(spec, _build(cls, shallow, kwargs, arch, resolved.location,
+                                                                    device), param_dtype), device)
         traced_model.train(spec.mode is Mode.TRAIN)
         stack = dict(traced_model.named_modules()).get(plan.prefix)
         if not isinstance(stack, torch.nn.ModuleList) or len(stack) != TRACED_LAYERS:
@@ -476,6 +478,15 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
         layer_plan=plan, traced_model=traced_model, replication_note=note,
         num_layers=len(stack) if stack is not None else 0, layer_stack_path=_path_of(model, stack),
     )
+
+
+def _quantized(spec: RunSpec, model: torch.nn.Module, weight_dtype: torch.dtype) -> torch.nn.Module:
+    """`model` with `spec.quantization`'s bitsandbytes weights (`quantization.quantize`), or as it is."""
+    if spec.quantization is not None:
+        from .quantization import quantize
+
+        quantize(model, spec, weight_dtype)
+    return model
 
 
 def check_attn_implementation(attn: str | None, spec: RunSpec, device: str) -> None:

@@ -283,6 +283,11 @@ def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: 
     user_step = load_user_step(spec.step) if spec.step is not None else None
     for n, p in model.named_parameters():
         rec.register_existing(p, Category.PARAMETER, n)
+    if spec.quantization is not None:
+        from .quantization import QUANT_OP_CATEGORIES, categorise
+
+        categorise(model, rec.register_existing)
+        rec.op_categories = {**rec.op_categories, **QUANT_OP_CATEGORIES}
     weight_names = {id(p): n for n, p in model.named_parameters()}
     if optimizer is not None:  # state an optimizer creates in __init__ (Adagrad's `sum` and `step`), not lazily
         for p, state in optimizer.state.items():
