@@ -312,6 +312,7 @@ class RealStep:
         self.autocast = MIXED.get(precision)
         weight_dtype = torch.float32 if self.autocast else DTYPES[precision]
         self.args, self.kwargs = (), {}
+        self.quantized = bool(getattr(spec, "quantization", None))
         self.loss_of = lambda out: out.loss
         ref = spec.model
         if re.search(r"\.py:\w+$|^[\w.]+:\w+$", ref):
@@ -343,7 +344,7 @@ class RealStep:
             if getattr(spec, "use_cache", None) is not None:
                 config.use_cache = spec.use_cache
             model = hf_model(config, weight_dtype)
-            if getattr(spec, "quantization", None):
+            if self.quantized:
                 model = _quantized(model, spec, weight_dtype)
             self.kwargs = hf_batch(model, config, spec.batch, spec.seq, self.train, getattr(spec, "image_size", None),
                                    weight_dtype, getattr(spec, "choices", None) or 2)
@@ -501,6 +502,13 @@ def measure_cpu_peak(spec, setup=None) -> int:
 def _measure_step(step: RealStep) -> int:
     """`measure_cpu_peak`'s measurement of a built step: storages alive before the warm-up, then the profiler's
     `[memory]` events from the warm-up's start, maximised from the marker (the measured step) on."""
+    if step.quantized:
+        # bitsandbytes' Linear4bit casts its bias to the compute dtype in its first forward by replacing the
+        # parameter's data (bitsandbytes/nn/modules.py `Linear4bit.forward`): a storage alive before the profiler
+        # started, whose free it would not report. One forward first, so the bytes counted at start are the ones
+        # the step keeps.
+        with torch.no_grad(), step._autocast():
+            step.model(*step.args, **step.kwargs)
     start = storage_bytes(_local(t) for t in step.alive_at_start())
     with _quiet_fd2(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                               profile_memory=True) as prof:

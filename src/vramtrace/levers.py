@@ -221,7 +221,7 @@ def _sharding(s: _Search, on: RunSpec) -> list[Lever]:
     shards are the largest (ceil(dim0 / N) rows of every parameter, `sharding.rank_classes`)."""
     from .fit import MAX_RANKS, fewest_ranks
 
-    distributed = on.world is not None
+    distributed = on.world is not None or on.quantization is not None  # bitsandbytes weights are not sharded yet
     if on.mode is not Mode.TRAIN or distributed or on.step is not None or custom_ref(on.model) is not None \
             or not s.ev(on).num_layers:
         return []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import io
 import logging
 from dataclasses import dataclass
@@ -190,11 +191,14 @@ def _task(model: torch.nn.Module) -> str:
 
 
 def count_params(model: torch.nn.Module) -> tuple[int, int]:
-    """(all, trainable) parameter counts; tied weights count once, as `model.parameters()` yields them once."""
+    """(all, trainable) parameter counts; tied weights count once, as `model.parameters()` yields them once. A
+    bitsandbytes 4-bit weight counts the elements it quantized (`quant_state.shape`), not its packed bytes."""
     total = trainable = 0
     for p in model.parameters():
-        total += p.numel()
-        trainable += p.numel() if p.requires_grad else 0
+        state = getattr(p, "quant_state", None)
+        n = math.prod(state.shape) if state is not None else p.numel()
+        total += n
+        trainable += n if p.requires_grad else 0
     return total, trainable
 
 

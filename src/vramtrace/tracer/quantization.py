@@ -23,13 +23,41 @@ from __future__ import annotations
 
 import torch
 
+from ..analysis.allocator import round_size
 from ..analysis.categories import Category
 from ..errors import UsageError
 from ..spec import RunSpec
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# bitsandbytes' ops (bitsandbytes/_ops.py) whose outputs are a dequantized weight (recorder.op_categories)
-QUANT_OP_CATEGORIES = {"bitsandbytes.dequantize_4bit.default": ("outputs", Category.DEQUANTIZED_WEIGHTS)}
+# bitsandbytes' ops (bitsandbytes/_ops.py) whose outputs, or whose kernel's workspace, are a dequantized weight
+# (recorder.op_categories): the backward's `dequantize_4bit`, the forward's `gemm_4bit` (dequantize, then matmul)
+QUANT_OP_CATEGORIES = {"bitsandbytes.dequantize_4bit.default": ("outputs", Category.DEQUANTIZED_WEIGHTS),
+                       "bitsandbytes.gemm_4bit.default": ("workspace", Category.DEQUANTIZED_WEIGHTS)}
+# bitsandbytes/backends/cuda/ops.py: its fused kernel serves M <= 4 rows always, never above 1536 (CUDA)
+GEMM_4BIT_CUSTOM_FLOOR_M, GEMM_4BIT_CUSTOM_MAX_M = 4, 1536
+
+
+def cuda_gemm_4bit_workspace(func, args, kwargs, out):
+    """(workspace bytes, out) of bitsandbytes' CUDA kernel of `func` (the recorder's `workspace` hook on a CUDA
+    target): `gemm_4bit` (bitsandbytes/backends/cuda/ops.py, the kernel registered for "bitsandbytes::gemm_4bit")
+    runs its fused kernel, which allocates only the output, for M <= 4 rows (`_GEMM_4BIT_CUSTOM_FLOOR_M`) and
+    otherwise, above 1536 rows or with K not a multiple of the blocksize always, `_dequant_linear_fallback`: the
+    nested absmax dequantized to fp32 and offset (two fp32 tensors of the absmax's length, with double
+    quantization), the weight dequantized to A's dtype (N × K), then `F.linear`. Between 5 and 1536 rows the
+    choice is a per-architecture heuristic (`_gemm_4bit_use_custom_cuda`), not modelled: the fallback is assumed,
+    an over-estimate of at most the dequantized weight. The three allocations are one workspace here, each rounded
+    as the caching allocator rounds it (`round_size`). Other ops: no workspace."""
+    if str(func) != "bitsandbytes.gemm_4bit.default":
+        return 0, out
+    named = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
+    a, shape_b = named["A"], named["shapeB"]
+    k = a.shape[-1]
+    m = a.numel() // k
+    if m <= GEMM_4BIT_CUSTOM_FLOOR_M and k % named["blocksize"] == 0:
+        return 0, out
+    absmax_8bit = named.get("absmax_8bit")
+    nested = 2 * round_size(absmax_8bit.numel() * 4) if isinstance(absmax_8bit, torch.Tensor) else 0
+    return nested + round_size(shape_b[0] * shape_b[1] * a.element_size()), out
 
 
 def _bitsandbytes():
@@ -68,6 +96,10 @@ def quantize(model: torch.nn.Module, spec: RunSpec, weight_dtype: torch.dtype) -
             value = torch.empty(module.out_features, module.in_features, dtype=weight_dtype, device=meta)
             weight = bnb.nn.Params4bit(value, requires_grad=False, **old.__dict__)
             module.weight = weight._quantize(meta)  # what `.to(device)` runs for a real device
+            if module.bias is not None:
+                # the new Linear4bit's bias is made fp32 and frozen; the loader sets the checkpoint's bias in
+                # `dtype`, as a Parameter that requires grad (floating point: transformers/modeling_utils.py)
+                module.bias = torch.nn.Parameter(torch.empty_like(module.bias, dtype=weight_dtype))
     quantizer.postprocess_model(model)
 
 

@@ -249,6 +249,10 @@ def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: 
         rec.op_categories = FSDP_OP_CATEGORIES
     if spec.device is Device.CPU:
         rec.workspace = CpuWorkspaceProbe(autocast_dtype=lambda: policy.kernel_autocast_dtype)
+    elif spec.quantization is not None:
+        from .quantization import cuda_gemm_4bit_workspace
+
+        rec.workspace = cuda_gemm_4bit_workspace
 
     def wrap_region(function):
         """A checkpointed region's function: its re-run in the backward is marked as recompute and runs under
@@ -372,7 +376,7 @@ def _check_parameters(model: torch.nn.Module, storages: list[RecStorage], spec: 
         want = {n: p.untyped_storage().nbytes() for n, p in model.named_parameters()}
     else:
         want = param_bytes(model, spec, tp_layout(model, spec))
-    got = {s.name: s.nbytes for s in storages if s.category == Category.PARAMETER}
+    got = {s.name: s.nbytes for s in storages if s.category in (Category.PARAMETER, Category.QUANTIZED_WEIGHTS)}
     if got != want:
         missing = sorted(set(want) - set(got))[:3] or sorted(set(got) - set(want))[:3]
         raise NotPeriodic(f"the rebuilt parameters differ from the model's (e.g. {missing})")
