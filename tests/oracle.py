@@ -13,7 +13,8 @@ checkpointing, inputs, freeze, LoRA, quantization, image size, multiple-choice c
   bnb_4bit_compute_dtype=...), device_map="cpu")`; with LoRA, `peft.prepare_model_for_kbit_training(model,
   use_gradient_checkpointing=False)` before `get_peft_model` (QLoRA); the 4-bit weights' quantization constants
   (bitsandbytes' public `Params4bit.quant_state`) count as alive before the warm-up;
-- the optimizer: a plain `torch.optim.AdamW(params)` (or the case's Adam/SGD, for-loop or foreach);
+- the optimizer: a plain `torch.optim.AdamW(params)` (or the case's Adam/SGD, for-loop or foreach), or
+  bitsandbytes' `bnb.optim.AdamW(optim_bits=8|32, is_paged=...)` / `bnb.optim.Lion(optim_bits=8)`;
 - a generation case (mode generate): `model.generate(input_ids, attention_mask=ones, max_new_tokens=N,
   min_new_tokens=N, do_sample=False, cache_implementation='static' or None, or 'quantized' with
   cache_config={'backend': 'fp8'})`, transformers' documented call;
@@ -272,6 +273,15 @@ def make_optimizer(kind: str, impl: str, params):
         return torch.optim.Adafactor(params, lr=1e-2, **kw)
     if kind == "adafactor":
         return transformers.optimization.Adafactor(params, lr=1e-4, scale_parameter=False, relative_step=False)
+    if kind in ("adamw-8bit", "paged-adamw-8bit", "paged-adamw", "lion-8bit"):  # as HF Trainer's optim names build them
+        import bitsandbytes as bnb
+
+        if kind == "lion-8bit":
+            return bnb.optim.Lion(params, lr=1e-4, optim_bits=8)
+        return bnb.optim.AdamW(params, lr=1e-4, optim_bits=32 if kind == "paged-adamw" else 8,
+                               is_paged=kind != "adamw-8bit")
+    if kind not in ("sgd", "sgd-momentum", "sgd-nesterov"):
+        raise ValueError(f"oracle: unknown optimizer {kind!r}")
     momentum = 0.0 if kind == "sgd" else 0.9
     return torch.optim.SGD(params, lr=1e-3, momentum=momentum, nesterov=kind == "sgd-nesterov", **kw)
 

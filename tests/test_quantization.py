@@ -101,3 +101,37 @@ def test_without_bitsandbytes_the_error_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
     with pytest.raises(UsageError, match=r"pip install 'vramtrace\[quant\]'"):
         analyze(RunSpec(LLAMA, batch=1, seq=8, device="cpu", quantization="nf4"))
+
+
+@pytest.mark.parametrize("model,kw", [
+    (LLAMA, {"precision": "bf16", "optimizer": "adamw-8bit"}),
+    (GPT2, {"precision": "bf16-mixed", "optimizer": "lion-8bit"}),
+    (LLAMA, {"precision": "bf16", "optimizer": "paged_adamw_8bit", **QLORA}),  # HF Trainer's name; QLoRA's usual
+], ids=["llama-adamw-8bit", "gpt2-lion-8bit", "llama-qlora-paged-adamw-8bit"])
+def test_bitsandbytes_optimizers_match_a_real_cpu_run(model, kw):
+    """bitsandbytes' own optimizers, as HF Trainer builds them, on the CPU (paged ones fall back to unpaged there).
+    The trace holds one 1 KiB quantile map per 8-bit state more than the CPU run: bitsandbytes makes it on the host
+    and moves it to the parameters' device, a copy on meta that the CPU run does not make (exact on a CUDA
+    target, where the host map is not counted)."""
+    spec = RunSpec(model, batch=2, seq=16, device="cpu", **kw)
+    measured = measure_cpu_peak(spec)
+    predicted = analyze(spec).peak_allocated_bytes
+    assert abs(predicted - measured) <= 0.005 * measured, (predicted, measured)
+
+
+def test_paged_optimizer_state_is_managed_memory_on_a_cuda_target(tmp_path):
+    """A vocabulary of 2048: the embeddings and lm_head (2048 × 64 = 131,072 elements, at least bitsandbytes'
+    1e5) get their two uint8 states from `F.get_paged` (CUDA managed memory): not in the allocated peak, reported
+    on their own; the smaller parameters' states stay in the allocator. AdamW 8-bit unpaged holds them all."""
+    import json
+
+    config = json.loads((FIXTURES / "tiny-llama-gqa.json").read_text()) | {"vocab_size": 2048}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    kw = {"batch": 2, "seq": 16, "precision": "bf16"}
+    paged = analyze(RunSpec(str(path), optimizer="paged-adamw-8bit", **kw))
+    unpaged = analyze(RunSpec(str(path), optimizer="adamw-8bit", **kw))
+    managed = 2 * 2 * 2048 * 64  # embeddings and lm_head, state1 and state2, one byte each
+    assert paged.run["paged_optimizer_state_bytes"] == managed
+    assert "paged_optimizer_state_bytes" not in unpaged.run
+    assert unpaged.breakdown_at_peak["optimizer_state"] - paged.breakdown_at_peak["optimizer_state"] == managed

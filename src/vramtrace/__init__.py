@@ -335,6 +335,9 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
 
         run_info.update(generation_summary(traced.ops, table, steady, spec.batch, spec.seq, spec.new_tokens,
                                             loaded.task == "seq2seq-lm"))
+    paged = sum(st.nbytes for st in traced.storages if st.category == "paged_optimizer_state")
+    if paged:  # CUDA managed memory (a paged bitsandbytes optimizer): outside the allocated and reserved bytes
+        run_info["paged_optimizer_state_bytes"] = paged
     if traced.cpu_environment:
         run_info["cpu_kernels"] = dict(traced.cpu_environment)
     warnings = target_warnings(spec, loaded.precision.value)

@@ -44,7 +44,7 @@ class Bridge:
     `when_absent`: '' (a missing target is a BridgeError) or why the bridge is not needed without it."""
 
     name: str
-    library: str  # 'transformers' | 'torch'
+    library: str  # 'transformers' | 'torch' | 'bitsandbytes'
     targets: tuple[tuple[str, str], ...]
     written_for: str
     why: str
@@ -181,11 +181,22 @@ DDP_ON_META = Bridge(
     "`wrap_ddp` says what that leaves out) and the logger's runtime statistics are not collected (timers that "
     "warn on a device without one)")
 
+BNB_WRITTEN_FOR = "bitsandbytes 0.50"
+BNB_OPTIMIZER_STATE = Bridge(
+    "bnb_optimizer_state", "bitsandbytes", (("bitsandbytes.optim.optimizer", "Optimizer8bit.get_state_buffer"),),
+    BNB_WRITTEN_FOR,
+    "bitsandbytes' optimizers make each state with `get_state_buffer` (bitsandbytes/optim/optimizer.py): zeros on a "
+    "CPU parameter (a paged optimizer falls back to unpaged there), else for a paged optimizer and a parameter of "
+    "at least 1e5 elements CUDA managed memory (`F.get_paged`: cudaMallocManaged in bitsandbytes' C library, outside "
+    "PyTorch's allocator, which meta cannot run), else zeros. A meta parameter gets zeros on meta; on a CUDA target "
+    "the paged ones are recorded as paged optimizer state, outside the allocated bytes (`StepRecorder.managed`)",
+    when_absent="bitsandbytes (the optional extra [quant]) is not installed: no bitsandbytes optimizer to trace")
+
 BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_CHECK, PADDING_MASK_CHECK,
                                PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION, MHA_FAST_PATH,
                                FUNCTIONAL_TORCH_FUNCTION_CHECK, GRAD_SCALER_FOUND_INF, CLIP_GRAD_FOREACH,
                                FUSED_OPTIMIZER_DEVICES, ADAFACTOR_SCALARS, GENERATION_QUESTIONS, FSDP_ON_META,
-                               DDP_ON_META)
+                               DDP_ON_META, BNB_OPTIMIZER_STATE)
 
 
 def _installed_version(library: str) -> str:
@@ -604,6 +615,7 @@ def installed(policy: KernelPolicyMode, rec: StepRecorder) -> Iterator[None]:
         CLIP_GRAD_FOREACH: _clip_grad_foreach,
         FUSED_OPTIMIZER_DEVICES: _fused_optimizer_devices,
         ADAFACTOR_SCALARS: _adafactor_scalars,
+        BNB_OPTIMIZER_STATE: lambda s: _bnb_optimizer_state(s, policy, rec),
     }
     resolve(FUNCTIONAL_TORCH_FUNCTION_CHECK)  # patched per call (skip_next_torch_function_check); checked here
     needed = [b for b in apply if resolve(b) is not None]  # all targets checked before anything is patched
@@ -611,6 +623,26 @@ def installed(policy: KernelPolicyMode, rec: StepRecorder) -> Iterator[None]:
         for b in needed:
             apply[b](stack)
         yield
+
+
+def _bnb_optimizer_state(stack: contextlib.ExitStack, policy: KernelPolicyMode, rec: StepRecorder) -> None:
+    from .analysis.categories import Category
+    from .spec import Device
+
+    found = resolve(BNB_OPTIMIZER_STATE)
+    original = found["bitsandbytes.optim.optimizer.Optimizer8bit.get_state_buffer"]
+    owner = importlib.import_module("bitsandbytes.optim.optimizer").Optimizer8bit
+    paged_on_target = policy.device is Device.CUDA
+
+    def get_state_buffer(self, p, dtype=torch.float32):
+        if p.device.type != "meta":
+            return original(self, p, dtype)
+        buffer = torch.zeros_like(p, dtype=dtype)
+        if paged_on_target and self.is_paged and p.numel() >= 1e5:  # the threshold of get_state_buffer
+            rec.managed(buffer, Category.PAGED_OPTIMIZER_STATE)
+        return buffer
+
+    stack.enter_context(_set(owner, "get_state_buffer", get_state_buffer))
 
 
 def gradient_checkpointing_layer() -> type:

@@ -97,6 +97,14 @@ class OptimizerKind(_Choice):
     # (trainer_optimizer.py::_get_adafactor: scale_parameter=False, relative_step=False)
     ADAFACTOR = "adafactor"
     TORCH_ADAFACTOR = "torch-adafactor"  # torch.optim.Adafactor
+    # bitsandbytes' optimizers as HF Trainer builds them (transformers/trainer_optimizer.py: `bnb.optim.AdamW` with
+    # optim_bits 8 or 32 and is_paged, `bnb.optim.Lion` with optim_bits 8): 8-bit states are two uint8 tensors with
+    # an fp32 absmax per 256-element block and two 256-entry fp32 maps, for parameters of at least
+    # min_8bit_size = 4096 elements (fp32 states below it); paged states live in CUDA managed memory
+    ADAMW_8BIT = "adamw-8bit"
+    PAGED_ADAMW_8BIT = "paged-adamw-8bit"
+    PAGED_ADAMW = "paged-adamw"
+    LION_8BIT = "lion-8bit"
     NONE = "none"
 
     @classmethod
@@ -108,6 +116,8 @@ class OptimizerKind(_Choice):
         key = str(value).strip().lower()
         if key in HF_OPTIM_NAMES:
             return cls(HF_OPTIM_NAMES[key][0])
+        if key.replace("_", "-") in cls._value2member_map_:
+            return cls(key.replace("_", "-"))
         if key in HF_BNB_OPTIM_NAMES or "bnb" in key or "8bit" in key or key.startswith("paged_"):
             raise UsageError(f"optimizer {value!r} is a bitsandbytes optimizer, not supported yet; choose one of: "
                              f"{', '.join(m.value for m in cls)}")
@@ -136,6 +146,9 @@ class OptimizerImpl(_Choice):
 HF_OPTIM_NAMES = {
     "adamw_torch": ("adamw", None), "adamw_torch_fused": ("adamw", "fused"), "adafactor": ("adafactor", None),
     "sgd": ("sgd", None), "adagrad": ("adagrad", None), "rmsprop": ("rmsprop", None),
+    "adamw_bnb_8bit": ("adamw-8bit", None), "adamw_8bit": ("adamw-8bit", None),
+    "paged_adamw_8bit": ("paged-adamw-8bit", None), "paged_adamw_32bit": ("paged-adamw", None),
+    "lion_8bit": ("lion-8bit", None),
 }
 HF_BNB_OPTIM_NAMES = ("adamw_bnb_8bit", "adamw_8bit", "ademamix_8bit", "lion_8bit", "lion_32bit", "paged_adamw_32bit",
                       "paged_adamw_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit", "paged_lion_32bit",
@@ -150,7 +163,11 @@ OPTIMIZER_IMPLS = {
     OptimizerKind.TORCH_ADAFACTOR: (OptimizerImpl.DEFAULT, OptimizerImpl.FOREACH, OptimizerImpl.FORLOOP),
     OptimizerKind.ADAFACTOR: (OptimizerImpl.DEFAULT, OptimizerImpl.FORLOOP),
     OptimizerKind.NONE: (OptimizerImpl.DEFAULT,),
+    **{k: (OptimizerImpl.DEFAULT,) for k in (OptimizerKind.ADAMW_8BIT, OptimizerKind.PAGED_ADAMW_8BIT,
+                                             OptimizerKind.PAGED_ADAMW, OptimizerKind.LION_8BIT)},
 }
+BNB_OPTIMIZERS = frozenset({OptimizerKind.ADAMW_8BIT, OptimizerKind.PAGED_ADAMW_8BIT, OptimizerKind.PAGED_ADAMW,
+                            OptimizerKind.LION_8BIT})
 
 
 class Loop(_Choice):

@@ -35,12 +35,16 @@ class Category(str, enum.Enum):
     # the weights bitsandbytes dequantizes for each matmul, in the forward and again in the backward
     # (bitsandbytes/autograd/_functions.py `MatMul4Bit`: `F.dequantize_4bit`), freed after the matmul
     DEQUANTIZED_WEIGHTS = "dequantized_weights"
+    # a paged bitsandbytes optimizer's states of parameters of at least 1e5 elements on a CUDA target: CUDA managed
+    # memory (cudaMallocManaged, bitsandbytes/functional.py `get_paged`), outside PyTorch's caching allocator: not
+    # in allocated or reserved bytes (tracer/recorder.py `managed`)
+    PAGED_OPTIMIZER_STATE = "paged_optimizer_state"
 
 
 # Categories only some steps have (a report leaves them out of its table when they hold nothing): a sharded
 # step's, a quantized model's.
 OPTIONAL = frozenset({Category.UNSHARDED_PARAMETERS, Category.COLLECTIVE_BUFFERS, Category.QUANTIZED_WEIGHTS,
-                      Category.QUANT_CONSTANTS, Category.DEQUANTIZED_WEIGHTS})
+                      Category.QUANT_CONSTANTS, Category.DEQUANTIZED_WEIGHTS, Category.PAGED_OPTIMIZER_STATE})
 
 
 # Categories whose storages must outlive the step even under last-use freeing (graph-optimal figure).

@@ -20,6 +20,7 @@ _CATEGORY_LABELS = {
     "cublas_workspace": "cuBLAS workspaces", "unsharded_parameters": "unsharded parameters (FSDP)",
     "collective_buffers": "collective buffers (FSDP/DDP)", "quantized_weights": "quantized weights (bitsandbytes)",
     "quantization_constants": "quantization constants", "dequantized_weights": "dequantized weight temporaries",
+    "paged_optimizer_state": "paged optimizer state (CUDA managed memory)",
 }
 def sharding_line(r: dict) -> str:
     """'FSDP2 over 8 ranks (reshard after forward), per rank: rank 0 shown (ranks 0-6 3.10 GiB, 7 2.90 GiB);
@@ -133,6 +134,10 @@ def render(report: MemoryReport, console: Console) -> None:
     if r.get("ddp"):
         head.add_row("sharding", f"DDP over {r['ddp']['world']} ranks (every rank holds the whole model and one "
                                  f"set of gradient buckets); per rank; global batch {r['ddp']['global_batch']}")
+    if r.get("paged_optimizer_state_bytes"):
+        head.add_row("paged state", f"{format_bytes(r['paged_optimizer_state_bytes'])} of optimizer state in CUDA "
+                                    "managed memory (bitsandbytes' paged optimizer): outside the allocator, not in "
+                                    "the peak; resident on the GPU while it has room, paged to host RAM when not")
     target = f"{r['device']}" + (f" ({r['gpu']}, 512 B blocks)" if r["device"] == "cuda" else " (no rounding)")
     head.add_row("target", target)
     if r.get("trace"):

@@ -64,7 +64,8 @@ def _bitsandbytes():
     try:
         import bitsandbytes
     except ImportError as e:
-        raise UsageError("--quantization needs bitsandbytes: pip install 'vramtrace[quant]'") from e
+        raise UsageError("bitsandbytes (--quantization, the 8-bit and paged optimizers) is not installed: pip install "
+                         "'vramtrace[quant]'") from e
     return bitsandbytes
 
 
@@ -89,6 +90,19 @@ def quantize(model: torch.nn.Module, spec: RunSpec, weight_dtype: torch.dtype) -
 
     quantizer = AutoHfQuantizer.from_config(bnb_config(spec))
     quantizer.preprocess_model(model, dtype=weight_dtype, device_map=None)
+    # bitsandbytes caches the dynamic code table of the nested quantization on the device of the first tensor it
+    # quantizes (functional.py `quantize_blockwise`: the module global `name2qmap`): a meta table would break a
+    # real quantization later in this process, so the cache is put back as it was
+    saved = dict(bnb.functional.name2qmap)
+    try:
+        _quantize_weights(bnb, model, weight_dtype)
+    finally:
+        bnb.functional.name2qmap.clear()
+        bnb.functional.name2qmap.update(saved)
+    quantizer.postprocess_model(model)
+
+
+def _quantize_weights(bnb, model: torch.nn.Module, weight_dtype: torch.dtype) -> None:
     meta = torch.device("meta")
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
@@ -100,7 +114,6 @@ def quantize(model: torch.nn.Module, spec: RunSpec, weight_dtype: torch.dtype) -
                 # the new Linear4bit's bias is made fp32 and frozen; the loader sets the checkpoint's bias in
                 # `dtype`, as a Parameter that requires grad (floating point: transformers/modeling_utils.py)
                 module.bias = torch.nn.Parameter(torch.empty_like(module.bias, dtype=weight_dtype))
-    quantizer.postprocess_model(model)
 
 
 def quant_state_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

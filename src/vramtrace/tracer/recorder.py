@@ -29,7 +29,8 @@ from .records import Phase, RecOp, RecStorage
 FALLBACK_LIMIT_BYTES = 256 << 20  # inputs of an op without a meta kernel that the CPU fallback may run
 
 _MODULE_KEY = "vramtrace_module"
-RESIZE_OP = "storage.resize_"  # the pseudo-op of an in-place storage resize up (storage_resized)
+RESIZE_OP = "storage.resize_"
+MANAGED_DEVICE = "cuda_managed"  # the device of a storage outside the caching allocator (`managed`)  # the pseudo-op of an in-place storage resize up (storage_resized)
 _ADD = torch.ops.aten.add.Tensor
 # A functional collective's output wrapped for autograd (torch/distributed/_functional_collectives.py
 # `_wrap_tensor_autograd`: an AsyncCollectiveTensor around the input, no allocation; its fake kernel is `empty_like`)
@@ -193,11 +194,22 @@ class StepRecorder(TorchDispatchMode):
             s = self.storages[sid]
             s.held_as, s.held_micro = what, micro
 
+    def managed(self, t: torch.Tensor, category: str) -> None:
+        """t's storage is memory outside the target's caching allocator (CUDA managed memory: a paged
+        bitsandbytes optimizer's state): its record gets `category` and the device 'cuda_managed', which no
+        target counts as allocated (trace.py `counted`)."""
+        sid = self._live.get(storage_of(t)._cdata)
+        if sid is not None:
+            self.storages[sid].category = category
+            self.storages[sid].device = MANAGED_DEVICE
+
     def set_category(self, t: torch.Tensor, category: str, name: str = "") -> None:
+        """Give t's storage `category` (a storage outside the allocator, `managed`, keeps its own) and a name."""
         sid = self._live.get(storage_of(t)._cdata)
         if sid is not None:
             s = self.storages[sid]
-            s.category = category
+            if s.device != MANAGED_DEVICE:
+                s.category = category
             s.name = s.name or name
 
     def detach(self) -> None:
