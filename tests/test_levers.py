@@ -19,7 +19,8 @@ from vramtrace.reports.terminal import render
 LLAMA, GPT2 = (str(FIXTURES / f"{c}.json") for c in ("tiny-llama-gqa", "tiny-gpt2"))
 BASE = ["--batch", "4", "--seq", "64", "--device", "cpu"]
 # the cost classes of the module docstring, by family (the optimizer's for-loop is class 1, its others 0)
-COST_CLASS = {"use_cache": 0, "optimizer_impl": 0, "checkpointing": 2, "micro_batch": 3, "lora": 4, "fsdp": 5}
+COST_CLASS = {"use_cache": 0, "optimizer_impl": 0, "optimizer_8bit": 1, "checkpointing": 2, "micro_batch": 3,
+              "lora": 4, "qlora": 4, "fsdp": 5}
 
 
 def _cli_peak(args: list[str], tmp_path, capsys) -> int:
@@ -84,6 +85,11 @@ def test_a_combination_when_no_single_lever_fits(just_over, tmp_path, capsys):
     if "--batch" in options:
         changes.update(batch=int(options[options.index("--batch") + 1]),
                        grad_accum=int(options[options.index("--grad-accum") + 1]))
+    for option in ("--quantization", "--bnb-compute-dtype", "--optimizer"):
+        if option in options:
+            changes[option[2:].replace("-", "_")] = options[options.index(option) + 1]
+    if "--double-quant" in options:
+        changes["double_quant"] = True
     assert measure_cpu_peak(_spec(**changes)) <= capacity
     text = io.StringIO()
     render(r, Console(file=text, width=120))

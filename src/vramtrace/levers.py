@@ -9,11 +9,13 @@ reserved on a CUDA target, peak allocated on the CPU).
 Levers are ranked from cheapest, by what they cost the run, then by how much they save:
   0. free: the same training at the same speed (`--use-cache false`: training never reads the cache; the fused
      optimizer: the same update in fewer kernels);
-  1. a slower optimizer step (the for-loop implementation: one kernel per tensor and op);
+  1. a slower optimizer step (the for-loop implementation: one kernel per tensor and op), or bitsandbytes' 8-bit
+     AdamW states (the same update from blockwise-quantized moments);
   2. recompute: checkpointing, ranked by its recompute FLOPs as a share of the step's forward + backward FLOPs;
   3. throughput: k micro-batches per optimizer step instead of one (the same effective batch and update, lower
      GPU utilisation at small micro-batches), ranked by k;
-  4. a different training: LoRA trains adapters on the frozen base weights;
+  4. a different training: LoRA trains adapters on the frozen base weights; QLoRA keeps those base weights in 4-bit
+     NF4 (bitsandbytes);
   5. more hardware: FSDP2 over the fewest GPUs that fits (`--fsdp N`), ranked by N.
 
 When no single lever fits, a combination is built: each family's strongest lever is added in rank order until
@@ -21,7 +23,8 @@ the run fits; then the non-free levers the fit does not need are dropped (most e
 checkpointing and the micro-batch are relaxed to the cheapest setting that still fits. Every step of that is
 traced.
 
-The families are `FAMILIES`, in rank order: the seam where 8-bit optimizers (bitsandbytes) join as they land.
+The families are `FAMILIES`, in rank order. The bitsandbytes families (8-bit optimizer, QLoRA) are offered only
+where bitsandbytes is installed.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from .planner import budget_peak, search_checkpointing
-from .spec import Device, Mode, OptimizerImpl, OPTIMIZER_IMPLS, RunSpec, custom_ref
+from .errors import UsageError
+from .spec import Device, Mode, OptimizerImpl, OptimizerKind, OPTIMIZER_IMPLS, RunSpec, custom_ref
 from .tables import Outcome
 
 LORA_RANK = 16  # the LoRA lever's rank: peft's examples and HF's PEFT guides start at r=8..16
@@ -71,17 +75,26 @@ def options_text(changes: dict) -> str:
             continue  # printed with the batch
         elif name == "batch":
             parts.append(f"--batch {value} --grad-accum {changes['grad_accum']}")
-        elif name == "optimizer_impl":
-            parts.append(f"--optimizer-impl {value.value}")
+        elif name == "optimizer_impl":  # the default implementation goes without saying with another optimizer
+            if not (value is OptimizerImpl.DEFAULT and "optimizer" in changes):
+                parts.append(f"--optimizer-impl {value.value}")
         elif name == "checkpointing":
             parts.append(f"--checkpointing {value}")
         elif name == "lora_rank":
             parts.append(f"--lora-rank {value}")
         elif name == "fsdp":
             parts.append(f"--fsdp {value}")
+        elif name == "optimizer":
+            parts.append(f"--optimizer {OptimizerKind.parse(value).value}")
+        elif name == "quantization":
+            parts.append(f"--quantization {value}")
+        elif name == "double_quant":
+            parts.append("--double-quant" if value else "")
+        elif name == "bnb_compute_dtype":
+            parts.append(f"--bnb-compute-dtype {value}")
         else:  # pragma: no cover - a family added without its option text
             raise ValueError(f"no option text for {name}")
-    return " ".join(parts)
+    return " ".join(p for p in parts if p)
 
 
 class Evaluator:
@@ -104,7 +117,7 @@ class Evaluator:
 
             if self.base is not None:
                 diff = {f: getattr(spec, f) for f in ("use_cache", "optimizer_impl", "checkpointing", "batch",
-                                                      "grad_accum", "lora_rank", "fsdp")
+                                                      "grad_accum", "lora_rank", "fsdp", "optimizer", "quantization")
                         if getattr(spec, f) != getattr(self.base, f)}
                 if "batch" in diff or "grad_accum" in diff:
                     diff.update(batch=spec.batch, grad_accum=spec.grad_accum)
@@ -215,6 +228,39 @@ def _lora(s: _Search, on: RunSpec) -> list[Lever]:
                     "weights frozen")]
 
 
+def _bitsandbytes_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def _optimizer_8bit(s: _Search, on: RunSpec) -> list[Lever]:
+    """bitsandbytes' 8-bit AdamW (`--optimizer adamw-8bit`, HF Trainer's `adamw_bnb_8bit`) for torch's Adam or
+    AdamW: the same update with blockwise-quantized states (2 bytes per parameter instead of 8). Needs bitsandbytes
+    installed."""
+    if on.mode is not Mode.TRAIN or on.optimizer not in (OptimizerKind.ADAMW, OptimizerKind.ADAM) \
+            or on.world is not None or not _bitsandbytes_installed():
+        return []
+    return [s.lever("optimizer_8bit", on, {"optimizer": OptimizerKind.ADAMW_8BIT,
+                                           "optimizer_impl": OptimizerImpl.DEFAULT}, (1, 1.0),
+                    "8-bit optimizer states: bitsandbytes' AdamW8bit (blockwise-quantized moments, 2 bytes per "
+                    "parameter instead of 8)")]
+
+
+def _qlora(s: _Search, on: RunSpec) -> list[Lever]:
+    """QLoRA: the base weights in 4-bit NF4 with double quantization and bf16 compute (the QLoRA paper's and
+    peft's recipe), with LoRA (the run's rank, or `LORA_RANK`) on a transformers model. Needs bitsandbytes."""
+    if on.mode is not Mode.TRAIN or on.quantization is not None or on.freeze or on.world is not None \
+            or on.step is not None or custom_ref(on.model) is not None or not _bitsandbytes_installed():
+        return []
+    changes = {"quantization": "nf4", "double_quant": True, "bnb_compute_dtype": "bf16"}
+    if on.lora_rank is None:
+        changes["lora_rank"] = LORA_RANK
+    return [s.lever("qlora", on, changes, (4, 1.0),
+                    f"a different training: QLoRA, LoRA r={on.lora_rank or LORA_RANK} on 4-bit NF4 base weights "
+                    "(double quantization, bf16 compute)")]
+
+
 def _sharding(s: _Search, on: RunSpec) -> list[Lever]:
     """FSDP2 over N GPUs (`--fsdp N`, the per-rank batch kept): the smallest power of two 2 <= N <= `fit.MAX_RANKS`
     that fits (`fit.fewest_ranks`), or MAX_RANKS when none does. Each N is traced at rank 0, whose
@@ -235,8 +281,9 @@ def _sharding(s: _Search, on: RunSpec) -> list[Lever]:
 
 
 FAMILIES: tuple[tuple[str, Callable[[_Search, RunSpec], list[Lever]]], ...] = (
-    ("use_cache", _use_cache), ("optimizer_impl", _optimizer_impl), ("checkpointing", _checkpointing),
-    ("micro_batch", _micro_batch), ("lora", _lora), ("fsdp", _sharding),
+    ("use_cache", _use_cache), ("optimizer_impl", _optimizer_impl), ("optimizer_8bit", _optimizer_8bit),
+    ("checkpointing", _checkpointing), ("micro_batch", _micro_batch), ("lora", _lora), ("qlora", _qlora),
+    ("fsdp", _sharding),
 )
 
 
@@ -284,6 +331,11 @@ def _combine(s: _Search, found: list[Lever]) -> dict | None:
             break
         if f in by_family and by_family[f][0].rank[0] > 0 and f not in chosen:
             chosen[f] = min(by_family[f], key=lambda lv: budget_peak(lv.outcome))
+            try:
+                replace(s.spec, **changes())
+            except UsageError:  # options that do not go together (QLoRA and FSDP; 8-bit and a fused optimizer)
+                del chosen[f]
+                continue
             if "optimizer_impl" not in chosen and traced().peak_phase == "optimizer":
                 on = replace(s.spec, **changes())
                 impls = [lv for lv in _optimizer_impl(s, on) if budget_peak(lv.outcome) < budget_peak(traced())]
