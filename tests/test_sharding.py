@@ -1,6 +1,7 @@
-"""`--fsdp N` and `--tp N`: PyTorch's own FSDP2 and transformers' own tensor parallelism traced on fake ranks, against the same sharded step run for real by N gloo
-processes on the CPU (tests/oracle.py `measure_cpu_peak_ranks`: public APIs only), rank by rank; layer
-replication of a sharded stack against tracing every layer; the rank classes; the options' errors."""
+"""`--fsdp N` and `--tp N`: PyTorch's own FSDP2 and transformers' own tensor parallelism traced on fake ranks,
+against the same sharded step run for real by N gloo processes on the CPU (tests/oracle.py
+`measure_cpu_peak_ranks`: public APIs only), rank by rank; layer replication of a sharded stack against tracing
+every layer; the rank classes; the options' errors."""
 
 from __future__ import annotations
 

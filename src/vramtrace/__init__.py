@@ -180,10 +180,10 @@ def _ranks_text(ranks: tuple[int, ...]) -> str:
 
 def sharding_summary(spec: RunSpec, rank_peaks: dict[str, int]) -> dict:
     """The report's `run` entries of a distributed step: {'fsdp': {world, reshard_after_forward, plan (`FsdpPlan`),
-    rank (the one reported), global_batch (per-rank batch × data-parallel ranks × gradient accumulation), rank_peaks (bytes per
-    rank class traced, when every class was)}, 'tp': {world (TP ranks), rank, global_batch, rank_peaks}} (with
-    --fsdp M --tp N both, the fsdp entry's world is M and rank_peaks sit in it) or {'ddp': {world, global_batch}};
-    {} on one device."""
+    rank (the one reported), global_batch (per-rank batch × data-parallel ranks × gradient accumulation),
+    rank_peaks (bytes per rank class traced, when every class was)}, 'tp': {world (TP ranks), rank, global_batch,
+    rank_peaks}} (with --fsdp M --tp N both, the fsdp entry's world is M and rank_peaks sit in it) or {'ddp':
+    {world, global_batch}}; {} on one device."""
     if spec.ddp is not None:
         return {"ddp": {"world": spec.ddp, "global_batch": spec.batch * spec.ddp * spec.grad_accum}}
     if spec.world is None:

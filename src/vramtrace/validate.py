@@ -174,8 +174,9 @@ def validate(spec: RunSpec, progress: Callable[[str], None] | None = None) -> di
 
     _require_local(spec.device)
     if spec.world is not None:
-        raise UsageError("validate runs the step in this one process; a distributed step (--fsdp, --ddp, --tp) runs on N "
-                         "ranks: launch it with torchrun and compare each rank's torch.cuda.max_memory_allocated()")
+        raise UsageError("validate runs the step in this one process; a distributed step (--fsdp, --ddp, --tp) runs "
+                         "on N ranks: launch it with torchrun and compare each rank's "
+                         "torch.cuda.max_memory_allocated()")
     say = progress or (lambda _m: None)
     report = analyze(spec, say)
     needed = report.peak_reserved_bytes or report.peak_allocated_bytes

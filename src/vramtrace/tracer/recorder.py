@@ -29,8 +29,8 @@ from .records import Phase, RecOp, RecStorage
 FALLBACK_LIMIT_BYTES = 256 << 20  # inputs of an op without a meta kernel that the CPU fallback may run
 
 _MODULE_KEY = "vramtrace_module"
-RESIZE_OP = "storage.resize_"
-MANAGED_DEVICE = "cuda_managed"  # the device of a storage outside the caching allocator (`managed`)  # the pseudo-op of an in-place storage resize up (storage_resized)
+RESIZE_OP = "storage.resize_"  # the pseudo-op of an in-place storage resize up (storage_resized)
+MANAGED_DEVICE = "cuda_managed"  # the device of a storage outside the caching allocator (`managed`)
 _ADD = torch.ops.aten.add.Tensor
 # A functional collective's output wrapped for autograd (torch/distributed/_functional_collectives.py
 # `_wrap_tensor_autograd`: an AsyncCollectiveTensor around the input, no allocation; its fake kernel is `empty_like`)
