@@ -109,6 +109,7 @@ def test_pyproject_declares_what_the_package_imports():
     core = {_requirement_name(r) for r in project["dependencies"]}
     extras = {k: {_requirement_name(r) for r in v} for k, v in project["optional-dependencies"].items()}
     assert "peft" not in core and "peft" in extras["lora"] and "peft" in extras["test"]
+    assert "bitsandbytes" not in core and "bitsandbytes" in extras["quant"] and "bitsandbytes" in extras["test"]
     assert "torch" not in core
     distributions = importlib.metadata.packages_distributions()
     missing = []
@@ -116,6 +117,6 @@ def test_pyproject_declares_what_the_package_imports():
         if name in UNDECLARED:
             continue
         dists = {d.lower().replace("_", "-") for d in distributions.get(name, [name])}
-        if not dists & (core | extras["lora"]):
+        if not dists & (core | extras["lora"] | extras["quant"]):
             missing.append((name, sorted(dists)))
     assert not missing, f"imported but not declared in pyproject.toml: {missing}"
