@@ -45,7 +45,10 @@ def test_each_lever_is_the_run_its_options_make(just_over, tmp_path, capsys):
     levers = report.levers
     assert not report.fit["fits"] and levers["base_bytes"] == peak and levers["budget_bytes"] == peak - 1
     families = [lv["family"] for lv in levers["levers"]]
-    assert {"checkpointing", "micro_batch", "lora"} <= set(families), families
+    assert {"checkpointing", "micro_batch", "lora", "optimizer_8bit", "qlora"} <= set(families), families
+    by_family = {lv["family"]: lv for lv in levers["levers"]}
+    assert by_family["optimizer_8bit"]["options"] == "--optimizer adamw-8bit"
+    assert by_family["qlora"]["options"] == "--quantization nf4 --double-quant --bnb-compute-dtype bf16 --lora-rank 16"
     assert [COST_CLASS[f] for f in families] == sorted(COST_CLASS[f] for f in families)
     ckpt = [lv["recompute_overhead"] for lv in levers["levers"] if lv["family"] == "checkpointing"]
     assert ckpt == sorted(ckpt) and ckpt[-1] > 0.1  # layers recomputes every layer's forward

@@ -136,17 +136,3 @@ def test_paged_optimizer_state_is_managed_memory_on_a_cuda_target(tmp_path):
     assert "paged_optimizer_state_bytes" not in unpaged.run
     assert unpaged.breakdown_at_peak["optimizer_state"] - paged.breakdown_at_peak["optimizer_state"] == managed
 
-
-def test_qlora_and_8bit_adamw_are_levers():
-    """1.5 MB: full fp32 fine-tuning does not fit (2.79 MB); 8-bit AdamW saves its states' bytes (2 B per parameter
-    of at least 4096 elements instead of 8) but does not fit; LoRA and QLoRA do, QLoRA lower (4-bit base weights);
-    each lever's peak is its own run's prediction."""
-    spec = RunSpec(LLAMA, batch=2, seq=16, device="cpu", precision="fp32", gpu_memory_bytes=1_500_000)
-    levers = {lv["family"]: lv for lv in analyze(spec).levers["levers"]}
-    assert levers["optimizer_8bit"]["options"] == "--optimizer adamw-8bit" and not levers["optimizer_8bit"]["fits"]
-    qlora = levers["qlora"]
-    assert qlora["options"] == "--quantization nf4 --double-quant --bnb-compute-dtype bf16 --lora-rank 16"
-    assert qlora["fits"] and qlora["peak_allocated_bytes"] < levers["lora"]["peak_allocated_bytes"]
-    alone = analyze(RunSpec(LLAMA, batch=2, seq=16, device="cpu", precision="fp32", quantization="nf4",
-                            double_quant=True, bnb_compute_dtype="bf16", lora_rank=16))
-    assert qlora["peak_allocated_bytes"] == alone.peak_allocated_bytes

@@ -32,9 +32,9 @@ def make_optimizer(spec: RunSpec, params: list[torch.nn.Parameter]):
 
         return Adafactor(params, lr=1e-4, scale_parameter=False, relative_step=False)
     if kind in BNB_OPTIMIZERS:  # transformers/trainer_optimizer.py, the bitsandbytes branch of get_optimizer_cls
-        from .quantization import _bitsandbytes
+        from .quantization import bitsandbytes_module
 
-        bnb = _bitsandbytes()
+        bnb = bitsandbytes_module()
         if kind is OptimizerKind.LION_8BIT:
             return bnb.optim.Lion(params, lr=1e-4, optim_bits=8)
         return bnb.optim.AdamW(params, lr=1e-4, optim_bits=32 if kind is OptimizerKind.PAGED_ADAMW else 8,

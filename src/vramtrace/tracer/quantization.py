@@ -33,8 +33,8 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.f
 # (recorder.op_categories): the backward's `dequantize_4bit`, the forward's `gemm_4bit` (dequantize, then matmul)
 QUANT_OP_CATEGORIES = {"bitsandbytes.dequantize_4bit.default": ("outputs", Category.DEQUANTIZED_WEIGHTS),
                        "bitsandbytes.gemm_4bit.default": ("workspace", Category.DEQUANTIZED_WEIGHTS)}
-# bitsandbytes/backends/cuda/ops.py: its fused kernel serves M <= 4 rows always, never above 1536 (CUDA)
-GEMM_4BIT_CUSTOM_FLOOR_M, GEMM_4BIT_CUSTOM_MAX_M = 4, 1536
+# bitsandbytes/backends/cuda/ops.py `_GEMM_4BIT_CUSTOM_FLOOR_M`: its fused kernel serves up to 4 rows always
+GEMM_4BIT_CUSTOM_FLOOR_M = 4
 
 
 def cuda_gemm_4bit_workspace(func, args, kwargs, out):
@@ -60,7 +60,8 @@ def cuda_gemm_4bit_workspace(func, args, kwargs, out):
     return nested + round_size(shape_b[0] * shape_b[1] * a.element_size()), out
 
 
-def _bitsandbytes():
+def bitsandbytes_module():
+    """The bitsandbytes module. Raises UsageError, saying how to install it, without it."""
     try:
         import bitsandbytes
     except ImportError as e:
@@ -85,7 +86,7 @@ def quantize(model: torch.nn.Module, spec: RunSpec, weight_dtype: torch.dtype) -
     """Quantize `model` (built on meta in `weight_dtype`, the `dtype` of `from_pretrained`) in place, as
     `from_pretrained(..., quantization_config=bnb_config(spec), dtype=weight_dtype)` does. Raises UsageError
     without bitsandbytes."""
-    bnb = _bitsandbytes()
+    bnb = bitsandbytes_module()
     from transformers.quantizers import AutoHfQuantizer
 
     quantizer = AutoHfQuantizer.from_config(bnb_config(spec))
