@@ -27,7 +27,10 @@ QLORA = {"quantization": "nf4", "double_quant": True, "bnb_compute_dtype": "bf16
     (GPT2, {"precision": "bf16", "quantization": "nf4", "lora_rank": 8}),  # Conv1D layers, fp32 compute
     (GPT2, {"precision": "bf16", "quantization": "nf4", "double_quant": True, "bnb_compute_dtype": "bf16"}),
     (LLAMA, {"precision": "bf16", "quantization": "fp4", "bnb_compute_dtype": "bf16", "mode": "inference"}),
-], ids=["llama-qlora", "llama-qlora-bf16-mixed", "gpt2-nf4-lora", "gpt2-nf4-dq-no-lora", "llama-fp4-inference"])
+    (LLAMA, {"precision": "bf16", "quantization": "nf4", "double_quant": True, "bnb_compute_dtype": "bf16",
+             "mode": "generate", "new_tokens": 4}),
+], ids=["llama-qlora", "llama-qlora-bf16-mixed", "gpt2-nf4-lora", "gpt2-nf4-dq-no-lora", "llama-fp4-inference",
+        "llama-nf4-generate"])
 def test_quantized_step_matches_a_real_cpu_run(model, kw):
     spec = RunSpec(model, batch=2, seq=16, device="cpu", **kw)
     measured = measure_cpu_peak(spec)
