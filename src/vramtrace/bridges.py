@@ -618,6 +618,8 @@ def installed(policy: KernelPolicyMode, rec: StepRecorder) -> Iterator[None]:
         BNB_OPTIMIZER_STATE: lambda s: _bnb_optimizer_state(s, policy, rec),
     }
     resolve(FUNCTIONAL_TORCH_FUNCTION_CHECK)  # patched per call (skip_next_torch_function_check); checked here
+    if "bitsandbytes" not in sys.modules:  # no bitsandbytes optimizer was made (importing it costs seconds)
+        del apply[BNB_OPTIMIZER_STATE]
     needed = [b for b in apply if resolve(b) is not None]  # all targets checked before anything is patched
     with contextlib.ExitStack() as stack:
         for b in needed:
