@@ -9,9 +9,8 @@ the QKV and gate/up projections, which changes the order of the MLP's temporarie
 skips attention in the profile run (`skip_attn=True`), which transformers cannot: the traced peak keeps
 attention's output, a (tokens, hidden) tensor the MLP's peak already exceeds.
 
-With `--tp N` the figures are rank 0's (vLLM's tensor-parallel ranks hold the same shards, so each profiles and
-sizes the same budget; the engine takes the smallest block count of all ranks,
-`vllm/v1/core/kv_cache_utils.py::get_kv_cache_configs`). The profile run is traced under transformers' own tensor
+With `--tp N` the figures are rank 0's (for the models served here every rank holds shards of the same sizes, so
+each profiles and sizes the same budget). The profile run is traced under transformers' own tensor
 parallelism on N fake ranks (`RunSpec.tp`, `tracer/sharding.py`): each rank holds 1/N of every projection and of
 the vocabulary (embeddings, `lm_head`), the norms whole, the attention and MLP intermediates of its heads and
 columns, and the all-reduced hidden states whole, as vLLM's QKVParallelLinear / MergedColumnParallelLinear /
