@@ -202,11 +202,19 @@ def sharding_summary(spec: RunSpec, rank_peaks: dict[str, int]) -> dict:
 
 def target_warnings(spec: RunSpec, precision: str) -> list[str]:
     """What the target GPU cannot do natively: bf16 below sm80 (V100, T4), where torch emulates it (slowly);
-    `torch.cuda.is_bf16_supported()` still answers True there (torch/cuda/__init__.py, including_emulation)."""
+    `torch.cuda.is_bf16_supported()` still answers True there (torch/cuda/__init__.py, including_emulation). And
+    what the trace does not model for this target: bitsandbytes' repacking of 4-bit weights for inference on an
+    AVX512-BF16 CPU (bitsandbytes/nn/modules.py `Linear4bit.forward`, `_convert_weight_packed_for_cpu`)."""
     gpu = spec.gpu_preset
     if spec.device is Device.CUDA and "bf16" in precision and not gpu.native_bf16:
         return [f"{gpu.name} (sm{gpu.sm}) has no native bf16: torch emulates it, slowly; fp16-mixed (GradScaler) "
                 "or fp32 is what runs well there (--precision)"]
+    if spec.device is Device.CPU and spec.quantization is not None and spec.mode is not Mode.TRAIN:
+        from .tracer.quantization import bitsandbytes_module
+
+        if bitsandbytes_module().functional.has_avx512bf16():
+            return ["this CPU has AVX512-BF16: bitsandbytes repacks 4-bit weights for inference on it "
+                    "(_convert_weight_packed_for_cpu), which the trace does not model; the figure may differ"]
     return []
 
 
