@@ -65,11 +65,17 @@ class Lever:
                 "recompute_overhead": o.recompute_overhead}
 
 
+# RunSpec fields whose option is `--name value` (the value as the CLI takes it)
+_VALUE_OPTIONS = ("checkpointing", "lora_rank", "fsdp", "quantization", "bnb_compute_dtype")
+
+
 def options_text(changes: dict) -> str:
     """'--use-cache false --checkpointing layers' for a dict of RunSpec field changes."""
     parts = []
     for name, value in changes.items():
-        if name == "use_cache":
+        if name in _VALUE_OPTIONS:
+            parts.append(f"--{name.replace('_', '-')} {value}")
+        elif name == "use_cache":
             parts.append(f"--use-cache {str(value).lower()}")
         elif name == "grad_accum":
             continue  # printed with the batch
@@ -78,20 +84,10 @@ def options_text(changes: dict) -> str:
         elif name == "optimizer_impl":  # the default implementation goes without saying with another optimizer
             if not (value is OptimizerImpl.DEFAULT and "optimizer" in changes):
                 parts.append(f"--optimizer-impl {value.value}")
-        elif name == "checkpointing":
-            parts.append(f"--checkpointing {value}")
-        elif name == "lora_rank":
-            parts.append(f"--lora-rank {value}")
-        elif name == "fsdp":
-            parts.append(f"--fsdp {value}")
         elif name == "optimizer":
             parts.append(f"--optimizer {OptimizerKind.parse(value).value}")
-        elif name == "quantization":
-            parts.append(f"--quantization {value}")
         elif name == "double_quant":
             parts.append("--double-quant" if value else "")
-        elif name == "bnb_compute_dtype":
-            parts.append(f"--bnb-compute-dtype {value}")
         else:  # pragma: no cover - a family added without its option text
             raise ValueError(f"no option text for {name}")
     return " ".join(p for p in parts if p)
