@@ -8,11 +8,13 @@ checkpointing, inputs, freeze, LoRA, quantization, image size, multiple-choice c
 - transformers models: `AutoConfig` and the class its `architectures` names (`getattr(transformers, arch)`),
   built with `from_config`, random weights (seed 0); inputs drawn here per head;
 - custom modules (`path.py:NAME`): the file imported with importlib, `NAME()` called;
-- a quantized case (`quantization` nf4|fp4): the model saved, then loaded back with `from_pretrained(dir,
+- a quantized case (`quantization` nf4|fp4|int8): the model saved, then loaded back with `from_pretrained(dir,
   quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=..., bnb_4bit_use_double_quant=...,
-  bnb_4bit_compute_dtype=...), device_map="cpu")`; with LoRA, `peft.prepare_model_for_kbit_training(model,
-  use_gradient_checkpointing=False)` before `get_peft_model` (QLoRA); the 4-bit weights' quantization constants
-  (bitsandbytes' public `Params4bit.quant_state`) count as alive before the warm-up;
+  bnb_4bit_compute_dtype=...) or BitsAndBytesConfig(load_in_8bit=True), device_map="cpu")`; with LoRA,
+  `peft.prepare_model_for_kbit_training(model)` (its default: reentrant checkpointing, the case's "layers:reentrant")
+  or `prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)` and the case's checkpointing, before
+  `get_peft_model` (QLoRA); the quantization constants (bitsandbytes' public `Params4bit.quant_state`, an int8
+  weight's `SCB`, which `Linear8bitLt.state` holds after the first forward) count as alive before the warm-up;
 - the optimizer: a plain `torch.optim.AdamW(params)` (or the case's Adam/SGD, for-loop or foreach), or
   bitsandbytes' `bnb.optim.AdamW(optim_bits=8|32, is_paged=...)` / `bnb.optim.Lion(optim_bits=8)`;
 - a generation case (mode generate): `model.generate(input_ids, attention_mask=ones, max_new_tokens=N,
@@ -95,12 +97,15 @@ def hf_model(config, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def _quantized(model, spec, dtype: torch.dtype):
-    """`model` saved and loaded back 4-bit by bitsandbytes, as `from_pretrained(..., quantization_config=...)`
+    """`model` saved and loaded back 4-bit or int8 by bitsandbytes, as `from_pretrained(..., quantization_config=...)`
     loads a checkpoint on the CPU."""
     import tempfile
 
-    kw = {"load_in_4bit": True, "bnb_4bit_quant_type": _v(spec.quantization),
-          "bnb_4bit_use_double_quant": bool(getattr(spec, "double_quant", False))}
+    if _v(spec.quantization) == "int8":
+        kw = {"load_in_8bit": True}
+    else:
+        kw = {"load_in_4bit": True, "bnb_4bit_quant_type": _v(spec.quantization),
+              "bnb_4bit_use_double_quant": bool(getattr(spec, "double_quant", False))}
     if getattr(spec, "bnb_compute_dtype", None):
         kw["bnb_4bit_compute_dtype"] = DTYPES[spec.bnb_compute_dtype]
     with tempfile.TemporaryDirectory(prefix="oracle-bnb-") as directory:
@@ -213,7 +218,7 @@ def apply_checkpointing(model, policy: str) -> None:
     if kind in ("layers", "nth"):
         with warnings.catch_warnings():  # transformers 5.23 renamed it activation_checkpointing_enable
             warnings.simplefilter("ignore", FutureWarning)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False},
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": arg == "reentrant"},
                                                 **({"every_n_layers": int(arg)} if kind == "nth" else {}))
     elif kind == "selective":
         names = arg.split(",") if arg else ["aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm"]
@@ -368,6 +373,7 @@ class RealStep:
                                  cache_implementation="static" if cache == "static" else None)
             if _v(getattr(spec, "kv_dtype", "auto")) == "fp8":  # transformers' QuantizedCache, fp8 backend
                 self.generate.update(cache_implementation="quantized", cache_config={"backend": "fp8"})
+        checkpointing = str(spec.checkpointing)
         for pattern in getattr(spec, "freeze", ()) or ():
             for n, p in model.named_parameters():
                 if fnmatch.fnmatchcase(n, pattern):
@@ -375,7 +381,12 @@ class RealStep:
         if getattr(spec, "lora_rank", None):
             import peft
 
-            if getattr(spec, "quantization", None):
+            if getattr(spec, "quantization", None) and str(spec.checkpointing) == "layers:reentrant":
+                with warnings.catch_warnings():  # as QLoRA recipes call it: its default enables checkpointing
+                    warnings.simplefilter("ignore")  # (torch warns: no use_reentrant given)
+                    model = peft.prepare_model_for_kbit_training(model)
+                checkpointing = "none"
+            elif getattr(spec, "quantization", None):
                 model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
             lora = {"r": spec.lora_rank}
             if spec.lora_alpha is not None:
@@ -387,7 +398,7 @@ class RealStep:
         if setup is not None:
             setup(model)
         elif self.train:
-            apply_checkpointing(model, str(spec.checkpointing))
+            apply_checkpointing(model, checkpointing)
         if wrap is not None:  # the parallelism (FSDP2 / DDP) wraps the model before the optimizer sees it
             model = wrap(model)
         self.model = model
@@ -480,6 +491,9 @@ class RealStep:
 
     def alive_at_start(self) -> list:
         alive = [*self.model.parameters(), *self.model.buffers(), *self.args, *self.kwargs.values()]
+        for m in self.model.modules():  # an int8 Linear8bitLt's row scales: Int8Params.SCB, moved at the first
+            alive += [getattr(getattr(m, "weight", None), "SCB", None),  # forward
+                      getattr(getattr(m, "state", None), "SCB", None)]
         for p in self.model.parameters():  # bitsandbytes' QuantState: absmax, code, offset, and its nested state
             state = getattr(p, "quant_state", None)
             while state is not None:

@@ -36,6 +36,18 @@ def test_layers_matches_real_run(config, precision):
                          checkpointing="layers"), setup=_transformers_gradient_checkpointing)
 
 
+def test_reentrant_layers_match_real_run():
+    """torch.utils.checkpoint's reentrant variant (the layers' forward under no_grad, re-run whole in the
+    backward), under bf16 autocast."""
+    def reentrant(model):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+
+    _within_1pct(RunSpec(str(FIXTURES / "tiny-llama-gqa.json"), batch=4, seq=64, device="cpu",
+                         precision="bf16-mixed", checkpointing="layers:reentrant"), setup=reentrant)
+
+
 @pytest.mark.parametrize("config", ["tiny-gpt2", "tiny-llama-gqa", "tiny-bert"])
 def test_selective_matches_real_run(config):
     spec = RunSpec(str(FIXTURES / f"{config}.json"), batch=4, seq=64, device="cpu", precision="bf16-mixed",
@@ -112,7 +124,9 @@ def test_parse_checkpointing():
     assert Checkpointing.parse("every:4") == Checkpointing("every", 4)
     assert Checkpointing.parse("selective").save_ops == DEFAULT_SAVE_OPS
     assert Checkpointing.parse("selective:aten.mm").save_ops == ("aten.mm",)
-    for bad in ("every", "every:0", "layer", "nth:x"):
+    assert Checkpointing.parse("layers:reentrant") == Checkpointing("layers", reentrant=True)
+    assert str(Checkpointing.parse("layers:reentrant")) == "layers:reentrant"
+    for bad in ("every", "every:0", "layer", "nth:x", "layers:x"):
         with pytest.raises(UsageError, match="checkpointing"):
             Checkpointing.parse(bad)
     with pytest.raises(UsageError, match="memory-budget"):

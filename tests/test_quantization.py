@@ -1,5 +1,5 @@
-"""`--quantization nf4|fp4`: bitsandbytes' 4-bit weights built by transformers' own quantizer on meta, traced
-through bitsandbytes' own Linear4bit, against the same model loaded 4-bit by `from_pretrained(...,
+"""`--quantization nf4|fp4|int8`: bitsandbytes' 4-bit and int8 weights built by transformers' own quantizer on meta, traced
+through bitsandbytes' own Linear4bit and Linear8bitLt, against the same model loaded 4-bit by `from_pretrained(...,
 quantization_config=BitsAndBytesConfig(...))` and run for real on the CPU (tests/oracle.py, public APIs only), and
 the storage layout against bitsandbytes' own `quantize_4bit` on real tensors."""
 
@@ -30,15 +30,22 @@ def _avx512_bf16() -> bool:
 @pytest.mark.parametrize("model,kw", [
     (LLAMA, {"precision": "bf16", **QLORA}),  # QLoRA as the recipes run it
     (LLAMA, {"precision": "bf16-mixed", **QLORA}),  # the fp32 norms/head of prepare_model_for_kbit_training, autocast
-    (GPT2, {"precision": "bf16", "quantization": "nf4", "lora_rank": 8}),  # Conv1D layers, fp32 compute
+    (GPT2, {"precision": "bf16", "quantization": "nf4", "lora_rank": 8, "checkpointing": "none"}),  # Conv1D, fp32
     (GPT2, {"precision": "bf16", "quantization": "nf4", "double_quant": True, "bnb_compute_dtype": "bf16"}),
     (LLAMA, {"precision": "bf16", "quantization": "fp4", "bnb_compute_dtype": "bf16", "mode": "inference"}),
     (LLAMA, {"precision": "bf16", "quantization": "nf4", "double_quant": True, "bnb_compute_dtype": "bf16",
              "mode": "generate", "new_tokens": 4}),
+    # MatMul8bitFp (the CPU's training path) keeps its input as `ctx.A`: under peft's default reentrant
+    # checkpointing it is not kept (10% below the non-reentrant variant's peak, measured)
+    (LLAMA, {"precision": "bf16", "quantization": "int8", "lora_rank": 8}),
+    (LLAMA, {"precision": "bf16", "quantization": "int8", "lora_rank": 8, "checkpointing": "layers"}),
+    (GPT2, {"precision": "bf16", "quantization": "int8"}),  # the biases and norms train, the int8 weights do not
+    (LLAMA, {"precision": "bf16", "quantization": "int8", "mode": "inference"}),  # MatMul8bitLt, int8 CPU kernels
+    (GPT2, {"precision": "fp32", "quantization": "int8", "mode": "generate", "new_tokens": 4}),
 ], ids=["llama-qlora", "llama-qlora-bf16-mixed", "gpt2-nf4-lora", "gpt2-nf4-dq-no-lora", "llama-fp4-inference",
-        "llama-nf4-generate"])
+        "llama-nf4-generate", "llama-int8-lora", "llama-int8-lora-non-reentrant", "gpt2-int8-no-lora", "llama-int8-inference", "gpt2-int8-generate"])
 def test_quantized_step_matches_a_real_cpu_run(model, kw):
-    if kw.get("mode") in ("inference", "generate") and _avx512_bf16():
+    if kw.get("mode") in ("inference", "generate") and kw["quantization"] != "int8" and _avx512_bf16():
         pytest.skip("on an AVX512-BF16 CPU bitsandbytes repacks 4-bit weights for inference "
                     "(`_convert_weight_packed_for_cpu`), which the trace does not model yet")
     spec = RunSpec(model, batch=2, seq=16, device="cpu", **kw)
@@ -78,7 +85,7 @@ def test_the_report_shows_quantized_weights_constants_and_dequantized_temporarie
     nested absmax as two fp32 copies (one per block of 64) while it runs, each in the caching allocator's 512-byte
     blocks; in the backward, `dequantize_4bit`
     makes the weight in bf16 for the input gradient."""
-    report = analyze(RunSpec(LLAMA, batch=2, seq=16, precision="bf16", **QLORA))
+    report = analyze(RunSpec(LLAMA, batch=2, seq=16, precision="bf16", checkpointing="none", **QLORA))
     shapes = [(64, 64), (32, 64), (32, 64), (64, 64), (176, 64), (176, 64), (64, 176)]
     assert report.breakdown_at_peak["quantized_weights"] == 2 * sum(n * k for n, k in shapes) // 2
     assert report.breakdown_at_peak["quantization_constants"] > 0
@@ -91,6 +98,39 @@ def test_the_report_shows_quantized_weights_constants_and_dequantized_temporarie
     assert all(t.dtype == "bfloat16" for t in dequantized if t.phase == "backward")
 
 
+def test_int8_storages_are_laid_out_as_int8_vectorwise_quant_lays_them_out():
+    """An int8 weight of the traced model is what bitsandbytes' own `int8_vectorwise_quant` gives a real fp16
+    tensor of its shape (what `Int8Params._quantize` runs): int8 of the full shape and one fp32 scale per row."""
+    import bitsandbytes as bnb
+
+    report = analyze(RunSpec(LLAMA, batch=1, seq=8, device="cpu", precision="bf16", quantization="int8",
+                             mode="inference"))
+    rows = {t.name: t for t in report.tensors if t.category in ("quantized_weights", "quantization_constants")}
+    weight, scales, _ = bnb.functional.int8_vectorwise_quant(torch.randn(176, 64, dtype=torch.float16))
+    name = "model.layers.0.mlp.gate_proj.weight"
+    for key, t in {name: weight, f"{name}:SCB": scales}.items():
+        row = rows[key]
+        assert (row.bytes, row.dtype, row.shape) == (t.untyped_storage().nbytes(), str(t.dtype).removeprefix(
+            "torch."), tuple(t.shape)), key
+
+
+def test_int8_on_cuda_multiplies_in_int8_and_dequantizes_for_the_input_gradient():
+    """int8 LoRA for a CUDA target runs MatMul8bitLt: the forward's `int8_mixed_scaled_mm` of 32 rows holds the
+    int32 product and the fp16 output of `int8_mm_dequant` (bitsandbytes/backends/default/ops.py, cuda/ops.py) while
+    it casts to the input's dtype, in 512-byte blocks; no weight is dequantized in the forward; in the backward each weight is
+    dequantized for the input gradient, in the input's dtype (fp32: prepare_model_for_kbit_training makes the norms
+    fp32). The report warns that no outlier column is assumed."""
+    report = analyze(RunSpec(LLAMA, batch=2, seq=16, precision="bf16", quantization="int8", lora_rank=8))
+    dequantized = [t for t in report.tensors if t.category == "dequantized_weights"]
+    assert {t.phase for t in dequantized} == {"backward"}
+    assert {t.shape for t in dequantized} == {(64, 64), (32, 64), (176, 64), (64, 176)}
+    assert all(t.dtype == "float32" for t in dequantized)
+    up = [t for t in report.tensors if t.op == "bitsandbytes.int8_mixed_scaled_mm.default" and t.phase == "forward"
+          and t.module.endswith("layers.0.mlp.up_proj") and t.name == "kernel workspace"]
+    assert [t.bytes for t in up] == [-(-32 * 176 * 4 // 512) * 512 + -(-32 * 176 * 2 // 512) * 512]
+    assert any("outlier" in w for w in report.run["warnings"])
+
+
 def test_the_cli_prints_the_quantization_categories(capsys):
     assert main([LLAMA, "--batch", "2", "--seq", "16", "--device", "cpu", "--precision", "bf16",
                  "--quantization", "nf4", "--double-quant", "--bnb-compute-dtype", "bf16", "--lora-rank", "8"]) == 0
@@ -98,11 +138,21 @@ def test_the_cli_prints_the_quantization_categories(capsys):
     assert "quantized weights (bitsandbytes)" in out and "quantization constants" in out
 
 
+def test_qlora_checkpoints_as_prepare_model_for_kbit_training_does_by_default():
+    """peft's `prepare_model_for_kbit_training(model)` enables reentrant checkpointing unless told otherwise; an
+    explicit --checkpointing wins; without LoRA (no prepare_model_for_kbit_training) none."""
+    assert str(RunSpec(LLAMA, batch=1, seq=8, **QLORA).checkpointing) == "layers:reentrant"
+    assert str(RunSpec(LLAMA, batch=1, seq=8, checkpointing="none", **QLORA).checkpointing) == "none"
+    assert str(RunSpec(LLAMA, batch=1, seq=8, quantization="nf4").checkpointing) == "none"
+    assert str(RunSpec(LLAMA, batch=1, seq=8, lora_rank=8).checkpointing) == "none"
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"double_quant": True}, "--double-quant and --bnb-compute-dtype apply to --quantization"),
     ({"quantization": "int3"}, "unknown --quantization 'int3'"),
     ({"quantization": "nf4", "bnb_compute_dtype": "fp8"}, "unknown --bnb-compute-dtype 'fp8'"),
     ({"quantization": "nf4", "fsdp": 2}, "--quantization with --fsdp, --tp or --ddp is not supported yet"),
+    ({"quantization": "int8", "double_quant": True}, "apply to the 4-bit types"),
 ])
 def test_bad_quantization_options_are_usage_errors(kwargs, message):
     with pytest.raises(UsageError, match=message):

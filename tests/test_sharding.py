@@ -124,6 +124,24 @@ def test_sharding_categories_hold_what_fsdp_allocates():
     assert report.breakdown_at_peak["collective_buffers"] > 0
 
 
+def test_cpu_offload_keeps_shards_gradients_and_optimizer_state_in_host_memory():
+    """FSDP2's CPUOffloadPolicy on a CUDA target: no parameter, gradient or optimizer state on the GPU at the peak;
+    the host holds at least the shards and the optimizer state; every all-gather's input is the shard copied from
+    host memory (`FSDPParam.all_gather_inputs`: `.to(device, non_blocking=True)`), in the forward and again in the
+    backward (reshard after forward), as many bytes as the sharded parameters."""
+    on_gpu = analyze(RunSpec(LLAMA, batch=2, seq=16, fsdp=2, rank=0), levers=False)
+    offload = analyze(RunSpec(LLAMA, batch=2, seq=16, fsdp=2, rank=0, cpu_offload=True), levers=False)
+    shards = sum(t.bytes for t in on_gpu.tensors if t.category == "parameter")
+    state = sum(t.bytes for t in on_gpu.tensors if t.category == "optimizer_state")
+    assert all(offload.breakdown_at_peak[c] == 0 for c in ("parameter", "gradient", "optimizer_state"))
+    assert offload.run["fsdp"]["host_peak_bytes"] >= shards + state
+    copies = [t for t in offload.tensors if t.name == "shard copied from host memory"]
+    assert {t.category for t in copies} == {"collective_buffers"}
+    for phase in ("forward", "backward"):
+        assert sum(t.bytes for t in copies if t.phase == phase) == shards
+    assert offload.peak_allocated_bytes < on_gpu.peak_allocated_bytes
+
+
 @pytest.mark.parametrize("precision,reshard,world,rank", [("bf16-mixed", True, 3, 2), ("fp32", False, 2, 0)])
 def test_replicated_sharded_stack_equals_every_layer_traced(tmp_path, precision, reshard, world, rank):
     deep = deep_config(tmp_path, "tiny-llama-gqa", 8)
@@ -169,11 +187,14 @@ def test_an_initialized_process_group_is_left_alone():
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"rank": 1}, "--rank applies to --fsdp N or --tp N"),
-    ({"reshard_after_forward": False}, "--reshard-after-forward and --fsdp-plan apply to --fsdp N"),
+    ({"reshard_after_forward": False}, "--reshard-after-forward, --fsdp-plan and --cpu-offload apply to --fsdp N"),
+    ({"cpu_offload": True}, "--reshard-after-forward, --fsdp-plan and --cpu-offload apply to --fsdp N"),
+    ({"fsdp": 2, "cpu_offload": True, "device": "cpu"}, "with --device cpu they are in host memory already"),
+    ({"fsdp": 2, "cpu_offload": True, "fsdp_plan": "transformers"}, "--cpu-offload .* needs --fsdp-plan layers"),
     ({"fsdp": 2, "rank": 2}, "--rank must be in 0..1 for 2 ranks"),
     ({"fsdp": 2, "tp": 2, "rank": 4}, "--rank must be in 0..3 for 4 ranks"),
     ({"ddp": 2, "tp": 2}, "--ddp replicates the model on N ranks"),
-    ({"fsdp_plan": "transformers"}, "--reshard-after-forward and --fsdp-plan apply to --fsdp N"),
+    ({"fsdp_plan": "transformers"}, "--reshard-after-forward, --fsdp-plan and --cpu-offload apply to --fsdp N"),
     ({"fsdp": 2, "fsdp_plan": "transformers", "reshard_after_forward": False}, "says per module whether"),
     ({"fsdp": 2, "fsdp_plan": "deepspeed"}, "unknown --fsdp-plan 'deepspeed'"),
     ({"fsdp": 2, "tp": 2, "mode": "inference"}, "--fsdp runs a training step on N ranks"),

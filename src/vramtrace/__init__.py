@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .errors import VramtraceError
-from .spec import Device, Mode, RunSpec
+from .spec import KBIT_TRAINING_CHECKPOINTING, Device, Mode, RunSpec
 
 __version__ = "0.1.0"
 __all__ = ["analyze", "compare", "compare_reports", "with_comparison", "RunSpec", "VramtraceError", "__version__"]
@@ -178,10 +178,11 @@ def _ranks_text(ranks: tuple[int, ...]) -> str:
     return ", ".join(map(str, ranks))
 
 
-def sharding_summary(spec: RunSpec, rank_peaks: dict[str, int]) -> dict:
+def sharding_summary(spec: RunSpec, rank_peaks: dict[str, int], host_peak: int | None = None) -> dict:
     """The report's `run` entries of a distributed step: {'fsdp': {world, reshard_after_forward, plan (`FsdpPlan`),
     rank (the one reported), global_batch (per-rank batch × data-parallel ranks × gradient accumulation),
-    rank_peaks (bytes per rank class traced, when every class was)}, 'tp': {world (TP ranks), rank, global_batch,
+    rank_peaks (bytes per rank class traced, when every class was), host_peak_bytes (with --cpu-offload: the
+    steady step's peak of the reported rank's storages in host memory)}, 'tp': {world (TP ranks), rank, global_batch,
     rank_peaks}} (with --fsdp M --tp N both, the fsdp entry's world is M and rank_peaks sit in it) or {'ddp':
     {world, global_batch}}; {} on one device."""
     if spec.ddp is not None:
@@ -197,6 +198,8 @@ def sharding_summary(spec: RunSpec, rank_peaks: dict[str, int]) -> dict:
                        "global_batch": global_batch, "plan": spec.fsdp_plan.value}
     if rank_peaks:
         out["fsdp" if spec.fsdp is not None else "tp"]["rank_peaks"] = rank_peaks
+    if host_peak is not None:
+        out["fsdp"]["host_peak_bytes"] = host_peak
     return out
 
 
@@ -204,17 +207,21 @@ def target_warnings(spec: RunSpec, precision: str) -> list[str]:
     """What the target GPU cannot do natively: bf16 below sm80 (V100, T4), where torch emulates it (slowly);
     `torch.cuda.is_bf16_supported()` still answers True there (torch/cuda/__init__.py, including_emulation). And
     what the trace does not model for this target: bitsandbytes' repacking of 4-bit weights for inference on an
-    AVX512-BF16 CPU (bitsandbytes/nn/modules.py `Linear4bit.forward`, `_convert_weight_packed_for_cpu`)."""
+    AVX512-BF16 CPU (bitsandbytes/nn/modules.py `Linear4bit.forward`, `_convert_weight_packed_for_cpu`), int8's
+    data-dependent outlier columns (`quantization.INT8_OUTLIER_NOTE`)."""
     gpu = spec.gpu_preset
     if spec.device is Device.CUDA and "bf16" in precision and not gpu.native_bf16:
         return [f"{gpu.name} (sm{gpu.sm}) has no native bf16: torch emulates it, slowly; fp16-mixed (GradScaler) "
                 "or fp32 is what runs well there (--precision)"]
-    if spec.device is Device.CPU and spec.quantization is not None and spec.mode is not Mode.TRAIN:
-        from .tracer.quantization import bitsandbytes_module
+    if spec.quantization is None:
+        return []
+    from .tracer.quantization import INT8_OUTLIER_NOTE, bitsandbytes_module
 
-        if bitsandbytes_module().functional.has_avx512bf16():
-            return ["this CPU has AVX512-BF16: bitsandbytes repacks 4-bit weights for inference on it "
-                    "(_convert_weight_packed_for_cpu), which the trace does not model; the figure may differ"]
+    if not spec.quantization.four_bit:  # a CPU's training step dequantizes the weight instead (MatMul8bitFp)
+        return [INT8_OUTLIER_NOTE] if spec.device is Device.CUDA or spec.mode is not Mode.TRAIN else []
+    if spec.device is Device.CPU and spec.mode is not Mode.TRAIN and bitsandbytes_module().functional.has_avx512bf16():
+        return ["this CPU has AVX512-BF16: bitsandbytes repacks 4-bit weights for inference on it "
+                "(_convert_weight_packed_for_cpu), which the trace does not model; the figure may differ"]
     return []
 
 
@@ -327,15 +334,23 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
         from .tracer.checkpoint_headers import cross_check
 
         model_info["checkpoint"] = cross_check(resolved.checkpoint, loaded.params)
+    host_peak = None
+    if spec.cpu_offload:  # FSDP2's CPUOffloadPolicy: what lives in host memory, outside the GPU's figures
+        from .analysis.liveness import build_timeline
+        from .tracer.recorder import HOST_DEVICE
+
+        host_peak = build_timeline(traced.ops, table, traced.steps - 1, (HOST_DEVICE,)).peak_bytes
     run_info = {
         "mode": spec.mode.value, "precision": loaded.precision.value, "precision_source": precision_source,
         "optimizer": spec.optimizer.value,
         "optimizer_impl": spec.optimizer_impl.value, "device": spec.device.value, "gpu": gpu.name,
         "batch": spec.batch, "seq": spec.seq, "checkpointing": str(spec.checkpointing),
+        "checkpointing_source": "prepare_model_for_kbit_training's default" if spec.quantization is not None
+        and spec.lora_rank is not None and str(spec.checkpointing) == KBIT_TRAINING_CHECKPOINTING else "",
         "num_layers": loaded.num_layers, "layer_stack": loaded.layer_stack_path,
         "allocator_block_bytes": block, "num_ops": len(traced.ops), "trace": traced.trace_note,
         "inputs": [f"{n}={d}{list(s)}" for n, d, s in loaded.input_summary()] if loaded.task == "custom" else [],
-        **step_summary(spec, loop_peaks, cache_off_peak), **sharding_summary(spec, rank_peaks),
+        **step_summary(spec, loop_peaks, cache_off_peak), **sharding_summary(spec, rank_peaks, host_peak),
         "adapters": adapters_summary(spec), "image_size": loaded.image_size, **moe_summary(spec, loaded.model),
     }
     if spec.mode is Mode.GENERATE:

@@ -160,6 +160,8 @@ FSDP_ON_META = Bridge(
                                                    "_fsdp_state")),
      (_FSDP + "_fully_shard", "_get_device_from_mesh"),
      (_FSDP + "_fsdp_param_group", "FSDPParamGroup._validate_no_meta_params"),
+     (_FSDP + "_fsdp_param_group", "FSDPParamGroup._validate_cpu_offload_params"),
+     (_FSDP + "_fsdp_param", "FSDPParam.all_gather_inputs"),
      (_FSDP + "_fsdp_param", "alloc_storage"), (_FSDP + "_fsdp_param", "free_storage"),
      (_FSDP + "_fsdp_param_group", "alloc_storage")), TORCH_WRITTEN_FOR,
     "FSDP2 (fully_shard) runs on a DeviceMesh of the meta device (`fsdp_on_meta`): its device handle "
@@ -167,7 +169,10 @@ FSDP_ON_META = Bridge(
     "whose Stream, Event and stream() are no-ops (on the CPU FSDP2 runs on one stream too; CUDA's side streams "
     "delay the reuse of freed blocks, not the allocated bytes: FSDP2 frees by dropping references); "
     "`_get_device_from_mesh` gives the meta device; `_validate_no_meta_params`, which refuses "
-    "meta parameters, lets them through; and FSDP2's `alloc_storage`/`free_storage` "
+    "meta parameters, and `_validate_cpu_offload_params`, which refuses non-CPU ones under CPUOffloadPolicy, let "
+    "them through; under CPUOffloadPolicy `FSDPParam.all_gather_inputs` copies the host shard to the device "
+    "(`.to(self.device, non_blocking=True)`, a no-op from meta to meta): the copy is made, a new device storage; "
+    "and FSDP2's `alloc_storage`/`free_storage` "
     "(`tensor.untyped_storage().resize_(n)`, outside the dispatcher) are told to the recorder, which records a "
     "resize to 0 as the storage's free and a resize up as a new allocation, as the CPU allocator makes one")
 
@@ -192,11 +197,21 @@ BNB_OPTIMIZER_STATE = Bridge(
     "the paged ones are recorded as paged optimizer state, outside the allocated bytes (`StepRecorder.managed`)",
     when_absent="bitsandbytes (the optional extra [quant]) is not installed: no bitsandbytes optimizer to trace")
 
+INT8_MATMUL_DEVICE = Bridge(
+    "int8_matmul_device", "bitsandbytes",
+    (("bitsandbytes", "matmul"), ("bitsandbytes.autograd._functions", "MatMul8bitFp"),
+     ("bitsandbytes.autograd._functions", "logger")), BNB_WRITTEN_FOR,
+    "`bitsandbytes.matmul` (bitsandbytes/autograd/_functions.py), which Linear8bitLt.forward calls, picks its "
+    "autograd function by the input's device: in training MatMul8bitFp on a CPU (the weight dequantized, a float "
+    "matmul), else MatMul8bitLt (int8 matmul). Meta is neither: on a CPU target take the CPU's. MatMul8bitLt's "
+    "warning at every call ('inputs will be cast to float16', true of the real step too) is silenced while tracing",
+    when_absent="bitsandbytes (the optional extra [quant]) is not installed: no int8 layer to trace")
+
 BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_CHECK, PADDING_MASK_CHECK,
                                PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION, MHA_FAST_PATH,
                                FUNCTIONAL_TORCH_FUNCTION_CHECK, GRAD_SCALER_FOUND_INF, CLIP_GRAD_FOREACH,
                                FUSED_OPTIMIZER_DEVICES, ADAFACTOR_SCALARS, GENERATION_QUESTIONS, FSDP_ON_META,
-                               DDP_ON_META, BNB_OPTIMIZER_STATE)
+                               DDP_ON_META, BNB_OPTIMIZER_STATE, INT8_MATMUL_DEVICE)
 
 
 def _installed_version(library: str) -> str:
@@ -560,8 +575,28 @@ def fsdp_on_meta(rec: StepRecorder | None = None) -> Iterator[None]:
         if rec is not None and before:
             rec.storage_resized(tensor)
 
+    from .analysis.categories import Category
+
     group_class = importlib.import_module(_FSDP + "_fsdp_param_group").FSDPParamGroup
     device_from_mesh = found[_FSDP + "_fully_shard._get_device_from_mesh"]
+    gather_inputs = found[_FSDP + "_fsdp_param.FSDPParam.all_gather_inputs"]
+    try:
+        sharded = _lookup(_FSDP + "_fsdp_param", "ShardedState.SHARDED")  # read, not patched
+    except LookupError:
+        raise _missing(FSDP_ON_META, _FSDP + "_fsdp_param.ShardedState.SHARDED") from None
+
+    def all_gather_inputs(self) -> list[torch.Tensor]:
+        host = getattr(self, "_sharded_param_data", None)
+        if (rec is None or not self.offload_to_cpu or self.sharded_state != sharded or host is None
+                or host.device.type != "meta" or hasattr(self._sharded_local_tensor, "fsdp_pre_all_gather")):
+            return gather_inputs.fget(self)
+        with rec.device_copy():  # `sharded_param_data.to(self.device, non_blocking=True)`
+            self._sharded_param_data = host.clone()
+        rec.set_category(self._sharded_param_data, Category.COLLECTIVE_BUFFERS, "shard copied from host memory")
+        try:
+            return gather_inputs.fget(self)
+        finally:
+            self._sharded_param_data = host
     with contextlib.ExitStack() as stack:
         for module in ("torch.distributed.device_mesh", *(_FSDP + m for m in (
                 "_fsdp_collectives", "_fsdp_init", "_fsdp_param_group", "_fsdp_state"))):
@@ -570,6 +605,8 @@ def fsdp_on_meta(rec: StepRecorder | None = None) -> Iterator[None]:
                                  lambda mesh: torch.device("meta") if mesh.device_type == "meta"
                                  else device_from_mesh(mesh)))
         stack.enter_context(_set(group_class, "_validate_no_meta_params", lambda self: None))
+        stack.enter_context(_set(group_class, "_validate_cpu_offload_params", lambda self: None))
+        stack.enter_context(_set(param_mod.FSDPParam, "all_gather_inputs", property(all_gather_inputs)))
         stack.enter_context(_set(param_mod, "alloc_storage", alloc_storage))
         stack.enter_context(_set(param_mod, "free_storage", free_storage))
         stack.enter_context(_set(importlib.import_module(_FSDP + "_fsdp_param_group"), "alloc_storage",
@@ -616,10 +653,11 @@ def installed(policy: KernelPolicyMode, rec: StepRecorder) -> Iterator[None]:
         FUSED_OPTIMIZER_DEVICES: _fused_optimizer_devices,
         ADAFACTOR_SCALARS: _adafactor_scalars,
         BNB_OPTIMIZER_STATE: lambda s: _bnb_optimizer_state(s, policy, rec),
+        INT8_MATMUL_DEVICE: lambda s: _int8_matmul_device(s, policy),
     }
     resolve(FUNCTIONAL_TORCH_FUNCTION_CHECK)  # patched per call (skip_next_torch_function_check); checked here
-    if "bitsandbytes" not in sys.modules:  # no bitsandbytes optimizer was made (importing it costs seconds)
-        del apply[BNB_OPTIMIZER_STATE]
+    if "bitsandbytes" not in sys.modules:  # no bitsandbytes layer or optimizer was made (its import costs seconds)
+        del apply[BNB_OPTIMIZER_STATE], apply[INT8_MATMUL_DEVICE]
     needed = [b for b in apply if resolve(b) is not None]  # all targets checked before anything is patched
     with contextlib.ExitStack() as stack:
         for b in needed:
@@ -645,6 +683,30 @@ def _bnb_optimizer_state(stack: contextlib.ExitStack, policy: KernelPolicyMode, 
         return buffer
 
     stack.enter_context(_set(owner, "get_state_buffer", get_state_buffer))
+
+
+def _int8_matmul_device(stack: contextlib.ExitStack, policy: KernelPolicyMode) -> None:
+    import logging
+
+    from .spec import Device
+
+    found = resolve(INT8_MATMUL_DEVICE)
+    original = found["bitsandbytes.matmul"]
+    matmul_fp = found["bitsandbytes.autograd._functions.MatMul8bitFp"]
+    owner = importlib.import_module("bitsandbytes")
+    cpu_target = policy.device is Device.CPU
+
+    def matmul(A, B, out=None, state=None, threshold=0.0, bias=None):
+        if cpu_target and A.device.type == "meta" and state is not None and state.is_training:
+            if threshold > 0.0:
+                state.threshold = threshold
+            return matmul_fp.apply(A, B, out, bias, state)
+        return original(A, B, out, state, threshold, bias)
+
+    stack.enter_context(_set(owner, "matmul", matmul))
+    logger: logging.Logger = found["bitsandbytes.autograd._functions.logger"]
+    stack.callback(logger.setLevel, logger.level)
+    logger.setLevel(logging.ERROR)
 
 
 def gradient_checkpointing_layer() -> type:

@@ -63,9 +63,11 @@ def main_command(
                                                "torch.cuda.memory_reserved()) [default: 500MiB]"),
     alloc_conf: str = typer.Option("", "--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF of the target, e.g. "
                                    "expandable_segments:True or max_split_size_mb:512"),
-    checkpointing: str = typer.Option(
-        "none", help="none | layers | every:K (K layers per segment) | nth:N (every N-th layer) | selective"
-                     "[:OP,OP] | modules:PATTERN (submodules whose name matches the glob) | auto (needs --memory-budget)"),
+    checkpointing: Optional[str] = typer.Option(
+        None, help="none | layers[:reentrant] | every:K (K layers per segment) | nth:N (every N-th layer) | selective"
+                   "[:OP,OP] | modules:PATTERN (submodules whose name matches the glob) | auto (needs --memory-budget) "
+                   "[default: none; with --quantization and --lora-rank layers:reentrant, as "
+                   "prepare_model_for_kbit_training]"),
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="peak budget for auto, e.g. 40GiB, 42GB"),
     freeze: list[str] = typer.Option([], "--freeze", help="freeze parameters matching a glob, e.g. 'model.embed_tokens.*' "
                                      "(repeatable): no gradient, no optimizer state"),
@@ -73,9 +75,10 @@ def main_command(
     lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA alpha [default: peft's]"),
     lora_targets: Optional[str] = typer.Option(None, "--lora-targets", help="LoRA target modules, e.g. q_proj,v_proj "
                                                "[default: peft's for the architecture]"),
-    quantization: Optional[str] = typer.Option(None, "--quantization", help="nf4 | fp4: bitsandbytes 4-bit weights as "
-                                               "transformers' BitsAndBytesConfig(load_in_4bit=True) loads them "
-                                               "(with --lora-rank: QLoRA, prepare_model_for_kbit_training)"),
+    quantization: Optional[str] = typer.Option(None, "--quantization", help="nf4 | fp4 | int8: bitsandbytes weights as "
+                                               "transformers' BitsAndBytesConfig(load_in_4bit=True / load_in_8bit="
+                                               "True) loads them (with --lora-rank: QLoRA, "
+                                               "prepare_model_for_kbit_training)"),
     double_quant: bool = typer.Option(False, "--double-quant", help="--quantization: bnb_4bit_use_double_quant"),
     bnb_compute_dtype: Optional[str] = typer.Option(None, "--bnb-compute-dtype", help="--quantization: bf16 | fp16 | "
                                                     "fp32 (bnb_4bit_compute_dtype; default fp32, as transformers')"),
@@ -109,6 +112,9 @@ def main_command(
     reshard_after_forward: str = typer.Option("true", "--reshard-after-forward", help="--fsdp: true | false "
                                               "(false keeps each layer's parameters unsharded until its backward, "
                                               "ZeRO-2 style)"),
+    cpu_offload: bool = typer.Option(False, "--cpu-offload", help="--fsdp: FSDP2's CPUOffloadPolicy (sharded "
+                                     "parameters, gradients and optimizer state in pinned host memory; the optimizer "
+                                     "steps on the CPU)"),
     fsdp_plan: str = typer.Option("layers", "--fsdp-plan", help="--fsdp: layers (fully_shard each layer, then the "
                                   "root: torchtitan, accelerate) | transformers (the model's own FSDP plan, as "
                                   "DistributedConfig(fsdp_size=N) applies it)"),
@@ -156,7 +162,7 @@ def main_command(
     from .spec import RunSpec
     from .units import parse_bytes
 
-    if compare_policies and checkpointing.strip().lower() != "none":
+    if compare_policies and checkpointing is not None and checkpointing.strip().lower() != "none":
         raise UsageError("--compare traces none, layers and selective itself; drop --checkpointing, or drop --compare")
     for option, given in (("--headroom", headroom), ("--sweep", sweep_grid)):
         if fit_axis is None and given is not None:
@@ -193,7 +199,7 @@ def main_command(
                                            if cuda_context is not None else None),
                        alloc_conf=alloc_conf, new_tokens=new_tokens, cache=cache, kv_dtype=kv_dtype,
                        fsdp=fsdp, reshard_after_forward=_bool_option(reshard_after_forward, "--reshard-after-forward"),
-                       rank=rank, ddp=ddp, tp=tp, fsdp_plan=fsdp_plan)
+                       rank=rank, ddp=ddp, tp=tp, fsdp_plan=fsdp_plan, cpu_offload=cpu_offload)
         err = Console(stderr=True)
         if fit_axis == "sweep":
             _sweep(spec, sweep_grid, headroom, json_path, quiet, err)

@@ -252,6 +252,8 @@ def _qlora(s: _Search, on: RunSpec) -> list[Lever]:
     changes = {"quantization": "nf4", "double_quant": True, "bnb_compute_dtype": "bf16"}
     if on.lora_rank is None:
         changes["lora_rank"] = LORA_RANK
+    if on.checkpointing.kind == "none":  # kept as it is: without the option QLoRA gets peft's default checkpointing
+        changes["checkpointing"] = "none"  # (spec.KBIT_TRAINING_CHECKPOINTING); another lever's setting wins
     return [s.lever("qlora", on, changes, (4, 1.0),
                     f"a different training: QLoRA, LoRA r={on.lora_rank or LORA_RANK} on 4-bit NF4 base weights "
                     "(double quantization, bf16 compute)")]
@@ -298,6 +300,16 @@ def find_levers(spec: RunSpec, ev: Evaluator, budget_bytes: int) -> dict:
             "levers": [lv.to_dict(base_bytes) for lv in found], "combination": combination, "traces": ev.traces}
 
 
+def _merged(levers) -> dict:
+    """The RunSpec changes of `levers` together; for a field two levers set, the first's value (QLoRA's
+    'checkpointing none', which only keeps the run's, comes after the checkpointing family in `FAMILIES`)."""
+    out: dict = {}
+    for lv in levers:
+        for k, v in lv.changes:
+            out.setdefault(k, v)
+    return out
+
+
 def _combine(s: _Search, found: list[Lever]) -> dict | None:
     """The cheapest combination found that fits (see the module docstring), or the strongest one when nothing
     fits; None when fewer than two levers save anything.
@@ -316,8 +328,8 @@ def _combine(s: _Search, found: list[Lever]) -> dict | None:
         if lv.rank[0] == 0 and lv.family not in chosen:
             chosen[lv.family] = lv
 
-    def changes(without: str = "") -> dict:
-        return {k: v for f, lv in chosen.items() if f != without for k, v in lv.changes}
+    def changes() -> dict:
+        return _merged(chosen[f] for f, _ in FAMILIES if f in chosen)
 
     def traced() -> Outcome:
         return s.ev(replace(s.spec, **changes()))
@@ -353,6 +365,6 @@ def _combine(s: _Search, found: list[Lever]) -> dict | None:
                 chosen[f] = kept
     out = traced()
     order = [f for f, _ in FAMILIES if f in chosen]
-    return {"options": options_text({k: v for f in order for k, v in chosen[f].changes}), "levers": order,
+    return {"options": options_text(_merged(chosen[f] for f in order)), "levers": order,
             "peak_allocated_bytes": out.peak_allocated_bytes, "peak_reserved_bytes": out.peak_reserved_bytes,
             "compared_bytes": budget_peak(out), "fits": s.fits(out)}

@@ -60,10 +60,16 @@ class FsdpPlan(_Choice):
 
 class Quantization(_Choice):
     """bitsandbytes weight quantization (`--quantization`), what transformers' `BitsAndBytesConfig` loads:
-    `load_in_4bit=True` with `bnb_4bit_quant_type` nf4 or fp4 (`Linear4bit`, blocksize 64)."""
+    `load_in_4bit=True` with `bnb_4bit_quant_type` nf4 or fp4 (`Linear4bit`, blocksize 64), or `load_in_8bit=True`
+    (int8: LLM.int8(), `Linear8bitLt` with row-wise int8 weights and the outlier threshold 6.0)."""
 
     NF4 = "nf4"
     FP4 = "fp4"
+    INT8 = "int8"
+
+    @property
+    def four_bit(self) -> bool:
+        return self is not Quantization.INT8
 
 
 class Precision(_Choice):
@@ -248,8 +254,12 @@ class AttnImplementation(_Choice):
 # Selective checkpointing's default: save the matmul outputs, recompute pointwise ops and the attention core
 # (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models").
 DEFAULT_SAVE_OPS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm")
-_CKPT_USAGE = ("none, layers, every:K, nth:N, selective, selective:OP,OP (e.g. aten.mm,aten.addmm), "
+_CKPT_USAGE = ("none, layers, layers:reentrant, every:K, nth:N, selective, selective:OP,OP (e.g. aten.mm,aten.addmm), "
                "modules:PATTERN (e.g. modules:blocks.*) or auto")
+# peft's `prepare_model_for_kbit_training(model)` (peft/utils/other.py) enables transformers' checkpointing by
+# default (use_gradient_checkpointing=True) with `gradient_checkpointing_kwargs={}`: torch.utils.checkpoint without
+# use_reentrant, whose default is the reentrant variant (torch/utils/checkpoint.py `checkpoint`)
+KBIT_TRAINING_CHECKPOINTING = "layers:reentrant"
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,12 +267,14 @@ class Checkpointing:
     """An activation-checkpointing policy. kind: none | layers | every (K consecutive layers per segment) |
     nth (every N-th layer, transformers' `every_n_layers`) | selective (save `save_ops`' outputs) | modules
     (the submodules whose qualified name matches the fnmatch `pattern`, outermost match only) | auto (a planner
-    picks one under `RunSpec.memory_budget_bytes`). `k` is K or N."""
+    picks one under `RunSpec.memory_budget_bytes`). `k` is K or N. `reentrant` (layers only, 'layers:reentrant'):
+    torch.utils.checkpoint's reentrant variant (`use_reentrant=True`), else the non-reentrant one."""
 
     kind: str = "none"
     k: int = 1
     save_ops: tuple[str, ...] = ()
     pattern: str = ""
+    reentrant: bool = False
 
     @classmethod
     def parse(cls, text: "str | Checkpointing") -> "Checkpointing":
@@ -275,6 +287,8 @@ class Checkpointing:
             return cls("modules", pattern=arg.strip())
         if kind in ("none", "layers", "auto") and not arg:
             return cls(kind)
+        if kind == "layers" and arg.strip().lower() == "reentrant":
+            return cls("layers", reentrant=True)
         if kind == "selective":
             ops = tuple(o.strip() for o in arg.split(",") if o.strip()) if arg else DEFAULT_SAVE_OPS
             return cls("selective", 1, ops)
@@ -289,7 +303,7 @@ class Checkpointing:
             return f"modules:{self.pattern}"
         if self.kind == "selective" and self.save_ops != DEFAULT_SAVE_OPS:
             return "selective:" + ",".join(self.save_ops)
-        return self.kind
+        return f"{self.kind}:reentrant" if self.reentrant else self.kind
 
 
 # `--input` dtype names: torch's names and the usual aliases, mapped to the canonical torch name.
@@ -448,7 +462,7 @@ class RunSpec:
     freeze: glob patterns (fnmatch) of parameter names to freeze (requires_grad=False).
     lora_rank, lora_alpha, lora_targets: a peft LoRA adapter (rank None: no LoRA; targets None: peft's default
         target modules for the architecture).
-    quantization: bitsandbytes 4-bit weights (`Quantization`, `tracer/quantization.py`); None: none.
+    quantization: bitsandbytes 4-bit or int8 weights (`Quantization`, `tracer/quantization.py`); None: none.
     double_quant: `bnb_4bit_use_double_quant` (the absmax quantized to uint8 with a nested fp32 absmax per 256
         blocks).
     bnb_compute_dtype: `bnb_4bit_compute_dtype` ('bf16', 'fp16' or 'fp32'); None: BitsAndBytesConfig's default,
@@ -457,7 +471,9 @@ class RunSpec:
     moe_routing: the tokens-per-expert policy of mixture-of-experts layers.
     strict: an op without a meta kernel is an error (else the report lists it as unresolved).
     precision: None picks the default for the mode (bf16-mixed to train, bf16 for inference).
-    checkpointing: a `Checkpointing` or its text ('none', 'layers', 'every:4', 'selective', 'auto', ...).
+    checkpointing: a `Checkpointing` or its text ('none', 'layers', 'every:4', 'selective', 'auto', ...); None:
+        'none', or with --quantization and --lora-rank in training peft's `prepare_model_for_kbit_training` default
+        (`KBIT_TRAINING_CHECKPOINTING`, reentrant layers).
     memory_budget_bytes: the budget `auto` checkpointing must fit, in bytes, on the fit verdict's basis: peak
         reserved (caching-allocator model) for device cuda, peak allocated for cpu. Only with checkpointing auto.
     replicate_layers: trace 4 of a stack's identical layers and rebuild the rest (False: trace every layer).
@@ -487,6 +503,8 @@ class RunSpec:
     fsdp_plan: the modules `fully_shard` wraps (`FsdpPlan`).
     reshard_after_forward: FSDP2's `reshard_after_forward` (False keeps each layer's parameters unsharded from
         its forward to its backward, ZeRO-2 style).
+    cpu_offload: FSDP2's `CPUOffloadPolicy()` (pinned host memory): the sharded parameters, their gradients and
+        the optimizer state (the optimizer steps on the CPU) live in host memory; a CUDA target with `fsdp` only.
     tp: N ranks of tensor parallelism, transformers' own (the model's `base_model_tp_plan` applied by
         `transformers.distributed.tensor_parallel.apply_tensor_parallelism`, `tracer/sharding.py`); with `fsdp` M
         too, a 2-D mesh of M × N ranks (FSDP2 over the data-parallel dimension, TP within each group). The batch is
@@ -506,7 +524,7 @@ class RunSpec:
     optimizer_impl: OptimizerImpl = OptimizerImpl.DEFAULT
     device: Device = Device.CUDA
     gpu: str = "H100-80GB"
-    checkpointing: Checkpointing | str = "none"
+    checkpointing: Checkpointing | str | None = None
     memory_budget_bytes: int | None = None
     trust_remote_code: bool = False
     replicate_layers: bool = True
@@ -541,6 +559,7 @@ class RunSpec:
     ddp: int | None = None
     tp: int | None = None
     reshard_after_forward: bool = True
+    cpu_offload: bool = False
     fsdp_plan: FsdpPlan = FsdpPlan.LAYERS
     rank: int | None = None
 
@@ -589,6 +608,9 @@ class RunSpec:
                                                     and self.clip_grad_norm > 0):
             raise UsageError(f"--clip-grad-norm must be a positive number, got {self.clip_grad_norm!r}")
         self._check_step_options()
+        if self.checkpointing is None:  # not given: none, or for QLoRA peft's default
+            kbit_lora = self.quantization is not None and self.lora_rank is not None and self.mode is Mode.TRAIN
+            object.__setattr__(self, "checkpointing", KBIT_TRAINING_CHECKPOINTING if kbit_lora else "none")
         ckpt = Checkpointing.parse(self.checkpointing)
         object.__setattr__(self, "checkpointing", ckpt)
         if ckpt.kind != "none" and self.mode is not Mode.TRAIN:
@@ -659,6 +681,9 @@ class RunSpec:
             raise UsageError(f"unknown --bnb-compute-dtype {self.bnb_compute_dtype!r}; choose one of: bf16, fp16, fp32")
         if self.quantization is None:
             return
+        if self.quantization is Quantization.INT8 and (self.double_quant or self.bnb_compute_dtype is not None):
+            raise UsageError("--double-quant and --bnb-compute-dtype apply to the 4-bit types (nf4, fp4), not to int8 "
+                             "(its matmuls compute in the input's dtype); drop them")
         if custom_ref(self.model) is not None:
             raise UsageError("--quantization loads a transformers model through BitsAndBytesConfig; a custom module "
                              "has no quantizer")
@@ -680,13 +705,20 @@ class RunSpec:
             if self.fsdp is not None or self.tp is not None:
                 raise UsageError("--ddp replicates the model on N ranks; it does not combine with --fsdp or --tp "
                                  "(use --fsdp M --tp N for a 2-D mesh)")
-            if self.rank is not None or not self.reshard_after_forward or self.fsdp_plan is not FsdpPlan.LAYERS:
-                raise UsageError("--reshard-after-forward, --fsdp-plan and --rank apply to --fsdp N or --tp N; drop "
-                                 "them")
+            if (self.rank is not None or not self.reshard_after_forward or self.fsdp_plan is not FsdpPlan.LAYERS
+                    or self.cpu_offload):
+                raise UsageError("--reshard-after-forward, --fsdp-plan, --cpu-offload and --rank apply to --fsdp N or "
+                                 "--tp N; drop them")
             self._check_distributed("--ddp")
             return
-        if self.fsdp is None and (not self.reshard_after_forward or self.fsdp_plan is not FsdpPlan.LAYERS):
-            raise UsageError("--reshard-after-forward and --fsdp-plan apply to --fsdp N; add it or drop them")
+        if self.fsdp is None and (not self.reshard_after_forward or self.fsdp_plan is not FsdpPlan.LAYERS
+                                  or self.cpu_offload):
+            raise UsageError("--reshard-after-forward, --fsdp-plan and --cpu-offload apply to --fsdp N; add it or "
+                             "drop them")
+        if self.cpu_offload and (self.fsdp_plan is not FsdpPlan.LAYERS
+                                 or Device.parse(self.device, "device") is not Device.CUDA):
+            raise UsageError("--cpu-offload moves FSDP2's shards from a GPU to host memory: it needs --fsdp-plan layers "
+                             "and a CUDA target (with --device cpu they are in host memory already)")
         if self.fsdp_plan is FsdpPlan.TRANSFORMERS and not self.reshard_after_forward:
             raise UsageError("--fsdp-plan transformers says per module whether it reshards after forward; drop "
                              "--reshard-after-forward")

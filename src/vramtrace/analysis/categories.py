@@ -25,7 +25,8 @@ class Category(str, enum.Enum):
     # backward (FSDPParam.all_gather_outputs, freed by resizing their storage to 0 at reshard)
     UNSHARDED_PARAMETERS = "unsharded_parameters"
     # FSDP2's flat all-gather input/output (fsdp.all_gather_copy_in), reduce-scatter input (fsdp.chunk_cat) and the
-    # temporaries a CPU target's gloo collectives hold; DDP's gradient buckets
+    # temporaries a CPU target's gloo collectives hold; under CPU offload each shard's copy from host memory (the
+    # all-gather's input); DDP's gradient buckets
     COLLECTIVE_BUFFERS = "collective_buffers"
     # bitsandbytes' quantized weights (`--quantization`, tracer/quantization.py): the packed 4-bit Params4bit
     # storages (ceil(n / 2) bytes), and their quantization constants (QuantState: absmax per block, with double

@@ -31,6 +31,9 @@ def sharding_line(r: dict) -> str:
     if f:
         how = ("transformers' FSDP plan" if f.get("plan") == "transformers"
                else f"{'reshard' if f['reshard_after_forward'] else 'no reshard'} after forward")
+        if "host_peak_bytes" in f:
+            how += (f", CPU offload: shards, gradients and optimizer state in {format_bytes(f['host_peak_bytes'])} "
+                    "of pinned host memory at most, not in the peak")
         parts.append(f"FSDP2 over {f['world']} ranks ({how})")
     if tp:
         parts.append(f"tensor parallel over {tp['world']} ranks (transformers' plan)")
@@ -126,6 +129,7 @@ def render(report: MemoryReport, console: Console) -> None:
                             f"batch {r['batch']}" + (f" × seq {r['seq']}" if r.get("seq") else "")
                      + (f", image {'×'.join(map(str, r['image_size']))}" if r.get("image_size") else "")
                      + f", checkpointing {r['checkpointing']}"
+                     + (f" ({r['checkpointing_source']})" if r.get("checkpointing_source") else "")
                      + (f", MoE routing {r['moe_routing']}" if r.get("moe_layers") else ""))
     if step_line(r):
         head.add_row("step", escape(step_line(r)))

@@ -3,6 +3,10 @@
 - `layers`: `model.activation_checkpointing_enable({"use_reentrant": False})` (transformers >= 5.23; before,
   `gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})`): each decoder or
   encoder layer (`GradientCheckpointingLayer`) runs its forward under non-reentrant `torch.utils.checkpoint`.
+- `layers:reentrant`: the same with `{"use_reentrant": True}`, the variant peft's `prepare_model_for_kbit_training`
+  enables by default (`spec.KBIT_TRAINING_CHECKPOINTING`): each layer's forward runs under no_grad and is re-run
+  whole in the backward. It saves what the non-reentrant variant does not hook: tensors an autograd Function keeps
+  as plain attributes (bitsandbytes' MatMul8bitFp keeps its input as `ctx.A`) are not kept.
 - `nth:N`: the same with `every_n_layers=N` (transformers checkpoints layers 0, N, 2N, ...).
 - `selective[:OPS]`: the same with `context_fn=partial(create_selective_checkpoint_contexts, policy)`, PyTorch's
   selective activation checkpointing (`torch/utils/checkpoint.py`): the outputs of OPS (default: the matmuls)
@@ -65,7 +69,7 @@ def apply_checkpointing(model: torch.nn.Module, ckpt: Checkpointing, wrap_region
     `every:K`). Raises UsageError when the model does not support checkpointing."""
     if ckpt.kind == "none":
         return
-    kwargs: dict = {"use_reentrant": False}
+    kwargs: dict = {"use_reentrant": ckpt.reentrant}
     if ckpt.kind == "modules":
         matched = matching_modules(model, ckpt.pattern)
         if not matched:
@@ -183,7 +187,7 @@ def paste_snippet(ckpt: Checkpointing) -> str:
                 "        m.forward = functools.partial(checkpoint, m.forward, use_reentrant=False)")
     if ckpt.kind in ("layers", "nth"):
         extra = f", every_n_layers={ckpt.k}" if ckpt.kind == "nth" else ""
-        return f'model.activation_checkpointing_enable({{"use_reentrant": False}}{extra})'
+        return f'model.activation_checkpointing_enable({{"use_reentrant": {ckpt.reentrant}}}{extra})'
     if ckpt.kind == "selective":
         ops = ", ".join(f"torch.ops.{o}" for o in ckpt.save_ops)
         return ("import functools, torch\n"

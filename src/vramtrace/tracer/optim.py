@@ -12,12 +12,13 @@ def _implementation(spec: RunSpec) -> dict:
     """The `foreach=`/`fused=` keywords of `spec.optimizer_impl`. Default: foreach on CUDA, for-loop on CPU, as
     `torch/optim/optimizer.py::_default_to_fused_or_foreach` picks for parameters on those devices (foreach kernels
     are supported on CUDA, not on the CPU: `torch/utils/_foreach_utils.py::_get_foreach_kernels_supported_devices`);
-    it is given explicitly because the trace's parameters are on meta."""
+    it is given explicitly because the trace's parameters are on meta. With FSDP2's CPU offload the parameters are
+    on the CPU: for-loop."""
     impl = spec.optimizer_impl
     if impl is OptimizerImpl.FUSED:
         return {"fused": True}
     if impl is OptimizerImpl.DEFAULT:
-        return {"foreach": spec.device is Device.CUDA}
+        return {"foreach": spec.device is Device.CUDA and not spec.cpu_offload}
     return {"foreach": impl is OptimizerImpl.FOREACH}
 
 

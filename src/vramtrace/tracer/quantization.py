@@ -1,4 +1,5 @@
-"""bitsandbytes 4-bit weights on the meta device, as transformers loads them (`--quantization nf4|fp4`).
+"""bitsandbytes 4-bit and int8 weights on the meta device, as transformers loads them (`--quantization
+nf4|fp4|int8`).
 
 `quantize(model, spec, weight_dtype)` runs transformers' own quantizer on the meta model: `AutoHfQuantizer` of the
 `BitsAndBytesConfig` that `bnb_config(spec)` builds replaces the Linear layers by bitsandbytes `Linear4bit`
@@ -17,6 +18,17 @@ dequantizes the weight for the forward matmul and again for the input gradient i
 (bitsandbytes/autograd/_functions.py), each a temporary of the weight's full size in the compute dtype. What is
 not traced: bitsandbytes' CPU repacking of 4-bit weights for inference on AVX512-BF16 CPUs
 (`_convert_weight_packed_for_cpu`, only without autograd).
+
+int8 (`load_in_8bit=True`, LLM.int8()): transformers puts `Linear8bitLt(has_fp16_weights=False, threshold=6.0)` in
+place of the Linear layers and loads each weight as `Int8Params(value, requires_grad=False, ...).to(device)`
+(`Bnb8bitQuantize.convert`), which quantizes it row-wise (`Int8Params._quantize`: the weight cast to fp16, then
+`int8_vectorwise_quant`): an int8 weight of the full shape and one fp32 scale per output row (SCB). The step runs
+`bnb.matmul` (bitsandbytes/autograd/_functions.py): `MatMul8bitLt` on CUDA (the input cast to fp16 and quantized
+row-wise, the int8 matmul, the input saved for the backward, whose input gradient dequantizes the weight into a
+temporary of the input's dtype), and on a CPU in training `MatMul8bitFp` (the weight dequantized for the forward
+and again for the backward; `bridges.INT8_MATMUL_DEVICE` makes the meta step take the target's). The outlier
+columns of LLM.int8() (input columns with a value of magnitude >= the threshold, multiplied in fp16 apart) depend
+on the data: the trace assumes none (`INT8_META_KERNELS`), and the report says so.
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ import torch
 from ..analysis.allocator import round_size
 from ..analysis.categories import Category
 from ..errors import UsageError
-from ..spec import RunSpec
+from ..spec import Quantization, RunSpec
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # bitsandbytes' ops (bitsandbytes/_ops.py) whose outputs, or whose kernel's workspace, are a dequantized weight
@@ -37,19 +49,22 @@ QUANT_OP_CATEGORIES = {"bitsandbytes.dequantize_4bit.default": ("outputs", Categ
 GEMM_4BIT_CUSTOM_FLOOR_M = 4
 
 
-def cuda_gemm_4bit_workspace(func, args, kwargs, out):
+def cuda_workspace(func, args, kwargs, out):
     """(workspace bytes, out) of bitsandbytes' CUDA kernel of `func` (the recorder's `workspace` hook on a CUDA
-    target): `gemm_4bit` (bitsandbytes/backends/cuda/ops.py, the kernel registered for "bitsandbytes::gemm_4bit")
+    target). `gemm_4bit` (bitsandbytes/backends/cuda/ops.py, the kernel registered for "bitsandbytes::gemm_4bit")
     runs its fused kernel, which allocates only the output, for M <= 4 rows (`_GEMM_4BIT_CUSTOM_FLOOR_M`) and
     otherwise, above 1536 rows or with K not a multiple of the blocksize always, `_dequant_linear_fallback`: the
     nested absmax dequantized to fp32 and offset (two fp32 tensors of the absmax's length, with double
     quantization), the weight dequantized to A's dtype (N × K), then `F.linear`. Between 5 and 1536 rows the
     choice is a per-architecture heuristic (`_gemm_4bit_use_custom_cuda`), not modelled: the fallback is assumed,
     an over-estimate of at most the dequantized weight. The three allocations are one workspace here, each rounded
-    as the caching allocator rounds it (`round_size`). Other ops: no workspace."""
-    if str(func) != "bitsandbytes.gemm_4bit.default":
-        return 0, out
+    as the caching allocator rounds it (`round_size`). The int8 ops: `_cuda_int8_workspace`. Other ops: none."""
+    name = str(func)
     named = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
+    if name in _INT8_OPS:
+        return _cuda_int8_workspace(name, named, out), out
+    if name != "bitsandbytes.gemm_4bit.default":
+        return 0, out
     a, shape_b = named["A"], named["shapeB"]
     k = a.shape[-1]
     m = a.numel() // k
@@ -58,6 +73,61 @@ def cuda_gemm_4bit_workspace(func, args, kwargs, out):
     absmax_8bit = named.get("absmax_8bit")
     nested = 2 * round_size(absmax_8bit.numel() * 4) if isinstance(absmax_8bit, torch.Tensor) else 0
     return nested + round_size(shape_b[0] * shape_b[1] * a.element_size()), out
+
+
+_INT8_OPS = ("bitsandbytes.int8_vectorwise_quant.default", "bitsandbytes.int8_mixed_scaled_mm.default",
+             "bitsandbytes.int8_scaled_mm.default")
+
+
+def _cuda_int8_workspace(name: str, named: dict, out) -> int:
+    """Bytes the CUDA kernels of bitsandbytes' int8 ops hold inside the op beyond its outputs (bitsandbytes/backends/
+    cuda/ops.py and, for the composite ops, backends/default/ops.py), each rounded by `round_size`:
+    `int8_vectorwise_quant` with a threshold, `A.abs()` (fp16) and the bool mask `>= threshold`, held together
+    (an over-estimate by the fp16 temporary, freed before the outputs are allocated); `int8_scaled_mm` and
+    `int8_mixed_scaled_mm` (no outlier columns, `INT8_META_KERNELS`), the int32 product of `int8_linear_matmul`
+    and the fp16 output of `int8_mm_dequant` (its kernel writes fp16 only), cast to the requested dtype after."""
+    if name == "bitsandbytes.int8_vectorwise_quant.default":
+        a = named["A"]
+        return round_size(a.numel() * 2) + round_size(a.numel()) if named.get("threshold", 0.0) > 0.0 else 0
+    c = out[0] if isinstance(out, tuple) else out
+    rows_cols = c.numel()
+    fp16_copy = round_size(rows_cols * 2) if c.dtype != torch.float16 else 0
+    return round_size(rows_cols * 4) + fp16_copy
+
+
+def _no_outlier_quant(A, threshold=0.0):
+    """bitsandbytes::int8_vectorwise_quant for meta inputs, with no outlier column (its fake kernel needs a
+    FakeTensorMode for the data-dependent count)."""
+    out_row = torch.empty(A.shape, device=A.device, dtype=torch.int8)
+    row_stats = torch.empty(A.numel() // A.shape[-1], device=A.device, dtype=torch.float32)
+    return out_row, row_stats, None if threshold == 0.0 else A.new_empty(0, dtype=torch.int64)
+
+
+def _no_outlier_double_quant(A, threshold=0.0):
+    """bitsandbytes::int8_double_quant for meta inputs, with no outlier column."""
+    out_row, row_stats, outliers = _no_outlier_quant(A, threshold)
+    col_stats = torch.empty(A.shape[-1], device=A.device, dtype=torch.float32)
+    return out_row, torch.empty_like(out_row), row_stats, col_stats, A.new_empty(0, dtype=torch.int64)
+
+
+def _no_outlier_mixed_mm(A, CA, CB, SCA, SCB, outlier_cols=None, bias=None):
+    """bitsandbytes::int8_mixed_scaled_mm for meta inputs with no outlier column: the output and an empty subA of
+    A's dtype (backends/default/ops.py, its `else` branch)."""
+    out = torch.empty((*CA.shape[:-1], CB.shape[0]), device=A.device, dtype=A.dtype)
+    return out, torch.empty(0, device=A.device, dtype=A.dtype)
+
+
+# the recorder's kernels for meta inputs of the int8 ops whose outputs' sizes depend on the data (the number of
+# outlier columns): none assumed (`StepRecorder.meta_kernels`)
+INT8_META_KERNELS = {"bitsandbytes.int8_vectorwise_quant.default": _no_outlier_quant,
+                     "bitsandbytes.int8_double_quant.default": _no_outlier_double_quant,
+                     "bitsandbytes.int8_mixed_scaled_mm.default": _no_outlier_mixed_mm}
+# the int8 weight (or its `.data`) cast to a float dtype: bitsandbytes' dequantization of an int8 weight
+# (`state.CB.to(dtype).mul_(SCB / 127)` in MatMul8bitFp's forward and both classes' backward)
+INT8_CATEGORIES = {("aten._to_copy.default", Category.QUANTIZED_WEIGHTS): Category.DEQUANTIZED_WEIGHTS}
+INT8_OUTLIER_NOTE = ("int8: no LLM.int8() outlier columns assumed (input columns holding a value of magnitude >= 6.0 "
+                     "are multiplied in fp16 apart; each adds about tokens x 2 bytes to a Linear's temporaries, and "
+                     "in training on CUDA to its saved tensors)")
 
 
 def bitsandbytes_module():
@@ -72,9 +142,11 @@ def bitsandbytes_module():
 
 def bnb_config(spec: RunSpec):
     """transformers' `BitsAndBytesConfig` for `spec`: load_in_4bit, bnb_4bit_quant_type, bnb_4bit_use_double_quant,
-    bnb_4bit_compute_dtype (None: its default, fp32)."""
+    bnb_4bit_compute_dtype (None: its default, fp32); for int8, load_in_8bit (its llm_int8_threshold 6.0)."""
     from transformers import BitsAndBytesConfig
 
+    if spec.quantization is Quantization.INT8:
+        return BitsAndBytesConfig(load_in_8bit=True)
     kwargs = {"load_in_4bit": True, "bnb_4bit_quant_type": spec.quantization.value,
               "bnb_4bit_use_double_quant": spec.double_quant}
     if spec.bnb_compute_dtype is not None:
@@ -111,18 +183,28 @@ def _quantize_weights(bnb, model: torch.nn.Module, weight_dtype: torch.dtype) ->
             value = torch.empty(module.out_features, module.in_features, dtype=weight_dtype, device=meta)
             weight = bnb.nn.Params4bit(value, requires_grad=False, **old.__dict__)
             module.weight = weight._quantize(meta)  # what `.to(device)` runs for a real device
-            if module.bias is not None:
-                # the new Linear4bit's bias is made fp32 and frozen; the loader sets the checkpoint's bias in
-                # `dtype`, as a Parameter that requires grad (floating point: transformers/modeling_utils.py)
-                module.bias = torch.nn.Parameter(torch.empty_like(module.bias, dtype=weight_dtype))
+        elif isinstance(module, bnb.nn.Linear8bitLt):
+            kwargs = dict(module.weight.__dict__)
+            kwargs.pop("SCB", None)  # as Bnb8bitQuantize.convert
+            value = torch.empty(module.out_features, module.in_features, dtype=weight_dtype, device=meta)
+            module.weight = bnb.nn.Int8Params(value, requires_grad=False, **kwargs)._quantize(meta)
+        else:
+            continue
+        if module.bias is not None:
+            # the new layer's bias is made fp32 and frozen; the loader sets the checkpoint's bias in `dtype`, as a
+            # Parameter that requires grad (floating point: transformers/modeling_utils.py)
+            module.bias = torch.nn.Parameter(torch.empty_like(module.bias, dtype=weight_dtype))
 
 
 def quant_state_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every quantization constant the model's 4-bit weights hold (QuantState's absmax, code,
-    offset, and its nested state's absmax and code), alive from step start; a tensor shared by several weights (the
-    nested code table) once per weight, the recorder counting its storage once."""
+    """(name, tensor) of every quantization constant the model's quantized weights hold (a 4-bit weight's
+    QuantState absmax, code, offset, and its nested state's absmax and code; an int8 weight's row scales SCB), alive
+    from step start; a tensor shared by several weights (the nested code table) once per weight, the recorder
+    counting its storage once."""
     out = []
     for name, p in model.named_parameters():
+        if isinstance(getattr(p, "SCB", None), torch.Tensor):
+            out.append((f"{name}:SCB", p.SCB))
         state = getattr(p, "quant_state", None)
         while state is not None:
             for key in ("absmax", "code", "offset"):
@@ -137,7 +219,7 @@ def categorise(model: torch.nn.Module, register) -> None:
     """Register the quantized weights (their category QUANTIZED_WEIGHTS, not PARAMETER) and their constants with
     `register(tensor, category, name)` (the recorder's `register_existing`)."""
     for name, p in model.named_parameters():
-        if getattr(p, "quant_state", None) is not None:
+        if getattr(p, "quant_state", None) is not None or getattr(p, "SCB", None) is not None:
             register(p, Category.QUANTIZED_WEIGHTS, name)
     for name, t in quant_state_tensors(model):
         register(t, Category.QUANT_CONSTANTS, name)

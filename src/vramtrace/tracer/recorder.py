@@ -12,6 +12,7 @@ storage is alive, so a reused address gets a new id.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import Any, Callable
@@ -31,6 +32,7 @@ FALLBACK_LIMIT_BYTES = 256 << 20  # inputs of an op without a meta kernel that t
 _MODULE_KEY = "vramtrace_module"
 RESIZE_OP = "storage.resize_"  # the pseudo-op of an in-place storage resize up (storage_resized)
 MANAGED_DEVICE = "cuda_managed"  # the device of a storage outside the caching allocator (`managed`)
+HOST_DEVICE = "host"  # the device of a storage in host memory on a CUDA target (FSDP2's CPU offload: `offload`)
 _ADD = torch.ops.aten.add.Tensor
 # A functional collective's output wrapped for autograd (torch/distributed/_functional_collectives.py
 # `_wrap_tensor_autograd`: an AsyncCollectiveTensor around the input, no allocation; its fake kernel is `empty_like`)
@@ -78,6 +80,16 @@ class StepRecorder(TorchDispatchMode):
         # op name -> ('outputs', a keyword argument or 'workspace', category): storages an op makes or writes, or
         # the workspace it holds, that get a category when they have none (sharding.FSDP_OP_CATEGORIES)
         self.op_categories: dict[str, tuple[str, str]] = {}
+        # (op name, its first input's category) -> the category of the storages it makes (the int8 weight cast to
+        # a float dtype: a dequantized weight, quantization.INT8_CATEGORIES)
+        self.derived_categories: dict[tuple[str, str], str] = {}
+        # op name -> its kernel for meta inputs, in place of the registered one (the int8 ops of bitsandbytes, whose
+        # fake kernels need a FakeTensorMode for a data-dependent size: quantization.INT8_META_KERNELS)
+        self.meta_kernels: dict[str, Callable] = {}
+        # FSDP2's CPU offload (`offload`): storages in host memory, the ops that make them; > 0 inside a host-to-device
+        # copy (`device_copy`)
+        self.offloading = False
+        self._copying_to_device = 0
         self._resized_away: set[int] = set()  # records whose storage was resized (storage_resized): freed there
         self._resized_from: dict[int, int] = {}  # StorageImpl address -> its last record, while resized to 0
 
@@ -203,6 +215,31 @@ class StepRecorder(TorchDispatchMode):
             self.storages[sid].category = category
             self.storages[sid].device = MANAGED_DEVICE
 
+    def offload(self, t: torch.Tensor) -> None:
+        """t's storage lives in host memory (FSDP2's CPU offload: a sharded parameter): device 'host', which a CUDA
+        target does not count. Once `offloading` is set, the recorder also puts in host memory what an op makes
+        from host storages only (the optimizer step and its state, gradient accumulation, on the CPU), and the
+        output of a copy to the CPU (`aten._to_copy` with device cpu: FSDP2's gradient offload)."""
+        sid = self._live.get(storage_of(t)._cdata)
+        if sid is not None:
+            self.storages[sid].device = HOST_DEVICE
+
+    @contextlib.contextmanager
+    def device_copy(self):
+        """While open, what an op makes from host storages is on the device (a host-to-device copy)."""
+        self._copying_to_device += 1
+        try:
+            yield
+        finally:
+            self._copying_to_device -= 1
+
+    def _to_host(self, func, args, kwargs) -> bool:
+        """Whether the op is a copy of a meta tensor to the CPU under `offloading` (its output is host memory)."""
+        if not self.offloading or str(func) != "aten._to_copy.default":
+            return False
+        device = kwargs.get("device")
+        return device is not None and torch.device(device).type == "cpu" and args[0].device.type == "meta"
+
     def set_category(self, t: torch.Tensor, category: str, name: str = "") -> None:
         """Give t's storage `category` (a storage outside the allocator, `managed`, keeps its own) and a name."""
         sid = self._live.get(storage_of(t)._cdata)
@@ -318,11 +355,16 @@ class StepRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace == "profiler":  # record_function markers: no storage in or out, not recorded (their
             return func(*args, **kwargs)  # number varies between layers, FSDP2's hooks open one per hook)
+        to_host = False
         try:
             if self._accumulates_in_place(func, args, kwargs):
                 out = args[0].add_(args[1])  # the input buffer's storage is reused, as the real engine does
             elif func.namespace == "_c10d_functional" and str(func) == _WRAP_COLLECTIVE:
                 out = torch.ops.aten.alias.default(args[0])  # the real op wraps its input; its fake kernel copies
+            elif str(func) in self.meta_kernels:
+                out = self.meta_kernels[str(func)](*args, **kwargs)
+            elif to_host := self._to_host(func, args, kwargs):
+                out = func(*args, **{**kwargs, "device": torch.device("meta"), "pin_memory": None})
             else:
                 out = func(*args, **kwargs)
         except NotImplementedError as e:
@@ -351,6 +393,14 @@ class StepRecorder(TorchDispatchMode):
                                             "kernel workspace"))
             self.free_after[sid] = index
             new.append(sid)
+        if self.offloading and new and (to_host or (not self._copying_to_device and ins and all(
+                self.storages[i].device == HOST_DEVICE for i in ins))):
+            for sid in new:
+                self.storages[sid].device = HOST_DEVICE
+        if self.derived_categories and ins and (name, self.storages[ins[0]].category) in self.derived_categories:
+            for sid in new:
+                if self.storages[sid].category is None:
+                    self.storages[sid].category = self.derived_categories[name, self.storages[ins[0]].category]
         if name in self.op_categories and self.op_categories[name][0] != "workspace":
             where, category = self.op_categories[name]
             for t in tree_flatten(out if where == "outputs" else kwargs.get(where))[0]:

@@ -152,8 +152,8 @@ def tensor_parallel(model: torch.nn.Module, mesh) -> None:
 def shard(model: torch.nn.Module, layers: torch.nn.ModuleList | None, spec: RunSpec, precision: Precision,
           mesh=None) -> None:
     """`fully_shard` each module of `layers`, then `model`, on `mesh` (default: a meta DeviceMesh of `spec.fsdp`
-    ranks), with `reshard_after_forward=spec.reshard_after_forward` and `mixed_precision_policy(precision)`. Call
-    inside `fake_rank`. Raises TraceError when the model has no layer stack to shard."""
+    ranks), with `reshard_after_forward=spec.reshard_after_forward`, `mixed_precision_policy(precision)` and, with
+    `spec.cpu_offload`, `CPUOffloadPolicy()`. Call inside `fake_rank`. Raises TraceError when the model has no layer stack to shard."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -167,6 +167,10 @@ def shard(model: torch.nn.Module, layers: torch.nn.ModuleList | None, spec: RunS
     policy = mixed_precision_policy(precision)
     if policy is not None:
         kwargs["mp_policy"] = policy
+    if spec.cpu_offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        kwargs["offload_policy"] = CPUOffloadPolicy()
     with bridges.fsdp_on_meta():
         for layer in layers:
             fully_shard(layer, **kwargs)

@@ -250,9 +250,9 @@ def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: 
     if spec.device is Device.CPU:
         rec.workspace = CpuWorkspaceProbe(autocast_dtype=lambda: policy.kernel_autocast_dtype)
     elif spec.quantization is not None:
-        from .quantization import cuda_gemm_4bit_workspace
+        from .quantization import cuda_workspace
 
-        rec.workspace = cuda_gemm_4bit_workspace
+        rec.workspace = cuda_workspace
 
     def wrap_region(function):
         """A checkpointed region's function: its re-run in the backward is marked as recompute and runs under
@@ -287,17 +287,24 @@ def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: 
     user_step = load_user_step(spec.step) if spec.step is not None else None
     for n, p in model.named_parameters():
         rec.register_existing(p, Category.PARAMETER, n)
+        if spec.cpu_offload:  # FSDP2's CPUOffloadPolicy: every parameter's shard in host memory
+            rec.offload(p)
+    rec.offloading = spec.cpu_offload
     if spec.quantization is not None:
-        from .quantization import QUANT_OP_CATEGORIES, categorise
+        from .quantization import INT8_CATEGORIES, INT8_META_KERNELS, QUANT_OP_CATEGORIES, categorise
 
         categorise(model, rec.register_existing)
         rec.op_categories = {**rec.op_categories, **QUANT_OP_CATEGORIES}
+        if not spec.quantization.four_bit:
+            rec.meta_kernels, rec.derived_categories = INT8_META_KERNELS, INT8_CATEGORIES
     weight_names = {id(p): n for n, p in model.named_parameters()}
     if optimizer is not None:  # state an optimizer creates in __init__ (Adagrad's `sum` and `step`), not lazily
         for p, state in optimizer.state.items():
             for key, v in state.items():
                 if isinstance(v, torch.Tensor):
                     rec.register_existing(v, Category.OPTIMIZER_STATE, f"{weight_names.get(id(p), '?')}:{key}")
+                    if spec.cpu_offload:
+                        rec.offload(v)
     for n, b in model.named_buffers():
         rec.register_existing(b, Category.INPUT, n)
     for n, t in [*inputs.items(), *((f"args[{i}]", a) for i, a in enumerate(args))]:
