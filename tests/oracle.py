@@ -16,7 +16,8 @@ checkpointing, inputs, freeze, LoRA, quantization, image size, multiple-choice c
   `get_peft_model` (QLoRA); the quantization constants (bitsandbytes' public `Params4bit.quant_state`, an int8
   weight's `SCB`, which `Linear8bitLt.state` holds after the first forward) count as alive before the warm-up;
 - the optimizer: a plain `torch.optim.AdamW(params)` (or the case's Adam/SGD, for-loop or foreach), or
-  bitsandbytes' `bnb.optim.AdamW(optim_bits=8|32, is_paged=...)` / `bnb.optim.Lion(optim_bits=8)`;
+  bitsandbytes' `bnb.optim.AdamW|Lion|AdEMAMix(optim_bits=8|32, is_paged=...)` / `bnb.optim.RMSprop(optim_bits=...)`
+  as HF Trainer builds them from the name;
 - a generation case (mode generate): `model.generate(input_ids, attention_mask=ones, max_new_tokens=N,
   min_new_tokens=N, do_sample=False, cache_implementation='static' or None, or 'quantized' with
   cache_config={'backend': 'fp8'})`, transformers' documented call;
@@ -278,13 +279,14 @@ def make_optimizer(kind: str, impl: str, params):
         return torch.optim.Adafactor(params, lr=1e-2, **kw)
     if kind == "adafactor":
         return transformers.optimization.Adafactor(params, lr=1e-4, scale_parameter=False, relative_step=False)
-    if kind in ("adamw-8bit", "paged-adamw-8bit", "paged-adamw", "lion-8bit"):  # as HF Trainer's optim names build them
-        import bitsandbytes as bnb
+    if any(w in kind for w in ("8bit", "paged", "lion", "bnb", "ademamix")):
+        import bitsandbytes as bnb  # as transformers/trainer_optimizer.py `_get_bitsandbytes_optimizer` builds them
 
-        if kind == "lion-8bit":
-            return bnb.optim.Lion(params, lr=1e-4, optim_bits=8)
-        return bnb.optim.AdamW(params, lr=1e-4, optim_bits=32 if kind == "paged-adamw" else 8,
-                               is_paged=kind != "adamw-8bit")
+        bits = {"optim_bits": 8 if "8bit" in kind else 32}
+        if "rmsprop" in kind:
+            return bnb.optim.RMSprop(params, lr=1e-4, **bits)
+        name = "Lion" if "lion" in kind else "AdEMAMix" if "ademamix" in kind else "AdamW"
+        return getattr(bnb.optim, name)(params, lr=1e-4, is_paged="paged" in kind, **bits)
     if kind not in ("sgd", "sgd-momentum", "sgd-nesterov"):
         raise ValueError(f"oracle: unknown optimizer {kind!r}")
     momentum = 0.0 if kind == "sgd" else 0.9
@@ -391,6 +393,8 @@ class RealStep:
             lora = {"r": spec.lora_rank}
             if spec.lora_alpha is not None:
                 lora["lora_alpha"] = spec.lora_alpha
+            if getattr(spec, "lora_dropout", None):
+                lora["lora_dropout"] = spec.lora_dropout
             if spec.lora_targets:
                 lora["target_modules"] = list(spec.lora_targets)
             model = peft.get_peft_model(model, peft.LoraConfig(**lora))
@@ -565,7 +569,8 @@ def _local(t):
 
 # -- the distributed step: N CPU ranks over gloo ------------------------------------------------------------------
 _PLAIN_FIELDS = ("model", "batch", "seq", "mode", "precision", "optimizer", "optimizer_impl", "device",
-                 "checkpointing", "inputs", "freeze", "lora_rank", "lora_alpha", "lora_targets", "image_size",
+                 "checkpointing", "inputs", "freeze", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
+                 "image_size",
                  "choices", "use_cache", "loop", "grad_accum", "zero_grad", "clip_grad_norm", "step", "new_tokens",
                  "cache", "kv_dtype", "fsdp", "ddp", "tp", "reshard_after_forward", "fsdp_plan")
 

@@ -105,16 +105,19 @@ def test_custom_errors_are_one_line(args, message, capsys):
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
-def test_lora_matches_real_peft_run():
+@pytest.mark.parametrize("dropout", [None, 0.05])
+def test_lora_matches_real_peft_run(dropout):
+    """With peft's lora_dropout, each adapter's input goes through a dropout (its mask and output kept for the
+    backward)."""
     spec = RunSpec(LLAMA, batch=2, seq=32, device="cpu", precision="bf16-mixed", lora_rank=8,
-                   lora_targets=("q_proj", "v_proj", "down_proj"))
+                   lora_targets=("q_proj", "v_proj", "down_proj"), lora_dropout=dropout)
     report = analyze(spec)
     measured = measure_cpu_peak(spec)
     assert abs(report.peak_allocated_bytes - measured) <= 0.01 * measured
     lora = report.model["trainable_params"]
     h, inter, kv, layers = 64, 176, 32, 2  # tiny-llama-gqa: hidden 64, intermediate 176, 2 kv heads of 16
     assert lora == layers * 8 * ((h + h) + (h + kv) + (inter + h))  # r * (in + out) per adapted linear
-    assert report.run["adapters"].startswith("peft LoRA r=8")
+    assert report.run["adapters"].startswith("peft LoRA r=8" + (", dropout 0.05" if dropout else " on"))
     grads = [t for t in report.tensors if t.category == Category.GRADIENT]
     assert grads and all("lora_" in t.name for t in grads)  # frozen base weights get no gradient
 

@@ -61,7 +61,7 @@ def test_fused_has_no_foreach_temporaries_on_a_cuda_target():
     (dict(optimizer="rmsprop", optimizer_impl="fused"), "rmsprop has no fused implementation"),
     (dict(optimizer="adafactor", optimizer_impl="foreach"), "adafactor has no foreach implementation"),
     (dict(optimizer="adamw_torch_fused", optimizer_impl="foreach"), "drop --optimizer-impl foreach"),
-    (dict(optimizer="paged_ademamix_8bit"), "bitsandbytes optimizer, not supported yet"),
+    (dict(optimizer="galore_adamw_8bit"), "optimizer 'galore_adamw_8bit' is not supported yet"),
     (dict(optimizer="adamw-8bit", optimizer_impl="fused"), "adamw-8bit has no fused implementation"),
     (dict(optimizer="lamb"), "unknown optimizer 'lamb'; choose one of: adamw"),
 ])
@@ -73,6 +73,8 @@ def test_optimizer_options_refused_in_one_line(kwargs, needle):
 def test_hf_trainer_names_are_aliases():
     assert RunSpec(GPT2, batch=1, seq=4, optimizer="paged_adamw_8bit").optimizer.value == "paged-adamw-8bit"
     assert RunSpec(GPT2, batch=1, seq=4, optimizer="adamw_bnb_8bit").optimizer.value == "adamw-8bit"
+    assert RunSpec(GPT2, batch=1, seq=4, optimizer="paged_ademamix_8bit").optimizer.value == "paged-ademamix-8bit"
+    assert RunSpec(GPT2, batch=1, seq=4, optimizer="rmsprop_bnb_32bit").optimizer.value == "rmsprop-bnb"
     spec = RunSpec(GPT2, batch=1, seq=4, optimizer="adamw_torch_fused")
     assert (spec.optimizer.value, spec.optimizer_impl.value) == ("adamw", "fused")
     assert RunSpec(GPT2, batch=1, seq=4, optimizer="adamw_torch").optimizer_impl.value == "default"

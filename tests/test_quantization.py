@@ -29,7 +29,8 @@ def _avx512_bf16() -> bool:
 
 @pytest.mark.parametrize("model,kw", [
     (LLAMA, {"precision": "bf16", **QLORA}),  # QLoRA as the recipes run it
-    (LLAMA, {"precision": "bf16-mixed", **QLORA}),  # the fp32 norms/head of prepare_model_for_kbit_training, autocast
+    # the fp32 norms/head of prepare_model_for_kbit_training, autocast; peft's lora_dropout as the recipes set it
+    (LLAMA, {"precision": "bf16-mixed", "lora_dropout": 0.05, **QLORA}),
     (GPT2, {"precision": "bf16", "quantization": "nf4", "lora_rank": 8, "checkpointing": "none"}),  # Conv1D, fp32
     (GPT2, {"precision": "bf16", "quantization": "nf4", "double_quant": True, "bnb_compute_dtype": "bf16"}),
     (LLAMA, {"precision": "bf16", "quantization": "fp4", "bnb_compute_dtype": "bf16", "mode": "inference"}),
@@ -169,7 +170,11 @@ def test_without_bitsandbytes_the_error_says_how_to_install_it(monkeypatch):
     (LLAMA, {"precision": "bf16", "optimizer": "adamw-8bit"}),
     (GPT2, {"precision": "bf16-mixed", "optimizer": "lion-8bit"}),
     (LLAMA, {"precision": "bf16", "optimizer": "paged_adamw_8bit", **QLORA}),  # HF Trainer's name; QLoRA's usual
-], ids=["llama-adamw-8bit", "gpt2-lion-8bit", "llama-qlora-paged-adamw-8bit"])
+    (LLAMA, {"precision": "bf16", "optimizer": "ademamix_8bit"}),  # two stacked first moments, 8-bit
+    (GPT2, {"precision": "fp32", "optimizer": "rmsprop_bnb_8bit"}),
+    (LLAMA, {"precision": "bf16", "optimizer": "paged_lion_32bit"}),
+], ids=["llama-adamw-8bit", "gpt2-lion-8bit", "llama-qlora-paged-adamw-8bit", "llama-ademamix-8bit",
+        "gpt2-rmsprop-8bit", "llama-paged-lion-32bit"])
 def test_bitsandbytes_optimizers_match_a_real_cpu_run(model, kw):
     """bitsandbytes' own optimizers, as HF Trainer builds them, on the CPU (paged ones fall back to unpaged there).
     The trace holds one 1 KiB quantile map per 8-bit state more than the CPU run: bitsandbytes makes it on the host
@@ -197,4 +202,7 @@ def test_paged_optimizer_state_is_managed_memory_on_a_cuda_target(tmp_path):
     assert paged.run["paged_optimizer_state_bytes"] == managed
     assert "paged_optimizer_state_bytes" not in unpaged.run
     assert unpaged.breakdown_at_peak["optimizer_state"] - paged.breakdown_at_peak["optimizer_state"] == managed
+    # AdEMAMix: its two stacked first moments (`_get_state_double_buffer`) and its second moment, paged too
+    ademamix = analyze(RunSpec(str(path), optimizer="paged_ademamix_8bit", **kw))
+    assert ademamix.run["paged_optimizer_state_bytes"] == 3 * managed // 2
 

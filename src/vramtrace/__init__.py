@@ -130,6 +130,7 @@ def adapters_summary(spec: RunSpec) -> str:
     parts = []
     if spec.lora_rank is not None:
         alpha = f", alpha {spec.lora_alpha:g}" if spec.lora_alpha is not None else ""
+        alpha += f", dropout {spec.lora_dropout:g}" if spec.lora_dropout else ""
         targets = ",".join(spec.lora_targets) if spec.lora_targets else "peft's default targets"
         parts.append(f"peft LoRA r={spec.lora_rank}{alpha} on {targets}")
     if spec.freeze:

@@ -188,13 +188,16 @@ DDP_ON_META = Bridge(
 
 BNB_WRITTEN_FOR = "bitsandbytes 0.50"
 BNB_OPTIMIZER_STATE = Bridge(
-    "bnb_optimizer_state", "bitsandbytes", (("bitsandbytes.optim.optimizer", "Optimizer8bit.get_state_buffer"),),
+    "bnb_optimizer_state", "bitsandbytes", (("bitsandbytes.optim.optimizer", "Optimizer8bit.get_state_buffer"),
+                                            ("bitsandbytes.optim.ademamix", "AdEMAMix._get_state_double_buffer")),
     BNB_WRITTEN_FOR,
     "bitsandbytes' optimizers make each state with `get_state_buffer` (bitsandbytes/optim/optimizer.py): zeros on a "
     "CPU parameter (a paged optimizer falls back to unpaged there), else for a paged optimizer and a parameter of "
     "at least 1e5 elements CUDA managed memory (`F.get_paged`: cudaMallocManaged in bitsandbytes' C library, outside "
-    "PyTorch's allocator, which meta cannot run), else zeros. A meta parameter gets zeros on meta; on a CUDA target "
-    "the paged ones are recorded as paged optimizer state, outside the allocated bytes (`StepRecorder.managed`)",
+    "PyTorch's allocator, which meta cannot run), else zeros; AdEMAMix's two stacked first moments the same way "
+    "(`AdEMAMix._get_state_double_buffer`, bitsandbytes/optim/ademamix.py). A meta parameter gets zeros on meta; on "
+    "a CUDA target the paged ones are recorded as paged optimizer state, outside the allocated bytes "
+    "(`StepRecorder.managed`)",
     when_absent="bitsandbytes (the optional extra [quant]) is not installed: no bitsandbytes optimizer to trace")
 
 INT8_MATMUL_DEVICE = Bridge(
@@ -674,15 +677,24 @@ def _bnb_optimizer_state(stack: contextlib.ExitStack, policy: KernelPolicyMode, 
     owner = importlib.import_module("bitsandbytes.optim.optimizer").Optimizer8bit
     paged_on_target = policy.device is Device.CUDA
 
-    def get_state_buffer(self, p, dtype=torch.float32):
+    def buffer(self, p, dtype, shape, real):
         if p.device.type != "meta":
-            return original(self, p, dtype)
-        buffer = torch.zeros_like(p, dtype=dtype)
+            return real()
+        out = torch.zeros(shape, dtype=dtype, device=p.device)
         if paged_on_target and self.is_paged and p.numel() >= 1e5:  # the threshold of get_state_buffer
-            rec.managed(buffer, Category.PAGED_OPTIMIZER_STATE)
-        return buffer
+            rec.managed(out, Category.PAGED_OPTIMIZER_STATE)
+        return out
 
+    def get_state_buffer(self, p, dtype=torch.float32):
+        return buffer(self, p, dtype, p.shape, lambda: original(self, p, dtype))
+
+    def double_buffer(self, p, dtype=torch.float32):
+        return buffer(self, p, dtype, (2, *p.shape), lambda: original_double(self, p, dtype))
+
+    original_double = found["bitsandbytes.optim.ademamix.AdEMAMix._get_state_double_buffer"]
     stack.enter_context(_set(owner, "get_state_buffer", get_state_buffer))
+    stack.enter_context(_set(importlib.import_module("bitsandbytes.optim.ademamix").AdEMAMix,
+                             "_get_state_double_buffer", double_buffer))
 
 
 def _int8_matmul_device(stack: contextlib.ExitStack, policy: KernelPolicyMode) -> None:

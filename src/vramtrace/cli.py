@@ -73,6 +73,8 @@ def main_command(
                                      "(repeatable): no gradient, no optimizer state"),
     lora_rank: Optional[int] = typer.Option(None, "--lora-rank", help="add peft LoRA adapters of rank R (base weights frozen)"),
     lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA alpha [default: peft's]"),
+    lora_dropout: Optional[float] = typer.Option(None, "--lora-dropout", help="peft's lora_dropout, e.g. 0.05 (a "
+                                                 "dropout of each adapter's input) [default: peft's, 0]"),
     lora_targets: Optional[str] = typer.Option(None, "--lora-targets", help="LoRA target modules, e.g. q_proj,v_proj "
                                                "[default: peft's for the architecture]"),
     quantization: Optional[str] = typer.Option(None, "--quantization", help="nf4 | fp4 | int8: bitsandbytes weights as "
@@ -187,7 +189,8 @@ def main_command(
                        optimizer_impl=optimizer_impl, device=device, gpu=gpu, checkpointing=checkpointing,
                        trust_remote_code=trust_remote_code, replicate_layers=not trace_every_layer,
                        inputs=tuple(inputs), image_size=image_size, freeze=tuple(freeze), lora_rank=lora_rank,
-                       lora_alpha=lora_alpha, lora_targets=targets, moe_routing=moe_routing, strict=strict,
+                       lora_alpha=lora_alpha, lora_dropout=lora_dropout, lora_targets=targets,
+                       moe_routing=moe_routing, strict=strict,
                        quantization=quantization, double_quant=double_quant, bnb_compute_dtype=bnb_compute_dtype,
                        memory_budget_bytes=(parse_bytes(memory_budget, "--memory-budget")
                                             if memory_budget is not None else None),

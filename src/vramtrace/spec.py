@@ -103,20 +103,30 @@ class OptimizerKind(_Choice):
     # (trainer_optimizer.py::_get_adafactor: scale_parameter=False, relative_step=False)
     ADAFACTOR = "adafactor"
     TORCH_ADAFACTOR = "torch-adafactor"  # torch.optim.Adafactor
-    # bitsandbytes' optimizers as HF Trainer builds them (transformers/trainer_optimizer.py: `bnb.optim.AdamW` with
-    # optim_bits 8 or 32 and is_paged, `bnb.optim.Lion` with optim_bits 8): 8-bit states are two uint8 tensors with
-    # an fp32 absmax per 256-element block and two 256-entry fp32 maps, for parameters of at least
-    # min_8bit_size = 4096 elements (fp32 states below it); paged states live in CUDA managed memory
+    # bitsandbytes' optimizers as HF Trainer builds them (transformers/trainer_optimizer.py
+    # `_get_bitsandbytes_optimizer`: `bnb.optim.AdamW`, `Lion`, `RMSprop` or `AdEMAMix` with optim_bits 8 or 32 and,
+    # but for RMSprop, is_paged; `BNB_OPTIMIZER_BUILDS`): 8-bit states are uint8 tensors with an fp32 absmax per
+    # 256-element block and 256-entry fp32 maps, for parameters of at least min_8bit_size = 4096 elements (fp32
+    # states below it); paged states live in CUDA managed memory
     ADAMW_8BIT = "adamw-8bit"
     PAGED_ADAMW_8BIT = "paged-adamw-8bit"
     PAGED_ADAMW = "paged-adamw"
     LION_8BIT = "lion-8bit"
+    LION_32BIT = "lion-32bit"
+    PAGED_LION = "paged-lion"
+    PAGED_LION_8BIT = "paged-lion-8bit"
+    RMSPROP_BNB = "rmsprop-bnb"
+    RMSPROP_BNB_8BIT = "rmsprop-bnb-8bit"
+    ADEMAMIX = "ademamix"
+    ADEMAMIX_8BIT = "ademamix-8bit"
+    PAGED_ADEMAMIX = "paged-ademamix"
+    PAGED_ADEMAMIX_8BIT = "paged-ademamix-8bit"
     NONE = "none"
 
     @classmethod
     def parse(cls, value: "str | OptimizerKind", what: str = "optimizer") -> "OptimizerKind":
         """An OptimizerKind from its name or an HF Trainer `optim` name. Raises UsageError listing the valid names,
-        or saying that a bitsandbytes optimizer is not supported yet."""
+        or saying that a low-bit or paged optimizer outside them is not supported yet."""
         if isinstance(value, cls):
             return value
         key = str(value).strip().lower()
@@ -124,8 +134,8 @@ class OptimizerKind(_Choice):
             return cls(HF_OPTIM_NAMES[key][0])
         if key.replace("_", "-") in cls._value2member_map_:
             return cls(key.replace("_", "-"))
-        if key in HF_BNB_OPTIM_NAMES or "bnb" in key or "8bit" in key or key.startswith("paged_"):
-            raise UsageError(f"optimizer {value!r} is a bitsandbytes optimizer, not supported yet; choose one of: "
+        if "8bit" in key or key.startswith("paged_"):  # e.g. HF Trainer's galore_adamw_8bit
+            raise UsageError(f"optimizer {value!r} is not supported yet; choose one of: "
                              f"{', '.join(m.value for m in cls)}")
         try:
             return cls(key.replace("_", "-"))
@@ -154,11 +164,12 @@ HF_OPTIM_NAMES = {
     "sgd": ("sgd", None), "adagrad": ("adagrad", None), "rmsprop": ("rmsprop", None),
     "adamw_bnb_8bit": ("adamw-8bit", None), "adamw_8bit": ("adamw-8bit", None),
     "paged_adamw_8bit": ("paged-adamw-8bit", None), "paged_adamw_32bit": ("paged-adamw", None),
-    "lion_8bit": ("lion-8bit", None),
+    "lion_8bit": ("lion-8bit", None), "lion_32bit": ("lion-32bit", None), "paged_lion_32bit": ("paged-lion", None),
+    "paged_lion_8bit": ("paged-lion-8bit", None), "rmsprop_bnb": ("rmsprop-bnb", None),
+    "rmsprop_bnb_32bit": ("rmsprop-bnb", None), "rmsprop_bnb_8bit": ("rmsprop-bnb-8bit", None),
+    "ademamix": ("ademamix", None), "ademamix_8bit": ("ademamix-8bit", None),
+    "paged_ademamix_32bit": ("paged-ademamix", None), "paged_ademamix_8bit": ("paged-ademamix-8bit", None),
 }
-HF_BNB_OPTIM_NAMES = ("adamw_bnb_8bit", "adamw_8bit", "ademamix_8bit", "lion_8bit", "lion_32bit", "paged_adamw_32bit",
-                      "paged_adamw_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit", "paged_lion_32bit",
-                      "paged_lion_8bit", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit")
 # Which implementations each optimizer has (torch/optim/*.py: a `foreach` and a `fused` argument, or neither for
 # transformers' Adafactor). torch.optim.RMSprop and Adafactor have no fused kernel.
 OPTIMIZER_IMPLS = {
@@ -169,11 +180,19 @@ OPTIMIZER_IMPLS = {
     OptimizerKind.TORCH_ADAFACTOR: (OptimizerImpl.DEFAULT, OptimizerImpl.FOREACH, OptimizerImpl.FORLOOP),
     OptimizerKind.ADAFACTOR: (OptimizerImpl.DEFAULT, OptimizerImpl.FORLOOP),
     OptimizerKind.NONE: (OptimizerImpl.DEFAULT,),
-    **{k: (OptimizerImpl.DEFAULT,) for k in (OptimizerKind.ADAMW_8BIT, OptimizerKind.PAGED_ADAMW_8BIT,
-                                             OptimizerKind.PAGED_ADAMW, OptimizerKind.LION_8BIT)},
 }
-BNB_OPTIMIZERS = frozenset({OptimizerKind.ADAMW_8BIT, OptimizerKind.PAGED_ADAMW_8BIT, OptimizerKind.PAGED_ADAMW,
-                            OptimizerKind.LION_8BIT})
+# each bitsandbytes optimizer: (its class in bitsandbytes.optim, optim_bits, is_paged; None: the class has none)
+BNB_OPTIMIZER_BUILDS = {
+    OptimizerKind.ADAMW_8BIT: ("AdamW", 8, False), OptimizerKind.PAGED_ADAMW_8BIT: ("AdamW", 8, True),
+    OptimizerKind.PAGED_ADAMW: ("AdamW", 32, True), OptimizerKind.LION_8BIT: ("Lion", 8, False),
+    OptimizerKind.LION_32BIT: ("Lion", 32, False), OptimizerKind.PAGED_LION: ("Lion", 32, True),
+    OptimizerKind.PAGED_LION_8BIT: ("Lion", 8, True), OptimizerKind.RMSPROP_BNB: ("RMSprop", 32, None),
+    OptimizerKind.RMSPROP_BNB_8BIT: ("RMSprop", 8, None), OptimizerKind.ADEMAMIX: ("AdEMAMix", 32, False),
+    OptimizerKind.ADEMAMIX_8BIT: ("AdEMAMix", 8, False), OptimizerKind.PAGED_ADEMAMIX: ("AdEMAMix", 32, True),
+    OptimizerKind.PAGED_ADEMAMIX_8BIT: ("AdEMAMix", 8, True),
+}
+BNB_OPTIMIZERS = frozenset(BNB_OPTIMIZER_BUILDS)
+OPTIMIZER_IMPLS.update({k: (OptimizerImpl.DEFAULT,) for k in BNB_OPTIMIZERS})
 
 
 class Loop(_Choice):
@@ -462,6 +481,8 @@ class RunSpec:
     freeze: glob patterns (fnmatch) of parameter names to freeze (requires_grad=False).
     lora_rank, lora_alpha, lora_targets: a peft LoRA adapter (rank None: no LoRA; targets None: peft's default
         target modules for the architecture).
+    lora_dropout: peft's `lora_dropout`, the probability of the dropout each adapter applies to its input (0 <= P
+        < 1; a dropout mask and output per adapted input in training); None: peft's default, 0.
     quantization: bitsandbytes 4-bit or int8 weights (`Quantization`, `tracer/quantization.py`); None: none.
     double_quant: `bnb_4bit_use_double_quant` (the absmax quantized to uint8 with a nested fp32 absmax per 256
         blocks).
@@ -532,6 +553,7 @@ class RunSpec:
     freeze: tuple[str, ...] = ()
     lora_rank: int | None = None
     lora_alpha: float | None = None
+    lora_dropout: float | None = None
     lora_targets: tuple[str, ...] | None = None
     quantization: Quantization | None = None
     double_quant: bool = False
@@ -576,8 +598,13 @@ class RunSpec:
         if self.inputs and custom_ref(self.model) is None:
             raise UsageError("--input applies to custom modules (path/to/model.py:NAME); transformers models get "
                              "their inputs from the config")
-        if self.lora_rank is None and (self.lora_alpha is not None or self.lora_targets):
-            raise UsageError("--lora-alpha and --lora-targets need --lora-rank")
+        if self.lora_rank is None and (self.lora_alpha is not None or self.lora_targets
+                                       or self.lora_dropout is not None):
+            raise UsageError("--lora-alpha, --lora-targets and --lora-dropout need --lora-rank")
+        if self.lora_dropout is not None and (isinstance(self.lora_dropout, bool)
+                                              or not isinstance(self.lora_dropout, (int, float))
+                                              or not 0 <= self.lora_dropout < 1):
+            raise UsageError(f"--lora-dropout must be a probability in [0, 1), e.g. 0.05; got {self.lora_dropout!r}")
         if self.task is not None:
             object.__setattr__(self, "task", Task.parse(self.task))
         if self.attn_implementation is not None:

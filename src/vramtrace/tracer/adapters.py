@@ -51,7 +51,7 @@ def apply_adapters(spec: RunSpec, model: torch.nn.Module, device: str) -> torch.
         from peft import LoraConfig, get_peft_model
     except ImportError as e:
         raise UsageError("--lora-rank needs peft: pip install 'vramtrace[lora]'") from e
-    kwargs: dict = {"r": spec.lora_rank, "lora_dropout": 0.0}
+    kwargs: dict = {"r": spec.lora_rank, "lora_dropout": spec.lora_dropout or 0.0}
     if spec.lora_alpha is not None:
         kwargs["lora_alpha"] = spec.lora_alpha
     if spec.lora_targets:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import BNB_OPTIMIZERS, Device, OptimizerImpl, OptimizerKind, RunSpec
+from ..spec import BNB_OPTIMIZER_BUILDS, BNB_OPTIMIZERS, Device, OptimizerImpl, OptimizerKind, RunSpec
 
 
 def _implementation(spec: RunSpec) -> dict:
@@ -32,14 +32,12 @@ def make_optimizer(spec: RunSpec, params: list[torch.nn.Parameter]):
         from transformers.optimization import Adafactor
 
         return Adafactor(params, lr=1e-4, scale_parameter=False, relative_step=False)
-    if kind in BNB_OPTIMIZERS:  # transformers/trainer_optimizer.py, the bitsandbytes branch of get_optimizer_cls
+    if kind in BNB_OPTIMIZERS:  # transformers/trainer_optimizer.py `_get_bitsandbytes_optimizer`
         from .quantization import bitsandbytes_module
 
-        bnb = bitsandbytes_module()
-        if kind is OptimizerKind.LION_8BIT:
-            return bnb.optim.Lion(params, lr=1e-4, optim_bits=8)
-        return bnb.optim.AdamW(params, lr=1e-4, optim_bits=32 if kind is OptimizerKind.PAGED_ADAMW else 8,
-                               is_paged=kind is not OptimizerKind.ADAMW_8BIT)
+        name, bits, paged = BNB_OPTIMIZER_BUILDS[kind]
+        optimizer_class = getattr(bitsandbytes_module().optim, name)
+        return optimizer_class(params, lr=1e-4, optim_bits=bits, **({} if paged is None else {"is_paged": paged}))
     impl = _implementation(spec)
     if kind is OptimizerKind.ADAMW:
         return torch.optim.AdamW(params, lr=1e-4, **impl)
