@@ -49,8 +49,8 @@ def test_each_lever_is_the_run_its_options_make(just_over, tmp_path, capsys):
     by_family = {lv["family"]: lv for lv in levers["levers"]}
     assert by_family["optimizer_8bit"]["options"] == "--optimizer adamw-8bit"
     # the run's checkpointing (none) kept: without the option QLoRA would checkpoint as peft does by default
-    assert by_family["qlora"]["options"] == ("--quantization nf4 --double-quant --bnb-compute-dtype bf16 --lora-rank 16 "
-                                             "--checkpointing none")
+    assert by_family["qlora"]["options"] == ("--quantization nf4 --double-quant --bnb-compute-dtype bf16 "
+                                             "--lora-rank 16 --checkpointing none")
     assert [COST_CLASS[f] for f in families] == sorted(COST_CLASS[f] for f in families)
     ckpt = [lv["recompute_overhead"] for lv in levers["levers"] if lv["family"] == "checkpointing"]
     assert ckpt == sorted(ckpt) and ckpt[-1] > 0.1  # layers recomputes every layer's forward

@@ -1,7 +1,7 @@
-"""`--quantization nf4|fp4|int8`: bitsandbytes' 4-bit and int8 weights built by transformers' own quantizer on meta, traced
-through bitsandbytes' own Linear4bit and Linear8bitLt, against the same model loaded 4-bit by `from_pretrained(...,
+"""`--quantization nf4|fp4|int8`: bitsandbytes' 4-bit and int8 weights built by transformers' own quantizer on meta,
+traced through bitsandbytes' own Linear4bit and Linear8bitLt, against the same model loaded by `from_pretrained(...,
 quantization_config=BitsAndBytesConfig(...))` and run for real on the CPU (tests/oracle.py, public APIs only), and
-the storage layout against bitsandbytes' own `quantize_4bit` on real tensors."""
+the storage layout against bitsandbytes' own `quantize_4bit` and `int8_vectorwise_quant` on real tensors."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def _avx512_bf16() -> bool:
     (LLAMA, {"precision": "bf16", "quantization": "int8", "mode": "inference"}),  # MatMul8bitLt, int8 CPU kernels
     (GPT2, {"precision": "fp32", "quantization": "int8", "mode": "generate", "new_tokens": 4}),
 ], ids=["llama-qlora", "llama-qlora-bf16-mixed", "gpt2-nf4-lora", "gpt2-nf4-dq-no-lora", "llama-fp4-inference",
-        "llama-nf4-generate", "llama-int8-lora", "llama-int8-lora-non-reentrant", "gpt2-int8-no-lora", "llama-int8-inference", "gpt2-int8-generate"])
+        "llama-nf4-generate", "llama-int8-lora", "llama-int8-lora-non-reentrant", "gpt2-int8-no-lora",
+        "llama-int8-inference", "gpt2-int8-generate"])
 def test_quantized_step_matches_a_real_cpu_run(model, kw):
     if kw.get("mode") in ("inference", "generate") and kw["quantization"] != "int8" and _avx512_bf16():
         pytest.skip("on an AVX512-BF16 CPU bitsandbytes repacks 4-bit weights for inference "
@@ -118,9 +119,9 @@ def test_int8_storages_are_laid_out_as_int8_vectorwise_quant_lays_them_out():
 def test_int8_on_cuda_multiplies_in_int8_and_dequantizes_for_the_input_gradient():
     """int8 LoRA for a CUDA target runs MatMul8bitLt: the forward's `int8_mixed_scaled_mm` of 32 rows holds the
     int32 product and the fp16 output of `int8_mm_dequant` (bitsandbytes/backends/default/ops.py, cuda/ops.py) while
-    it casts to the input's dtype, in 512-byte blocks; no weight is dequantized in the forward; in the backward each weight is
-    dequantized for the input gradient, in the input's dtype (fp32: prepare_model_for_kbit_training makes the norms
-    fp32). The report warns that no outlier column is assumed."""
+    it casts to the input's dtype, in 512-byte blocks; no weight is dequantized in the forward; in the backward each
+    weight is dequantized for the input gradient, in the input's dtype (fp32: prepare_model_for_kbit_training makes
+    the norms fp32). The report warns that no outlier column is assumed."""
     report = analyze(RunSpec(LLAMA, batch=2, seq=16, precision="bf16", quantization="int8", lora_rank=8))
     dequantized = [t for t in report.tensors if t.category == "dequantized_weights"]
     assert {t.phase for t in dequantized} == {"backward"}

@@ -744,8 +744,8 @@ class RunSpec:
                              "drop them")
         if self.cpu_offload and (self.fsdp_plan is not FsdpPlan.LAYERS
                                  or Device.parse(self.device, "device") is not Device.CUDA):
-            raise UsageError("--cpu-offload moves FSDP2's shards from a GPU to host memory: it needs --fsdp-plan layers "
-                             "and a CUDA target (with --device cpu they are in host memory already)")
+            raise UsageError("--cpu-offload moves FSDP2's shards from a GPU to host memory: it needs --fsdp-plan "
+                             "layers and a CUDA target (with --device cpu they are in host memory already)")
         if self.fsdp_plan is FsdpPlan.TRANSFORMERS and not self.reshard_after_forward:
             raise UsageError("--fsdp-plan transformers says per module whether it reshards after forward; drop "
                              "--reshard-after-forward")

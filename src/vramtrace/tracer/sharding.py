@@ -153,7 +153,8 @@ def shard(model: torch.nn.Module, layers: torch.nn.ModuleList | None, spec: RunS
           mesh=None) -> None:
     """`fully_shard` each module of `layers`, then `model`, on `mesh` (default: a meta DeviceMesh of `spec.fsdp`
     ranks), with `reshard_after_forward=spec.reshard_after_forward`, `mixed_precision_policy(precision)` and, with
-    `spec.cpu_offload`, `CPUOffloadPolicy()`. Call inside `fake_rank`. Raises TraceError when the model has no layer stack to shard."""
+    `spec.cpu_offload`, `CPUOffloadPolicy()`. Call inside `fake_rank`. Raises TraceError when the model has no layer
+    stack to shard."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
