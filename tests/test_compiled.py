@@ -1,0 +1,80 @@
+"""torch.compile's graphs captured on fake CPU tensors (tracer/compiled.py) and the liveness over one FX graph
+(analysis/graph_liveness.py). The comparison with a real compiled step is benchmarks/bench_compile_graphs.py
+(Inductor's C++ compile takes about 35 s per model here)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import transformers
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from conftest import FIXTURES
+from vramtrace.analysis.graph_liveness import graph_memory
+from vramtrace.tracer.compiled import capture
+
+
+def _graph(fn, *shapes) -> fx.GraphModule:
+    gm = fx.symbolic_trace(fn)
+    mode = FakeTensorMode()
+    FakeTensorProp(gm, mode).propagate(*(mode.from_tensor(torch.empty(s)) for s in shapes))
+    return gm
+
+
+def test_liveness_frees_after_last_use_and_keeps_outputs():
+    """fp32 (8, 8) tensors of 256 B: a = x + 1, b = a * 2 (a dies), c = b.t() (a view of b), d = b + c (b dies
+    after d, c is its view), out (d, c). Peak: b, d alive with a just freed -> a + b at b's birth (512), then b + d
+    (512); at the end d and b (c's storage) remain: 512; the outputs made: d and b."""
+    def f(x):
+        a = x + 1
+        b = a * 2
+        c = b.t()
+        d = b + c
+        return d, c
+
+    m = graph_memory(_graph(f, (8, 8)))
+    assert (m.peak_bytes, m.end_bytes, m.output_bytes) == (512, 512, 512)
+
+
+def test_inputs_not_kept_are_freed_after_their_last_use():
+    """A backward-like graph: saved (index 0) is read once and freed, weight (index 1) is kept; the output
+    e = saved @ weight (256 B) is all it makes; at e's birth the graph holds 256 B more than at its start, at its end
+    as much as at its start (e in, saved out)."""
+    def f(saved, weight):
+        e = saved @ weight
+        return (e,)
+
+    gm = _graph(f, (8, 8), (8, 8))
+    m = graph_memory(gm, kept_inputs={1})
+    assert (m.peak_bytes, m.end_bytes) == (256, 0)  # + e, then - saved
+    assert graph_memory(gm).end_bytes == 256  # every input kept
+
+
+def test_gpt2_graphs_as_inductor_compiles_them():
+    """Tiny GPT-2 with labels: dynamo breaks the graph before the loss (two forward graphs, two backward graphs,
+    the loss's first); the backward graphs give a gradient of each parameter's shape; everything the forward
+    graphs keep is their outputs, and each saved tensor is an input of a backward graph; the meta model is left
+    as it was."""
+    cfg = transformers.AutoConfig.from_pretrained(FIXTURES / "tiny-gpt2.json")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model.train()
+    x = torch.randint(0, cfg.vocab_size, (2, 16), device="meta")
+    graphs = capture(model, {"input_ids": x, "labels": x})
+    assert [g.kind for g in graphs] == ["forward", "forward", "backward", "backward"]
+    assert all(p.device.type == "meta" and p.grad is None for p in model.parameters())
+    grads = Counter(tuple(n.meta["val"].shape) for g in graphs if g.kind == "backward"
+                    for n in next(n for n in g.gm.graph.nodes if n.op == "output").all_input_nodes
+                    if isinstance(n.meta.get("val"), torch.Tensor))
+    # besides: the logits' gradient (the loss graph's input) and the tied lm_head's own (autograd sums the two)
+    assert not Counter(tuple(p.shape) for p in model.parameters()) - grads
+    main_forward, main_backward = graphs[0], graphs[3]
+    m = graph_memory(main_forward.gm)
+    assert m.end_bytes == m.output_bytes > 0
+    saved = {n.name for n in main_backward.gm.graph.nodes if n.op == "placeholder"
+             and not n.name.startswith(("primals", "tangents"))}
+    outputs = {n.name for n in next(n for n in main_forward.gm.graph.nodes if n.op == "output").all_input_nodes}
+    assert saved and saved <= outputs
