@@ -1,23 +1,25 @@
-"""torch.compile's graphs as vramtrace captures them (tracer/compiled.py) against a real compiled step on the CPU.
+"""torch.compile's graphs as vramtrace captures them (tracer/compiled.py) against a real compiled step on the CPU,
+graph by graph.
 
 Reproduce: HF_HUB_OFFLINE=1 python benchmarks/bench_compile_graphs.py   (CPU only; Inductor's C++ compile of each
-model takes about 35 s on 2 cores with cold caches)
+model takes about 20-35 s on 2 cores with cold caches)
 
 Cases: tiny-gpt2 and tiny-llama-gqa (fixtures/configs), fp32, batch 2 × seq 16, train mode, the loss computed by
-the model (`labels=`), transformers' defaults otherwise (use_cache on, so the KV cache is an output of the
-forward).
+the model (`labels=`, the same tensor as `input_ids`), transformers' defaults otherwise (use_cache on, so the KV
+cache is an output of the forward); the model's outputs are held through the backward.
 
-Columns (bytes):
-- captured: the graphs' liveness (analysis/graph_liveness.py): the forward's residue (every forward graph's
-  `end_bytes`, summed: the activations saved for the backward and the user outputs) and the backward's highest
-  point above the residue (each backward graph's `peak_bytes` over the bytes the earlier ones left).
-- real: `torch.compile(model)` (Inductor, default mode) run for real on the CPU with torch.optim.AdamW, the
-  second step measured with torch.profiler (profile_memory=True): the running sum of allocator events from the
-  step's start, read at a marker allocation made after the forward returns (the residue) and maximised over the
-  backward (above the residue). Written from public APIs only.
-- The residue is exact. The backward figure counts the intermediates Inductor fuses (graph_liveness.py says what
-  is not modelled) and misses what the backward allocates outside the graphs (AOTAutograd's zero tangents for the
-  KV cache, and more): docs/compile.md has the figures.
+Per graph, in the order the step runs them (dynamo breaks GPT-2's forward before its loss: two forward graphs and
+two backward graphs), bytes above what is alive when the graph starts, at its highest / when it returns:
+- naive: `analysis/graph_liveness.py` over the graph's nodes (every node's output a buffer, freed after its last
+  use), the forward's inputs kept, the backward's `primals_*` kept;
+- scheduler: `CapturedGraph.memory`, the allocations read off Inductor's own scheduler (fusion, in-place reuse,
+  the CPU kernel group's flushes: tracer/compiled.py `_cpu_allocations`);
+- real: `torch.compile(model)` (Inductor, default mode) run for real with torch.optim.AdamW; the second step under
+  torch.profiler (profile_memory=True): the running sum of the allocator's `[memory]` events inside each
+  `## Call CompiledFxGraph ... ##` range (the annotation Inductor's `CompiledFxGraph.__call__` makes while a
+  profiler runs), above its value at the range's start. Written from public APIs only (and that annotation's name).
+Below each table: what the real backward allocates outside the graphs (AOTAutograd's zero tangents, the loss's
+root gradient), which belongs to the step runner, not to the graphs.
 """
 
 from __future__ import annotations
@@ -32,25 +34,21 @@ from vramtrace.analysis.graph_liveness import graph_memory
 from vramtrace.tracer.compiled import capture
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "fixtures", "configs")
-MARK = 64 * 7919  # a marker allocation's size in bytes (a multiple of 64: the CPU allocator's alignment)
 
 
-def captured(cfg) -> tuple[int, int]:
+def captured(cfg):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     model.train()
     x = torch.randint(0, cfg.vocab_size, (2, 16), device="meta")
-    graphs = capture(model, {"input_ids": x, "labels": x})
-    residue = sum(graph_memory(g.gm).end_bytes for g in graphs if g.kind == "forward")
-    live, peak = 0, 0
-    for g in graphs:
-        if g.kind == "backward":
-            m = graph_memory(g.gm, g.kept_inputs())
-            peak, live = max(peak, live + m.peak_bytes), live + m.end_bytes
-    return residue, peak
+    t = time.time()
+    graphs = capture(model, {"input_ids": x, "labels": x}, outputs_held=True)
+    return graphs, time.time() - t
 
 
-def real(cfg) -> tuple[int, int, float]:
+def real(cfg):
+    """Per compiled-graph call of the measured step: (peak, end) above its start; and the bytes the backward
+    allocates outside the graphs (net, and the largest single allocation)."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     model.train()
@@ -58,44 +56,52 @@ def real(cfg) -> tuple[int, int, float]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, cfg.vocab_size, (2, 16))
 
-    def step(mark):
+    def step():
         out = compiled(input_ids=x, labels=x)
-        marker = torch.empty(MARK, dtype=torch.uint8) if mark else None
-        out.loss.backward()
-        del marker
+        with torch.profiler.record_function("## BACKWARD ##"):
+            out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         del out
 
     t = time.time()
-    step(False)
-    compile_s = time.time() - t
+    step()
+    seconds = time.time() - t
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(True)
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    running, at_mark, peak_after = 0, None, 0
-    for e in events:
-        size = e.nbytes()
-        if at_mark is None and size == MARK:
-            at_mark = running
-            continue
-        if at_mark is not None and size == -MARK:
-            break
-        running += size
-        if at_mark is not None:
-            peak_after = max(peak_after, running - at_mark)
-    return at_mark, peak_after, compile_s
+        step()
+    events = list(prof.profiler.kineto_results.events())
+    memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    ranges = sorted((e for e in events if e.name().startswith("## Call CompiledFxGraph")), key=lambda e: e.start_ns())
+    backward = next(e for e in events if e.name() == "## BACKWARD ##")
+    running, sums = 0, []
+    for e in memory:
+        running += e.nbytes()
+        sums.append((e.start_ns(), e.nbytes(), running))
+    per_graph = []
+    for r in ranges:
+        before = next((s for t, _, s in reversed(sums) if t < r.start_ns()), 0)
+        inside = [s - before for t, _, s in sums if r.start_ns() <= t <= r.end_ns()]
+        per_graph.append((max(inside, default=0), inside[-1] if inside else 0))
+    outside = [nb for t, nb, _ in sums if backward.start_ns() <= t <= backward.end_ns()
+               and not any(r.start_ns() <= t <= r.end_ns() for r in ranges) and nb > 0]
+    return per_graph, outside, seconds
 
 
 def main() -> None:
-    print("| model | forward residue: captured | real | backward above it: captured | real | compile s |")
-    print("|---|---:|---:|---:|---:|---:|")
     for name in ("tiny-gpt2", "tiny-llama-gqa"):
         cfg = transformers.AutoConfig.from_pretrained(os.path.join(ROOT, f"{name}.json"))
-        residue, bw = captured(cfg)
-        real_residue, real_bw, seconds = real(cfg)
-        print(f"| {name} | {residue:,} | {real_residue:,} | {bw:,} | {real_bw:,} | {seconds:.1f} |", flush=True)
+        graphs, capture_s = captured(cfg)
+        per_graph, outside, compile_s = real(cfg)
+        print(f"\n{name}: capture {capture_s:.1f} s, the real first (compiling) step {compile_s:.1f} s")
+        print("| graph | naive peak / end | scheduler peak / end | real peak / end |")
+        print("|---|---:|---:|---:|")
+        for i, g in enumerate(graphs):
+            naive = graph_memory(g.gm, g.kept_inputs())
+            real_text = f"{per_graph[i][0]:,} / {per_graph[i][1]:,}" if i < len(per_graph) else "-"
+            print(f"| {i} {g.kind} | {naive.peak_bytes:,} / {naive.end_bytes:,} | {g.memory.peak_bytes:,} / "
+                  f"{g.memory.end_bytes:,} | {real_text} |")
+        print(f"backward allocations outside the graphs: {', '.join(f'{b:,}' for b in outside)} "
+              f"(total {sum(outside):,} B)")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 that reads it, as Inductor's generated code frees a buffer after its last use (`del buf3`:
 torch/_inductor/scheduler.py `compute_last_usage`, `free_buffers`; codegen/wrapper.py `codegen_free`).
 
-What this does not model yet (an over-estimate of transient bytes, never of what a graph keeps): pointwise and
+This is the graph's own view, before Inductor's code generation; `tracer/compiled.py` `_cpu_allocations` reads
+what the generated CPU code allocates off Inductor's scheduler. What this does not model (an over-estimate of
+transient bytes, never of what a graph keeps): pointwise and
 reduction chains that Inductor fuses into one kernel never materialize their intermediates; a kernel may write its
 output into an input that dies there (`inplace_buffers`); freed buffers are reused by later ones of the same size
 (`allow_buffer_reuse`: neutral for live bytes); the scheduler reorders nodes (`reorder_for_peak_memory`). Kernel

@@ -17,6 +17,16 @@ How (`capture`):
 - The graphs are CPU graphs: a CPU-only torch cannot make fake CUDA tensors. CUDA's differ where a kernel choice
   depends on the device (SDPA's flash or memory-efficient attention saves its output and logsumexp).
 
+Each graph is then lowered and scheduled as Inductor's own code generation would (`_lower_and_schedule`:
+`GraphLowering` and `Scheduler`, the steps of `_InProcessFxCompile.codegen_and_compile`, without generating
+code) and its CPU allocations are read off the scheduler (`_cpu_allocations`): the buffers that fusion removes
+(`Scheduler.can_buffer_be_removed_through_fusion`, what codegen/common.py `remove_kernel_local_buffers` drops),
+the outputs written in place into a dying input (Inductor's own `decide_inplace_update`), and frees as the CPU
+wrapper makes them (`last_usage`, flushed before and after each extern kernel call: the C++ kernel group is not
+flushed between kernels). Checked against the real compiled step's allocations per graph
+(benchmarks/bench_compile_graphs.py). CUDA's code generation differs (Triton kernels, a flush per kernel): not
+modelled.
+
 What it leaves behind: dynamo's cache entries for the copy's forward functions (one per compiled frame; they
 fail their guards for any other module); Inductor's FX-graph and AOTAutograd caches are off while it runs.
 """
@@ -33,6 +43,18 @@ from torch import fx
 
 
 @dataclasses.dataclass(frozen=True)
+class InductorMemory:
+    """What one graph's CPU code allocates, from Inductor's scheduler (`_cpu_allocations`): bytes (ints) above
+    what is alive when the graph starts, at its highest (`peak_bytes`) and when it returns (`end_bytes`); the
+    buffers fusion removes and the in-place outputs (output buffer, the input buffer it takes over)."""
+
+    peak_bytes: int
+    end_bytes: int
+    removed: tuple[str, ...]
+    in_place: tuple[tuple[str, str], ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class CapturedGraph:
     """One graph torch.compile runs: `kind` 'forward' or 'backward' (AOTAutograd's partition of one dynamo graph;
     'inference' when nothing needs a gradient), its GraphModule after Inductor's post-grad passes (each node's
@@ -42,6 +64,7 @@ class CapturedGraph:
     kind: str
     gm: fx.GraphModule
     static_inputs: tuple[int, ...]
+    memory: InductorMemory | None = None
 
     def kept_inputs(self) -> set[int] | None:
         """The indices of the inputs that outlive the graph: None (all) for a forward graph (the caller holds
@@ -57,21 +80,21 @@ class CapturedGraph:
 
 
 def capture(model: torch.nn.Module, kwargs: dict[str, Any], autocast_dtype: torch.dtype | None = None,
-            loss_key: str = "loss") -> list[CapturedGraph]:
+            loss_key: str = "loss", outputs_held: bool = False) -> list[CapturedGraph]:
     """The graphs `torch.compile(model)` (Inductor, its default mode) runs for `model(**kwargs)[loss_key]
-    .backward()`, in the order they ran (the forward graphs first, then the backward graphs as autograd runs them).
-    `model` is built on meta and left as it is (a copy is compiled); `kwargs` hold meta tensors (or plain values);
-    `autocast_dtype`: the CPU autocast of a mixed-precision step. Raises torch's errors when dynamo or Inductor
-    cannot compile the model."""
-    from torch._guards import detect_fake_mode
+    .backward()`, in the order they ran (the forward graphs first, then the backward graphs as autograd runs them),
+    each with its CPU allocations (`CapturedGraph.memory`). `model` is built on meta and left as it is (a copy is
+    compiled); `kwargs` hold meta tensors (or plain values; one tensor passed twice stays one input, as dynamo
+    sees it); `autocast_dtype`: the CPU autocast of a mixed-precision step; `outputs_held`: whether the caller
+    holds the model's outputs through the backward (then a saved tensor that is also an output, the logits or the
+    KV cache, is not freed by the backward). Raises torch's errors when dynamo or Inductor cannot compile it."""
     from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import _recursive_post_grad_passes, compile_fx
-    from torch._inductor.fx_passes.post_grad import view_to_reshape
+    from torch._inductor.compile_fx import compile_fx
     from torch._inductor.output_code import OutputCode
-    from torch._inductor.virtualized import V
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     kept: list[CapturedGraph] = []
+    held_by_caller: list[tuple[set[str], set[str]]] = []  # per forward graph: (saved outputs the caller holds, saved)
 
     @dataclasses.dataclass
     class _Interpreted(OutputCode):  # what the compiled step calls in place of Inductor's generated code
@@ -96,10 +119,12 @@ def capture(model: torch.nn.Module, kwargs: dict[str, Any], autocast_dtype: torc
 
     def _keep_graph(gm: fx.GraphModule, example_inputs, **kw):
         kind = "backward" if kw.get("is_backward") else "inference" if kw.get("is_inference") else "forward"
-        view_to_reshape(gm)
-        with V.set_fake_mode(detect_fake_mode(example_inputs)):
-            _recursive_post_grad_passes(gm, is_inference=kind == "inference")
-        kept.append(CapturedGraph(kind, gm, tuple(kw.get("static_input_idxs") or ())))
+        with _lower_and_schedule(gm, example_inputs, kw):  # runs Inductor's post-grad passes on gm first
+            if kind == "forward":
+                held_by_caller.append(_saved_outputs_held(gm))
+            memory = _cpu_allocations(None if kind != "backward" else _outliving_inputs(
+                gm, held_by_caller[-1] if held_by_caller and outputs_held else (set(), set())))
+        kept.append(CapturedGraph(kind, gm, tuple(kw.get("static_input_idxs") or ()), memory))
         return _Interpreted(gm=gm)
 
     def backend(gm, example_inputs):
@@ -114,8 +139,9 @@ def capture(model: torch.nn.Module, kwargs: dict[str, Any], autocast_dtype: torc
         twin.to_empty(device="cpu")
         if hasattr(twin, "tie_weights"):  # to_empty unties transformers' tied embeddings
             twin.tie_weights()
-        fake_kwargs = {k: torch.empty_like(v, device="cpu") if isinstance(v, torch.Tensor) else v
-                       for k, v in kwargs.items()}
+        fakes: dict[int, torch.Tensor] = {}  # one fake per tensor (input_ids passed as labels too)
+        fake_kwargs = {k: fakes.setdefault(id(v), torch.empty_like(v, device="cpu"))
+                       if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         compiled = torch.compile(twin, backend=backend)
         autocast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
         with autocast:
@@ -123,3 +149,203 @@ def capture(model: torch.nn.Module, kwargs: dict[str, Any], autocast_dtype: torc
         loss = out[loss_key] if isinstance(out, dict) or hasattr(out, "keys") else out
         loss.backward()
     return kept
+
+
+def _storage(node):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return StorageWeakRef(val.untyped_storage()) if isinstance(val, torch.Tensor) else None
+
+
+def _saved_outputs_held(gm: fx.GraphModule) -> tuple[set[str], set[str]]:
+    """A forward graph's (saved tensors whose storage is also a user-visible output, every saved tensor), by node
+    name (AOTAutograd marks the user outputs: the output node's `user_visible_output_idxs`)."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    args = output.args[0]
+    visible = set(output.meta.get("user_visible_output_idxs", []))
+    users = {_storage(a) for i, a in enumerate(args) if i in visible} - {None}
+    saved = [a for i, a in enumerate(args) if i not in visible and isinstance(a, fx.Node)]
+    return {a.name for a in saved if _storage(a) in users}, {a.name for a in saved}
+
+
+def _outliving_inputs(gm: fx.GraphModule, held: tuple[set[str], set[str]]) -> set[str]:
+    """The inputs of a backward graph that its code deletes but that stay alive: the forward's own inputs
+    (`primals_*`: parameters, which the module holds), the 0-dim root gradient (`torch.autograd.backward` holds
+    it) and, when `held` comes from the forward graph this backward belongs to, the saved tensors that are also
+    outputs the caller holds. A graph's inputs are otherwise freed at their last use: AOTAutograd clears the
+    saved tensors and calls the backward with `steal_args=True` (torch/_functorch/_aot_autograd/
+    runtime_wrappers.py) and the generated code deletes each argument after its last use."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    saved = {n.name for n in placeholders} - {n.name for n in placeholders
+                                             if n.name.startswith(("primals", "tangents"))}
+    caller = held[0] if held[1] >= saved else set()  # the last forward graph is the one returned to the caller
+    return {n.name for n in placeholders if n.name.startswith("primals") or n.name in caller
+            or (n.name.startswith("tangents") and isinstance(n.meta.get("val"), torch.Tensor)
+                and n.meta["val"].dim() == 0)}
+
+
+@contextlib.contextmanager
+def _lower_and_schedule(gm: fx.GraphModule, example_inputs, kw: dict):
+    """Inside: `V.graph` is `gm` lowered and scheduled by Inductor as `_InProcessFxCompile.codegen_and_compile`
+    (torch/_inductor/compile_fx.py) does before generating code: `view_to_reshape`, fake propagation, the
+    original output strides, the post-grad passes (gm is changed in place), then `GraphLowering(...).run` and
+    `_update_scheduler` (fusion, `reorder_for_peak_memory`, `compute_last_usage`)."""
+    from torch._inductor.compile_fx import (_recursive_post_grad_passes, _recursive_record_original_output_strides,
+                                            fake_tensor_prop, get_input_idxs_to_check,
+                                            maybe_disable_comprehensive_padding, maybe_disable_graph_partition)
+    from torch._inductor.debug import DebugContext
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.utils import shape_env_from_inputs
+    from torch._inductor.virtualized import V
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    is_backward, is_inference = bool(kw.get("is_backward")), bool(kw.get("is_inference"))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_disable_current_modes())  # as compile_fx_inner: the caller's FakeTensorMode is off
+        stack.enter_context(DebugContext())  # V.debug, which the scheduler logs through
+        view_to_reshape(gm)
+        with torch.no_grad():
+            fake_mode = fake_tensor_prop(gm, example_inputs)
+        _recursive_record_original_output_strides(gm)
+        stack.enter_context(V.set_fake_mode(fake_mode))
+        _recursive_post_grad_passes(gm, is_inference=is_inference)
+        stack.enter_context(maybe_disable_comprehensive_padding(example_inputs))
+        stack.enter_context(maybe_disable_graph_partition(False, False))
+        graph = GraphLowering(
+            gm, example_inputs=example_inputs, shape_env=gm.shape_env or shape_env_from_inputs(example_inputs),
+            graph_id=kw.get("graph_id"), cpp_wrapper=False, aot_mode=False,
+            extern_node_serializer=kw.get("extern_node_serializer"), is_inference=is_inference,
+            is_backward=is_backward, const_output_index=None, const_wrapper_code=None, const_kernel_code=None,
+            const_module=None, inputs_to_check=get_input_idxs_to_check(example_inputs,
+                                                                       kw.get("static_input_idxs") or ()),
+            fx_wrapper=False, get_decomp_fn=kw.get("get_decomp_fn", select_decomp_table))
+        graph.freeze_runtime_asserts()
+        stack.enter_context(V.set_graph_handler(graph))
+        stack.enter_context(V.set_extern_kernel_nodes([]))
+        graph.run(*example_inputs)
+        graph.init_wrapper_code()  # the in-place decisions read the wrapper's freed buffers
+        graph._update_scheduler()
+        yield graph
+
+
+def _cpu_allocations(kept_inputs: set[str] | None) -> InductorMemory:
+    """The allocations of `V.graph`'s CPU code, read off its scheduler (inside `_lower_and_schedule`); graph
+    inputs not in `kept_inputs` are freed at their last use (None: every input is kept). What the CPU code
+    generation does (torch/_inductor/scheduler.py `Scheduler.codegen`, codegen/cpp.py, codegen/wrapper.py):
+    - a buffer whose users are all inside its kernel is never allocated (`can_buffer_be_removed_through_fusion`,
+      per outer node of an `OuterLoopFusedSchedulerNode`, which the C++ backend generates as separate kernels);
+    - a kernel writes an output into an input freed there (`SchedulerNode.decide_inplace_update`, run here with a
+      stand-in kernel handler; the output takes over the input's storage);
+    - a fallback kernel allocates its `MultiOutput`s; views, mutations and `NoneLayout` outputs allocate nothing;
+    - `last_usage` frees happen when the C++ kernel group is flushed: before and after each extern kernel call
+      and at the end.
+    Freed buffers reused by later allocations of the same size (`allow_buffer_reuse`) change no live byte."""
+    from torch._inductor import ir
+    from torch._inductor.codegen.common import KernelArgs
+    from torch._inductor.scheduler import (ExternKernelSchedulerNode, FusedSchedulerNode, NopKernelSchedulerNode,
+                                           SchedulerNode)
+    from torch._inductor.utils import get_dtype_size
+    from torch._inductor.virtualized import V
+    from torch.utils._ordered_set import OrderedSet
+
+    graph = V.graph
+    sched, wrapper = graph.scheduler, graph.wrapper_code
+    outputs = OrderedSet(graph.get_output_names())
+
+    def nbytes(node) -> int:
+        return int(graph.sizevars.optimization_hint(graph.get_allocation_storage_size(node), fallback=0)
+                   ) * get_dtype_size(node.get_dtype())
+
+    def kernels(n):  # the kernels a scheduler node is generated as
+        return list(n.get_outer_nodes()) if hasattr(n, "get_outer_nodes") else [n]
+
+    removed: set[str] = set()
+    for n in sched.nodes:
+        if not isinstance(n, (ExternKernelSchedulerNode, NopKernelSchedulerNode)):
+            for kernel in kernels(n):
+                ops = OrderedSet(kernel.get_operation_names())
+                removed |= {b.get_name() for b in kernel.get_outputs() if b.get_name() not in outputs
+                            and sched.can_buffer_be_removed_through_fusion(b.get_name(), ops)}
+
+    def allocations(n) -> list[tuple[str, int]]:
+        out = []
+        for b in n.get_outputs():
+            node, spec = b.node, b.node.get_output_spec()
+            if b.get_name() in removed or isinstance(spec, ir.NoneLayout) or isinstance(node, ir.MultiOutput):
+                continue  # a MultiOutput is allocated by its fallback kernel, below
+            if isinstance(spec, ir.MultiOutputLayout):
+                out += [(c.get_name(), nbytes(c.node)) for u in b.users
+                        if isinstance(getattr(u.node, "node", None), ir.MultiOutput)
+                        for c in u.node.get_outputs() if not c.node.get_inputs_that_alias_output()]
+            elif not node.get_inputs_that_alias_output() and not node.get_mutation_names() and (
+                    node.should_allocate() or isinstance(node, ir.ExternKernelAlloc)):
+                out.append((b.get_name(), nbytes(node)))
+        return out
+
+    class _StandInKernel:  # what decide_inplace_update reads from V.kernel
+        def __init__(self):
+            self.args = KernelArgs()
+            self.inplace_update_buffers: dict[str, str] = {}
+
+    size = {name: nbytes(inp.data.data if isinstance(inp.data, ir.StorageBox) else inp.data)
+            for name, inp in graph.graph_inputs.items() if isinstance(inp, ir.TensorBox)}
+    freeable = {name for name in size if kept_inputs is not None and name not in kept_inputs}
+    alive: set[str] = set()
+    pending: set[str] = set()
+    in_place: dict[str, str] = {}
+    live = peak = 0
+    freed_before, completed_before = set(wrapper.freed), OrderedSet(sched.completed_operations)
+
+    def flush():
+        nonlocal live
+        for name in sorted(pending):
+            if name in alive:
+                alive.discard(name)
+                live -= size[name]
+            elif name in freeable:
+                freeable.discard(name)
+                live -= size[name]
+            wrapper.freed.add(name)
+        pending.clear()
+
+    try:
+        for n in sched.nodes:
+            extern = isinstance(n, ExternKernelSchedulerNode)
+            if extern:
+                flush()
+            pending.update(n.last_usage)
+            decided: dict[str, str] = {}
+            if isinstance(n, (SchedulerNode, FusedSchedulerNode)):
+                for kernel in kernels(n):  # one kernel handler per generated kernel, as CppKernelProxy
+                    stand_in = _StandInKernel()
+                    with V.set_kernel_handler(stand_in):
+                        for sn in kernel.get_nodes():
+                            sn.decide_inplace_update()
+                    decided.update(stand_in.inplace_update_buffers)
+            for name, nb in allocations(n):
+                source = decided.get(name)
+                if source is not None and source not in removed:  # `bufN = bufM; del bufM  # reuse`
+                    in_place[name] = source
+                    wrapper.freed.add(source)
+                    size[name] = size.get(source, 0) if source in alive or source in freeable else 0
+                    alive.discard(source)
+                    freeable.discard(source)
+                    alive.add(name)
+                    continue
+                size[name] = nb
+                alive.add(name)
+                live += nb
+            peak = max(peak, live)
+            if extern:
+                flush()
+            sched.completed_operations.update(n.get_operation_names())
+        flush()
+    finally:  # the decisions above mark buffers freed and operations completed: as they were
+        wrapper.freed.clear()
+        wrapper.freed.update(freed_before)
+        sched.completed_operations.clear()
+        sched.completed_operations.update(completed_before)
+    return InductorMemory(peak, live, tuple(sorted(removed)), tuple(sorted(in_place.items())))
