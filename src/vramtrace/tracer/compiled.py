@@ -27,8 +27,10 @@ flushed between kernels). Checked against the real compiled step's allocations p
 (benchmarks/bench_compile_graphs.py). CUDA's code generation differs (Triton kernels, a flush per kernel): not
 modelled.
 
-What it leaves behind: dynamo's cache entries for the copy's forward functions (one per compiled frame; they
-fail their guards for any other module); Inductor's FX-graph and AOTAutograd caches are off while it runs.
+What it leaves behind: nothing it compiled. Dynamo's cache entries for the functions it compiled first here are
+dropped after the capture (`torch._C._dynamo.eval_frame.reset_code`, what `torch._dynamo.reset_code_caches` runs
+for every code); a function the process had compiled before keeps its entries and one more, which fails its guards
+for any other module. Inductor's FX-graph and AOTAutograd caches are off while it runs.
 """
 
 from __future__ import annotations
@@ -133,6 +135,7 @@ def capture(model: torch.nn.Module, kwargs: dict[str, Any], autocast_dtype: torc
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     twin = copy.deepcopy(model)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_forget_new_compiled_code())
         stack.enter_context(inductor_config.patch(fx_graph_cache=False))  # the kept graphs are not serializable
         stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
         stack.enter_context(fake_mode)
@@ -149,6 +152,26 @@ def capture(model: torch.nn.Module, kwargs: dict[str, Any], autocast_dtype: torc
         loss = out[loss_key] if isinstance(out, dict) or hasattr(out, "keys") else out
         loss.backward()
     return kept
+
+
+@contextlib.contextmanager
+def _forget_new_compiled_code():
+    """On exit, dynamo's cache entries of the code objects it compiled first inside are dropped (the trackers
+    torch/_dynamo/convert_frame.py `input_codes` and `output_codes`; torch/_dynamo/__init__.py
+    `reset_code_caches`), so the capture's compiled twin holds no cache slot of those functions."""
+    from torch._C._dynamo.eval_frame import reset_code
+    from torch._dynamo import convert_frame
+
+    trackers = (convert_frame.input_codes, convert_frame.output_codes)
+    before = set().union(*(t.seen_ids for t in trackers))
+    try:
+        yield
+    finally:
+        with convert_frame.compile_lock:
+            for ref in [r for t in trackers for r in t.seen]:
+                code = ref()
+                if code is not None and id(code) not in before:
+                    reset_code(code)
 
 
 def _storage(node):
