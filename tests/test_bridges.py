@@ -68,9 +68,11 @@ def test_every_target_is_patched_while_installed_and_restored_after_an_error():
     for b in bridges.BRIDGES:
         # patched on the model instance (see test below), or per call from the kernel policy
         # (generation_questions: patched while a generation is traced, tests/test_generate.py; fsdp_on_meta:
-        # while FSDP2 is applied and a sharded step traced, the test below; ddp_on_meta: on one DDP object)
+        # while FSDP2 is applied and a sharded step traced, the test below; ddp_on_meta: on one DDP object;
+        # inductor_graphs: names read, never patched)
         if b not in (bridges.CHECKPOINT_FUNCTION, bridges.FUNCTIONAL_TORCH_FUNCTION_CHECK,
-                     bridges.GENERATION_QUESTIONS, bridges.FSDP_ON_META, bridges.DDP_ON_META):
+                     bridges.GENERATION_QUESTIONS, bridges.FSDP_ON_META, bridges.DDP_ON_META,
+                     bridges.INDUCTOR_GRAPHS):
             assert (b.targets[0]) in patched, b.name
     assert all(k in patched for k in before if k[1] == "maybe_autocast")  # every module's binding
     after = _targets()
@@ -113,6 +115,11 @@ def test_a_missing_target_is_a_bridge_error_and_nothing_is_patched(monkeypatch, 
     elif bridge is bridges.DDP_ON_META:  # applied to one DDP object
         with pytest.raises(BridgeError, match=name):
             bridges.ddp_on_meta(object())
+    elif bridge is bridges.INDUCTOR_GRAPHS:  # checked before a torch.compile graph capture
+        from vramtrace.tracer.compiled import capture
+
+        with pytest.raises(BridgeError, match=name):
+            capture(torch.nn.Linear(2, 2, device="meta"), {"input": torch.empty(1, 2, device="meta")})
     elif bridge is bridges.FSDP_ON_META:  # installed around fully_shard and a sharded step
         with pytest.raises(BridgeError, match=name):
             with bridges.fsdp_on_meta(StepRecorder()):

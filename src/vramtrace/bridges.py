@@ -210,11 +210,27 @@ INT8_MATMUL_DEVICE = Bridge(
     "warning at every call ('inputs will be cast to float16', true of the real step too) is silenced while tracing",
     when_absent="bitsandbytes (the optional extra [quant]) is not installed: no int8 layer to trace")
 
+_INDUCTOR = "torch._inductor."
+INDUCTOR_GRAPHS = Bridge(
+    "inductor_graphs", "torch",
+    (*((_INDUCTOR + "compile_fx", name) for name in (
+        "compile_fx", "_recursive_post_grad_passes", "_recursive_record_original_output_strides", "fake_tensor_prop",
+        "get_input_idxs_to_check", "maybe_disable_comprehensive_padding", "maybe_disable_graph_partition")),
+     (_INDUCTOR + "graph", "GraphLowering"), (_INDUCTOR + "output_code", "OutputCode"),
+     (_INDUCTOR + "fx_passes.post_grad", "view_to_reshape"),
+     (_INDUCTOR + "scheduler", "Scheduler.can_buffer_be_removed_through_fusion"),
+     (_INDUCTOR + "scheduler", "BaseSchedulerNode.decide_inplace_update"),
+     ("torch._C._dynamo.eval_frame", "reset_code")), TORCH_WRITTEN_FOR,
+    "not a patch: the private names tracer/compiled.py `capture` calls to run Inductor's own compile_fx with its "
+    "per-graph code generation replaced (`inner_compile`), lower and schedule each graph as "
+    "`_InProcessFxCompile.codegen_and_compile` does, read the CPU allocations off the scheduler, and drop "
+    "dynamo's cache entries of what it compiled; checked before a capture starts")
+
 BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_CHECK, PADDING_MASK_CHECK,
                                PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION, MHA_FAST_PATH,
                                FUNCTIONAL_TORCH_FUNCTION_CHECK, GRAD_SCALER_FOUND_INF, CLIP_GRAD_FOREACH,
                                FUSED_OPTIMIZER_DEVICES, ADAFACTOR_SCALARS, GENERATION_QUESTIONS, FSDP_ON_META,
-                               DDP_ON_META, BNB_OPTIMIZER_STATE, INT8_MATMUL_DEVICE)
+                               DDP_ON_META, BNB_OPTIMIZER_STATE, INT8_MATMUL_DEVICE, INDUCTOR_GRAPHS)
 
 
 def _installed_version(library: str) -> str:

@@ -89,7 +89,11 @@ def capture(model: torch.nn.Module, kwargs: dict[str, Any], autocast_dtype: torc
     compiled); `kwargs` hold meta tensors (or plain values; one tensor passed twice stays one input, as dynamo
     sees it); `autocast_dtype`: the CPU autocast of a mixed-precision step; `outputs_held`: whether the caller
     holds the model's outputs through the backward (then a saved tensor that is also an output, the logits or the
-    KV cache, is not freed by the backward). Raises torch's errors when dynamo or Inductor cannot compile it."""
+    KV cache, is not freed by the backward). Raises BridgeError when a private Inductor name it uses is gone
+    (`bridges.INDUCTOR_GRAPHS`), torch's errors when dynamo or Inductor cannot compile the model."""
+    from .. import bridges
+
+    bridges.resolve(bridges.INDUCTOR_GRAPHS)
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.output_code import OutputCode
