@@ -33,7 +33,8 @@ class GraphMemory:
     output_bytes: int
 
 
-def _storage(node: fx.Node):
+def storage_key(node: fx.Node):
+    """The storage of a node's `meta["val"]` as a hashable key (views share their base's); None without a tensor."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return StorageWeakRef(val.untyped_storage()) if isinstance(val, torch.Tensor) else None
 
@@ -46,32 +47,32 @@ def graph_memory(gm: fx.GraphModule, kept_inputs: set[int] | None = None) -> Gra
     storage (keyed by `StorageWeakRef`); a node without a tensor `meta["val"]` holds nothing."""
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
-    inputs = {_storage(n) for n in placeholders} - {None}
-    kept = inputs if kept_inputs is None else {_storage(n) for i, n in enumerate(placeholders) if i in kept_inputs}
+    inputs = {storage_key(n) for n in placeholders} - {None}
+    kept = inputs if kept_inputs is None else {storage_key(n) for i, n in enumerate(placeholders) if i in kept_inputs}
     freeable = inputs - kept  # an input storage also held as a kept input (a view of a parameter) stays
     size: dict = {}
     last: dict = {}
     for i, n in enumerate(nodes):
-        key = _storage(n)
+        key = storage_key(n)
         if key is not None:
             size.setdefault(key, n.meta["val"].untyped_storage().nbytes())
         for a in n.all_input_nodes:
-            k = _storage(a)
+            k = storage_key(a)
             if k is not None:
                 last[k] = i
     output = next(n for n in reversed(nodes) if n.op == "output")
-    outs = {_storage(a) for a in output.all_input_nodes} - {None}
+    outs = {storage_key(a) for a in output.all_input_nodes} - {None}
     # an input no node reads is released when the graph starts (the boxed call clears its argument list)
     live = -sum(size.get(k, 0) for k in freeable if k not in last and k not in outs)
     peak = 0
     born: set = set()
     for i, n in enumerate(nodes):
-        key = _storage(n)
+        key = storage_key(n)
         if n.op == "call_function" and key is not None and key not in inputs and key not in born:
             born.add(key)
             live += size[key]
             peak = max(peak, live)
-        for key in {_storage(a) for a in n.all_input_nodes} - {None}:
+        for key in {storage_key(a) for a in n.all_input_nodes} - {None}:
             if last.get(key) == i and key not in outs and (key in born or key in freeable):
                 live -= size[key]
     return GraphMemory(peak, live, sum(size[k] for k in outs if k in born))

@@ -59,7 +59,8 @@ def apply_adapters(spec: RunSpec, model: torch.nn.Module, device: str) -> torch.
     if spec.quantization is not None:
         # QLoRA: what `prepare_model_for_kbit_training` does to a quantized model before `get_peft_model`
         # (peft/utils/other.py): every parameter frozen, the unquantized fp16/bf16 ones (norms, embeddings,
-        # lm_head) cast to fp32. Its checkpointing default is not applied here: --checkpointing says it.
+        # lm_head) cast to fp32. Its checkpointing default is the spec's (spec.KBIT_TRAINING_CHECKPOINTING),
+        # applied with the other policies (checkpointing.apply_checkpointing).
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)

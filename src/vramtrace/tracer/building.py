@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import io
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 

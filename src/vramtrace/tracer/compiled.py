@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from ..analysis.graph_liveness import storage_key
+
 
 @dataclasses.dataclass(frozen=True)
 class InductorMemory:
@@ -178,22 +180,15 @@ def _forget_new_compiled_code():
                     reset_code(code)
 
 
-def _storage(node):
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return StorageWeakRef(val.untyped_storage()) if isinstance(val, torch.Tensor) else None
-
-
 def _saved_outputs_held(gm: fx.GraphModule) -> tuple[set[str], set[str]]:
     """A forward graph's (saved tensors whose storage is also a user-visible output, every saved tensor), by node
     name (AOTAutograd marks the user outputs: the output node's `user_visible_output_idxs`)."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     args = output.args[0]
     visible = set(output.meta.get("user_visible_output_idxs", []))
-    users = {_storage(a) for i, a in enumerate(args) if i in visible} - {None}
+    users = {storage_key(a) for i, a in enumerate(args) if i in visible} - {None}
     saved = [a for i, a in enumerate(args) if i not in visible and isinstance(a, fx.Node)]
-    return {a.name for a in saved if _storage(a) in users}, {a.name for a in saved}
+    return {a.name for a in saved if storage_key(a) in users}, {a.name for a in saved}
 
 
 def _outliving_inputs(gm: fx.GraphModule, held: tuple[set[str], set[str]]) -> set[str]:

@@ -105,7 +105,7 @@ def _no_outlier_quant(A, threshold=0.0):
 
 def _no_outlier_double_quant(A, threshold=0.0):
     """bitsandbytes::int8_double_quant for meta inputs, with no outlier column."""
-    out_row, row_stats, outliers = _no_outlier_quant(A, threshold)
+    out_row, row_stats, _ = _no_outlier_quant(A, threshold)
     col_stats = torch.empty(A.shape[-1], device=A.device, dtype=torch.float32)
     return out_row, torch.empty_like(out_row), row_stats, col_stats, A.new_empty(0, dtype=torch.int64)
 
@@ -178,18 +178,16 @@ def quantize(model: torch.nn.Module, spec: RunSpec, weight_dtype: torch.dtype) -
 def _quantize_weights(bnb, model: torch.nn.Module, weight_dtype: torch.dtype) -> None:
     meta = torch.device("meta")
     for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            old = module.weight
-            value = torch.empty(module.out_features, module.in_features, dtype=weight_dtype, device=meta)
-            weight = bnb.nn.Params4bit(value, requires_grad=False, **old.__dict__)
-            module.weight = weight._quantize(meta)  # what `.to(device)` runs for a real device
-        elif isinstance(module, bnb.nn.Linear8bitLt):
-            kwargs = dict(module.weight.__dict__)
-            kwargs.pop("SCB", None)  # as Bnb8bitQuantize.convert
-            value = torch.empty(module.out_features, module.in_features, dtype=weight_dtype, device=meta)
-            module.weight = bnb.nn.Int8Params(value, requires_grad=False, **kwargs)._quantize(meta)
-        else:
+        if not isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)):
             continue
+        value = torch.empty(module.out_features, module.in_features, dtype=weight_dtype, device=meta)
+        kwargs = dict(module.weight.__dict__)
+        if isinstance(module, bnb.nn.Linear4bit):
+            weight = bnb.nn.Params4bit(value, requires_grad=False, **kwargs)
+        else:
+            kwargs.pop("SCB", None)  # as Bnb8bitQuantize.convert
+            weight = bnb.nn.Int8Params(value, requires_grad=False, **kwargs)
+        module.weight = weight._quantize(meta)  # what `.to(device)` runs for a real device
         if module.bias is not None:
             # the new layer's bias is made fp32 and frozen; the loader sets the checkpoint's bias in `dtype`, as a
             # Parameter that requires grad (floating point: transformers/modeling_utils.py)
