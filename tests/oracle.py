@@ -405,6 +405,9 @@ class RealStep:
             apply_checkpointing(model, checkpointing)
         if wrap is not None:  # the parallelism (FSDP2 / DDP) wraps the model before the optimizer sees it
             model = wrap(model)
+        self.compiled = bool(getattr(spec, "compile", False))
+        if self.compiled:  # `model = torch.compile(model)` (Inductor, default mode), as HF Trainer's torch_compile
+            model = torch.compile(model)
         self.model = model
         params = [p for p in model.parameters() if p.requires_grad]
         self.opt = make_optimizer(_v(spec.optimizer), _v(spec.optimizer_impl), params) if self.train else None
@@ -537,6 +540,10 @@ def _measure_step(step: RealStep) -> int:
         # the step keeps.
         with torch.no_grad(), step._autocast():
             step.model(*step.args, **step.kwargs)
+    if step.compiled:
+        # torch.compile compiles in the first step; its fake-tensor tracing under the profiler would record millions
+        # of events. One step first: the optimizer state it creates is alive at start, counted below.
+        step.run()
     start = storage_bytes(_local(t) for t in step.alive_at_start())
     with _quiet_fd2(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                               profile_memory=True) as prof:

@@ -534,6 +534,8 @@ class RunSpec:
         rank r // tp and TP rank r % tp); None: every distinct rank class (`analyze`).
     ddp: N ranks of PyTorch's DistributedDataParallel (its defaults: 25 MiB gradient buckets, buffers broadcast
         each forward; `tracer/sharding.py`), batch being the per-rank micro-batch; None: one device.
+    compile: the model is `torch.compile(model)` (Inductor, its default mode; the optimizer eager): the step's
+        graphs as Inductor compiles them (`tracer/compiled_step.py`); a CPU target's training step only.
     """
 
     model: str
@@ -584,6 +586,7 @@ class RunSpec:
     cpu_offload: bool = False
     fsdp_plan: FsdpPlan = FsdpPlan.LAYERS
     rank: int | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq", "lora_rank", "image_size", "choices", "grad_accum", "new_tokens",

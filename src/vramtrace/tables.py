@@ -59,7 +59,12 @@ def step_tables(spec: RunSpec, loaded, progress: Callable[[str], None] | None = 
     what `trace_step` raises."""
     from .tracer.trace import trace_step
 
-    traced = trace_step(spec, loaded, progress=progress)
+    if spec.compile:
+        from .tracer.compiled_step import trace_compiled
+
+        traced = trace_compiled(spec, loaded, progress)
+    else:
+        traced = trace_step(spec, loaded, progress=progress)
     loop = spec.loop.value if spec.step is None else "trainer"  # a --step function is traced as written
     table = storage_table(traced.ops, traced.storages, traced.marks, loop)
     if spec.device is not Device.CUDA:

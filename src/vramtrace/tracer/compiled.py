@@ -38,12 +38,25 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from typing import Any
+import re
+from typing import Any, Callable
 
 import torch
 from torch import fx
 
 from ..analysis.graph_liveness import storage_key
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphProgram:
+    """What one graph's generated code allocates and frees, in order, for `run_program` to repeat: `inputs` the
+    graph's input names; `events` ("alloc", buffer, numel, dtype, module path) | ("reuse", buffer, the dying buffer
+    or input whose storage it takes over) | ("free", buffer or input: the code drops its reference); `outputs` per
+    output (`_output_specs`)."""
+
+    inputs: tuple[str, ...]
+    events: tuple[tuple, ...]
+    outputs: tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +69,7 @@ class InductorMemory:
     end_bytes: int
     removed: tuple[str, ...]
     in_place: tuple[tuple[str, str], ...]
+    program: GraphProgram | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +105,40 @@ def capture(model: torch.nn.Module, kwargs: dict[str, Any], autocast_dtype: torc
     compiled); `kwargs` hold meta tensors (or plain values; one tensor passed twice stays one input, as dynamo
     sees it); `autocast_dtype`: the CPU autocast of a mixed-precision step; `outputs_held`: whether the caller
     holds the model's outputs through the backward (then a saved tensor that is also an output, the logits or the
-    KV cache, is not freed by the backward). Raises BridgeError when a private Inductor name it uses is gone
-    (`bridges.INDUCTOR_GRAPHS`), torch's errors when dynamo or Inductor cannot compile the model."""
+    KV cache, is not freed by the backward). Raises what `compiled_twin` raises."""
+    def loss_of(out):
+        return out[loss_key] if isinstance(out, dict) or hasattr(out, "keys") else out
+
+    with compiled_twin(model, (), kwargs, loss_of, autocast_dtype, outputs_held=outputs_held) as twin:
+        return twin.graphs
+
+
+@dataclasses.dataclass
+class CompiledTwin:
+    """A fake-tensor copy of a meta model, compiled, with its graphs compiled (one forward and backward ran):
+    `module` the `torch.compile` wrapper to call, `twin` the module it wraps (its parameters are what an optimizer
+    steps), `args`/`kwargs` the fake inputs, `graphs` what Inductor compiled (in the order it compiled them). Each
+    compiled graph, when called, repeats its generated code's allocations and frees (`run_program`) and calls
+    `on_alloc(tensor, module path, buffer name)` for each allocation when set."""
+
+    module: torch.nn.Module
+    twin: torch.nn.Module
+    args: tuple
+    kwargs: dict
+    graphs: list[CapturedGraph]
+    on_alloc: Callable[[torch.Tensor, str, str], None] | None = None
+
+
+@contextlib.contextmanager
+def compiled_twin(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
+                  loss_of: Callable[[Any], torch.Tensor], autocast_dtype: torch.dtype | None = None, *,
+                  prepare: Callable[[torch.nn.Module], None] | None = None, outputs_held: bool = False):
+    """Inside: a `CompiledTwin` of `model` (built on meta, left as it is), with the fake-tensor mode it lives in
+    entered. `prepare(twin)` runs on the materialized copy before it is compiled (activation checkpointing). One
+    training forward (`loss_of(module(*args, **kwargs))`, under the CPU autocast of `autocast_dtype` when given)
+    and backward run on fake inputs to compile the graphs; the gradients they leave are set to None. Raises
+    BridgeError when a private Inductor name it uses is gone (`bridges.INDUCTOR_GRAPHS`), torch's errors when
+    dynamo or Inductor cannot compile the model."""
     from .. import bridges
 
     bridges.resolve(bridges.INDUCTOR_GRAPHS)
@@ -103,18 +149,17 @@ def capture(model: torch.nn.Module, kwargs: dict[str, Any], autocast_dtype: torc
 
     kept: list[CapturedGraph] = []
     held_by_caller: list[tuple[set[str], set[str]]] = []  # per forward graph: (saved outputs the caller holds, saved)
+    result: list[CompiledTwin] = []
 
     @dataclasses.dataclass
-    class _Interpreted(OutputCode):  # what the compiled step calls in place of Inductor's generated code
-        gm: fx.GraphModule | None = None
+    class _Allocating(OutputCode):  # what the compiled step calls in place of Inductor's generated code
+        program: GraphProgram | None = None
 
         def __post_init__(self):
             self._boxed_call = True
 
         def __call__(self, inputs):
-            args = list(inputs)
-            inputs.clear()
-            return fx.Interpreter(self.gm).run(*args)
+            return run_program(self.program, inputs, result[0].on_alloc if result else None)
 
         def post_compile(self, *args, **kwargs):
             pass
@@ -133,7 +178,7 @@ def capture(model: torch.nn.Module, kwargs: dict[str, Any], autocast_dtype: torc
             memory = _cpu_allocations(None if kind != "backward" else _outliving_inputs(
                 gm, held_by_caller[-1] if held_by_caller and outputs_held else (set(), set())))
         kept.append(CapturedGraph(kind, gm, tuple(kw.get("static_input_idxs") or ()), memory))
-        return _Interpreted(gm=gm)
+        return _Allocating(program=memory.program)
 
     def backend(gm, example_inputs):
         return compile_fx(gm, example_inputs, inner_compile=_keep_graph)
@@ -148,16 +193,69 @@ def capture(model: torch.nn.Module, kwargs: dict[str, Any], autocast_dtype: torc
         twin.to_empty(device="cpu")
         if hasattr(twin, "tie_weights"):  # to_empty unties transformers' tied embeddings
             twin.tie_weights()
+        if prepare is not None:
+            prepare(twin)
         fakes: dict[int, torch.Tensor] = {}  # one fake per tensor (input_ids passed as labels too)
-        fake_kwargs = {k: fakes.setdefault(id(v), torch.empty_like(v, device="cpu"))
-                       if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+        def fake(v):
+            return fakes.setdefault(id(v), torch.empty_like(v, device="cpu")) if isinstance(v, torch.Tensor) else v
+
+        fake_args, fake_kwargs = tuple(fake(v) for v in args), {k: fake(v) for k, v in kwargs.items()}
         compiled = torch.compile(twin, backend=backend)
         autocast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
         with autocast:
-            out = compiled(**fake_kwargs)
-        loss = out[loss_key] if isinstance(out, dict) or hasattr(out, "keys") else out
+            loss = loss_of(compiled(*fake_args, **fake_kwargs))
         loss.backward()
-    return kept
+        del loss
+        for p in twin.parameters():
+            p.grad = None
+        result.append(CompiledTwin(compiled, twin, fake_args, fake_kwargs, kept))
+        yield result[0]
+
+
+def run_program(program: GraphProgram, inputs: list, on_alloc: Callable | None = None) -> list:
+    """Run one compiled graph's allocations and frees (`GraphProgram`) on `inputs` (a list the call empties, as
+    Inductor's generated code clears its argument list) and return its outputs: tensors of each output's size,
+    stride and dtype over the storage of the buffer or input it views. `on_alloc(tensor, module, buffer)` is called
+    after each allocation. No values are computed (the inputs are fake tensors)."""
+    args = list(inputs)
+    inputs.clear()
+    index = {name: i for i, name in enumerate(program.inputs)}
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    bufs: dict[str, torch.Tensor] = {}
+    for event in program.events:
+        if event[0] == "alloc":
+            _, name, numel, dtype, module = event
+            bufs[name] = torch.empty((numel,), dtype=dtype, device=device)
+            if on_alloc is not None:
+                on_alloc(bufs[name], module, name)
+        elif event[0] == "reuse":  # the output takes over the dying buffer's storage
+            _, name, source = event
+            if source in bufs:
+                bufs[name] = bufs.pop(source)
+            elif source in index:
+                bufs[name], args[index[source]] = args[index[source]], None
+        else:
+            if event[1] in bufs:
+                del bufs[event[1]]
+            elif event[1] in index:
+                args[index[event[1]]] = None
+    outputs = []
+    for spec in program.outputs:
+        if not isinstance(spec, tuple):
+            outputs.append(spec)
+            continue
+        name, size, stride, offset, dtype = spec
+        base = bufs.get(name)
+        if base is None and name in index:
+            base = args[index[name]]
+        if base is None:
+            raise RuntimeError(f"compiled graph output {name} has no buffer or input")
+        if base.dtype != dtype:
+            base = base.detach().view(torch.uint8).view(dtype) if base.is_contiguous() else base.view(dtype)
+        outputs.append(torch.as_strided(base, size, stride, offset))
+    del args, bufs
+    return outputs
 
 
 @contextlib.contextmanager
@@ -299,12 +397,12 @@ def _cpu_allocations(kept_inputs: set[str] | None) -> InductorMemory:
             if b.get_name() in removed or isinstance(spec, ir.NoneLayout) or isinstance(node, ir.MultiOutput):
                 continue  # a MultiOutput is allocated by its fallback kernel, below
             if isinstance(spec, ir.MultiOutputLayout):
-                out += [(c.get_name(), nbytes(c.node)) for u in b.users
+                out += [(c.get_name(), nbytes(c.node), c.node.get_dtype()) for u in b.users
                         if isinstance(getattr(u.node, "node", None), ir.MultiOutput)
                         for c in u.node.get_outputs() if not c.node.get_inputs_that_alias_output()]
             elif not node.get_inputs_that_alias_output() and not node.get_mutation_names() and (
                     node.should_allocate() or isinstance(node, ir.ExternKernelAlloc)):
-                out.append((b.get_name(), nbytes(node)))
+                out.append((b.get_name(), nbytes(node), node.get_dtype()))
         return out
 
     class _StandInKernel:  # what decide_inplace_update reads from V.kernel
@@ -321,9 +419,13 @@ def _cpu_allocations(kept_inputs: set[str] | None) -> InductorMemory:
     live = peak = 0
     freed_before, completed_before = set(wrapper.freed), OrderedSet(sched.completed_operations)
 
+    events: list[tuple] = []
+
     def flush():
         nonlocal live
         for name in sorted(pending):
+            if name in alive or name in size:
+                events.append(("free", name))
             if name in alive:
                 alive.discard(name)
                 live -= size[name]
@@ -347,10 +449,11 @@ def _cpu_allocations(kept_inputs: set[str] | None) -> InductorMemory:
                         for sn in kernel.get_nodes():
                             sn.decide_inplace_update()
                     decided.update(stand_in.inplace_update_buffers)
-            for name, nb in allocations(n):
+            for name, nb, dtype in allocations(n):
                 source = decided.get(name)
                 if source is not None and source not in removed:  # `bufN = bufM; del bufM  # reuse`
                     in_place[name] = source
+                    events.append(("reuse", name, source))
                     wrapper.freed.add(source)
                     size[name] = size.get(source, 0) if source in alive or source in freeable else 0
                     alive.discard(source)
@@ -360,6 +463,7 @@ def _cpu_allocations(kept_inputs: set[str] | None) -> InductorMemory:
                 size[name] = nb
                 alive.add(name)
                 live += nb
+                events.append(("alloc", name, nb // get_dtype_size(dtype), dtype, _module_of(n)))
             peak = max(peak, live)
             if extern:
                 flush()
@@ -370,4 +474,46 @@ def _cpu_allocations(kept_inputs: set[str] | None) -> InductorMemory:
         wrapper.freed.update(freed_before)
         sched.completed_operations.clear()
         sched.completed_operations.update(completed_before)
-    return InductorMemory(peak, live, tuple(sorted(removed)), tuple(sorted(in_place.items())))
+    program = GraphProgram(tuple(graph.graph_input_names), tuple(events), _output_specs(graph))
+    return InductorMemory(peak, live, tuple(sorted(removed)), tuple(sorted(in_place.items())), program)
+
+
+def _output_specs(graph) -> tuple:
+    """Per output of the lowered `graph`: None, a plain value, or (the buffer or input whose storage it views,
+    size, stride, storage offset, dtype) from the FX output node's `meta["val"]`. A view kernel's output
+    (`get_inputs_that_alias_output`) is followed to the buffer it aliases."""
+    from torch._inductor import ir
+
+    output = next(n for n in reversed(graph.module.graph.nodes) if n.op == "output")
+    specs = []
+    for arg, value in zip(output.args[0], graph.graph_outputs):
+        val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+        if not isinstance(val, torch.Tensor):
+            specs.append(None if arg is None or isinstance(arg, fx.Node) else arg)
+            continue
+        node = value
+        while isinstance(node, (ir.TensorBox, ir.StorageBox, ir.ReinterpretView)):
+            node = node.data
+        name = node.get_name()
+        while name in graph.name_to_buffer and graph.name_to_buffer[name].get_inputs_that_alias_output():
+            name = graph.name_to_buffer[name].get_inputs_that_alias_output()[0]
+        specs.append((name, tuple(int(d) for d in val.shape), tuple(int(d) for d in val.stride()),
+                      int(val.storage_offset()), val.dtype))
+    return tuple(specs)
+
+
+def _module_of(snode) -> str:
+    """The module path (as `named_modules` writes it) of the first FX node a scheduler node was lowered from that
+    records one: dynamo's `nn_module_stack` (the forward's nodes) or `fwd_nn_module_stack` (the backward's)."""
+    for sn in snode.get_nodes():
+        for origin in getattr(sn.node, "origins", ()):
+            stack = origin.meta.get("nn_module_stack") or origin.meta.get("fwd_nn_module_stack")
+            if stack:
+                return module_path(list(stack.values())[-1][0])
+    return ""
+
+
+def module_path(dynamo_name: str) -> str:
+    """"L['self'].transformer.h[0].attn" (dynamo's source name of a submodule) -> "transformer.h.0.attn"."""
+    path = re.sub(r"^L\['self'\]\.?", "", dynamo_name)
+    return re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path).lstrip(".")

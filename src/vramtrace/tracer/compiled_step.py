@@ -1,0 +1,134 @@
+"""Trace the training step of `torch.compile(model)` (`--compile`, issue 17): the step runner's loop (`step.py`) run
+on a compiled fake-tensor copy of the model (`compiled.compiled_twin`), under the recorder.
+
+What runs, and what the recorder sees:
+- dynamo's compiled code and AOTAutograd's runtime wrappers run for real (on fake tensors claiming the CPU): the
+  eager code between graphs (after a graph break), the tangents AOTAutograd allocates for outputs that get no
+  gradient, the saved tensors it hands to autograd (`ctx.save_for_backward`, seen by the saved-tensor hook) and
+  clears before calling the backward graph with `steal_args=True`;
+- each compiled graph is not interpreted node by node: it repeats what Inductor's generated CPU code allocates and
+  frees, as read off Inductor's scheduler (`compiled.run_program`, `compiled._cpu_allocations`): fused buffers never
+  exist, in-place outputs take over a dying buffer, frees come at the kernel group's flushes;
+- the loss outside the model, the loop (`--loop`, gradient accumulation) and the optimizer (eager) run as the
+  eager trace runs them.
+
+So the references that keep a tensor alive are the real ones: a saved tensor that is also an output the loop holds
+outlives the backward's `del`, as it does in a real compiled step.
+
+Limits: the graphs are Inductor's CPU graphs (a CPU-only torch cannot make fake CUDA tensors), so only the CPU target
+is traced; every layer is traced (no layer replication); the CPU kernels' workspaces inside the compiled graphs are
+not measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+from ..analysis.categories import Category
+from ..errors import TraceError, UsageError, VramtraceError
+from ..spec import Device, Mode, RunSpec
+from .building import LoadedModel, quiet_transformers_logs
+from .checkpointing import apply_checkpointing, layer_stack
+from .compiled import compiled_twin
+from .kernels import KernelPolicyMode
+from .optim import make_optimizer
+from .records import OpInfo, Phase
+from .recorder import StepRecorder
+from .step import StepContext, run_training
+from .trace import TracedGraph, _optimizer_hooks, _tag_gradients, _TraceObserver
+
+
+def check_compilable(spec: RunSpec) -> None:
+    """Raise UsageError for a `--compile` run this tracer cannot model (one line: what, and what to do)."""
+    if spec.device is not Device.CPU:
+        raise UsageError("--compile is traced for --device cpu only: Inductor's CUDA graphs (Triton kernels, the "
+                         "flash or memory-efficient SDPA) cannot be captured on a CPU-only torch; add --device cpu")
+    if spec.mode is not Mode.TRAIN:
+        raise UsageError("--compile models a training step; drop --compile for --mode inference or generate")
+    for flag, value in (("--fsdp", spec.fsdp), ("--tp", spec.tp), ("--ddp", spec.ddp),
+                        ("--quantization", spec.quantization), ("--step", spec.step)):
+        if value is not None:
+            raise UsageError(f"--compile with {flag} is not traced yet; drop one of the two")
+
+
+def trace_compiled(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], None] | None = None) -> TracedGraph:
+    """Record `steps` optimizer steps of `spec`'s loop on `torch.compile(loaded.model)` (Inductor, default mode).
+    Raises UsageError (`check_compilable`), TraceError when dynamo or Inductor fails on the model."""
+    check_compilable(spec)
+    say = progress or (lambda _msg: None)
+    model = loaded.model
+
+    def prepare(twin: torch.nn.Module) -> None:
+        apply_checkpointing(twin, spec.checkpointing, None, layer_stack(twin))
+
+    say("compiling the model (dynamo, AOTAutograd's partitioner, Inductor's scheduler; no code generated)")
+    try:
+        with quiet_transformers_logs(), compiled_twin(model, loaded.args, loaded.inputs, loaded.loss,
+                                                      loaded.compute_dtype, prepare=prepare) as twin:
+            rec, obs, optimizer = _record(spec, loaded, twin, say)
+    except VramtraceError:
+        raise
+    except Exception as e:
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TraceError(f"torch.compile failed on the model: {type(e).__name__}: {text}") from e
+    ops = rec.ops
+    return TracedGraph(
+        ops=tuple(OpInfo(o.index, o.name, o.phase, o.module, o.ins, o.outs, o.flops, o.recompute, o.step, o.micro,
+                         o.frees) for o in ops),
+        storages=tuple(rec.storages), marks=tuple(obs.marks), steps=max((o.step for o in ops), default=0) + 1,
+        counted_devices=("meta", "cpu"), sdpa_backends=(), has_optimizer=optimizer is not None,
+        trace_note=f"torch.compile: {len(twin.graphs)} graphs ({_kinds(twin.graphs)}), every layer traced",
+        unresolved=tuple(dict.fromkeys(rec.unresolved)))
+
+
+def _kinds(graphs) -> str:
+    forward = sum(g.kind == "forward" for g in graphs)
+    return f"{forward} forward, {len(graphs) - forward} backward"
+
+
+class CompiledStepRecorder(StepRecorder):
+    """The recorder, marked as a dispatch mode that torch.compile's own internals ignore
+    (torch/utils/_python_dispatch.py `TorchDispatchMode.ignore_compile_internals`): dynamo then runs the compiled
+    code under it (torch/_dynamo/convert_frame.py skips a frame, falling back to eager, while any other dispatch
+    mode is on the stack), and the mode sees the ops the compiled artifacts run."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+def _record(spec: RunSpec, loaded: LoadedModel, twin, say):
+    rec = CompiledStepRecorder()
+    rec.phase = Phase.STEP
+    rec.strict = spec.strict
+    model = twin.twin
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(spec, params)
+    for n, p in model.named_parameters():
+        rec.register_existing(p, Category.PARAMETER, n)
+    for n, b in model.named_buffers():
+        rec.register_existing(b, Category.INPUT, n)
+    for n, t in [*twin.kwargs.items(), *((f"args[{i}]", a) for i, a in enumerate(twin.args))]:
+        if isinstance(t, torch.Tensor):
+            rec.register_existing(t, Category.INPUT, n)
+
+    def on_alloc(t: torch.Tensor, module: str, buffer: str) -> None:
+        rec.describe(t, module, buffer)
+
+    twin.on_alloc = on_alloc
+    autocast = ((lambda: torch.autocast("cpu", dtype=loaded.compute_dtype)) if loaded.compute_dtype is not None
+                else contextlib.nullcontext)
+    ctx = StepContext(twin.module, twin.args, twin.kwargs, loaded.loss, optimizer, autocast)
+    policy = KernelPolicyMode(spec.device, spec.gpu_preset.sm, None)  # not entered: the observer's SDPA count
+    obs = _TraceObserver(rec, say, policy, None)
+    try:
+        with _optimizer_hooks(model, rec), torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, lambda t: t), rec:
+            run_training(ctx, spec, obs, literal=False)
+            _tag_gradients(model, rec)
+    finally:
+        twin.on_alloc = None
+        rec.detach()
+    return rec, obs, optimizer
