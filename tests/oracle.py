@@ -407,6 +407,7 @@ class RealStep:
             model = wrap(model)
         self.compiled = bool(getattr(spec, "compile", False))
         if self.compiled:  # `model = torch.compile(model)` (Inductor, default mode), as HF Trainer's torch_compile
+            torch._dynamo.reset()  # no earlier case's compiled code or recompile count
             model = torch.compile(model)
         self.model = model
         params = [p for p in model.parameters() if p.requires_grad]

@@ -46,6 +46,10 @@ def analyze(spec: RunSpec, progress: Callable[[str], None] | None = None, levers
                 ev.seed(traced_spec, outcome(tables, num_layers, cuda))
             budget = report.fit["capacity_bytes"] - report.fit.get("cuda_context_bytes", 0)
             report = replace(report, levers=find_levers(keep["spec"], ev, budget))
+    if spec.compile:
+        say("the same step without torch.compile")
+        report = replace(report, compiled=compile_summary(report, keep["traces"][keep["spec"]][0].traced.compiled,
+                                                          _analyze_one(replace(spec, compile=False), say)))
     if ckpt.kind == "none":
         return report
     from .tracer.checkpointing import paste_snippet  # imports torch: after the config is resolved
@@ -53,6 +57,20 @@ def analyze(spec: RunSpec, progress: Callable[[str], None] | None = None, levers
     say("the same step without checkpointing")
     base = _analyze_one(replace(spec, checkpointing="none"), say)
     return replace(report, checkpointing=checkpointing_summary(report, base, paste_snippet(ckpt)))
+
+
+def compile_summary(report, graphs: dict, eager) -> dict:
+    """The JSON `compiled` entry: the compiled step's `report` against the same step run eagerly (`eager`), with
+    `graphs` (`tracer.compiled_step.graphs_summary`: graph counts, the bytes the forward graphs save, the ops the
+    partitioner recomputes in the backward)."""
+    return {
+        "peak_allocated_bytes": report.peak_allocated_bytes,
+        "peak_allocated_bytes_eager": eager.peak_allocated_bytes,
+        "activation_bytes": report.activation_bytes,
+        "activation_bytes_eager": eager.activation_bytes,
+        "peak_phase_eager": eager.peak_phase,
+        **graphs,
+    }
 
 
 def checkpointing_summary(report, base, snippet: str) -> dict:
@@ -353,6 +371,7 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
         "inputs": [f"{n}={d}{list(s)}" for n, d, s in loaded.input_summary()] if loaded.task == "custom" else [],
         **step_summary(spec, loop_peaks, cache_off_peak), **sharding_summary(spec, rank_peaks, host_peak),
         "adapters": adapters_summary(spec), "image_size": loaded.image_size, **moe_summary(spec, loaded.model),
+        "compile": spec.compile,
     }
     if spec.mode is Mode.GENERATE:
         from .analysis.summary import generation_summary

@@ -117,6 +117,9 @@ def main_command(
     cpu_offload: bool = typer.Option(False, "--cpu-offload", help="--fsdp: FSDP2's CPUOffloadPolicy (sharded "
                                      "parameters, gradients and optimizer state in pinned host memory; the optimizer "
                                      "steps on the CPU)"),
+    compile_model: bool = typer.Option(False, "--compile", help="the model is torch.compile(model) (Inductor, default "
+                                       "mode; the optimizer eager): its graphs as Inductor compiles them, beside the "
+                                       "eager step; --device cpu training only"),
     fsdp_plan: str = typer.Option("layers", "--fsdp-plan", help="--fsdp: layers (fully_shard each layer, then the "
                                   "root: torchtitan, accelerate) | transformers (the model's own FSDP plan, as "
                                   "DistributedConfig(fsdp_size=N) applies it)"),
@@ -202,7 +205,8 @@ def main_command(
                                            if cuda_context is not None else None),
                        alloc_conf=alloc_conf, new_tokens=new_tokens, cache=cache, kv_dtype=kv_dtype,
                        fsdp=fsdp, reshard_after_forward=_bool_option(reshard_after_forward, "--reshard-after-forward"),
-                       rank=rank, ddp=ddp, tp=tp, fsdp_plan=fsdp_plan, cpu_offload=cpu_offload)
+                       rank=rank, ddp=ddp, tp=tp, fsdp_plan=fsdp_plan, cpu_offload=cpu_offload,
+                       compile=compile_model)
         err = Console(stderr=True)
         if fit_axis == "sweep":
             _sweep(spec, sweep_grid, headroom, json_path, quiet, err)

@@ -638,6 +638,7 @@ class RunSpec:
                                                     and self.clip_grad_norm > 0):
             raise UsageError(f"--clip-grad-norm must be a positive number, got {self.clip_grad_norm!r}")
         self._check_step_options()
+        self._check_compile()
         if self.checkpointing is None:  # not given: none, or for QLoRA peft's default
             kbit_lora = self.quantization is not None and self.lora_rank is not None and self.mode is Mode.TRAIN
             object.__setattr__(self, "checkpointing", KBIT_TRAINING_CHECKPOINTING if kbit_lora else "none")
@@ -778,6 +779,22 @@ class RunSpec:
         if self.mode is not Mode.INFERENCE or self.batch != 1 or self.seq is None or self.serve_requests > self.seq:
             raise UsageError("a serving profile run is one inference forward of batch 1 and at least as many "
                              "tokens as requests")
+
+    def _check_compile(self) -> None:
+        """--compile: what the compiled tracer (`tracer/compiled_step.py`) models, else a UsageError naming the
+        option to drop."""
+        if not self.compile:
+            return
+        if self.device is not Device.CPU:
+            raise UsageError("--compile is traced for --device cpu only: Inductor's CUDA graphs (Triton kernels, "
+                             "flash or memory-efficient SDPA) cannot be captured on a CPU-only torch; add --device cpu")
+        if self.mode is not Mode.TRAIN:
+            raise UsageError("--compile models a training step; drop --compile for --mode inference or generate")
+        for flag, value in (("--fsdp", self.fsdp), ("--tp", self.tp), ("--ddp", self.ddp),
+                            ("--quantization", self.quantization), ("--step", self.step),
+                            ("--lora-rank", self.lora_rank)):
+            if value is not None:
+                raise UsageError(f"--compile with {flag} is not traced yet; drop one of the two")
 
     def _check_step_options(self) -> None:
         """Raise UsageError for step options that would be silently ignored."""

@@ -73,6 +73,7 @@ class MemoryReport:
     unresolved: tuple[str, ...] = ()
     peak_micro_step: int = 0  # gradient accumulation: the micro-step (0-based) of the peak
     levers: dict[str, Any] | None = None  # when it does not fit: what makes it fit (vramtrace.levers.find_levers)
+    compiled: dict[str, Any] | None = None  # --compile: the compiled step against eager (vramtrace.compile_summary)
     schema_version: int = SCHEMA_VERSION
 
     @property

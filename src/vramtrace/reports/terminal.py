@@ -208,6 +208,7 @@ def render(report: MemoryReport, console: Console) -> None:
                     _shape(t.shape), t.dtype, format_bytes(t.bytes), str(t.birth), str(t.death))
     console.print(top)
 
+    _render_compiled(report, console)
     _render_checkpointing(report, console)
 
     if report.fit is not None:
@@ -237,6 +238,39 @@ def render(report: MemoryReport, console: Console) -> None:
 
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
+
+
+COMPILED_ROWS = 5  # recomputed ops listed
+
+
+def _render_compiled(report: MemoryReport, console: Console) -> None:
+    """--compile: the compiled step against the eager one, and what the partitioner recomputes."""
+    c = report.compiled
+    if c is None:
+        return
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    saved = c["peak_allocated_bytes_eager"] - c["peak_allocated_bytes"]
+    grid.add_row("peak allocated", f"{format_bytes(c['peak_allocated_bytes'])} compiled, "
+                                   f"{format_bytes(c['peak_allocated_bytes_eager'])} eager (peak in "
+                                   f"{c['peak_phase_eager']}): compile " + (f"saves {format_bytes(saved)}" if saved >= 0
+                                                                             else f"costs {format_bytes(-saved)}"))
+    grid.add_row("activations", f"{format_bytes(c['activation_bytes'])} at the end of the forward (eager: "
+                                f"{format_bytes(c['activation_bytes_eager'])}); the forward graphs save "
+                                f"{format_bytes(c['saved_bytes'])}")
+    grid.add_row("graphs", f"{c['forward_graphs']} forward, {c['backward_graphs']} backward"
+                           + (" (graph breaks: the code between them runs eagerly)" if c["forward_graphs"] > 1 else ""))
+    rows = c["recomputed"]
+    if rows:
+        shown = ", ".join(f"{escape(r['op'].removeprefix('aten.'))} ×{r['count']} in {escape(r['module'] or '(root)')}"
+                          for r in rows[:COMPILED_ROWS])
+        more = f" and {len(rows) - COMPILED_ROWS} more" if len(rows) > COMPILED_ROWS else ""
+        grid.add_row("recomputed", f"{sum(r['count'] for r in rows)} ops re-run in the backward by the partitioner "
+                                   f"(largest outputs first): {shown}{more}")
+    else:
+        grid.add_row("recomputed", "nothing: the partitioner saves every activation the backward reads")
+    console.print(Panel(grid, title="torch.compile (Inductor, CPU graphs)", border_style="blue"))
 
 
 def _render_checkpointing(report: MemoryReport, console: Console) -> None:

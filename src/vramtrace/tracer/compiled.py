@@ -50,9 +50,9 @@ from ..analysis.graph_liveness import storage_key
 @dataclasses.dataclass(frozen=True)
 class GraphProgram:
     """What one graph's generated code allocates and frees, in order, for `run_program` to repeat: `inputs` the
-    graph's input names; `events` ("alloc", buffer, numel, dtype, module path) | ("reuse", buffer, the dying buffer
-    or input whose storage it takes over) | ("free", buffer or input: the code drops its reference); `outputs` per
-    output (`_output_specs`)."""
+    graph's input names; `events` ("alloc", buffer, size, stride, dtype, module path, aten op) | ("reuse", buffer,
+    the dying buffer or input whose storage it takes over) | ("free", buffer or input: the code drops its
+    reference); `outputs` per output (`_output_specs`)."""
 
     inputs: tuple[str, ...]
     events: tuple[tuple, ...]
@@ -119,14 +119,15 @@ class CompiledTwin:
     `module` the `torch.compile` wrapper to call, `twin` the module it wraps (its parameters are what an optimizer
     steps), `args`/`kwargs` the fake inputs, `graphs` what Inductor compiled (in the order it compiled them). Each
     compiled graph, when called, repeats its generated code's allocations and frees (`run_program`) and calls
-    `on_alloc(tensor, module path, buffer name)` for each allocation when set."""
+    `on_alloc(tensor, module path, aten op)` for each allocation when set."""
 
     module: torch.nn.Module
     twin: torch.nn.Module
     args: tuple
     kwargs: dict
     graphs: list[CapturedGraph]
-    on_alloc: Callable[[torch.Tensor, str, str], None] | None = None
+    on_alloc: Callable[[torch.Tensor, str, str], None] | None = None  # (tensor, module path, aten op)
+    calls: int = 0  # compiled graphs called since the twin was made (dynamo may fall back to eager)
 
 
 @contextlib.contextmanager
@@ -159,6 +160,8 @@ def compiled_twin(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
             self._boxed_call = True
 
         def __call__(self, inputs):
+            if result:
+                result[0].calls += 1
             return run_program(self.program, inputs, result[0].on_alloc if result else None)
 
         def post_compile(self, *args, **kwargs):
@@ -172,10 +175,10 @@ def compiled_twin(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
 
     def _keep_graph(gm: fx.GraphModule, example_inputs, **kw):
         kind = "backward" if kw.get("is_backward") else "inference" if kw.get("is_inference") else "forward"
-        with _lower_and_schedule(gm, example_inputs, kw):  # runs Inductor's post-grad passes on gm first
+        with _lower_and_generate(gm, example_inputs, kw) as (graph, source):  # post-grad passes run on gm first
             if kind == "forward":
                 held_by_caller.append(_saved_outputs_held(gm))
-            memory = _cpu_allocations(None if kind != "backward" else _outliving_inputs(
+            memory = _cpu_allocations(graph, source, None if kind != "backward" else _outliving_inputs(
                 gm, held_by_caller[-1] if held_by_caller and outputs_held else (set(), set())))
         kept.append(CapturedGraph(kind, gm, tuple(kw.get("static_input_idxs") or ()), memory))
         return _Allocating(program=memory.program)
@@ -201,7 +204,8 @@ def compiled_twin(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
             return fakes.setdefault(id(v), torch.empty_like(v, device="cpu")) if isinstance(v, torch.Tensor) else v
 
         fake_args, fake_kwargs = tuple(fake(v) for v in args), {k: fake(v) for k, v in kwargs.items()}
-        compiled = torch.compile(twin, backend=backend)
+        # its own recompile bucket: no entry or recompile limit shared with the process's other compiles
+        compiled = torch.compile(twin, backend=backend, isolate_recompiles=True)
         autocast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
         with autocast:
             loss = loss_of(compiled(*fake_args, **fake_kwargs))
@@ -217,7 +221,7 @@ def run_program(program: GraphProgram, inputs: list, on_alloc: Callable | None =
     """Run one compiled graph's allocations and frees (`GraphProgram`) on `inputs` (a list the call empties, as
     Inductor's generated code clears its argument list) and return its outputs: tensors of each output's size,
     stride and dtype over the storage of the buffer or input it views. `on_alloc(tensor, module, buffer)` is called
-    after each allocation. No values are computed (the inputs are fake tensors)."""
+    after each allocation (the aten op the buffer was lowered from). No values are computed (the inputs are fake tensors)."""
     args = list(inputs)
     inputs.clear()
     index = {name: i for i, name in enumerate(program.inputs)}
@@ -225,16 +229,18 @@ def run_program(program: GraphProgram, inputs: list, on_alloc: Callable | None =
     bufs: dict[str, torch.Tensor] = {}
     for event in program.events:
         if event[0] == "alloc":
-            _, name, numel, dtype, module = event
-            bufs[name] = torch.empty((numel,), dtype=dtype, device=device)
+            _, name, size, stride, dtype, module, op = event
+            bufs[name] = torch.empty_strided(size, stride, dtype=dtype, device=device)
             if on_alloc is not None:
-                on_alloc(bufs[name], module, name)
-        elif event[0] == "reuse":  # the output takes over the dying buffer's storage
+                on_alloc(bufs[name], module, op)
+        elif event[0] in ("reuse", "alias"):  # a reuse takes over the dying buffer's storage; an alias views it
             _, name, source = event
             if source in bufs:
-                bufs[name] = bufs.pop(source)
-            elif source in index:
-                bufs[name], args[index[source]] = args[index[source]], None
+                bufs[name] = bufs.pop(source) if event[0] == "reuse" else bufs[source]
+            elif source in index and args[index[source]] is not None:
+                bufs[name] = args[index[source]]
+                if event[0] == "reuse":
+                    args[index[source]] = None
         else:
             if event[1] in bufs:
                 del bufs[event[1]]
@@ -306,7 +312,7 @@ def _outliving_inputs(gm: fx.GraphModule, held: tuple[set[str], set[str]]) -> se
 
 
 @contextlib.contextmanager
-def _lower_and_schedule(gm: fx.GraphModule, example_inputs, kw: dict):
+def _lower_and_generate(gm: fx.GraphModule, example_inputs, kw: dict):
     """Inside: `V.graph` is `gm` lowered and scheduled by Inductor as `_InProcessFxCompile.codegen_and_compile`
     (torch/_inductor/compile_fx.py) does before generating code: `view_to_reshape`, fake propagation, the
     original output strides, the post-grad passes (gm is changed in place), then `GraphLowering(...).run` and
@@ -346,136 +352,149 @@ def _lower_and_schedule(gm: fx.GraphModule, example_inputs, kw: dict):
         stack.enter_context(V.set_graph_handler(graph))
         stack.enter_context(V.set_extern_kernel_nodes([]))
         graph.run(*example_inputs)
-        graph.init_wrapper_code()  # the in-place decisions read the wrapper's freed buffers
-        graph._update_scheduler()
-        yield graph
+        code, _kernels = graph.codegen()  # the Python wrapper and the C++ source; nothing is compiled
+        yield graph, getattr(code, "value", code)
 
 
-def _cpu_allocations(kept_inputs: set[str] | None) -> InductorMemory:
-    """The allocations of `V.graph`'s CPU code, read off its scheduler (inside `_lower_and_schedule`); graph
-    inputs not in `kept_inputs` are freed at their last use (None: every input is kept). What the CPU code
-    generation does (torch/_inductor/scheduler.py `Scheduler.codegen`, codegen/cpp.py, codegen/wrapper.py):
-    - a buffer whose users are all inside its kernel is never allocated (`can_buffer_be_removed_through_fusion`,
-      per outer node of an `OuterLoopFusedSchedulerNode`, which the C++ backend generates as separate kernels);
-    - a kernel writes an output into an input freed there (`SchedulerNode.decide_inplace_update`, run here with a
-      stand-in kernel handler; the output takes over the input's storage);
-    - a fallback kernel allocates its `MultiOutput`s; views, mutations and `NoneLayout` outputs allocate nothing;
-    - `last_usage` frees happen when the C++ kernel group is flushed: before and after each extern kernel call
-      and at the end.
-    Freed buffers reused by later allocations of the same size (`allow_buffer_reuse`) change no live byte."""
+def _cpu_allocations(graph, source: str, kept_inputs: set[str] | None) -> InductorMemory:
+    """What the generated CPU code of the lowered `graph` allocates (its Python wrapper `source`, from
+    `GraphLowering.codegen`), as a `GraphProgram`, and the bytes it holds above its start: graph inputs not in
+    `kept_inputs` are freed where the code deletes them (None: every input kept). The wrapper's `call` is read line
+    by line (torch/_inductor/codegen/wrapper.py writes these lines):
+    - `bufN = empty_strided_cpu(size, stride, dtype)`: an allocation (`AllocateLine`);
+    - `bufN = bufM; del bufM  # reuse` or `bufN = reinterpret_tensor(bufM, ...); del bufM  # reuse`: bufN takes over
+      bufM's storage (`ReuseLine`: Inductor's in-place updates and its memory planning, `memory_plan_reuse`, which
+      keeps a freed buffer for a later allocation of the same size instead of freeing it);
+    - `bufN = reinterpret_tensor(bufM, ...)  # alias` or `bufN = bufM`: a view of bufM's storage;
+    - `bufN = bufP[i]`: a fallback kernel's output (`MultiOutput`), allocated by the kernel;
+    - `bufN = <call>(...)` for a buffer of the graph with a plain layout: an extern kernel that allocates its output;
+    - `del x`: the code drops a buffer or an input (`FreeIfNotReusedLine` not reused, or an input's free).
+    What fusion removed never appears. Kernel calls (`cpp_fused_*`, `extern_kernels.*(..., out=bufN)`) allocate
+    nothing here; a CPU kernel's own scratch memory is not modelled."""
     from torch._inductor import ir
-    from torch._inductor.codegen.common import KernelArgs
-    from torch._inductor.scheduler import (ExternKernelSchedulerNode, FusedSchedulerNode, NopKernelSchedulerNode,
-                                           SchedulerNode)
     from torch._inductor.utils import get_dtype_size
-    from torch._inductor.virtualized import V
-    from torch.utils._ordered_set import OrderedSet
 
-    graph = V.graph
-    sched, wrapper = graph.scheduler, graph.wrapper_code
-    outputs = OrderedSet(graph.get_output_names())
+    body = _call_body(source)
+    buffers = graph.name_to_buffer
 
-    def nbytes(node) -> int:
-        return int(graph.sizevars.optimization_hint(graph.get_allocation_storage_size(node), fallback=0)
-                   ) * get_dtype_size(node.get_dtype())
+    def hint(x) -> int:
+        return int(graph.sizevars.optimization_hint(x, fallback=0))
 
-    def kernels(n):  # the kernels a scheduler node is generated as
-        return list(n.get_outer_nodes()) if hasattr(n, "get_outer_nodes") else [n]
+    def layout(name: str):
+        node = buffers[name]
+        fixed = node.get_layout()
+        return tuple(map(hint, fixed.size)), tuple(map(hint, fixed.stride)), node.get_dtype()
 
-    removed: set[str] = set()
-    for n in sched.nodes:
-        if not isinstance(n, (ExternKernelSchedulerNode, NopKernelSchedulerNode)):
-            for kernel in kernels(n):
-                ops = OrderedSet(kernel.get_operation_names())
-                removed |= {b.get_name() for b in kernel.get_outputs() if b.get_name() not in outputs
-                            and sched.can_buffer_be_removed_through_fusion(b.get_name(), ops)}
-
-    def allocations(n) -> list[tuple[str, int]]:
-        out = []
-        for b in n.get_outputs():
-            node, spec = b.node, b.node.get_output_spec()
-            if b.get_name() in removed or isinstance(spec, ir.NoneLayout) or isinstance(node, ir.MultiOutput):
-                continue  # a MultiOutput is allocated by its fallback kernel, below
-            if isinstance(spec, ir.MultiOutputLayout):
-                out += [(c.get_name(), nbytes(c.node), c.node.get_dtype()) for u in b.users
-                        if isinstance(getattr(u.node, "node", None), ir.MultiOutput)
-                        for c in u.node.get_outputs() if not c.node.get_inputs_that_alias_output()]
-            elif not node.get_inputs_that_alias_output() and not node.get_mutation_names() and (
-                    node.should_allocate() or isinstance(node, ir.ExternKernelAlloc)):
-                out.append((b.get_name(), nbytes(node), node.get_dtype()))
-        return out
-
-    class _StandInKernel:  # what decide_inplace_update reads from V.kernel
-        def __init__(self):
-            self.args = KernelArgs()
-            self.inplace_update_buffers: dict[str, str] = {}
-
-    size = {name: nbytes(inp.data.data if isinstance(inp.data, ir.StorageBox) else inp.data)
-            for name, inp in graph.graph_inputs.items() if isinstance(inp, ir.TensorBox)}
-    freeable = {name for name in size if kept_inputs is not None and name not in kept_inputs}
-    alive: set[str] = set()
-    pending: set[str] = set()
-    in_place: dict[str, str] = {}
-    live = peak = 0
-    freed_before, completed_before = set(wrapper.freed), OrderedSet(sched.completed_operations)
+    def allocation(name: str, rhs: str) -> tuple:
+        parsed = _empty_strided_args(rhs)
+        size, stride, dtype = parsed if parsed is not None else layout(name)
+        module, op = _origin(buffers[name]) if name in buffers else ("", "")
+        return ("alloc", name, size, stride, dtype, module, op)
 
     events: list[tuple] = []
-
-    def flush():
-        nonlocal live
-        for name in sorted(pending):
-            if name in alive or name in size:
-                events.append(("free", name))
-            if name in alive:
-                alive.discard(name)
-                live -= size[name]
-            elif name in freeable:
-                freeable.discard(name)
-                live -= size[name]
-            wrapper.freed.add(name)
-        pending.clear()
-
-    try:
-        for n in sched.nodes:
-            extern = isinstance(n, ExternKernelSchedulerNode)
-            if extern:
-                flush()
-            pending.update(n.last_usage)
-            decided: dict[str, str] = {}
-            if isinstance(n, (SchedulerNode, FusedSchedulerNode)):
-                for kernel in kernels(n):  # one kernel handler per generated kernel, as CppKernelProxy
-                    stand_in = _StandInKernel()
-                    with V.set_kernel_handler(stand_in):
-                        for sn in kernel.get_nodes():
-                            sn.decide_inplace_update()
-                    decided.update(stand_in.inplace_update_buffers)
-            for name, nb, dtype in allocations(n):
-                source = decided.get(name)
-                if source is not None and source not in removed:  # `bufN = bufM; del bufM  # reuse`
-                    in_place[name] = source
-                    events.append(("reuse", name, source))
-                    wrapper.freed.add(source)
-                    size[name] = size.get(source, 0) if source in alive or source in freeable else 0
-                    alive.discard(source)
-                    freeable.discard(source)
-                    alive.add(name)
-                    continue
-                size[name] = nb
-                alive.add(name)
-                live += nb
-                events.append(("alloc", name, nb // get_dtype_size(dtype), dtype, _module_of(n)))
-            peak = max(peak, live)
-            if extern:
-                flush()
-            sched.completed_operations.update(n.get_operation_names())
-        flush()
-    finally:  # the decisions above mark buffers freed and operations completed: as they were
-        wrapper.freed.clear()
-        wrapper.freed.update(freed_before)
-        sched.completed_operations.clear()
-        sched.completed_operations.update(completed_before)
+    for line in body:
+        code, _, comment = line.partition("#")
+        code = code.strip()
+        for part in [p.strip() for p in code.split(";") if p.strip()]:
+            if part.startswith("del "):
+                if "reuse" not in comment:  # a reuse line's `del` is the hand-over, not a free
+                    events += [("free", n.strip()) for n in part[4:].split(",")]
+                continue
+            match = re.match(r"^(\w+) = (.+)$", part)
+            if match is None:
+                continue
+            name, rhs = match.groups()
+            base = re.match(r"^(?:reinterpret_tensor\()?(\w+)(?:,|\)|$)", rhs)
+            if "reuse" in comment:
+                donor = re.search(r"del (\w+)", code)
+                events.append(("reuse", name, donor.group(1) if donor else base.group(1)))
+            elif rhs.startswith(("empty_strided_cpu(", "empty_strided(")):
+                events.append(allocation(name, rhs))
+            elif re.match(r"^\w+\[\d+\]$", rhs):  # a fallback kernel's output
+                aliased = buffers[name].get_inputs_that_alias_output() if name in buffers else []
+                events.append(("alias", name, aliased[0]) if aliased else allocation(name, ""))
+            elif base is not None and (rhs == base.group(1) or rhs.startswith("reinterpret_tensor(")):
+                events.append(("alias", name, base.group(1)))
+            elif name in buffers and not isinstance(buffers[name].get_output_spec(), (ir.MultiOutputLayout, ir.NoneLayout)):
+                events.append(allocation(name, ""))  # an extern kernel that allocates its output
     program = GraphProgram(tuple(graph.graph_input_names), tuple(events), _output_specs(graph))
-    return InductorMemory(peak, live, tuple(sorted(removed)), tuple(sorted(in_place.items())), program)
+    return _simulated(program, graph, kept_inputs, get_dtype_size)
+
+
+def _simulated(program: GraphProgram, graph, kept_inputs: set[str] | None, dtype_size) -> InductorMemory:
+    """`program`'s bytes above its start, at the highest and at the end: a storage is freed when no name holds it
+    (inputs in `kept_inputs`, or all when None, are held by the caller)."""
+    def storage_bytes(size, stride, dtype) -> int:
+        return 0 if 0 in size else (1 + sum((a - 1) * b for a, b in zip(size, stride))) * dtype_size(dtype)
+
+    holder: dict[str, int] = {}  # name -> storage id
+    nbytes: dict[int, int] = {}
+    for i, name in enumerate(program.inputs):
+        inp = graph.graph_inputs.get(name)
+        holder[name] = -1 - i
+        try:
+            nbytes[-1 - i] = storage_bytes(*(tuple(int(graph.sizevars.optimization_hint(x, fallback=0)) for x in v)
+                                             for v in (inp.get_size(), inp.get_stride())), inp.get_dtype())
+        except (AttributeError, NotImplementedError, TypeError):
+            nbytes[-1 - i] = 0
+    pinned = set(range(-len(program.inputs), 0)) if kept_inputs is None else {
+        -1 - i for i, n in enumerate(program.inputs) if n in kept_inputs}
+    live = peak = 0
+    reuses = []
+
+    def drop(name: str) -> None:
+        nonlocal live
+        sid = holder.pop(name, None)
+        if sid is not None and sid not in holder.values() and sid not in pinned:
+            live -= nbytes[sid]
+            pinned.add(sid)  # counted once
+
+    for event in program.events:
+        if event[0] == "alloc":
+            sid = len(nbytes)
+            nbytes[sid] = storage_bytes(event[2], event[3], event[4])
+            holder[event[1]] = sid
+            live += nbytes[sid]
+            peak = max(peak, live)
+        elif event[0] in ("reuse", "alias"):
+            if event[2] in holder:
+                holder[event[1]] = holder[event[2]]
+            if event[0] == "reuse":
+                reuses.append((event[1], event[2]))
+                holder.pop(event[2], None)
+        else:
+            drop(event[1])
+    return InductorMemory(peak, live, tuple(sorted(graph.removed_buffers)), tuple(sorted(reuses)), program)
+
+
+def _call_body(source: str) -> list[str]:
+    """The lines of the wrapper's `call` function (up to its `return`)."""
+    lines = source.splitlines()
+    start = next(i for i, line in enumerate(lines) if re.match(r"\s*def call\((self, )?args\):", line))
+    indent = len(lines[start]) - len(lines[start].lstrip()) + 1
+    body = []
+    for line in lines[start + 1:]:
+        if line.strip() and len(line) - len(line.lstrip()) < indent:
+            break
+        if line.strip().startswith("return"):
+            break
+        body.append(line)
+    return body
+
+
+def _empty_strided_args(rhs: str):
+    """(size, stride, dtype) of `empty_strided_cpu((8, 128), (128, 1), torch.float32)`, or None."""
+    import ast
+
+    match = re.match(r"^empty_strided(?:_cpu)?\((\(.*?\)), (\(.*?\)), torch\.(\w+)\)$", rhs)
+    if match is None:
+        return None
+    try:
+        size, stride = ast.literal_eval(match.group(1)), ast.literal_eval(match.group(2))
+    except (ValueError, SyntaxError):
+        return None
+    dtype = getattr(torch, match.group(3), None)
+    return (tuple(size), tuple(stride), dtype) if isinstance(dtype, torch.dtype) else None
 
 
 def _output_specs(graph) -> tuple:
@@ -502,15 +521,20 @@ def _output_specs(graph) -> tuple:
     return tuple(specs)
 
 
-def _module_of(snode) -> str:
-    """The module path (as `named_modules` writes it) of the first FX node a scheduler node was lowered from that
-    records one: dynamo's `nn_module_stack` (the forward's nodes) or `fwd_nn_module_stack` (the backward's)."""
-    for sn in snode.get_nodes():
-        for origin in getattr(sn.node, "origins", ()):
-            stack = origin.meta.get("nn_module_stack") or origin.meta.get("fwd_nn_module_stack")
-            if stack:
-                return module_path(list(stack.values())[-1][0])
-    return ""
+def _origin(node) -> tuple[str, str]:
+    """(module path as `named_modules` writes it, aten op) of the FX node a buffer was lowered from (its
+    `origin_node`, else the first of its origins that records a module): dynamo's `nn_module_stack` (the forward's
+    nodes) or `fwd_nn_module_stack` (the backward's); the op as the graph had it before Inductor's decompositions
+    (`original_aten`) when known."""
+    first = getattr(node, "origin_node", None)
+    origins = ([first] if first is not None else []) + list(getattr(node, "origins", ()))
+    op = ""
+    for origin in origins:
+        op = op or str(origin.meta.get("original_aten") or origin.target)
+        stack = origin.meta.get("nn_module_stack") or origin.meta.get("fwd_nn_module_stack")
+        if stack:
+            return module_path(list(stack.values())[-1][0]), op
+    return "", op
 
 
 def module_path(dynamo_name: str) -> str:

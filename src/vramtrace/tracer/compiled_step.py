@@ -23,16 +23,17 @@ not measured.
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Callable
 
 import torch
 
 from ..analysis.categories import Category
-from ..errors import TraceError, UsageError, VramtraceError
-from ..spec import Device, Mode, RunSpec
+from ..errors import TraceError, VramtraceError
+from ..spec import RunSpec
 from .building import LoadedModel, quiet_transformers_logs
 from .checkpointing import apply_checkpointing, layer_stack
-from .compiled import compiled_twin
+from .compiled import compiled_twin, module_path
 from .kernels import KernelPolicyMode
 from .optim import make_optimizer
 from .records import OpInfo, Phase
@@ -41,23 +42,9 @@ from .step import StepContext, run_training
 from .trace import TracedGraph, _optimizer_hooks, _tag_gradients, _TraceObserver
 
 
-def check_compilable(spec: RunSpec) -> None:
-    """Raise UsageError for a `--compile` run this tracer cannot model (one line: what, and what to do)."""
-    if spec.device is not Device.CPU:
-        raise UsageError("--compile is traced for --device cpu only: Inductor's CUDA graphs (Triton kernels, the "
-                         "flash or memory-efficient SDPA) cannot be captured on a CPU-only torch; add --device cpu")
-    if spec.mode is not Mode.TRAIN:
-        raise UsageError("--compile models a training step; drop --compile for --mode inference or generate")
-    for flag, value in (("--fsdp", spec.fsdp), ("--tp", spec.tp), ("--ddp", spec.ddp),
-                        ("--quantization", spec.quantization), ("--step", spec.step)):
-        if value is not None:
-            raise UsageError(f"--compile with {flag} is not traced yet; drop one of the two")
-
-
 def trace_compiled(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], None] | None = None) -> TracedGraph:
     """Record `steps` optimizer steps of `spec`'s loop on `torch.compile(loaded.model)` (Inductor, default mode).
-    Raises UsageError (`check_compilable`), TraceError when dynamo or Inductor fails on the model."""
-    check_compilable(spec)
+    Raises TraceError when dynamo or Inductor fails on the model (`RunSpec` refuses what is not traced)."""
     say = progress or (lambda _msg: None)
     model = loaded.model
 
@@ -69,6 +56,9 @@ def trace_compiled(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str],
         with quiet_transformers_logs(), compiled_twin(model, loaded.args, loaded.inputs, loaded.loss,
                                                       loaded.compute_dtype, prepare=prepare) as twin:
             rec, obs, optimizer = _record(spec, loaded, twin, say)
+            if not twin.calls:
+                raise TraceError("torch.compile ran the step eagerly (dynamo fell back to the Python code), so the "
+                                 "compiled step cannot be traced; run with TORCH_LOGS=recompiles to see why")
     except VramtraceError:
         raise
     except Exception as e:
@@ -80,13 +70,55 @@ def trace_compiled(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str],
                          o.frees) for o in ops),
         storages=tuple(rec.storages), marks=tuple(obs.marks), steps=max((o.step for o in ops), default=0) + 1,
         counted_devices=("meta", "cpu"), sdpa_backends=(), has_optimizer=optimizer is not None,
-        trace_note=f"torch.compile: {len(twin.graphs)} graphs ({_kinds(twin.graphs)}), every layer traced",
-        unresolved=tuple(dict.fromkeys(rec.unresolved)))
+        trace_note="torch.compile (Inductor's CPU graphs); every layer traced",
+        unresolved=tuple(dict.fromkeys(rec.unresolved)), compiled=graphs_summary(twin.graphs))
 
 
-def _kinds(graphs) -> str:
-    forward = sum(g.kind == "forward" for g in graphs)
-    return f"{forward} forward, {len(graphs) - forward} backward"
+def graphs_summary(graphs) -> dict:
+    """What the report says about the compiled graphs: how many of each kind, the bytes the forward graphs save for
+    the backward (their outputs that are not the model's outputs: AOTAutograd's `user_visible_output_idxs`), and
+    the ops the partitioner chose to recompute in the backward (backward-graph nodes tagged `is_forward` by
+    torch/_functorch/partitioners.py, views left out), grouped by module pattern and op, largest output bytes
+    first: [{"module": "transformer.h.*.mlp", "op": "aten.mul.Tensor", "count": int, "bytes": int}]."""
+    from ..analysis.graph_liveness import storage_key
+
+    saved = 0
+    recomputed: dict[tuple[str, str], list[int]] = {}
+    for g in graphs:
+        nodes = list(g.gm.graph.nodes)
+        if g.kind == "forward":
+            output = nodes[-1]
+            visible = set(output.meta.get("user_visible_output_idxs", []))
+            keys = {}
+            for i, a in enumerate(output.args[0]):
+                if i not in visible and isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+                    keys.setdefault(storage_key(a), a.meta["val"].untyped_storage().nbytes())
+            saved += sum(keys.values())
+        elif g.kind == "backward":
+            for n in nodes:
+                val = n.meta.get("val")
+                if (n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward"
+                        and isinstance(val, torch.Tensor) and not _is_view(n)):
+                    stack = n.meta.get("nn_module_stack") or {}
+                    module = module_pattern(module_path(list(stack.values())[-1][0])) if stack else ""
+                    entry = recomputed.setdefault((module, str(n.target)), [0, 0])
+                    entry[0] += 1
+                    entry[1] += val.numel() * val.element_size()
+    rows = [{"module": m, "op": op, "count": c, "bytes": b} for (m, op), (c, b) in recomputed.items()]
+    rows.sort(key=lambda r: (-r["bytes"], r["module"], r["op"]))
+    return {"forward_graphs": sum(g.kind == "forward" for g in graphs),
+            "backward_graphs": sum(g.kind == "backward" for g in graphs), "saved_bytes": saved,
+            "recomputed": rows}
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.is_view
+
+
+def module_pattern(path: str) -> str:
+    """'model.layers.3.mlp' -> 'model.layers.*.mlp': the layer index folded, so identical layers group."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", path)
 
 
 class CompiledStepRecorder(StepRecorder):
@@ -115,8 +147,8 @@ def _record(spec: RunSpec, loaded: LoadedModel, twin, say):
         if isinstance(t, torch.Tensor):
             rec.register_existing(t, Category.INPUT, n)
 
-    def on_alloc(t: torch.Tensor, module: str, buffer: str) -> None:
-        rec.describe(t, module, buffer)
+    def on_alloc(t: torch.Tensor, module: str, op: str) -> None:
+        rec.describe(t, module, op)
 
     twin.on_alloc = on_alloc
     autocast = ((lambda: torch.autocast("cpu", dtype=loaded.compute_dtype)) if loaded.compute_dtype is not None

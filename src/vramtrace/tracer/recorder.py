@@ -240,13 +240,13 @@ class StepRecorder(TorchDispatchMode):
         device = kwargs.get("device")
         return device is not None and torch.device(device).type == "cpu" and args[0].device.type == "meta"
 
-    def describe(self, t: torch.Tensor, module: str, name: str) -> None:
-        """Give t's live storage the module it belongs to and a name (a compiled graph's buffer: its module comes
-        from the FX node it was lowered from, not from the module stack)."""
+    def describe(self, t: torch.Tensor, module: str, op: str) -> None:
+        """Give t's live storage the module and the op it belongs to (a compiled graph's buffer: both come from the
+        FX node it was lowered from, not from the module stack and the allocating call)."""
         sid = self._live.get(storage_of(t)._cdata)
         if sid is not None:
-            self.storages[sid].module = module or self.storages[sid].module
-            self.storages[sid].name = name
+            s = self.storages[sid]
+            s.module, s.op = module or s.module, op or s.op
 
     def set_category(self, t: torch.Tensor, category: str, name: str = "") -> None:
         """Give t's storage `category` (a storage outside the allocator, `managed`, keeps its own) and a name."""

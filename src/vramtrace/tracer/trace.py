@@ -55,6 +55,7 @@ class TracedGraph:
     trace_note: str = ""
     unresolved: tuple[str, ...] = ()  # what the trace could not size, one line each (never counted silently)
     cpu_environment: tuple[tuple[str, str | int], ...] = ()  # CPU target: what its kernel workspaces depend on
+    compiled: dict | None = None  # --compile: the graphs Inductor compiled (`compiled_step.graphs_summary`)
 
 
 KV_CACHE_NAME = "past_key_values"
