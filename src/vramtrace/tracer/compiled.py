@@ -1,7 +1,8 @@
 """The forward and backward FX graphs that `torch.compile` (Inductor) runs for a model's training step, captured
-without a device and without Inductor's code generation (issue 17, first part: not yet behind `--compile`).
+without a device, and what each graph's generated CPU code allocates and frees (`--compile`:
+tracer/compiled_step.py records the step with them).
 
-How (`capture`):
+How (`compiled_twin`, `capture`):
 - The model (built on meta) is copied and materialized as fake tensors that claim the CPU (`FakeTensorMode`,
   `to_empty(device="cpu")`). Plain meta tensors do not work: under the Python dispatcher that dynamo, AOTAutograd
   and Inductor enable, the Python meta kernels that torch/_meta_registrations.py `activate_meta` registers for
@@ -10,22 +11,19 @@ How (`capture`):
 - The copy is compiled with Inductor's own `compile_fx` (torch/_inductor/compile_fx.py): its decomposition table
   (`select_decomp_table`), its joint-graph passes and its partitioner (`partition_fn`:
   `min_cut_rematerialization_partition(..., compiler="inductor")`) decide what the forward saves; only the
-  per-graph code generation (`compile_fx_inner`) is replaced by `_keep_graph`, which runs the post-grad passes
-  Inductor runs before lowering (`view_to_reshape`, `_recursive_post_grad_passes`, as
-  `_InProcessFxCompile.codegen_and_compile` does) and keeps the graph. One forward and backward run on fake
+  per-graph compile (`compile_fx_inner`) is replaced by `_keep_graph`. One forward and backward run on fake
   inputs, so dynamo's graph breaks give several graphs, in the order they ran.
 - The graphs are CPU graphs: a CPU-only torch cannot make fake CUDA tensors. CUDA's differ where a kernel choice
   depends on the device (SDPA's flash or memory-efficient attention saves its output and logsumexp).
 
-Each graph is then lowered and scheduled as Inductor's own code generation would (`_lower_and_schedule`:
-`GraphLowering` and `Scheduler`, the steps of `_InProcessFxCompile.codegen_and_compile`, without generating
-code) and its CPU allocations are read off the scheduler (`_cpu_allocations`): the buffers that fusion removes
-(`Scheduler.can_buffer_be_removed_through_fusion`, what codegen/common.py `remove_kernel_local_buffers` drops),
-the outputs written in place into a dying input (Inductor's own `decide_inplace_update`), and frees as the CPU
-wrapper makes them (`last_usage`, flushed before and after each extern kernel call: the C++ kernel group is not
-flushed between kernels). Checked against the real compiled step's allocations per graph
-(benchmarks/bench_compile_graphs.py). CUDA's code generation differs (Triton kernels, a flush per kernel): not
-modelled.
+Each graph is then lowered and its code generated as `_InProcessFxCompile.codegen_and_compile` does
+(`_lower_and_generate`: the post-grad passes, `GraphLowering.run`, `GraphLowering.codegen`: the scheduler's fusion,
+the C++ kernels' source and the Python wrapper, with the wrapper's memory planning), but nothing is compiled or
+loaded. `_cpu_allocations` reads the wrapper's `call` function: its allocations, the buffers its memory planning
+reuses (a freed buffer kept for a later allocation of the same size), its aliases and its `del`s, in order: a
+`GraphProgram`. `run_program` repeats that program on fake tensors in place of the compiled code, so the recorder
+sees each buffer born and dying where the generated code allocates and deletes it. For the cases of
+benchmarks/bench_compile_graphs.py the wrapper generated here is the real compile's, line for line.
 
 What it leaves behind: nothing it compiled. Dynamo's cache entries for the functions it compiled first here are
 dropped after the capture (`torch._C._dynamo.eval_frame.reset_code`, what `torch._dynamo.reset_code_caches` runs
@@ -385,13 +383,16 @@ def _cpu_allocations(graph, source: str, kept_inputs: set[str] | None) -> Induct
         fixed = node.get_layout()
         return tuple(map(hint, fixed.size)), tuple(map(hint, fixed.stride)), node.get_dtype()
 
-    def allocation(name: str, rhs: str) -> tuple:
+    def allocation(name: str, rhs: str) -> list[tuple]:
         parsed = _empty_strided_args(rhs)
+        if parsed is None and name not in buffers:
+            return []
         size, stride, dtype = parsed if parsed is not None else layout(name)
         module, op = _origin(buffers[name]) if name in buffers else ("", "")
-        return ("alloc", name, size, stride, dtype, module, op)
+        return [("alloc", name, size, stride, dtype, module, op)]
 
     events: list[tuple] = []
+    named: set[str] = set()  # the names the events so far bind
     for line in body:
         code, _, comment = line.partition("#")
         code = code.strip()
@@ -409,14 +410,20 @@ def _cpu_allocations(graph, source: str, kept_inputs: set[str] | None) -> Induct
                 donor = re.search(r"del (\w+)", code)
                 events.append(("reuse", name, donor.group(1) if donor else base.group(1)))
             elif rhs.startswith(("empty_strided_cpu(", "empty_strided(")):
-                events.append(allocation(name, rhs))
+                events += allocation(name, rhs)
             elif re.match(r"^\w+\[\d+\]$", rhs):  # a fallback kernel's output
                 aliased = buffers[name].get_inputs_that_alias_output() if name in buffers else []
-                events.append(("alias", name, aliased[0]) if aliased else allocation(name, ""))
+                events += [("alias", name, aliased[0])] if aliased else allocation(name, "")
             elif base is not None and (rhs == base.group(1) or rhs.startswith("reinterpret_tensor(")):
-                events.append(("alias", name, base.group(1)))
-            elif name in buffers and not isinstance(buffers[name].get_output_spec(), (ir.MultiOutputLayout, ir.NoneLayout)):
-                events.append(allocation(name, ""))  # an extern kernel that allocates its output
+                # a view; of a kernel's output that is no buffer of the graph (`bufN = aten.cumsum(...)` as a
+                # FallbackKernel, then `bufM = bufN`): bufM's allocation
+                known = base.group(1) in named or base.group(1) in graph.graph_inputs
+                events += [("alias", name, base.group(1))] if known else allocation(name, "")
+            elif name in buffers and not isinstance(buffers[name].get_output_spec(),
+                                                    (ir.MultiOutputLayout, ir.NoneLayout)):
+                events += allocation(name, "")  # an extern kernel that allocates its output
+            if events and events[-1][0] != "free":
+                named.add(events[-1][1])
     program = GraphProgram(tuple(graph.graph_input_names), tuple(events), _output_specs(graph))
     return _simulated(program, graph, kept_inputs, get_dtype_size)
 
