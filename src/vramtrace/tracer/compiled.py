@@ -49,8 +49,10 @@ from ..analysis.graph_liveness import storage_key
 class GraphProgram:
     """What one graph's generated code allocates and frees, in order, for `run_program` to repeat: `inputs` the
     graph's input names; `events` ("alloc", buffer, size, stride, dtype, module path, aten op) | ("reuse", buffer,
-    the dying buffer or input whose storage it takes over) | ("free", buffer or input: the code drops its
-    reference); `outputs` per output (`_output_specs`)."""
+    the dying buffer or input whose storage it takes over) | ("alias", buffer, the buffer or input it views) |
+    ("workspace", bytes, module path, aten op: an extern kernel's CPU workspace, held while it runs) | ("tuple",
+    a fallback kernel's result, the outputs just allocated that it holds) | ("free",
+    buffer or input: the code drops its reference); `outputs` per output (`_output_specs`)."""
 
     inputs: tuple[str, ...]
     events: tuple[tuple, ...]
@@ -131,11 +133,13 @@ class CompiledTwin:
 @contextlib.contextmanager
 def compiled_twin(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
                   loss_of: Callable[[Any], torch.Tensor], autocast_dtype: torch.dtype | None = None, *,
-                  prepare: Callable[[torch.nn.Module], None] | None = None, outputs_held: bool = False):
+                  prepare: Callable[[torch.nn.Module], None] | None = None, outputs_held: bool = False,
+                  workspace: Callable | None = None):
     """Inside: a `CompiledTwin` of `model` (built on meta, left as it is), with the fake-tensor mode it lives in
     entered. `prepare(twin)` runs on the materialized copy before it is compiled (activation checkpointing). One
     training forward (`loss_of(module(*args, **kwargs))`, under the CPU autocast of `autocast_dtype` when given)
-    and backward run on fake inputs to compile the graphs; the gradients they leave are set to None. Raises
+    and backward run on fake inputs to compile the graphs; the gradients they leave are set to None. `workspace`:
+    a `kernels.CpuWorkspaceProbe` measuring the extern kernels' CPU workspaces (`_cpu_allocations`). Raises
     BridgeError when a private Inductor name it uses is gone (`bridges.INDUCTOR_GRAPHS`), torch's errors when
     dynamo or Inductor cannot compile the model."""
     from .. import bridges
@@ -177,7 +181,7 @@ def compiled_twin(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
             if kind == "forward":
                 held_by_caller.append(_saved_outputs_held(gm))
             memory = _cpu_allocations(graph, source, None if kind != "backward" else _outliving_inputs(
-                gm, held_by_caller[-1] if held_by_caller and outputs_held else (set(), set())))
+                gm, held_by_caller[-1] if held_by_caller and outputs_held else (set(), set())), workspace)
         kept.append(CapturedGraph(kind, gm, tuple(kw.get("static_input_idxs") or ()), memory))
         return _Allocating(program=memory.program)
 
@@ -225,12 +229,20 @@ def run_program(program: GraphProgram, inputs: list, on_alloc: Callable | None =
     index = {name: i for i, name in enumerate(program.inputs)}
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     bufs: dict[str, torch.Tensor] = {}
+    tuples: dict[str, list[torch.Tensor]] = {}
     for event in program.events:
         if event[0] == "alloc":
             _, name, size, stride, dtype, module, op = event
             bufs[name] = torch.empty_strided(size, stride, dtype=dtype, device=device)
             if on_alloc is not None:
                 on_alloc(bufs[name], module, op)
+        elif event[0] == "tuple":  # a fallback kernel's returned tuple: it holds the outputs allocated just before
+            tuples[event[1]] = [bufs[child] for child in event[2]]
+        elif event[0] == "workspace":  # held while the extern kernel runs
+            scratch = torch.empty((event[1],), dtype=torch.uint8, device=device)
+            if on_alloc is not None:
+                on_alloc(scratch, event[2], event[3])
+            del scratch
         elif event[0] in ("reuse", "alias"):  # a reuse takes over the dying buffer's storage; an alias views it
             _, name, source = event
             if source in bufs:
@@ -240,6 +252,7 @@ def run_program(program: GraphProgram, inputs: list, on_alloc: Callable | None =
                 if event[0] == "reuse":
                     args[index[source]] = None
         else:
+            tuples.pop(event[1], None)
             if event[1] in bufs:
                 del bufs[event[1]]
             elif event[1] in index:
@@ -258,7 +271,7 @@ def run_program(program: GraphProgram, inputs: list, on_alloc: Callable | None =
         if base.dtype != dtype:
             base = base.detach().view(torch.uint8).view(dtype) if base.is_contiguous() else base.view(dtype)
         outputs.append(torch.as_strided(base, size, stride, offset))
-    del args, bufs
+    del args, bufs, tuples
     return outputs
 
 
@@ -354,7 +367,8 @@ def _lower_and_generate(gm: fx.GraphModule, example_inputs, kw: dict):
         yield graph, getattr(code, "value", code)
 
 
-def _cpu_allocations(graph, source: str, kept_inputs: set[str] | None) -> InductorMemory:
+def _cpu_allocations(graph, source: str, kept_inputs: set[str] | None,
+                     workspace: Callable | None = None) -> InductorMemory:
     """What the generated CPU code of the lowered `graph` allocates (its Python wrapper `source`, from
     `GraphLowering.codegen`), as a `GraphProgram`, and the bytes it holds above its start: graph inputs not in
     `kept_inputs` are freed where the code deletes them (None: every input kept). The wrapper's `call` is read line
@@ -364,11 +378,16 @@ def _cpu_allocations(graph, source: str, kept_inputs: set[str] | None) -> Induct
       bufM's storage (`ReuseLine`: Inductor's in-place updates and its memory planning, `memory_plan_reuse`, which
       keeps a freed buffer for a later allocation of the same size instead of freeing it);
     - `bufN = reinterpret_tensor(bufM, ...)  # alias` or `bufN = bufM`: a view of bufM's storage;
-    - `bufN = bufP[i]`: a fallback kernel's output (`MultiOutput`), allocated by the kernel;
+    - `bufP = <call>(...)` of a fallback kernel with several outputs: the call allocates every output
+      (`MultiOutput`), and the tuple bufP holds them until `del bufP`; `bufN = bufP[i]` names one;
     - `bufN = <call>(...)` for a buffer of the graph with a plain layout: an extern kernel that allocates its output;
     - `del x`: the code drops a buffer or an input (`FreeIfNotReusedLine` not reused, or an input's free).
-    What fusion removed never appears. Kernel calls (`cpp_fused_*`, `extern_kernels.*(..., out=bufN)`) allocate
-    nothing here; a CPU kernel's own scratch memory is not modelled."""
+    What fusion removed never appears. Inductor's C++ kernels (`cpp_fused_*`) allocate nothing through PyTorch's
+    allocator. An extern kernel (`extern_kernels.mm(..., out=bufN)`, a fallback `bufN = torch.ops.aten...`) runs an
+    aten op whose CPU kernel may hold a workspace while it runs (oneDNN's scratchpads, the CPU flash attention's
+    per-thread buffers): with `workspace` (a `kernels.CpuWorkspaceProbe`) it is measured on this machine's CPU for
+    the op and argument layouts of the FX node the kernel was lowered from (`_extern_workspaces`), and held for the
+    call ("workspace" events)."""
     from torch._inductor import ir
     from torch._inductor.utils import get_dtype_size
 
@@ -393,9 +412,18 @@ def _cpu_allocations(graph, source: str, kept_inputs: set[str] | None) -> Induct
 
     events: list[tuple] = []
     named: set[str] = set()  # the names the events so far bind
+    extern = _extern_workspaces(graph, workspace) if workspace is not None else {}
+    outputs_of: dict[str, list[str]] = {}  # a fallback kernel -> its MultiOutputs, by index
+    for buf in buffers.values():
+        if isinstance(buf, ir.MultiOutput) and buf.inputs:
+            outputs_of.setdefault(buf.inputs[0].get_name(), []).append(buf.get_name())
     for line in body:
         code, _, comment = line.partition("#")
         code = code.strip()
+        target = re.search(r"\bout=(\w+)", code) or re.match(r"^(\w+) = ", code)
+        # held while the kernel runs, on top of its outputs (allocated before it, or by the call: below)
+        scratch = [("workspace", *extern.pop(target.group(1)))] if target is not None and (
+            target.group(1) in extern and "reuse" not in comment) else []
         for part in [p.strip() for p in code.split(";") if p.strip()]:
             if part.startswith("del "):
                 if "reuse" not in comment:  # a reuse line's `del` is the hand-over, not a free
@@ -411,21 +439,64 @@ def _cpu_allocations(graph, source: str, kept_inputs: set[str] | None) -> Induct
                 events.append(("reuse", name, donor.group(1) if donor else base.group(1)))
             elif rhs.startswith(("empty_strided_cpu(", "empty_strided(")):
                 events += allocation(name, rhs)
-            elif re.match(r"^\w+\[\d+\]$", rhs):  # a fallback kernel's output
-                aliased = buffers[name].get_inputs_that_alias_output() if name in buffers else []
-                events += [("alias", name, aliased[0])] if aliased else allocation(name, "")
+            elif re.match(r"^\w+\[\d+\]$", rhs):  # a fallback kernel's output, allocated by its call
+                if name not in named:
+                    aliased = buffers[name].get_inputs_that_alias_output() if name in buffers else []
+                    events += [("alias", name, aliased[0])] if aliased else allocation(name, "")
             elif base is not None and (rhs == base.group(1) or rhs.startswith("reinterpret_tensor(")):
                 # a view; of a kernel's output that is no buffer of the graph (`bufN = aten.cumsum(...)` as a
                 # FallbackKernel, then `bufM = bufN`): bufM's allocation
                 known = base.group(1) in named or base.group(1) in graph.graph_inputs
                 events += [("alias", name, base.group(1))] if known else allocation(name, "")
-            elif name in buffers and not isinstance(buffers[name].get_output_spec(),
-                                                    (ir.MultiOutputLayout, ir.NoneLayout)):
+            elif name in buffers and isinstance(buffers[name].get_output_spec(), ir.MultiOutputLayout):
+                # a fallback kernel returning several tensors: its call allocates them all, and the tuple it returns
+                # (`bufN`, deleted later) holds them; each is named later (`bufM = bufN[i]`)
+                children = [c for c in outputs_of.get(name, ()) if not buffers[c].get_inputs_that_alias_output()]
+                for child in children:
+                    events += allocation(child, "")
+                    named.add(child)
+                events.append(("tuple", name, tuple(children)))
+            elif name in buffers and not isinstance(buffers[name].get_output_spec(), ir.NoneLayout):
                 events += allocation(name, "")  # an extern kernel that allocates its output
-            if events and events[-1][0] != "free":
+            if events and events[-1][0] not in ("free", "workspace", "tuple"):
                 named.add(events[-1][1])
+        events += scratch
     program = GraphProgram(tuple(graph.graph_input_names), tuple(events), _output_specs(graph))
     return _simulated(program, graph, kept_inputs, get_dtype_size)
+
+
+def _extern_workspaces(graph, workspace: Callable) -> dict[str, tuple[int, str, str]]:
+    """Per extern kernel of the lowered `graph` (by its buffer name): (workspace bytes, module path, aten op) of
+    its CPU kernel, measured by `workspace(func, args, kwargs, out)` on the FX node the kernel was lowered from (a
+    `run_with_rng_state` recompute: the op it wraps); kernels without a workspace are left out."""
+    from torch._inductor import ir
+    from torch.utils._pytree import tree_map
+
+    found: dict[str, tuple[int, str, str]] = {}
+    for snode in graph.scheduler.nodes:
+        node = getattr(snode, "node", None)
+        if not isinstance(node, ir.ExternKernel) or isinstance(node, ir.MultiOutput) or node.get_name() is None:
+            continue
+        kernel = getattr(node, "op_overload", None)  # a fallback kernel's op; an extern_kernels.mm's name
+        name = (getattr(node, "python_kernel_name", None) or "").rsplit(".", 1)[-1]
+        origin = next((o for o in sorted(node.origins, key=lambda n: n.name) if o.op == "call_function" and (
+            o.target is kernel if kernel is not None
+            else getattr(getattr(o.target, "overloadpacket", None), "__name__", None) == name)), None)
+        if origin is None:
+            continue
+        func, args, kwargs = origin.target, origin.args, origin.kwargs
+        if func is torch.ops.higher_order.run_with_rng_state:  # (rng state, op, *args): the op runs
+            func, args = args[1], args[2:]
+        elif func is torch.ops.higher_order.run_and_save_rng_state:  # (op, *args)
+            func, args = args[0], args[1:]
+        if not isinstance(func, torch._ops.OpOverload):
+            continue
+        args, kwargs = tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (args, kwargs))
+        nbytes, _ = workspace(func, args, kwargs, origin.meta.get("val"))
+        if nbytes > 0:
+            module, _op = _origin(node)
+            found[node.get_name()] = (nbytes, module, str(func))
+    return found
 
 
 def _simulated(program: GraphProgram, graph, kept_inputs: set[str] | None, dtype_size) -> InductorMemory:
@@ -463,6 +534,11 @@ def _simulated(program: GraphProgram, graph, kept_inputs: set[str] | None, dtype
             holder[event[1]] = sid
             live += nbytes[sid]
             peak = max(peak, live)
+        elif event[0] == "workspace":
+            peak = max(peak, live + event[1])
+        elif event[0] == "tuple":  # the tuple holds its outputs' storages under its own name
+            for child in event[2]:
+                holder[f"{event[1]}[{child}]"] = holder[child]
         elif event[0] in ("reuse", "alias"):
             if event[2] in holder:
                 holder[event[1]] = holder[event[2]]
@@ -470,6 +546,8 @@ def _simulated(program: GraphProgram, graph, kept_inputs: set[str] | None, dtype
                 reuses.append((event[1], event[2]))
                 holder.pop(event[2], None)
         else:
+            for key in [k for k in holder if k.startswith(event[1] + "[")]:
+                drop(key)
             drop(event[1])
     return InductorMemory(peak, live, tuple(sorted(graph.removed_buffers)), tuple(sorted(reuses)), program)
 

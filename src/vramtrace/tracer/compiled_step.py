@@ -27,6 +27,7 @@ import re
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..analysis.categories import Category
 from ..errors import TraceError, VramtraceError
@@ -34,12 +35,12 @@ from ..spec import RunSpec
 from .building import LoadedModel, quiet_transformers_logs
 from .checkpointing import apply_checkpointing, layer_stack
 from .compiled import compiled_twin, module_path
-from .kernels import KernelPolicyMode
+from .kernels import CpuWorkspaceProbe, KernelPolicyMode
 from .optim import make_optimizer
 from .records import OpInfo, Phase
 from .recorder import StepRecorder
 from .step import StepContext, run_training
-from .trace import TracedGraph, _optimizer_hooks, _tag_gradients, _TraceObserver
+from .trace import TracedGraph, _cpu_kernels, _optimizer_hooks, _tag_gradients, _TraceObserver
 
 
 def trace_compiled(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], None] | None = None) -> TracedGraph:
@@ -53,9 +54,10 @@ def trace_compiled(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str],
 
     say("compiling the model (dynamo, AOTAutograd's partitioner, Inductor's scheduler; no code generated)")
     try:
+        probe = CpuWorkspaceProbe()  # the graphs' dtypes are explicit: no autocast around their extern kernels
         with quiet_transformers_logs(), compiled_twin(model, loaded.args, loaded.inputs, loaded.loss,
-                                                      loaded.compute_dtype, prepare=prepare) as twin:
-            rec, obs, optimizer = _record(spec, loaded, twin, say)
+                                                      loaded.compute_dtype, prepare=prepare, workspace=probe) as twin:
+            rec, obs, optimizer = _record(spec, loaded, twin, say, probe)
             if not twin.calls:
                 raise TraceError("torch.compile ran the step eagerly (dynamo fell back to the Python code), so the "
                                  "compiled step cannot be traced; run with TORCH_LOGS=recompiles to see why")
@@ -71,7 +73,9 @@ def trace_compiled(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str],
         storages=tuple(rec.storages), marks=tuple(obs.marks), steps=max((o.step for o in ops), default=0) + 1,
         counted_devices=("meta", "cpu"), sdpa_backends=(), has_optimizer=optimizer is not None,
         trace_note="torch.compile (Inductor's CPU graphs); every layer traced",
-        unresolved=tuple(dict.fromkeys(rec.unresolved)), compiled=graphs_summary(twin.graphs))
+        unresolved=tuple(dict.fromkeys(rec.unresolved)) + tuple(
+            f"{op}: CPU kernel workspace not measured, counted as 0 bytes ({why})" for op, why in probe.failures.items()),
+        cpu_environment=_cpu_kernels(probe), compiled=graphs_summary(twin.graphs))
 
 
 def graphs_summary(graphs) -> dict:
@@ -132,10 +136,18 @@ class CompiledStepRecorder(StepRecorder):
         return True
 
 
-def _record(spec: RunSpec, loaded: LoadedModel, twin, say):
+def _record(spec: RunSpec, loaded: LoadedModel, twin, say, probe: CpuWorkspaceProbe):
     rec = CompiledStepRecorder()
     rec.phase = Phase.STEP
     rec.strict = spec.strict
+    def workspace(func, args, kwargs, out):
+        """The probe of an eager op (between graphs, the optimizer; the graphs' extern kernels are in their
+        programs), outside the fake mode: its stand-ins must be real CPU tensors. The output keeps the fake
+        kernel's layout (a CPU kernel's other dtype, `CpuWorkspaceProbe.notes`, is not applied here)."""
+        with _disable_current_modes():
+            return probe(func, args, kwargs, out)[0], out
+
+    rec.workspace = workspace
     model = twin.twin
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(spec, params)
