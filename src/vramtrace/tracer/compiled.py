@@ -182,6 +182,7 @@ def compiled_twin(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
                 held_by_caller.append(_saved_outputs_held(gm))
             memory = _cpu_allocations(graph, source, None if kind != "backward" else _outliving_inputs(
                 gm, held_by_caller[-1] if held_by_caller and outputs_held else (set(), set())), workspace)
+        _report_output_strides(memory.program.outputs)
         kept.append(CapturedGraph(kind, gm, tuple(kw.get("static_input_idxs") or ()), memory))
         return _Allocating(program=memory.program)
 
@@ -270,7 +271,7 @@ def run_program(program: GraphProgram, inputs: list, on_alloc: Callable | None =
             raise RuntimeError(f"compiled graph output {name} has no buffer or input")
         if base.dtype != dtype:
             base = base.detach().view(torch.uint8).view(dtype) if base.is_contiguous() else base.view(dtype)
-        outputs.append(torch.as_strided(base, size, stride, offset))
+        outputs.append(torch.as_strided(base, size, stride, base.storage_offset() + offset))
     del args, bufs, tuples
     return outputs
 
@@ -492,11 +493,35 @@ def _extern_workspaces(graph, workspace: Callable) -> dict[str, tuple[int, str, 
         if not isinstance(func, torch._ops.OpOverload):
             continue
         args, kwargs = tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (args, kwargs))
+        args, kwargs = _as_laid_out(node, args, kwargs, graph)
         nbytes, _ = workspace(func, args, kwargs, origin.meta.get("val"))
         if nbytes > 0:
             module, _op = _origin(node)
             found[node.get_name()] = (nbytes, module, str(func))
     return found
+
+
+def _as_laid_out(node, args, kwargs, graph):
+    """The op's tensor arguments with the sizes and strides of the kernel's inputs as Inductor laid them out (its
+    layout optimization may pass a convolution channels-last inputs, which changes the CPU kernel's workspace),
+    when the kernel has one input per tensor argument; else as the FX node had them."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    leaves, spec = tree_flatten((args, kwargs))
+    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    inputs = list(getattr(node, "inputs", ()))
+    if len(inputs) != len(slots):
+        return args, kwargs
+    hint = lambda x: int(graph.sizevars.optimization_hint(x, fallback=0))  # noqa: E731
+    for i, inp in zip(slots, inputs):
+        try:
+            layout = inp.get_layout()
+            size, stride = tuple(map(hint, layout.size)), tuple(map(hint, layout.stride))
+        except (AttributeError, NotImplementedError, TypeError):
+            continue
+        if size == tuple(leaves[i].shape):
+            leaves[i] = torch.empty_strided(size, stride, dtype=inp.get_dtype(), device="meta")
+    return tree_unflatten(leaves, spec)
 
 
 def _simulated(program: GraphProgram, graph, kept_inputs: set[str] | None, dtype_size) -> InductorMemory:
@@ -584,9 +609,12 @@ def _empty_strided_args(rhs: str):
 
 def _output_specs(graph) -> tuple:
     """Per output of the lowered `graph`: None, a plain value, or (the buffer or input whose storage it views,
-    size, stride, storage offset, dtype) from the FX output node's `meta["val"]`. A view kernel's output
-    (`get_inputs_that_alias_output`) is followed to the buffer it aliases."""
+    size, stride, offset in that storage beyond the base's own, dtype), laid out as Inductor's IR has it. A view
+    kernel's output (`get_inputs_that_alias_output`) is followed to the buffer it aliases."""
     from torch._inductor import ir
+
+    def hint(x) -> int:
+        return int(graph.sizevars.optimization_hint(x, fallback=0))
 
     output = next(n for n in reversed(graph.module.graph.nodes) if n.op == "output")
     specs = []
@@ -595,15 +623,30 @@ def _output_specs(graph) -> tuple:
         if not isinstance(val, torch.Tensor):
             specs.append(None if arg is None or isinstance(arg, fx.Node) else arg)
             continue
-        node = value
+        node, view = value, False
         while isinstance(node, (ir.TensorBox, ir.StorageBox, ir.ReinterpretView)):
+            view = view or isinstance(node, ir.ReinterpretView)
             node = node.data
         name = node.get_name()
         while name in graph.name_to_buffer and graph.name_to_buffer[name].get_inputs_that_alias_output():
             name = graph.name_to_buffer[name].get_inputs_that_alias_output()[0]
-        specs.append((name, tuple(int(d) for d in val.shape), tuple(int(d) for d in val.stride()),
-                      int(val.storage_offset()), val.dtype))
+        try:  # as Inductor lays it out (its layout optimization may make it channels-last), offset in its storage
+            layout = value.get_layout()
+            size, stride = tuple(map(hint, layout.size)), tuple(map(hint, layout.stride))
+            offset = hint(layout.offset) if view else 0
+        except (AttributeError, NotImplementedError, TypeError):
+            size, stride, offset = tuple(map(int, val.shape)), tuple(map(int, val.stride())), 0
+        specs.append((name, size, stride, offset, val.dtype))
     return tuple(specs)
+
+
+def _report_output_strides(specs: tuple) -> None:
+    """Tell AOTAutograd the strides of a graph's outputs as Inductor lays them out, as a compiled graph does
+    (torch/_inductor/utils.py `set_tracing_context_output_strides`): AOTAutograd restrides the backward graph's
+    saved-tensor inputs with them (graph_compile.py `_aot_stage2b_bw_compile`)."""
+    context = torch._guards.TracingContext.try_get()
+    if context is not None and context.output_strides is not None:
+        context.output_strides.extend(spec[2] if isinstance(spec, tuple) else None for spec in specs)
 
 
 def _origin(node) -> tuple[str, str]:
