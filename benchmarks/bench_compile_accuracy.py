@@ -28,7 +28,8 @@ CONVNET = f"{ROOT}/fixtures/custom/convnet.py:ConvNet"
 
 
 def cases(quick: bool):
-    models = [("tiny-gpt2", "layers"), ("tiny-llama-gqa", "layers"), ("tiny-bert", "layers"), ("convnet", "modules:blocks.*")]
+    models = [("tiny-gpt2", "layers"), ("tiny-llama-gqa", "layers"), ("tiny-bert", "layers"),
+              ("convnet", "modules:blocks.*")]
     for name, ckpt in models[:2] if quick else models:
         for precision in ("fp32", "bf16-mixed"):
             for checkpointing in ("none", ckpt):
@@ -41,7 +42,8 @@ def cases(quick: bool):
 
 def main() -> None:
     quick = "--quick" in sys.argv
-    print("| model | precision | checkpointing | real compiled | --compile | error | eager prediction | trace s | real s |")
+    print("| model | precision | checkpointing | real compiled | --compile | error | eager prediction | trace s "
+          "| real s |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for name, kw in cases(quick):
         t = time.time()

@@ -28,9 +28,10 @@ def test_compiled_step_matches_real_compiled_cpu_step(model, precision, checkpoi
     assert abs(report.peak_allocated_bytes - measured) <= 0.001 * measured, (report.peak_allocated_bytes, measured)
     c = report.compiled
     assert c["peak_allocated_bytes"] == report.peak_allocated_bytes
-    # the same step run eagerly, traced beside it: Inductor's fusion keeps fewer activations than eager autograd
-    assert c["activation_bytes"] < c["activation_bytes_eager"]
-    assert c["forward_graphs"] == (2 if model == "tiny-gpt2" else 1)  # GPT-2's loss is after a graph break
+    if checkpointing == "none":  # the same step run eagerly, traced beside it: Inductor's fusion saves fewer
+        assert c["activation_bytes"] < c["activation_bytes_eager"]  # activations than eager autograd
+    # AOTAutograd pairs each forward graph with a backward one; GPT-2's loss is after a graph break
+    assert c["forward_graphs"] == c["backward_graphs"] >= (2 if model == "tiny-gpt2" else 1)
     assert all(r["count"] > 0 and r["op"] for r in c["recomputed"])
 
 

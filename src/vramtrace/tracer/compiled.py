@@ -51,8 +51,8 @@ class GraphProgram:
     graph's input names; `events` ("alloc", buffer, size, stride, dtype, module path, aten op) | ("reuse", buffer,
     the dying buffer or input whose storage it takes over) | ("alias", buffer, the buffer or input it views) |
     ("workspace", bytes, module path, aten op: an extern kernel's CPU workspace, held while it runs) | ("tuple",
-    a fallback kernel's result, the outputs just allocated that it holds) | ("free",
-    buffer or input: the code drops its reference); `outputs` per output (`_output_specs`)."""
+    a fallback kernel's result, the outputs just allocated that it holds) | ("free", buffer or input: the code
+    drops its reference); `outputs` per output (`_output_specs`)."""
 
     inputs: tuple[str, ...]
     events: tuple[tuple, ...]
@@ -61,9 +61,10 @@ class GraphProgram:
 
 @dataclasses.dataclass(frozen=True)
 class InductorMemory:
-    """What one graph's CPU code allocates, from Inductor's scheduler (`_cpu_allocations`): bytes (ints) above
-    what is alive when the graph starts, at its highest (`peak_bytes`) and when it returns (`end_bytes`); the
-    buffers fusion removes and the in-place outputs (output buffer, the input buffer it takes over)."""
+    """What one graph's CPU code allocates, read off its generated wrapper (`_cpu_allocations`): bytes (ints) above
+    what is alive when the graph starts, at its highest (`peak_bytes`, extern kernels' workspaces included when
+    measured) and when it returns (`end_bytes`); the buffers fusion removed (`GraphLowering.removed_buffers`) and
+    the reuses (buffer, the buffer or input whose storage it takes over); the `program` that repeats it."""
 
     peak_bytes: int
     end_bytes: int
@@ -224,7 +225,8 @@ def run_program(program: GraphProgram, inputs: list, on_alloc: Callable | None =
     """Run one compiled graph's allocations and frees (`GraphProgram`) on `inputs` (a list the call empties, as
     Inductor's generated code clears its argument list) and return its outputs: tensors of each output's size,
     stride and dtype over the storage of the buffer or input it views. `on_alloc(tensor, module, buffer)` is called
-    after each allocation (the aten op the buffer was lowered from). No values are computed (the inputs are fake tensors)."""
+    after each allocation (the aten op the buffer was lowered from). No values are computed (the inputs are fake
+    tensors)."""
     args = list(inputs)
     inputs.clear()
     index = {name: i for i, name in enumerate(program.inputs)}

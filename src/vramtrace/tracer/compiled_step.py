@@ -74,7 +74,8 @@ def trace_compiled(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str],
         counted_devices=("meta", "cpu"), sdpa_backends=(), has_optimizer=optimizer is not None,
         trace_note="torch.compile (Inductor's CPU graphs); every layer traced",
         unresolved=tuple(dict.fromkeys(rec.unresolved)) + tuple(
-            f"{op}: CPU kernel workspace not measured, counted as 0 bytes ({why})" for op, why in probe.failures.items()),
+            f"{op}: CPU kernel workspace not measured, counted as 0 bytes ({why})"
+            for op, why in probe.failures.items()),
         cpu_environment=_cpu_kernels(probe), compiled=graphs_summary(twin.graphs))
 
 
