@@ -24,6 +24,9 @@ checkpointing, inputs, freeze, LoRA, quantization, image size, multiple-choice c
 - the literal loop of the case (`loop` trainer | function | script, `grad_accum`, `clip_grad_norm`, `zero_grad`,
   fp16-mixed with `torch.amp.GradScaler("cpu")`; see `RealStep`), or the case's `--step` file's function called
   as FUNC(model, batch, optimizer); one warm-up step then the measured one;
+- a compiled case (`compile`): `torch._dynamo.reset()`, then `model = torch.compile(model)` (Inductor, default mode)
+  after checkpointing, as HF Trainer's `torch_compile=True` does; one step runs before the profiler starts (it
+  compiles; the optimizer state it creates is counted as alive at start);
 - the measurement: the bytes of every unique storage alive before the warm-up (parameters, buffers, inputs)
   plus the running sum of torch.profiler's `[memory]` allocator events (`profile_memory=True`) from the warm-up's
   start, maximised over the measured step;
@@ -552,6 +555,8 @@ def _measure_step(step: RealStep) -> int:
         marker = torch.empty(MARKER_BYTES, dtype=torch.uint8)  # a sentinel allocation in the same event stream
         del marker
         step.run()
+    if step.compiled:
+        torch._dynamo.reset()  # no compiled code of this case left for the process's later tests
     cur, peak, measuring = 0, None, False
     for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns()):
