@@ -51,6 +51,7 @@ def test_json_to_stdout():
     (["--batch", "1", "--seq", "8", "--checkpointing", "auto", "--memory-budget", "4parsecs"], 2, "unknown unit"),
     (["--batch", "1", "--seq", "8", "--checkpointing", "selective:aten.nope"], 2, "is not an op"),
     (["--batch", "1", "--seq", "8", "--compile"], 2, "--compile is traced for --device cpu only"),
+    (["--batch", "1", "--seq", "8", "--device", "cpu", "--compile", "--compare"], 2, "not fit, validate or --compare"),
 ])
 def test_usage_errors(args, status, needle, capsys):
     """In process (`cli.main`, what the console script calls): one `Error:` line on stderr and the exit status;

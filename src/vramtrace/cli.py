@@ -176,6 +176,9 @@ def main_command(
                                  or (html_path and fit_axis == "sweep")):
         raise UsageError("fit writes no --compare or --snapshot (and --sweep no --html); run `vramtrace MODEL ...` "
                          "for those")
+    if compile_model and (fit_axis is not None or validate_run or compare_policies):
+        raise UsageError("--compile is traced for `vramtrace MODEL ...` only (not fit, validate or --compare yet); "
+                         "drop --compile there")
     if validate_run and (compare_policies or html_path or snapshot_path):
         raise UsageError("validate writes no --compare, --html or --snapshot; run `vramtrace MODEL ...` for those")
     for option, path in (("--json", json_path), ("--html", html_path), ("--snapshot", snapshot_path)):

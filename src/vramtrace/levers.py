@@ -217,7 +217,8 @@ def _micro_batch(s: _Search, on: RunSpec) -> list[Lever]:
 
 def _lora(s: _Search, on: RunSpec) -> list[Lever]:
     """peft LoRA of rank `LORA_RANK` on peft's default targets, for full fine-tuning of a transformers model."""
-    if on.mode is not Mode.TRAIN or on.lora_rank is not None or on.freeze or custom_ref(on.model) is not None:
+    if on.mode is not Mode.TRAIN or on.lora_rank is not None or on.freeze or custom_ref(on.model) is not None \
+            or on.compile:  # --compile with LoRA is not traced yet (RunSpec refuses it)
         return []
     return [s.lever("lora", on, {"lora_rank": LORA_RANK}, (4, 0.0),
                     f"a different training: LoRA r={LORA_RANK} adapters on peft's default targets, the base "
@@ -247,7 +248,8 @@ def _qlora(s: _Search, on: RunSpec) -> list[Lever]:
     """QLoRA: the base weights in 4-bit NF4 with double quantization and bf16 compute (the QLoRA paper's and
     peft's recipe), with LoRA (the run's rank, or `LORA_RANK`) on a transformers model. Needs bitsandbytes."""
     if on.mode is not Mode.TRAIN or on.quantization is not None or on.freeze or on.world is not None \
-            or on.step is not None or custom_ref(on.model) is not None or not _bitsandbytes_installed():
+            or on.step is not None or custom_ref(on.model) is not None or not _bitsandbytes_installed() \
+            or on.compile:  # --compile with quantization is not traced yet
         return []
     changes = {"quantization": "nf4", "double_quant": True, "bnb_compute_dtype": "bf16"}
     if on.lora_rank is None:
@@ -267,7 +269,7 @@ def _sharding(s: _Search, on: RunSpec) -> list[Lever]:
 
     distributed = on.world is not None or on.quantization is not None  # bitsandbytes weights are not sharded yet
     if on.mode is not Mode.TRAIN or distributed or on.step is not None or custom_ref(on.model) is not None \
-            or not s.ev(on).num_layers:
+            or on.compile or not s.ev(on).num_layers:  # --compile with --fsdp is not traced yet
         return []
 
     def lever(n: int) -> Lever:

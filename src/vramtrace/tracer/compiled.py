@@ -27,8 +27,10 @@ benchmarks/bench_compile_graphs.py the wrapper generated here is the real compil
 
 What it leaves behind: nothing it compiled. Dynamo's cache entries for the functions it compiled first here are
 dropped after the capture (`torch._C._dynamo.eval_frame.reset_code`, what `torch._dynamo.reset_code_caches` runs
-for every code); a function the process had compiled before keeps its entries and one more, which fails its guards
-for any other module. Inductor's FX-graph and AOTAutograd caches are off while it runs.
+for every code); a function the process had compiled before keeps its entries and the twin's, in the twin's own
+recompile bucket (`torch.compile(..., isolate_recompiles=True)`: no recompile limit shared with the caller's
+compiles), whose guards fail for any other module (fake tensors). Inductor's FX-graph and AOTAutograd caches are off
+while it runs.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ What runs, and what the recorder sees:
   eager code between graphs (after a graph break), the tangents AOTAutograd allocates for outputs that get no
   gradient, the saved tensors it hands to autograd (`ctx.save_for_backward`, seen by the saved-tensor hook) and
   clears before calling the backward graph with `steal_args=True`;
-- each compiled graph is not interpreted node by node: it repeats what Inductor's generated CPU code allocates and
-  frees, as read off Inductor's scheduler (`compiled.run_program`, `compiled._cpu_allocations`): fused buffers never
-  exist, in-place outputs take over a dying buffer, frees come at the kernel group's flushes;
+- each compiled graph is not interpreted node by node: it repeats what Inductor's generated CPU wrapper allocates,
+  reuses and deletes, line by line (`compiled.run_program`, `compiled._cpu_allocations`): fused buffers never
+  exist, memory planning keeps freed buffers for reuse, fallback kernels' tuples hold their outputs, and the extern
+  kernels' CPU workspaces are measured on this machine (`kernels.CpuWorkspaceProbe`);
 - the loss outside the model, the loop (`--loop`, gradient accumulation) and the optimizer (eager) run as the
   eager trace runs them.
 
@@ -16,8 +17,8 @@ So the references that keep a tensor alive are the real ones: a saved tensor tha
 outlives the backward's `del`, as it does in a real compiled step.
 
 Limits: the graphs are Inductor's CPU graphs (a CPU-only torch cannot make fake CUDA tensors), so only the CPU target
-is traced; every layer is traced (no layer replication); the CPU kernels' workspaces inside the compiled graphs are
-not measured.
+is traced; every layer is traced (no layer replication); the eager ops' CPU outputs keep the fake kernels' layouts
+(the eager tracer's `CpuWorkspaceProbe.notes` are not applied).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def trace_compiled(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str],
     def prepare(twin: torch.nn.Module) -> None:
         apply_checkpointing(twin, spec.checkpointing, None, layer_stack(twin))
 
-    say("compiling the model (dynamo, AOTAutograd's partitioner, Inductor's scheduler; no code generated)")
+    say("compiling the model (dynamo, AOTAutograd's partitioner, Inductor's code generation; nothing compiled)")
     try:
         probe = CpuWorkspaceProbe()  # the graphs' dtypes are explicit: no autocast around their extern kernels
         with quiet_transformers_logs(), compiled_twin(model, loaded.args, loaded.inputs, loaded.loss,
@@ -138,9 +139,12 @@ class CompiledStepRecorder(StepRecorder):
 
 
 def _record(spec: RunSpec, loaded: LoadedModel, twin, say, probe: CpuWorkspaceProbe):
+    """Run the steps of `spec`'s loop on the compiled `twin` under the recorder. Returns (recorder, observer,
+    optimizer or None)."""
     rec = CompiledStepRecorder()
     rec.phase = Phase.STEP
     rec.strict = spec.strict
+
     def workspace(func, args, kwargs, out):
         """The probe of an eager op (between graphs, the optimizer; the graphs' extern kernels are in their
         programs), outside the fake mode: its stand-ins must be real CPU tensors. The output keeps the fake
