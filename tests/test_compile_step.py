@@ -67,6 +67,7 @@ def test_run_program_repeats_allocations_reuse_aliases_and_frees():
     ({"device": "cuda"}, "--compile is traced for --device cpu only"),
     ({"device": "cpu", "mode": "inference"}, "--compile models a training step"),
     ({"device": "cpu", "lora_rank": 8}, "--compile with --lora-rank is not traced yet"),
+    ({"device": "cpu", "optimizer": "adamw-8bit"}, "--compile with bitsandbytes' optimizer adamw-8bit"),
 ])
 def test_compile_refuses_what_it_does_not_trace(extra, message):
     with pytest.raises(UsageError, match=message):

@@ -236,7 +236,7 @@ def _optimizer_8bit(s: _Search, on: RunSpec) -> list[Lever]:
     AdamW: the same update with blockwise-quantized states (2 bytes per parameter instead of 8). Needs bitsandbytes
     installed."""
     if on.mode is not Mode.TRAIN or on.optimizer not in (OptimizerKind.ADAMW, OptimizerKind.ADAM) \
-            or on.world is not None or not _bitsandbytes_installed():
+            or on.world is not None or not _bitsandbytes_installed() or on.compile:  # not traced with --compile
         return []
     return [s.lever("optimizer_8bit", on, {"optimizer": OptimizerKind.ADAMW_8BIT,
                                            "optimizer_impl": OptimizerImpl.DEFAULT}, (1, 1.0),

@@ -795,6 +795,9 @@ class RunSpec:
                             ("--lora-rank", self.lora_rank)):
             if value is not None:
                 raise UsageError(f"--compile with {flag} is not traced yet; drop one of the two")
+        if self.optimizer in BNB_OPTIMIZERS:  # their state setup reads values the fake twin does not have
+            raise UsageError(f"--compile with bitsandbytes' optimizer {self.optimizer.value} is not traced yet; use a "
+                             "torch.optim optimizer or drop --compile")
 
     def _check_step_options(self) -> None:
         """Raise UsageError for step options that would be silently ignored."""
