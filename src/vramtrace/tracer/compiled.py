@@ -226,8 +226,8 @@ def compiled_twin(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
 def run_program(program: GraphProgram, inputs: list, on_alloc: Callable | None = None) -> list:
     """Run one compiled graph's allocations and frees (`GraphProgram`) on `inputs` (a list the call empties, as
     Inductor's generated code clears its argument list) and return its outputs: tensors of each output's size,
-    stride and dtype over the storage of the buffer or input it views. `on_alloc(tensor, module, buffer)` is called
-    after each allocation (the aten op the buffer was lowered from). No values are computed (the inputs are fake
+    stride and dtype over the storage of the buffer or input it views. `on_alloc(tensor, module path, aten op)` is
+    called after each allocation (the op the buffer was lowered from). No values are computed (the inputs are fake
     tensors)."""
     args = list(inputs)
     inputs.clear()
@@ -399,13 +399,10 @@ def _cpu_allocations(graph, source: str, kept_inputs: set[str] | None,
     body = _call_body(source)
     buffers = graph.name_to_buffer
 
-    def hint(x) -> int:
-        return int(graph.sizevars.optimization_hint(x, fallback=0))
-
     def layout(name: str):
         node = buffers[name]
         fixed = node.get_layout()
-        return tuple(map(hint, fixed.size)), tuple(map(hint, fixed.stride)), node.get_dtype()
+        return _ints(graph, fixed.size), _ints(graph, fixed.stride), node.get_dtype()
 
     def allocation(name: str, rhs: str) -> list[tuple]:
         parsed = _empty_strided_args(rhs)
@@ -516,11 +513,10 @@ def _as_laid_out(node, args, kwargs, graph):
     inputs = list(getattr(node, "inputs", ()))
     if len(inputs) != len(slots):
         return args, kwargs
-    hint = lambda x: int(graph.sizevars.optimization_hint(x, fallback=0))  # noqa: E731
     for i, inp in zip(slots, inputs):
         try:
             layout = inp.get_layout()
-            size, stride = tuple(map(hint, layout.size)), tuple(map(hint, layout.stride))
+            size, stride = _ints(graph, layout.size), _ints(graph, layout.stride)
         except (AttributeError, NotImplementedError, TypeError):
             continue
         if size == tuple(leaves[i].shape):
@@ -540,8 +536,8 @@ def _simulated(program: GraphProgram, graph, kept_inputs: set[str] | None, dtype
         inp = graph.graph_inputs.get(name)
         holder[name] = -1 - i
         try:
-            nbytes[-1 - i] = storage_bytes(*(tuple(int(graph.sizevars.optimization_hint(x, fallback=0)) for x in v)
-                                             for v in (inp.get_size(), inp.get_stride())), inp.get_dtype())
+            nbytes[-1 - i] = storage_bytes(_ints(graph, inp.get_size()), _ints(graph, inp.get_stride()),
+                                           inp.get_dtype())
         except (AttributeError, NotImplementedError, TypeError):
             nbytes[-1 - i] = 0
     pinned = set(range(-len(program.inputs), 0)) if kept_inputs is None else {
@@ -581,6 +577,11 @@ def _simulated(program: GraphProgram, graph, kept_inputs: set[str] | None, dtype
     return InductorMemory(peak, live, tuple(sorted(graph.removed_buffers)), tuple(sorted(reuses)), program)
 
 
+def _ints(graph, exprs) -> tuple[int, ...]:
+    """Inductor's size expressions as ints (their hints; static shapes are plain numbers)."""
+    return tuple(int(graph.sizevars.optimization_hint(x, fallback=0)) for x in exprs)
+
+
 def _call_body(source: str) -> list[str]:
     """The lines of the wrapper's `call` function (up to its `return`)."""
     lines = source.splitlines()
@@ -617,9 +618,6 @@ def _output_specs(graph) -> tuple:
     kernel's output (`get_inputs_that_alias_output`) is followed to the buffer it aliases."""
     from torch._inductor import ir
 
-    def hint(x) -> int:
-        return int(graph.sizevars.optimization_hint(x, fallback=0))
-
     output = next(n for n in reversed(graph.module.graph.nodes) if n.op == "output")
     specs = []
     for arg, value in zip(output.args[0], graph.graph_outputs):
@@ -636,8 +634,8 @@ def _output_specs(graph) -> tuple:
             name = graph.name_to_buffer[name].get_inputs_that_alias_output()[0]
         try:  # as Inductor lays it out (its layout optimization may make it channels-last), offset in its storage
             layout = value.get_layout()
-            size, stride = tuple(map(hint, layout.size)), tuple(map(hint, layout.stride))
-            offset = hint(layout.offset) if view else 0
+            size, stride = _ints(graph, layout.size), _ints(graph, layout.stride)
+            offset = _ints(graph, [layout.offset])[0] if view else 0
         except (AttributeError, NotImplementedError, TypeError):
             size, stride, offset = tuple(map(int, val.shape)), tuple(map(int, val.stride())), 0
         specs.append((name, size, stride, offset, val.dtype))
