@@ -49,14 +49,17 @@ def test_run_program_repeats_allocations_reuse_aliases_and_frees():
     at offset 1, and the caller's input list is emptied."""
     program = GraphProgram(("x",), (
         ("alloc", "buf0", (4,), (1,), torch.float32, "m", "aten.mul.Tensor"),
-        ("reuse", "buf1", "buf0"), ("alias", "buf2", "buf1"), ("free", "x"), ("free", "buf1")),
+        ("reuse", "buf1", "buf0", "n", "aten.add.Tensor", (2, 2), (2, 1)), ("alias", "buf2", "buf1"), ("free", "x"),
+        ("free", "buf1")),
         (("buf2", (3,), (1,), 1, torch.float32), None, 7))
     seen = []
     with torch._subclasses.fake_tensor.FakeTensorMode():
         x = torch.empty(4)
         inputs = [x]
-        out = run_program(program, inputs, lambda t, module, op: seen.append((tuple(t.shape), module, op)))
-    assert inputs == [] and seen == [((4,), "m", "aten.mul.Tensor")]
+        out = run_program(program, inputs, lambda t, module, op, reused: seen.append((tuple(t.shape), module, op,
+                                                                                     reused)))
+    # the reuse reports the dying buffer's tensor and the new buffer's sizes
+    assert inputs == [] and seen == [((4,), "m", "aten.mul.Tensor", None), ((4,), "n", "aten.add.Tensor", (2, 2))]
     assert out[1:] == [None, 7]
     assert out[0].shape == (3,) and out[0].storage_offset() == 1
     assert out[0].untyped_storage()._cdata != x.untyped_storage()._cdata

@@ -258,7 +258,7 @@ def _render_compiled(report: MemoryReport, console: Console) -> None:
                                                                              else f"costs {format_bytes(-saved)}"))
     grid.add_row("activations", f"{format_bytes(c['activation_bytes'])} at the end of the forward (eager: "
                                 f"{format_bytes(c['activation_bytes_eager'])}); the forward graphs save "
-                                f"{format_bytes(c['saved_bytes'])}")
+                                f"{format_bytes(c['saved_bytes'])} of what they compute")
     grid.add_row("graphs", f"{c['forward_graphs']} forward, {c['backward_graphs']} backward"
                            + (" (graph breaks: the code between them runs eagerly)" if c["forward_graphs"] > 1 else ""))
     rows = c["recomputed"]

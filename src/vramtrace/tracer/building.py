@@ -48,7 +48,7 @@ class LoadedModel:
     compute_dtype: torch.dtype | None
     attn_implementation: str
     layer_plan: LayerPlan | None = None  # where the repeated layers are, when the model can be traced shallow
-    traced_model: torch.nn.Module | None = None  # the same model with TRACED_LAYERS layers (with layer_plan)
+    traced_model: torch.nn.Module | None = None  # the same model with `layer_plan.traced` layers (with layer_plan)
     replication_note: str = ""  # why every layer is traced, when it is
     num_layers: int = 0  # layers in the model's checkpointable stack (0: none found)
     layer_stack_path: str = ""  # its qualified name, e.g. 'model.layers'
@@ -220,16 +220,18 @@ def _layer_signature(layer: torch.nn.Module) -> tuple:
             tuple((n, type(m).__name__, getattr(m, "training", None)) for n, m in layer.named_modules()))
 
 
-def layer_plan(model: torch.nn.Module, config) -> tuple[LayerPlan | None, dict[str, Any], str]:
-    """(plan, config overrides for the shallow model, note) for tracing `TRACED_LAYERS` of the model's layers.
+def layer_plan(model: torch.nn.Module, config, head: int = 1) -> tuple[LayerPlan | None, dict[str, Any], str]:
+    """(plan, config overrides for the shallow model, note) for tracing `head` + 3 of the model's layers
+    (`LayerPlan.head`: how many leading layers are kept as traced; head 1 traces `TRACED_LAYERS`).
 
-    The plan needs `config.num_hidden_layers` = L > TRACED_LAYERS, exactly one `nn.ModuleList` of L layers, the
+    The plan needs `config.num_hidden_layers` = L > head + 3, exactly one `nn.ModuleList` of L layers, the
     layers alike (class, parameter and buffer shapes, submodules), and no per-layer config list whose entries
     differ (e.g. `layer_types` alternating sliding and full attention). Otherwise the plan is None and `note`
     says why.
     """
     L = getattr(config, "num_hidden_layers", None)
-    if not isinstance(L, int) or L <= TRACED_LAYERS:
+    traced = head + 3
+    if not isinstance(L, int) or L <= traced:
         return None, {}, f"{L} layers: every layer traced"
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == L]
     if len(lists) != 1:
@@ -238,13 +240,13 @@ def layer_plan(model: torch.nn.Module, config) -> tuple[LayerPlan | None, dict[s
     first = _layer_signature(layers[0])
     if any(_layer_signature(m) != first for m in layers):
         return None, {}, "the layers differ: every layer traced"
-    overrides: dict[str, Any] = {"num_hidden_layers": TRACED_LAYERS}
+    overrides: dict[str, Any] = {"num_hidden_layers": traced}
     for key, value in config.to_dict().items():
         if isinstance(value, (list, tuple)) and len(value) == L and key != "architectures":
             if any(v != value[0] for v in value):
                 return None, {}, f"config.{key} differs between layers: every layer traced"
-            overrides[key] = list(value[:TRACED_LAYERS])
-    return LayerPlan(prefix, L), overrides, ""
+            overrides[key] = list(value[:traced])
+    return LayerPlan(prefix, L, head), overrides, ""
 
 
 def _image_size(spec: RunSpec, config) -> tuple[int, int]:
@@ -449,7 +451,8 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
     elif spec.replicate_layers and ckpt.kind == "modules":
         note = f"checkpointing {ckpt} may differ between layers: every layer traced"
     elif spec.replicate_layers:
-        plan, overrides, note = layer_plan(model, config)
+        # a compiled step keeps two leading layers (replication.py): Inductor's first layer reuses no buffers
+        plan, overrides, note = layer_plan(model, config, head=2 if spec.compile else 1)
     if plan is not None:
         shallow = copy.deepcopy(config)
         for key, value in overrides.items():
@@ -458,8 +461,9 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
                                                                     device), param_dtype), device)
         traced_model.train(spec.mode is Mode.TRAIN)
         stack = dict(traced_model.named_modules()).get(plan.prefix)
-        if not isinstance(stack, torch.nn.ModuleList) or len(stack) != TRACED_LAYERS:
-            plan, traced_model, note = None, None, "the 4-layer copy has no matching layer stack: every layer traced"
+        if not isinstance(stack, torch.nn.ModuleList) or len(stack) != plan.traced:
+            plan, traced_model, note = None, None, (f"the {plan.traced}-layer copy has no matching layer stack: "
+                                                    "every layer traced")
     task = _task(model)
     if task == Task.QUESTION_ANSWERING.value and getattr(config, "num_labels", 2) != 2:
         raise ModelLoadError(f"{arch} splits its logits into start and end (transformers' qa_outputs): it needs "

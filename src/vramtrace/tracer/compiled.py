@@ -51,7 +51,8 @@ from ..analysis.graph_liveness import storage_key
 class GraphProgram:
     """What one graph's generated code allocates and frees, in order, for `run_program` to repeat: `inputs` the
     graph's input names; `events` ("alloc", buffer, size, stride, dtype, module path, aten op) | ("reuse", buffer,
-    the dying buffer or input whose storage it takes over) | ("alias", buffer, the buffer or input it views) |
+    the dying buffer or input whose storage it takes over, module path, aten op, the buffer's size and stride) |
+    ("alias", buffer, the buffer or input it views) |
     ("workspace", bytes, module path, aten op: an extern kernel's CPU workspace, held while it runs) | ("tuple",
     a fallback kernel's result, the outputs just allocated that it holds) | ("free", buffer or input: the code
     drops its reference); `outputs` per output (`_output_specs`)."""
@@ -122,14 +123,15 @@ class CompiledTwin:
     `module` the `torch.compile` wrapper to call, `twin` the module it wraps (its parameters are what an optimizer
     steps), `args`/`kwargs` the fake inputs, `graphs` what Inductor compiled (in the order it compiled them). Each
     compiled graph, when called, repeats its generated code's allocations and frees (`run_program`) and calls
-    `on_alloc(tensor, module path, aten op)` for each allocation when set."""
+    `on_alloc(tensor, module path, aten op, reused)` for each allocation (reused None) and reuse (reused: the new
+    buffer's sizes) when set."""
 
     module: torch.nn.Module
     twin: torch.nn.Module
     args: tuple
     kwargs: dict
     graphs: list[CapturedGraph]
-    on_alloc: Callable[[torch.Tensor, str, str], None] | None = None  # (tensor, module path, aten op)
+    on_alloc: Callable[[torch.Tensor, str, str, tuple | None], None] | None = None  # (tensor, module, op, reused)
     calls: int = 0  # compiled graphs called since the twin was made (dynamo may fall back to eager)
 
 
@@ -226,9 +228,10 @@ def compiled_twin(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
 def run_program(program: GraphProgram, inputs: list, on_alloc: Callable | None = None) -> list:
     """Run one compiled graph's allocations and frees (`GraphProgram`) on `inputs` (a list the call empties, as
     Inductor's generated code clears its argument list) and return its outputs: tensors of each output's size,
-    stride and dtype over the storage of the buffer or input it views. `on_alloc(tensor, module path, aten op)` is
-    called after each allocation (the op the buffer was lowered from). No values are computed (the inputs are fake
-    tensors)."""
+    stride and dtype over the storage of the buffer or input it views. `on_alloc(tensor, module path, aten op,
+    reused)` is called after each allocation (reused None) and each reuse (reused: the new buffer's sizes; `tensor`
+    is the dying buffer, whose storage it takes over), with the module and op the buffer was lowered from. No values
+    are computed (the inputs are fake tensors), and no op runs but the allocations."""
     args = list(inputs)
     inputs.clear()
     index = {name: i for i, name in enumerate(program.inputs)}
@@ -240,22 +243,25 @@ def run_program(program: GraphProgram, inputs: list, on_alloc: Callable | None =
             _, name, size, stride, dtype, module, op = event
             bufs[name] = torch.empty_strided(size, stride, dtype=dtype, device=device)
             if on_alloc is not None:
-                on_alloc(bufs[name], module, op)
+                on_alloc(bufs[name], module, op, None)
         elif event[0] == "tuple":  # a fallback kernel's returned tuple: it holds the outputs allocated just before
             tuples[event[1]] = [bufs[child] for child in event[2]]
         elif event[0] == "workspace":  # held while the extern kernel runs
             scratch = torch.empty((event[1],), dtype=torch.uint8, device=device)
             if on_alloc is not None:
-                on_alloc(scratch, event[2], event[3])
+                on_alloc(scratch, event[2], event[3], None)
             del scratch
         elif event[0] in ("reuse", "alias"):  # a reuse takes over the dying buffer's storage; an alias views it
-            _, name, source = event
+            name, source = event[1:3]
             if source in bufs:
                 bufs[name] = bufs.pop(source) if event[0] == "reuse" else bufs[source]
             elif source in index and args[index[source]] is not None:
                 bufs[name] = args[index[source]]
                 if event[0] == "reuse":
                     args[index[source]] = None
+            if event[0] == "reuse" and name in bufs and on_alloc is not None:
+                # the buffer's own sizes (its storage's bytes are the dying buffer's), with no op run for them
+                on_alloc(bufs[name], event[3], event[4], tuple(bufs[name].shape) if event[5] is None else event[5])
         else:
             tuples.pop(event[1], None)
             if event[1] in bufs:
@@ -438,7 +444,9 @@ def _cpu_allocations(graph, source: str, kept_inputs: set[str] | None,
             base = re.match(r"^(?:reinterpret_tensor\()?(\w+)(?:,|\)|$)", rhs)
             if "reuse" in comment:
                 donor = re.search(r"del (\w+)", code)
-                events.append(("reuse", name, donor.group(1) if donor else base.group(1)))
+                events.append(("reuse", name, donor.group(1) if donor else base.group(1),
+                               *(_origin(buffers[name]) if name in buffers else ("", "")),
+                               *(layout(name)[:2] if name in buffers else (None, None))))
             elif rhs.startswith(("empty_strided_cpu(", "empty_strided(")):
                 events += allocation(name, rhs)
             elif re.match(r"^\w+\[\d+\]$", rhs):  # a fallback kernel's output, allocated by its call
@@ -655,9 +663,10 @@ def _origin(node) -> tuple[str, str]:
     """(module path as `named_modules` writes it, aten op) of the FX node a buffer was lowered from (its
     `origin_node`, else the first of its origins that records a module): dynamo's `nn_module_stack` (the forward's
     nodes) or `fwd_nn_module_stack` (the backward's); the op as the graph had it before Inductor's decompositions
-    (`original_aten`) when known."""
+    (`original_aten`) when known. A buffer with an origin node outside every module (the loss's gradient) has
+    none: a fused kernel's other origins would lend it a module it does not belong to."""
     first = getattr(node, "origin_node", None)
-    origins = ([first] if first is not None else []) + list(getattr(node, "origins", ()))
+    origins = [first] if first is not None else list(getattr(node, "origins", ()))
     op = ""
     for origin in origins:
         op = op or str(origin.meta.get("original_aten") or origin.target)

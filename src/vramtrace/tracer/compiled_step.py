@@ -38,17 +38,56 @@ from .checkpointing import apply_checkpointing, layer_stack
 from .compiled import compiled_twin, module_path
 from .kernels import CpuWorkspaceProbe, KernelPolicyMode
 from .optim import make_optimizer
-from .records import OpInfo, Phase
+from .records import MicroMarks, OpInfo, Phase
 from .recorder import StepRecorder
+from .replication import LayerPlan, NotPeriodic, replicate_layers
 from .step import StepContext, run_training
-from .trace import TracedGraph, _cpu_kernels, _optimizer_hooks, _tag_gradients, _TraceObserver
+from .trace import TracedGraph, _check_parameters, _cpu_kernels, _optimizer_hooks, _tag_gradients, _TraceObserver
 
 
 def trace_compiled(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], None] | None = None) -> TracedGraph:
     """Record `steps` optimizer steps of `spec`'s loop on `torch.compile(loaded.model)` (Inductor, default mode).
-    Raises TraceError when dynamo or Inductor fails on the model (`RunSpec` refuses what is not traced)."""
+    Raises TraceError when dynamo or Inductor fails on the model (`RunSpec` refuses what is not traced).
+
+    With a `loaded.layer_plan`, the model with `plan.traced` layers is compiled and traced, and the records of
+    all layers are rebuilt (`replication.replicate_layers`) as the eager tracer does: Inductor fuses across layer
+    boundaries, so the check that layer 2 repeats layer 1 op for op runs on the compiled record; if it fails, every
+    layer is compiled and traced."""
     say = progress or (lambda _msg: None)
-    model = loaded.model
+    plan = loaded.layer_plan
+    if plan is not None:
+        say(f"compiling {plan.traced} of {plan.num_layers} layers")
+        rec, obs, optimizer, twin, probe = _compile_and_record(spec, loaded, loaded.traced_model, say)
+        try:
+            ops, storages, new_index = replicate_layers(plan, rec.ops, rec.storages)
+            _check_parameters(loaded.model, storages, spec)
+            marks = [MicroMarks(m.step, m.micro, new_index[m.forward_returned], new_index[m.loss_taken],
+                                new_index[m.body_end]) for m in obs.marks]
+            note = f"compiled and traced {plan.traced} of {plan.num_layers} layers; layer {plan.template} replicated"
+        except NotPeriodic as e:
+            note = f"every layer compiled and traced ({e})"
+            say(note)
+            plan = None
+    else:
+        note = f"every layer compiled and traced{f' ({loaded.replication_note})' if loaded.replication_note else ''}"
+    if plan is None:
+        rec, obs, optimizer, twin, probe = _compile_and_record(spec, loaded, loaded.model, say)
+        ops, storages, marks = rec.ops, rec.storages, obs.marks
+    return TracedGraph(
+        ops=tuple(OpInfo(o.index, o.name, o.phase, o.module, o.ins, o.outs, o.flops, o.recompute, o.step, o.micro,
+                         o.frees) for o in ops),
+        storages=tuple(storages), marks=tuple(marks), steps=max((o.step for o in ops), default=0) + 1,
+        counted_devices=("meta", "cpu"), sdpa_backends=(), has_optimizer=optimizer is not None,
+        trace_note=f"torch.compile (Inductor's CPU graphs); {note}",
+        unresolved=tuple(dict.fromkeys(rec.unresolved)) + tuple(
+            f"{op}: CPU kernel workspace not measured, counted as 0 bytes ({why})"
+            for op, why in probe.failures.items()),
+        cpu_environment=_cpu_kernels(probe), compiled=graphs_summary(twin.graphs, plan))
+
+
+def _compile_and_record(spec: RunSpec, loaded: LoadedModel, model: torch.nn.Module, say: Callable[[str], None]):
+    """Compile a fake twin of `model` (the full model or its shallow copy) and record the step on it. Returns
+    (recorder, observer, optimizer or None, the `CompiledTwin`, the `CpuWorkspaceProbe`). Raises TraceError."""
 
     def prepare(twin: torch.nn.Module) -> None:
         apply_checkpointing(twin, spec.checkpointing, None, layer_stack(twin))
@@ -67,26 +106,26 @@ def trace_compiled(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str],
     except Exception as e:
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TraceError(f"torch.compile failed on the model: {type(e).__name__}: {text}") from e
-    ops = rec.ops
-    return TracedGraph(
-        ops=tuple(OpInfo(o.index, o.name, o.phase, o.module, o.ins, o.outs, o.flops, o.recompute, o.step, o.micro,
-                         o.frees) for o in ops),
-        storages=tuple(rec.storages), marks=tuple(obs.marks), steps=max((o.step for o in ops), default=0) + 1,
-        counted_devices=("meta", "cpu"), sdpa_backends=(), has_optimizer=optimizer is not None,
-        trace_note="torch.compile (Inductor's CPU graphs); every layer traced",
-        unresolved=tuple(dict.fromkeys(rec.unresolved)) + tuple(
-            f"{op}: CPU kernel workspace not measured, counted as 0 bytes ({why})"
-            for op, why in probe.failures.items()),
-        cpu_environment=_cpu_kernels(probe), compiled=graphs_summary(twin.graphs))
+    return rec, obs, optimizer, twin, probe
 
 
-def graphs_summary(graphs) -> dict:
-    """What the report says about the compiled graphs: how many of each kind, the bytes the forward graphs save for
-    the backward (their outputs that are not the model's outputs: AOTAutograd's `user_visible_output_idxs`), and
+def graphs_summary(graphs, plan: LayerPlan | None = None) -> dict:
+    """What the report says about the compiled graphs: how many of each kind, the bytes the forward graphs compute
+    and save for the backward (their outputs that are not the model's outputs, AOTAutograd's
+    `user_visible_output_idxs`, nor graph inputs: the parameters a backward reads are not counted), and
     the ops the partitioner chose to recompute in the backward (backward-graph nodes tagged `is_forward` by
     torch/_functorch/partitioners.py, views left out), grouped by module pattern and op, largest output bytes
-    first: [{"module": "transformer.h.*.mlp", "op": "aten.mul.Tensor", "count": int, "bytes": int}]."""
+    first: [{"module": "transformer.h.*.mlp", "op": "aten.mul.Tensor", "count": int, "bytes": int}].
+
+    With `plan`, the graphs are those of the shallow model: a node of a traced layer counts for the layers of the
+    full model it stands for (`LayerPlan.weight`), a node of no layer once."""
     from ..analysis.graph_liveness import storage_key
+
+    def weight(node: torch.fx.Node) -> int:
+        if plan is None:
+            return 1
+        stack = node.meta.get("nn_module_stack") or {}
+        return plan.weight(plan.layer_of(module_path(list(stack.values())[-1][0])) if stack else None)
 
     saved = 0
     recomputed: dict[tuple[str, str], list[int]] = {}
@@ -97,8 +136,9 @@ def graphs_summary(graphs) -> dict:
             visible = set(output.meta.get("user_visible_output_idxs", []))
             keys = {}
             for i, a in enumerate(output.args[0]):
-                if i not in visible and isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
-                    keys.setdefault(storage_key(a), a.meta["val"].untyped_storage().nbytes())
+                if (i not in visible and isinstance(a, torch.fx.Node) and a.op != "placeholder"
+                        and isinstance(a.meta.get("val"), torch.Tensor)):
+                    keys.setdefault(storage_key(a), a.meta["val"].untyped_storage().nbytes() * weight(a))
             saved += sum(keys.values())
         elif g.kind == "backward":
             for n in nodes:
@@ -108,9 +148,9 @@ def graphs_summary(graphs) -> dict:
                     stack = n.meta.get("nn_module_stack") or {}
                     module = module_pattern(module_path(list(stack.values())[-1][0])) if stack else ""
                     entry = recomputed.setdefault((module, str(n.target)), [0, 0])
-                    entry[0] += 1
-                    entry[1] += val.numel() * val.element_size()
-    rows = [{"module": m, "op": op, "count": c, "bytes": b} for (m, op), (c, b) in recomputed.items()]
+                    entry[0] += weight(n)
+                    entry[1] += val.numel() * val.element_size() * weight(n)
+    rows = [{"module": m, "op": op, "count": c, "bytes": b} for (m, op), (c, b) in recomputed.items() if c]
     rows.sort(key=lambda r: (-r["bytes"], r["module"], r["op"]))
     return {"forward_graphs": sum(g.kind == "forward" for g in graphs),
             "backward_graphs": sum(g.kind == "backward" for g in graphs), "saved_bytes": saved,
@@ -164,8 +204,11 @@ def _record(spec: RunSpec, loaded: LoadedModel, twin, say, probe: CpuWorkspacePr
         if isinstance(t, torch.Tensor):
             rec.register_existing(t, Category.INPUT, n)
 
-    def on_alloc(t: torch.Tensor, module: str, op: str) -> None:
-        rec.describe(t, module, op)
+    def on_alloc(t: torch.Tensor, module: str, op: str, reused: tuple | None) -> None:
+        if reused is not None:
+            rec.storage_reused(t, module, op, reused)
+        else:
+            rec.describe(t, module, op)
 
     twin.on_alloc = on_alloc
     autocast = ((lambda: torch.autocast("cpu", dtype=loaded.compute_dtype)) if loaded.compute_dtype is not None

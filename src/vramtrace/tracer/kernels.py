@@ -485,6 +485,11 @@ def cpu_environment() -> dict[str, str | int]:
             "torch": torch.__version__}
 
 
+# Tensors above this many bytes make an op worth running at reduced sizes (`CpuWorkspaceProbe`): a Llama-2-7b
+# matmul at batch 4 x 2048 (8192 x 4096 by 4096 x 11008, fp32: 480 MiB) takes seconds on two cores.
+REDUCE_ABOVE_BYTES = 256 << 20
+
+
 def available_host_bytes() -> int:
     """MemAvailable of /proc/meminfo (bytes), else the free pages."""
     try:
@@ -519,12 +524,18 @@ class CpuWorkspaceProbe:
     oneDNN's ISA is at least avx512_core; its size depends on the kernel, the strides and the thread count),
     the CPU flash attention's per-thread buffers (`aten/src/ATen/native/cpu/FlashAttentionKernel.cpp`),
     upcast copies of mixed-dtype pointwise ops, oneDNN reorders and im2col buffers of convolutions
-    (`aten/src/ATen/native/mkldnn/Conv.cpp`, `ConvolutionMM2d.cpp`). An op too large to run here (its inputs
-    and outputs over half the available memory) or failing on zeros is listed in `failures` (reported as
-    unresolved), never counted as 0 silently.
+    (`aten/src/ATen/native/mkldnn/Conv.cpp`, `ConvolutionMM2d.cpp`). An op failing on zeros is listed in
+    `failures` (reported as unresolved), never counted as 0 silently.
+
+    A large op (its tensors over `reduce_above` bytes: a 7B model's matmuls take tens of seconds each on two
+    cores) is run at three reduced sizes instead (`_extrapolated`: its large dimensions cut in every tensor, each
+    keeping its dimension order), and the workspace, if exactly affine over the three, is extrapolated to the
+    full size (listed in `extrapolated`); otherwise the op runs at full size. One too large to run here at full
+    size (over half the available memory) that cannot be extrapolated is a failure.
     """
 
-    def __init__(self, limit_bytes: int | None = None, autocast_dtype: Callable[[], torch.dtype | None] = lambda: None):
+    def __init__(self, limit_bytes: int | None = None, autocast_dtype: Callable[[], torch.dtype | None] = lambda: None,
+                 reduce_above: int | None = None):
         self._cache: dict[tuple, int] = {}
         # the dtype of the (emulated) CPU autocast active where the op runs: the probe runs under the real one,
         # since a kernel outside autocast's op lists (e.g. `_transformer_encoder_layer_fwd`) calls ops that
@@ -533,6 +544,8 @@ class CpuWorkspaceProbe:
         self.failures: dict[str, str] = {}  # op -> why its workspace could not be measured (counted as 0)
         self.notes: dict[str, str] = {}  # op -> where the CPU kernel's outputs differ from the meta kernel's
         self.limit_bytes = available_host_bytes() // 2 if limit_bytes is None else limit_bytes
+        self.reduce_above = REDUCE_ABOVE_BYTES if reduce_above is None else reduce_above
+        self.extrapolated: dict[str, str] = {}  # op -> the dimension its workspace was extrapolated along
 
     @staticmethod
     def _key(x):
@@ -577,6 +590,10 @@ class CpuWorkspaceProbe:
         """(workspace bytes, ((leaf index, shape, stride, dtype), ...) of outputs to lay out as the CPU's)."""
         tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         size = sum(t.untyped_storage().nbytes() for t in tensors)
+        if size > self.reduce_above:
+            reduced = self._extrapolated(func, args, kwargs, out, autocast)
+            if reduced is not None:
+                return reduced, ()
         if size > self.limit_bytes:
             self.failures[str(func)] = f"its tensors ({size >> 20} MiB) exceed half of this machine's available memory"
             return 0, ()
@@ -605,6 +622,51 @@ class CpuWorkspaceProbe:
                                      + "); the trace holds the CPU's")
         return max(peak - _new_output_bytes(cpu_out, _storages(cpu_args, cpu_kwargs)), 0), tuple(layouts)
 
+    def _extrapolated(self, func, args, kwargs, out, autocast) -> int | None:
+        """The workspace of `func` at full size from runs at reduced sizes (class docstring), or None: no dimension
+        to reduce, a run failed, the outputs differ from the meta kernel's beyond the reduction, or the workspaces
+        are not exactly affine in the reduction. Every large dimension (a multiple of 8, 1024 or more) is cut to
+        1/8, 1/4 and 1/2 of its size at once: a matmul then costs 14% of its full run. A kernel whose blocking
+        changes with the sizes (the CPU flash attention's block sizes step at 192 and 768 tokens) is not affine
+        over the three and runs at full size; a step between half and full size is not seen (the smallest run
+        keeps 128 or more of every cut dimension, above the small-size paths of the CPU kernels)."""
+        leaves = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        dims = sorted({d for t in leaves for d in t.shape if d >= 1024 and d % 8 == 0})
+        if not dims:
+            return None
+        factors = (8, 4, 2)
+        found = []
+        for k in factors:
+            w = self._reduced_run(func, args, kwargs, out, autocast, {d: d // k for d in dims})
+            if w is None:
+                return None
+            found.append(w)
+        w1, w2, w3 = found
+        if w3 - w2 != 2 * (w2 - w1) or w2 < w1:
+            return None
+        self.extrapolated[str(func)] = f"sizes {', '.join(map(str, dims))} cut to 1/8, 1/4, 1/2: affine"
+        return w1 + (w2 - w1) * (factors[0] - 1)
+
+    def _reduced_run(self, func, args, kwargs, out, autocast, sizes: dict[int, int]) -> int | None:
+        """The workspace of one run of `func` with its tensors' dimensions cut as `sizes` says, or None (it
+        failed, or its outputs are not the reduced meta outputs)."""
+        r_args, r_kwargs, r_out = (_reduced(tree, sizes) for tree in (args, kwargs, out))
+        if any(x is None for x in (r_args, r_kwargs, r_out)):
+            return None
+        cpu_args, cpu_kwargs = cpu_zeros_like(r_args), cpu_zeros_like(r_kwargs)
+        try:
+            peak, cpu_out = self._measure(func, cpu_args, cpu_kwargs, autocast)
+        except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError):
+            return None
+
+        def layouts(tree):
+            return [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None
+                    for t in torch.utils._pytree.tree_leaves(tree)]
+
+        if layouts(r_out) != layouts(cpu_out):  # a CPU kernel's own output layout (`notes`): a full-size run says
+            return None
+        return max(peak - _new_output_bytes(cpu_out, _storages(cpu_args, cpu_kwargs)), 0)
+
     @staticmethod
     def _measure(func, args, kwargs, autocast: torch.dtype | None):
         """(in-op allocation peak in bytes, the output) of one real run of the op."""
@@ -615,6 +677,45 @@ class CpuWorkspaceProbe:
         finally:
             torch.default_generator.set_state(rng)
         return peak, out
+
+
+def _reduced(tree, sizes: dict[int, int]):
+    """`tree` (an op's arguments or outputs, meta tensors) with every tensor dimension whose size is a key of
+    `sizes`, and every such int in a list of sizes, cut to its value; each tensor keeps its dimension order (its
+    strides are those of a dense tensor laid out in the original order; broadcast dimensions keep stride 0). None
+    when a tensor is not dense in its order (a slice, an overlapping view): its reduced strides would be a guess."""
+    def tensor(t: torch.Tensor):
+        shape = [sizes.get(d, d) for d in t.shape]
+        order = sorted(range(t.dim()), key=lambda i: (t.stride(i), -i))  # innermost first
+        expect, new_expect, stride = 1, 1, [0] * t.dim()
+        for i in order:
+            if t.stride(i) == 0 or t.shape[i] == 1:
+                stride[i] = 0 if t.stride(i) == 0 else new_expect
+                continue
+            if t.stride(i) != expect:
+                return None
+            stride[i] = new_expect
+            expect *= t.shape[i]
+            new_expect *= shape[i]
+        return torch.empty_strided(shape, stride, dtype=t.dtype, device="meta")
+
+    def is_sizes(x) -> bool:
+        return isinstance(x, (list, tuple)) and bool(x) and all(type(v) is int for v in x)
+
+    bad = []
+
+    def leaf(x):
+        if isinstance(x, torch.Tensor):
+            r = tensor(x)
+            if r is None:
+                bad.append(x)
+            return r
+        if is_sizes(x):
+            return type(x)(sizes.get(v, v) for v in x)
+        return x
+
+    out = torch.utils._pytree.tree_map(leaf, tree, is_leaf=is_sizes)
+    return None if bad else out
 
 
 def _storages(*trees) -> set[int]:

@@ -25,7 +25,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..errors import UnsupportedOpError
 from .kernels import cpu_zeros_like
-from .records import Phase, RecOp, RecStorage
+from .records import REUSE_OP, Phase, RecOp, RecStorage
 
 FALLBACK_LIMIT_BYTES = 256 << 20  # inputs of an op without a meta kernel that the CPU fallback may run
 
@@ -118,6 +118,27 @@ class StepRecorder(TorchDispatchMode):
                 del self._resized_from[key]
             if sid not in self._resized_away:
                 self.free_after[sid] = len(self.ops) - 1
+
+    def storage_reused(self, t: torch.Tensor, module: str, op: str, shape: tuple[int, ...]) -> None:
+        """t's live storage is taken over by a new buffer of a compiled graph (Inductor's `# reuse` line: memory
+        planning or an in-place kernel hands a dying buffer's storage to the next buffer of the same size, with no
+        free and no allocation in between). The storage's record so far dies after the last op and the new buffer
+        is a new record of the same bytes and the new buffer's `shape`, born at a pseudo-op `REUSE_OP` of `module`
+        with `op` (the op the buffer was lowered from): bytes live never differ from the real run's, and a buffer
+        that one layer hands to the next is owned by each layer in turn, as layer replication needs."""
+        st = storage_of(t)
+        key = st._cdata
+        old = self._live.pop(key, None)
+        if old is None:
+            return
+        self.free_after[old] = len(self.ops) - 1
+        self._resized_away.add(old)  # its finalizer, when the storage dies, is the new record's free, not its own
+        index = len(self.ops)
+        sid = self.storage_id(t, op_index=index, op=op or REUSE_OP)
+        self.storages[sid].module = module or self.storages[sid].module
+        self.storages[sid].shape = tuple(shape)
+        self.ops.append(RecOp(index, REUSE_OP, self.phase, module or self.current_module(), (), (sid,), (), 0, 0,
+                              False, self.step, self.micro))
 
     def storage_resized(self, t: torch.Tensor) -> None:
         """t's storage was resized in place (`UntypedStorage.resize_`, which the dispatcher does not see; FSDP2's
@@ -242,11 +263,14 @@ class StepRecorder(TorchDispatchMode):
 
     def describe(self, t: torch.Tensor, module: str, op: str) -> None:
         """Give t's live storage the module and the op it belongs to (a compiled graph's buffer: both come from the
-        FX node it was lowered from, not from the module stack and the allocating call)."""
+        FX node it was lowered from, not from the module stack and the allocating call); the op that allocated it
+        gets the module too (layer replication reads an op's layer from its module)."""
         sid = self._live.get(storage_of(t)._cdata)
         if sid is not None:
             s = self.storages[sid]
             s.module, s.op = module or s.module, op or s.op
+            if module and 0 <= s.op_index < len(self.ops) and self.ops[s.op_index].outs == (sid,):
+                self.ops[s.op_index].module = module
 
     def set_category(self, t: torch.Tensor, category: str, name: str = "") -> None:
         """Give t's storage `category` (a storage outside the allocator, `managed`, keeps its own) and a name."""

@@ -9,6 +9,12 @@ import enum
 from dataclasses import dataclass
 
 
+# The pseudo-op of a compiled graph's buffer that takes over a dying buffer's storage (Inductor's `# reuse` lines;
+# recorder.py `StepRecorder.storage_reused`): a birth that an allocation (`ALLOCATION_OP`) makes elsewhere.
+REUSE_OP = "inductor.reuse"
+ALLOCATION_OP = "aten.empty_strided.default"  # how a compiled graph's buffers are allocated (compiled.run_program)
+
+
 class Phase(str, enum.Enum):
     """The part of the step an op runs in (`tracer/step.py` runs them in this order)."""
 

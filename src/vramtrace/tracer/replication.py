@@ -20,6 +20,10 @@ records of the full model:
   resolved for each F.
 - A global op whose storage lists span layers (a foreach op over every parameter, the frees at the end of an
   autocast region) gets layer 1's entries once per middle layer; layer 2's entries were the check.
+- A compiled step (`--compile`) keeps its first two layers as traced (`LayerPlan.head` = 2: 5 layers traced,
+  layer 2 the template, layer 3 the check): Inductor's memory planning hands each layer's dying buffers to the
+  next layer's, so the first layer, with no earlier layer's buffers to take, allocates what the others reuse, and
+  the second layer's references into it are unlike the third's into the second.
 
 Pure data in, pure data out: no torch here.
 """
@@ -31,9 +35,9 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
-from .records import RecOp, RecStorage
+from .records import ALLOCATION_OP, REUSE_OP, RecOp, RecStorage
 
-TRACED_LAYERS = 4  # layers 0 and 3 are the boundary layers, 1 the template, 2 the check
+TRACED_LAYERS = 4  # layers 0 and 3 are the boundary layers, 1 the template, 2 the check (`LayerPlan.head` = 1)
 _ANY_LAYER = "\0L\0"
 
 
@@ -44,10 +48,26 @@ class NotPeriodic(Exception):
 @dataclass(frozen=True, slots=True)
 class LayerPlan:
     """Where the repeated layers are: `prefix` is the qualified name of their ModuleList (e.g. 'model.layers'),
-    `num_layers` is L of the full model; the traced model has `TRACED_LAYERS` of them."""
+    `num_layers` is L of the full model; the traced model has `traced` = `head` + 3 of them: `head` leading layers
+    kept as traced (1: the first layer; a compiled graph's second layer still differs from the third, since the
+    first has no earlier layer's buffers for Inductor's memory planning to reuse), the template layer `head`, the
+    check layer `head` + 1 and the last layer."""
 
     prefix: str
     num_layers: int
+    head: int = 1
+
+    @property
+    def traced(self) -> int:
+        return self.head + 3
+
+    @property
+    def template(self) -> int:
+        return self.head
+
+    @property
+    def check(self) -> int:
+        return self.head + 1
 
     def layer_of(self, path: str) -> int | None:
         """The traced layer index of a module path, parameter name or state name, or None (global)."""
@@ -67,9 +87,9 @@ class LayerPlan:
 
     def weight(self, traced_layer: int | None) -> int:
         """How many layers of the full model a traced layer's records stand for."""
-        if traced_layer is None or traced_layer in (0, TRACED_LAYERS - 1):
+        if traced_layer is None or traced_layer < self.head or traced_layer == self.traced - 1:
             return 1
-        return self.num_layers - 2 if traced_layer == 1 else 0
+        return self.num_layers - self.head - 1 if traced_layer == self.template else 0
 
 
 @functools.lru_cache(maxsize=8)
@@ -85,16 +105,16 @@ class _Unit:
     tag: tuple  # (phase, sweep number)
 
 
-def _sweeps(phase: str, idxs: list[int], owner_layer: list[int | None], multi: list[bool], group: tuple = ()
-            ) -> list[_Unit]:
+def _sweeps(phase: str, idxs: list[int], owner_layer: list[int | None], multi: list[bool], group: tuple = (),
+            traced: int = TRACED_LAYERS) -> list[_Unit]:
     """The units of every sweep over the layers among the ops `idxs` of one phase. Raises NotPeriodic.
 
-    A sweep visits layers 0, 1, 2, 3 (the forward, an optimizer's loop) or 3, 2, 1, 0 (the backward). Runs of
+    A sweep visits layers 0, 1, .., `traced` - 1 (the forward, an optimizer's loop) or back (the backward). Runs of
     two neighbouring layers may interleave (the backward of layer i+1 can still be running when a checkpointed
     layer i starts its recompute), so the unit of layer i runs from its first op to the first op of the next
     layer in the sweep; the last layer's unit ends at the sweep's last layer op.
     """
-    last = TRACED_LAYERS - 1
+    last = traced - 1
     runs: list[list[int]] = []  # [layer, first op, last op]
     for k in idxs:
         layer = owner_layer[k]
@@ -111,7 +131,10 @@ def _sweeps(phase: str, idxs: list[int], owner_layer: list[int | None], multi: l
             step = 1 if cur[0][0] == 0 else -1
             front = max(r[0] for r in cur) if step == 1 else min(r[0] for r in cur)
             done = front == (last if step == 1 else 0)
-            if run[0] in (front, front + step) or (run[0] == front - step and not done):
+            # a neighbour's run may continue after the front moved on, also past the sweep's last layer (a
+            # compiled backward graph interleaves a checkpointed layer's recompute with the backward of the layer
+            # after it); a new sweep starts at the first or the last layer
+            if run[0] in (front, front + step) or (run[0] == front - step and not (done and run[0] in (0, last))):
                 cur.append(run)
                 continue
             if not done:
@@ -122,7 +145,7 @@ def _sweeps(phase: str, idxs: list[int], owner_layer: list[int | None], multi: l
     units: list[_Unit] = []
     for n, sweep in enumerate(sweeps):
         order = [sweep[0][0]] + [r[0] for a, r in zip(sweep, sweep[1:]) if r[0] not in [x[0] for x in sweep[:sweep.index(r)]]]
-        if sorted(order) != list(range(TRACED_LAYERS)):
+        if sorted(order) != list(range(traced)):
             raise NotPeriodic(f"a sweep of the {phase} phase visits the layers {order}")
         first = {layer: min(r[1] for r in sweep if r[0] == layer) for layer in order}
         end = max(r[2] for r in sweep)
@@ -163,7 +186,7 @@ def _own_births(plan: LayerPlan, o: RecOp, born: list[int], unit: tuple[_Unit, t
         for slot, s in enumerate(o.outs):
             src = owner[o.ins[slot]]
             owner[s] = None if src is None else (src[0], ("list", o.index, src[1]))
-    elif 1 in layers and 2 in layers and not _stacks_its_inputs(o, born, storages):
+    elif plan.template in layers and plan.check in layers and not _stacks_its_inputs(o, born, storages):
         raise NotPeriodic(f"{o.name} allocates storages from every layer's storages")
 
 
@@ -183,7 +206,7 @@ def _stacks_its_inputs(o: RecOp, born: list[int], storages: list[RecStorage]) ->
 
 def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorage]
                      ) -> tuple[list[RecOp], list[RecStorage], list[int]]:
-    """The records of the full model (`plan.num_layers` layers) from those of the traced 4-layer model.
+    """The records of the full model (`plan.num_layers` layers) from those of the traced `plan.traced`-layer model.
 
     Needs `ops[i].index == i` and `storages[s].sid == s`. Returns new lists, numbered the same way; storages keep
     their category and are renamed to their layer in the full model (name and module path). A storage's birth
@@ -191,9 +214,9 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
     last copy in the rebuilt ops (a check layer's op: the last rebuilt op before it). Raises NotPeriodic.
     """
     L = plan.num_layers
-    if L <= TRACED_LAYERS:
+    if L <= plan.traced:
         raise NotPeriodic(f"the model has only {L} layers")
-    last = TRACED_LAYERS - 1
+    last, T, C, head = plan.traced - 1, plan.template, plan.check, plan.head
     births: list[list[int]] = [[] for _ in ops]
     for s in storages:
         if s.op_index >= 0:
@@ -235,7 +258,7 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
                     multi[k] = len(seen) > 1
                 for s in births[k]:
                     born_layer[s] = owner_layer[k]
-            phase_units = _sweeps(phase, idxs, owner_layer, multi, group)
+            phase_units = _sweeps(phase, idxs, owner_layer, multi, group, plan.traced)
             for k in idxs:
                 for s in births[k]:
                     owner[s] = None
@@ -243,7 +266,10 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
             for u in phase_units:
                 seen: dict[tuple[str, str], int] = {}
                 for k in range(u.start, u.stop):
-                    what = (ops[k].name, plan.rename(ops[k].module, {u.layer: -1}))
+                    # a compiled graph's buffer that reuses a dying one's storage is keyed as the allocation it
+                    # is in the first layer, which has no earlier layer's buffers to reuse
+                    name = ALLOCATION_OP if ops[k].name == REUSE_OP else ops[k].name
+                    what = (name, plan.rename(ops[k].module, {u.layer: -1}))
                     unit_of[k] = (u, (*what, seen.get(what, 0)))
                     seen[what] = seen.get(what, 0) + 1
             for k in idxs:
@@ -265,47 +291,50 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
         return (own[0] - layer, own[1])
 
     def sig_op(o: RecOp, layer: int):
-        return (o.name, o.phase, o.lead, o.flops, o.recompute, plan.rename(o.module, {layer: -1}),
+        return (o.name, o.phase, o.lead, o.flops, o.recompute,
+                plan.rename(o.module, {layer: -1, layer + 1: -2, layer - 1: -3}),
                 *(tuple(rel(s, layer) for s in group) for group in (o.ins, o.outs, o.frees, births[o.index])))
 
     def sig_storage(s: RecStorage, layer: int):
         return (s.nbytes, s.dtype, s.shape, s.device, s.op, s.phase, s.category, s.saved, s.op_index < 0,
                 plan.rename(s.name, {layer: -1, layer + 1: -2, layer - 1: -3}), plan.rename(s.module, {layer: -1}))
 
-    check = {u.tag: u for u in units if u.layer == 2}
-    for u1 in (u for u in units if u.layer == 1):
+    check = {u.tag: u for u in units if u.layer == C}
+    for u1 in (u for u in units if u.layer == T):
         u2 = check[u1.tag]
         if u1.stop - u1.start != u2.stop - u2.start:
-            raise NotPeriodic(f"layers 1 and 2 run {u1.stop - u1.start} and {u2.stop - u2.start} ops in {u1.tag[0]}")
+            raise NotPeriodic(f"layers {T} and {C} run {u1.stop - u1.start} and {u2.stop - u2.start} ops in "
+                              f"{u1.tag[0]}")
         for k in range(u1.stop - u1.start):
-            if sig_op(ops[u1.start + k], 1) != sig_op(ops[u2.start + k], 2):
-                raise NotPeriodic(f"layers 1 and 2 differ at {ops[u1.start + k].name} in {u1.tag[0]}")
-    n_owned = [0] * TRACED_LAYERS
+            if sig_op(ops[u1.start + k], T) != sig_op(ops[u2.start + k], C):
+                raise NotPeriodic(f"layers {T} and {C} differ at {ops[u1.start + k].name} in {u1.tag[0]}")
+    n_owned = [0] * plan.traced
     for (layer, key), s in by_key.items():
         n_owned[layer] += 1
-        if layer == 1:
-            s2 = by_key.get((2, key))
-            if s2 is None or sig_storage(storages[s], 1) != sig_storage(storages[s2], 2):
-                raise NotPeriodic(f"layer 2 has no storage like layer 1's {storages[s].name or storages[s].op}")
-    if n_owned[1] != n_owned[2]:
-        raise NotPeriodic("layers 1 and 2 own different numbers of storages")
+        if layer == T:
+            s2 = by_key.get((C, key))
+            if s2 is None or sig_storage(storages[s], T) != sig_storage(storages[s2], C):
+                raise NotPeriodic(f"layer {C} has no storage like layer {T}'s {storages[s].name or storages[s].op}")
+    if n_owned[T] != n_owned[C]:
+        raise NotPeriodic(f"layers {T} and {C} own different numbers of storages")
 
     # 4. rebuild, numbering storages in order of appearance
     new_storages: list[RecStorage] = []
     ids: dict[tuple, int] = {}
-    kept = {0: 0, 1: 1, 2: L - 2, 3: L - 1}
+    kept = {**{i: i for i in range(T + 1)}, C: L - 2, last: L - 1}
 
     def item(final: int, key: tuple) -> tuple[int, int]:
         """(traced sid, final layer) of the storage `key` of layer `final` of the full model."""
-        traced = 0 if final == 0 else last if final == L - 1 else 1
+        traced = final if final < head else last if final == L - 1 else T
         s = by_key.get((traced, key))
         if s is None:
             raise NotPeriodic(f"layer {traced} has no storage for {key}")
         # a boundary layer's storage may be used differently (the last layer's output is saved by the head),
-        # but it must be the same tensor as layer 1's
-        if traced != 1 and (1, key) in by_key and \
-                sig_storage(storages[s], traced)[:5] != sig_storage(storages[by_key[(1, key)]], 1)[:5]:
-            raise NotPeriodic(f"layer {traced}'s {storages[s].name or storages[s].op} is unlike layer 1's")
+        # but it must be the same tensor as the template's (the layers before the one before the template may
+        # own other storages: `LayerPlan.head`)
+        if traced in (T - 1, last) and (T, key) in by_key and \
+                sig_storage(storages[s], traced)[:5] != sig_storage(storages[by_key[(T, key)]], T)[:5]:
+            raise NotPeriodic(f"layer {traced}'s {storages[s].name or storages[s].op} is unlike layer {T}'s")
         return s, final
 
     module_names: dict[tuple, str] = {}  # module paths repeat over storages: rename each (path, layers) once
@@ -344,33 +373,33 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
             nid = ids_f.get(s)
             if nid is None:
                 own = owner[s]
-                nid = ids_f[s] = sid_of(("global", s)) if own is None else sid_of(item(final + own[0] - 1, own[1]))
+                nid = ids_f[s] = sid_of(("global", s)) if own is None else sid_of(item(final + own[0] - T, own[1]))
             out.append(nid)
         return out
 
     def refs_kept(sids: Iterable[int]) -> list[int]:
         sids = list(sids)
         layers = {owner[s][0] for s in sids if owner[s] is not None}
-        spread = 1 in layers and 2 in layers  # a list over every layer: layer 1's entries once per middle layer
+        spread = T in layers and C in layers  # a list over every layer: the template's entries once per middle layer
         out = []
         for s in sids:
             own = owner[s]
             if own is None:
                 out.append(sid_of(("global", s)))
-            elif spread and own[0] == 1:
-                out.extend(sid_of(item(f, own[1])) for f in range(1, L - 1))
-            elif not (spread and own[0] == 2):
+            elif spread and own[0] == T:
+                out.extend(sid_of(item(f, own[1])) for f in range(head, L - 1))
+            elif not (spread and own[0] == C):
                 out.append(sid_of(item(kept[own[0]], own[1])))
         return out
 
     # storages alive at step start (parameters, buffers, inputs) in the full model's order
     pre = [s.sid for s in storages if s.op_index < 0]
-    pre_middle = [s for s in pre if owner[s] is not None and owner[s][0] == 1]
+    pre_middle = [s for s in pre if owner[s] is not None and owner[s][0] == T]
     for s in pre:
         own = owner[s]
-        if own is not None and own[0] in (1, 2):
+        if own is not None and own[0] in (T, C):
             if s == pre_middle[0]:
-                for f in range(1, L - 1):
+                for f in range(head, L - 1):
                     refs_template(pre_middle, f)
             continue
         refs_kept([s])
@@ -403,15 +432,15 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
     k = 0
     while k < len(ops):
         hit = unit_of.get(k)
-        if hit is None or hit[0].layer != 1:
-            if hit is None or hit[0].layer != 2:
+        if hit is None or hit[0].layer != T:
+            if hit is None or hit[0].layer != C:
                 emit(ops[k], module_of(ops[k], kept), refs_kept)
             k += 1
             continue
         u = hit[0]
         descending = any(v.tag == u.tag and v.layer == 0 and v.start > u.start for v in units)
-        for f in (range(L - 2, 0, -1) if descending else range(1, L - 1)):
-            names = {0: f - 1, 1: f, 2: f + 1}
+        for f in (range(L - 2, head - 1, -1) if descending else range(head, L - 1)):
+            names = {T - 1: f - 1, T: f, C: f + 1}
             for t in range(u.start, u.stop):
                 emit(ops[t], module_of(ops[t], names), lambda sids, f=f: refs_template(sids, f))
         k = u.stop

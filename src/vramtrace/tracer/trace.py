@@ -500,8 +500,10 @@ def _trace_step(spec: RunSpec, loaded: LoadedModel, say: Callable[[str], None], 
 def _cpu_kernels(probe: CpuWorkspaceProbe) -> tuple[tuple[str, str | int], ...]:
     """What the CPU target's kernels depend on (`kernels.cpu_environment`), plus the ops whose CPU outputs the
     trace lays out as the CPU kernel does (measured, so exact; named so that the difference from the meta
-    kernels is visible)."""
+    kernels is visible) and the ops whose workspace was extrapolated from runs at reduced sizes."""
     env = cpu_environment()
     if probe.notes:
         env["relaid_outputs"] = "; ".join(f"{op}: {why}" for op, why in sorted(probe.notes.items()))
+    if probe.extrapolated:
+        env["extrapolated_workspaces"] = "; ".join(f"{op}: {how}" for op, how in sorted(probe.extrapolated.items()))
     return tuple(env.items())

@@ -1,0 +1,66 @@
+"""The CPU workspace probe's runs at reduced sizes (kernels.py `CpuWorkspaceProbe`, `_reduced`): a large op's
+workspace extrapolated from three reduced sizes must equal the one measured at full size, and an op whose
+workspace is not affine in the reduced dimension must be measured at full size."""
+
+import torch
+
+from vramtrace.tracer.kernels import CpuWorkspaceProbe, _reduced
+
+aten = torch.ops.aten
+
+
+def _both(func, args, kwargs=None):
+    kwargs = kwargs or {}
+    with torch.no_grad():
+        out = func(*args, **kwargs)
+    full, reduced = CpuWorkspaceProbe(reduce_above=1 << 62), CpuWorkspaceProbe(reduce_above=0)
+    return full(func, args, kwargs, out)[0], reduced(func, args, kwargs, out)[0], reduced
+
+
+def test_reduced_tensors_keep_their_dimension_order_and_broadcasts():
+    t = torch.empty(2048, 512, device="meta").t()  # (512, 2048), strides (1, 512)
+    e = torch.empty(512, 1, device="meta").expand(512, 2048)
+    r, re = _reduced((t, e), {2048: 128})
+    assert r.shape == (512, 128) and r.stride() == (1, 512)
+    assert re.shape == (512, 128) and re.stride() == (1, 0)
+    assert _reduced(([2048, 3],), {2048: 128}) == ([128, 3],)
+    assert _reduced((torch.empty(4096, device="meta")[::2],), {2048: 128}) is None  # a strided slice: not dense
+
+
+def test_an_upcast_copy_is_extrapolated_exactly():
+    """bf16 + fp32 (the CPU kernel copies the bf16 operand to fp32): the copy is affine in every dimension."""
+    a = torch.empty(2, 512, 1024, device="meta", dtype=torch.bfloat16)
+    b = torch.empty(2, 512, 1024, device="meta")
+    full, extrapolated, probe = _both(aten.add.Tensor, (a, b))
+    assert full == extrapolated == 2 * 512 * 1024 * 4
+    assert "aten.add.Tensor" in probe.extrapolated
+
+
+def test_a_workspace_not_affine_in_the_sequence_is_measured_at_full_size():
+    """The CPU flash attention's per-thread buffers follow its block sizes, which step with the sequence length
+    (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp): not affine over 64, 128, 256 tokens."""
+    q = torch.empty(1, 4, 1024, 64, device="meta")
+    full, extrapolated, probe = _both(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q),
+                                      {"is_causal": True})
+    assert full == extrapolated > 0
+    assert not probe.extrapolated
+
+
+def test_a_step_with_every_large_op_extrapolated_predicts_the_measured_peak(monkeypatch):
+    """A tiny Llama at 1024 tokens (the token dimension is cut): the step's peak with every op above 0 bytes run
+    at reduced sizes equals the one with every op measured at full size, to the byte."""
+    import vramtrace
+    from vramtrace.spec import RunSpec
+    from vramtrace.tracer import kernels
+
+    from conftest import FIXTURES
+
+    spec = RunSpec(str(FIXTURES / "tiny-llama-gqa.json"), batch=1, seq=1024, device="cpu", precision="bf16-mixed")
+    reports = {}
+    for above in (0, 1 << 62):
+        monkeypatch.setattr(kernels, "REDUCE_ABOVE_BYTES", above)
+        reports[above] = vramtrace.analyze(spec, levers=False)
+    reduced, full = reports[0], reports[1 << 62]
+    assert "extrapolated_workspaces" in reduced.run["cpu_kernels"]
+    assert "extrapolated_workspaces" not in full.run["cpu_kernels"]
+    assert reduced.peak_allocated_bytes == full.peak_allocated_bytes
