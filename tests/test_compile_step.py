@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import FIXTURES
+from conftest import FIXTURES, deep_config
 from oracle import measure_cpu_peak
 from vramtrace import RunSpec, analyze
 from vramtrace.errors import UsageError
@@ -75,3 +75,16 @@ def test_compile_refuses_what_it_does_not_trace(extra, message):
     with pytest.raises(UsageError, match=message):
         RunSpec(str(FIXTURES / "tiny-gpt2.json"), batch=1, seq=8, compile=True, **extra)
 
+
+
+def test_replicated_compiled_step_equals_every_layer_compiled(tmp_path):
+    """A 6-layer tiny Llama: the compiled step traced on 5 layers with layer 2 replicated (`LayerPlan.head` 2,
+    Inductor's reused buffers as new records, interchangeable buffers freed first born first) has the peak, the
+    activations and the compiled-graph summary of the step traced on all 6 compiled layers."""
+    spec = RunSpec(deep_config(tmp_path, "tiny-llama-gqa", 6), batch=2, seq=64, device="cpu", precision="fp32", use_cache=False, compile=True)
+    replicated = analyze(spec, levers=False)
+    assert "compiled and traced 5 of 6 layers; layer 2 replicated" in replicated.run["trace"]
+    full = analyze(replace(spec, replicate_layers=False), levers=False)
+    assert replicated.peak_allocated_bytes == full.peak_allocated_bytes
+    assert replicated.compiled == full.compiled
+    assert replicated.breakdown_at_peak == full.breakdown_at_peak

@@ -20,7 +20,7 @@ from vramtrace.analysis.liveness import build_timeline
 from vramtrace.tracer.building import load_model
 from vramtrace.tracer.loading import resolve_config
 from vramtrace.tracer.records import RecOp, RecStorage
-from vramtrace.tracer.replication import LayerPlan, NotPeriodic, replicate_layers
+from vramtrace.tracer.replication import LayerPlan, NotPeriodic, canonical_frees, replicate_layers
 from vramtrace.analysis.storages import storage_table
 from vramtrace.tracer.fx_export import to_fx_graph
 from vramtrace.tracer.trace import trace_step
@@ -90,6 +90,28 @@ def _curve(ops, storages):
     infos = [StorageInfo(s.sid, s.nbytes, s.dtype, s.shape, s.device, Category(s.category or "temporary"),
                          s.op_index, s.op, s.module, s.phase, s.name, free_after.get(s.sid), -1) for s in storages]
     return build_timeline(ops, infos, 0, ("meta",)).live_bytes
+
+
+def test_canonical_frees_free_interchangeable_storages_first_born_first():
+    """Two buffers alike but for their birth, freed last born first (as Inductor's memory planning may in one
+    layer and not the next): the canonical record frees the first born first, and every op's bytes are kept. A
+    buffer an op reads, or one of another size, keeps its own free."""
+    b = _Builder()
+    a1, a2 = b.op("alloc", "forward", "m", new_bytes=[16, 16])
+    c = b.op("alloc", "forward", "m", new_bytes=[32])[0]
+    r1, r2 = b.op("alloc", "forward", "m", new_bytes=[8, 8])
+    b.op("read", "forward", "m", ins=(r1,))
+    b.free(a2)
+    b.free(c)
+    b.free(r2)
+    b.op("x", "forward", "m")
+    b.free(a1)
+    b.free(r1)
+    ops = canonical_frees(b.ops, b.storages)
+    assert ops[3].frees == (a1, c, r2) and ops[4].frees == (a2, r1)
+    assert _curve(ops, b.storages) == _curve(b.ops, b.storages)
+    b.storages[a2].shape = (2, 2)  # no longer alike: its own free again
+    assert canonical_frees(b.ops, b.storages)[3].frees == (a2, c, r2)
 
 
 @settings(max_examples=30, deadline=None)

@@ -66,3 +66,11 @@ def format_count(n: int) -> str:
         if n >= scale:
             return f"{n:,} ({n / scale:.2f}{suffix})"
     return f"{n:,}"
+
+
+def format_flops(n: int) -> str:
+    """Format a FLOP count in decimal SI units (1 TFLOP = 10**12 FLOPs), e.g. 8796093022208 -> '8.80 TFLOP'."""
+    for name, scale in (("PFLOP", 10**15), ("TFLOP", 10**12), ("GFLOP", 10**9), ("MFLOP", 10**6), ("KFLOP", 10**3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {name}"
+    return f"{n} FLOP"

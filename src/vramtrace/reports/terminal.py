@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from rich import box
 from rich.console import Console, Group
 from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from ..analysis.aggregate import live_groups
 from ..analysis.categories import OPTIONAL
 from ..analysis.summary import MemoryReport
-from ..units import format_bytes, format_count
+from ..units import format_bytes, format_count, format_flops
 
 _CATEGORY_LABELS = {
     "parameter": "parameters", "gradient": "gradients", "optimizer_state": "optimizer state",
@@ -125,7 +127,8 @@ def render(report: MemoryReport, console: Console) -> None:
                             f"new tokens (greedy), {r['cache']} cache"
                             + (f" in {r['kv_dtype']} (QuantizedCache)" if r.get("kv_dtype", "auto") != "auto" else ""))
     else:
-        head.add_row("run", f"{r['mode']}, {r['precision']}, optimizer {r['optimizer']} ({r['optimizer_impl']}), "
+        optimizer = (f"optimizer {r['optimizer']} ({r['optimizer_impl']}), " if r["mode"] == "train" else "")
+        head.add_row("run", f"{r['mode']}, {r['precision']}, {optimizer}"
                             f"batch {r['batch']}" + (f" × seq {r['seq']}" if r.get("seq") else "")
                      + (f", image {'×'.join(map(str, r['image_size']))}" if r.get("image_size") else "")
                      + f", checkpointing {r['checkpointing']}"
@@ -160,8 +163,10 @@ def render(report: MemoryReport, console: Console) -> None:
                  f" in {report.peak_module or '(root)'}")
     if report.peak_reserved_bytes is not None:
         peak.append(f"   reserved: {format_bytes(report.peak_reserved_bytes)} (caching-allocator model)")
-    extra = Text(f"first step (optimizer state created lazily): {format_bytes(report.first_step_peak_allocated_bytes)}"
-                 f"   graph-optimal (last-use freeing): {format_bytes(report.graph_optimal_peak_bytes)}", style="dim")
+    first = (f"first step (optimizer state created lazily): {format_bytes(report.first_step_peak_allocated_bytes)}   "
+             if report.run["mode"] == "train" else "")
+    extra = Text(f"{first}graph-optimal (last-use freeing): {format_bytes(report.graph_optimal_peak_bytes)}",
+                 style="dim")
     if report.run.get("grad_accum", 1) > 1:
         where.append(f" (micro-step {report.peak_micro_step + 1} of {report.run['grad_accum']})")
     if report.run.get("peak_in"):
@@ -186,7 +191,7 @@ def render(report: MemoryReport, console: Console) -> None:
     bd.add_column("share", justify="right")
     total = max(report.peak_allocated_bytes, 1)
     for cat, b in sorted(report.breakdown_at_peak.items(), key=lambda kv: -kv[1]):
-        if not b and cat in OPTIONAL:
+        if not b and (cat in OPTIONAL or report.run["mode"] != "train"):  # no gradient, no optimizer state rows
             continue
         bd.add_row(_CATEGORY_LABELS.get(cat, cat), format_bytes(b), f"{100 * b / total:.1f}%")
     wf = Table(title="Step waterfall (predicted)", title_justify="left")
@@ -199,13 +204,22 @@ def render(report: MemoryReport, console: Console) -> None:
     console.print(bd)
     console.print(wf)
 
-    top = Table(title="Largest storages live at the peak", title_justify="left")
-    for col, just in (("module / tensor", "left"), ("op", "left"), ("category", "left"), ("shape", "left"),
-                      ("dtype", "left"), ("bytes", "right"), ("born", "right"), ("dies", "right")):
-        top.add_column(col, justify=just, overflow="fold")
+    _render_groups(report, console)
+    wide = console.width >= 120  # below, the columns a reader can spare go, and the rest keep their words whole
+    top = Table(title="Largest storages live at the peak", title_justify="left",
+                box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD)
+    columns = ["module / tensor", "op", "category", "shape", "dtype", "bytes", "born", "dies"]
+    if not wide:
+        columns = ["module / tensor", "op", "shape", "bytes"]
+    for col in columns:
+        top.add_column(col, justify="right" if col in ("bytes", "born", "dies") else "left", overflow="fold",
+                       no_wrap=col in ("bytes", "category", "shape"), ratio=1 if col == "module / tensor" else None)
     for t in report.top_tensors:
-        top.add_row(t.name or t.module or "(root)", t.op.removeprefix("aten.") or "(exists at start)", t.category,
-                    _shape(t.shape), t.dtype, format_bytes(t.bytes), str(t.birth), str(t.death))
+        cells = {"module / tensor": t.name or t.module or "(root)",
+                 "op": t.op.removeprefix("aten.").removesuffix(".default") or "(exists at start)",
+                 "category": t.category, "shape": _shape(t.shape), "dtype": t.dtype, "bytes": format_bytes(t.bytes),
+                 "born": str(t.birth), "dies": str(t.death)}
+        top.add_row(*(cells[c] for c in columns))
     console.print(top)
 
     _render_compiled(report, console)
@@ -234,6 +248,30 @@ def render(report: MemoryReport, console: Console) -> None:
         from .levers import render_levers
 
         render_levers(report.levers, console)
+
+
+GROUP_ROWS = 8  # rows of the by-layer table
+
+
+def _render_groups(report: MemoryReport, console: Console) -> None:
+    """What is live at the peak, by module pattern and category: identical layers folded into one row."""
+    groups = live_groups(report.tensors, report.peak_step)
+    if not groups:
+        return
+    table = Table(title="Live at the peak, by layer (identical layers folded)", title_justify="left",
+                  box=box.SIMPLE_HEAD)
+    table.add_column("modules", overflow="fold", ratio=1)
+    table.add_column("category", no_wrap=True)
+    table.add_column("each", justify="right", no_wrap=True)
+    table.add_column("total", justify="right", no_wrap=True)
+    for g in groups[:GROUP_ROWS]:
+        many = g.instances > 1
+        table.add_row(f"{g.instances} × {g.pattern}" if many else (g.pattern or "(root)"), g.category,
+                      format_bytes(g.bytes_each) if many else "", format_bytes(g.bytes))
+    if len(groups) > GROUP_ROWS:
+        rest = sum(g.bytes for g in groups[GROUP_ROWS:])
+        table.add_row(f"{len(groups) - GROUP_ROWS} more groups", "", "", format_bytes(rest), style="dim")
+    console.print(table)
 
 
 def _pct(x: float) -> str:
@@ -284,7 +322,7 @@ def _render_checkpointing(report: MemoryReport, console: Console) -> None:
                                        f"(without: {format_bytes(ck['peak_allocated_bytes_without'])})")
         grid.add_row("activations", f"{format_bytes(ck['activation_bytes'])} at the end of the forward "
                                     f"(without: {format_bytes(ck['activation_bytes_without'])})")
-        grid.add_row("recompute", f"{ck['recompute_flops']:,} FLOPs, {_pct(ck['recompute_overhead'])} of the "
+        grid.add_row("recompute", f"{format_flops(ck['recompute_flops'])}, {_pct(ck['recompute_overhead'])} of the "
                                   "step's forward + backward FLOPs")
         plan = ck.get("plan")
         if plan:

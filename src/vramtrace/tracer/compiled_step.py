@@ -24,12 +24,12 @@ is traced; every layer is traced (no layer replication); the eager ops' CPU outp
 from __future__ import annotations
 
 import contextlib
-import re
 from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..analysis.aggregate import module_pattern
 from ..analysis.categories import Category
 from ..errors import TraceError, VramtraceError
 from ..spec import RunSpec
@@ -40,7 +40,7 @@ from .kernels import CpuWorkspaceProbe, KernelPolicyMode
 from .optim import make_optimizer
 from .records import MicroMarks, OpInfo, Phase
 from .recorder import StepRecorder
-from .replication import LayerPlan, NotPeriodic, replicate_layers
+from .replication import LayerPlan, NotPeriodic, canonical_frees, replicate_layers
 from .step import StepContext, run_training
 from .trace import TracedGraph, _check_parameters, _cpu_kernels, _optimizer_hooks, _tag_gradients, _TraceObserver
 
@@ -59,7 +59,7 @@ def trace_compiled(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str],
         say(f"compiling {plan.traced} of {plan.num_layers} layers")
         rec, obs, optimizer, twin, probe = _compile_and_record(spec, loaded, loaded.traced_model, say)
         try:
-            ops, storages, new_index = replicate_layers(plan, rec.ops, rec.storages)
+            ops, storages, new_index = replicate_layers(plan, canonical_frees(rec.ops, rec.storages), rec.storages)
             _check_parameters(loaded.model, storages, spec)
             marks = [MicroMarks(m.step, m.micro, new_index[m.forward_returned], new_index[m.loss_taken],
                                 new_index[m.body_end]) for m in obs.marks]
@@ -160,11 +160,6 @@ def graphs_summary(graphs, plan: LayerPlan | None = None) -> dict:
 def _is_view(node: torch.fx.Node) -> bool:
     target = node.target
     return isinstance(target, torch._ops.OpOverload) and target.is_view
-
-
-def module_pattern(path: str) -> str:
-    """'model.layers.3.mlp' -> 'model.layers.*.mlp': the layer index folded, so identical layers group."""
-    return re.sub(r"\.\d+(?=\.|$)", ".*", path)
 
 
 class CompiledStepRecorder(StepRecorder):

@@ -204,6 +204,54 @@ def _stacks_its_inputs(o: RecOp, born: list[int], storages: list[RecStorage]) ->
         storages[i].nbytes * len(o.ins) == s.nbytes for i in o.ins)
 
 
+def canonical_frees(ops: list[RecOp], storages: list[RecStorage]) -> list[RecOp]:
+    """`ops` with the frees of interchangeable storages reassigned first born, first freed.
+
+    Storages are interchangeable when no op reads them (a compiled graph's buffers: `compiled.run_program`
+    allocates and frees them, the kernels that read them are not recorded) and their records agree in everything
+    but their birth (bytes, dtype, shape, device, op, module, phase, category, name, saved, held_as, micro-step).
+    Inductor's memory planning draws each reused buffer from a pool that carries over from one layer to the next,
+    so which of two such buffers dies first can alternate between layers while the bytes alive at every op do
+    not. Freeing, at each free, the earliest born of the interchangeable storages alive keeps every op's bytes
+    and makes the records periodic again for `replicate_layers`. Needs `ops[i].index == i` and
+    `storages[s].sid == s`; returns new ops (storages are unchanged)."""
+    read = {s for o in ops for s in o.ins}
+    group: dict[int, tuple] = {}
+    for st in storages:
+        if st.op_index >= 0 and st.sid not in read:
+            group[st.sid] = (st.nbytes, st.dtype, st.shape, st.device, st.op, st.module, st.phase, st.category,
+                             st.name, st.saved, st.held_as, st.held_micro, ops[st.op_index].step,
+                             ops[st.op_index].micro)
+    born: dict[int, list[int]] = {}
+    for st in storages:
+        if st.sid in group:
+            born.setdefault(st.op_index, []).append(st.sid)
+    alive: dict[tuple, list[int]] = {}  # group -> the records of its storages alive, in birth order
+    record: dict[int, int] = {}  # a storage (its sid in `storages`) -> the record it is now, and back:
+    storage: dict[int, int] = {}  # a free swaps the records of two storages alive
+    out = []
+    for o in ops:
+        for sid in sorted(born.get(o.index, ())):
+            alive.setdefault(group[sid], []).append(sid)
+            record[sid] = storage[sid] = sid
+        frees = []
+        for sid in o.frees:
+            g = group.get(sid)
+            if g is None or sid not in record:
+                frees.append(sid)
+                continue
+            first, mine = alive[g].pop(0), record.pop(sid)
+            if first != mine:  # the storage holding the first record takes this one's
+                other = storage[first]
+                record[other], storage[mine] = mine, other
+            del storage[first]
+            frees.append(first)
+        out.append(o if tuple(frees) == o.frees else RecOp(o.index, o.name, o.phase, o.module, o.ins, o.outs,
+                                                            tuple(frees), o.lead, o.flops, o.recompute, o.step,
+                                                            o.micro))
+    return out
+
+
 def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorage]
                      ) -> tuple[list[RecOp], list[RecStorage], list[int]]:
     """The records of the full model (`plan.num_layers` layers) from those of the traced `plan.traced`-layer model.

@@ -1,0 +1,55 @@
+"""What is live at the peak, aggregated: identical layers folded into one row ("32 × model.layers.*.mlp").
+
+Pure data over a MemoryReport's rows: no torch here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
+
+
+def module_pattern(path: str) -> str:
+    """'model.layers.3.mlp' -> 'model.layers.*.mlp': every layer index folded, so identical layers group."""
+    return _INDEX.sub(".*", path)
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """Storages live at the peak that share a module pattern and a category. `instances` is how many distinct
+    modules of the pattern hold them (32 for one row per decoder layer), `bytes` their total (int bytes),
+    `count` the storages."""
+
+    pattern: str
+    category: str
+    instances: int
+    count: int
+    bytes: int
+
+    @property
+    def bytes_each(self) -> int:
+        """Bytes per module instance (the total when the bytes are not spread evenly, as a mean)."""
+        return self.bytes // max(self.instances, 1)
+
+
+def live_groups(rows, peak: int) -> list[Group]:
+    """The storages of `rows` (TensorRow: module, name, category, bytes, birth, death) live at timeline step
+    `peak`, grouped by (module pattern, category), largest total first. A named storage (a parameter, a
+    gradient, an optimizer state) is placed by its name's module: 'model.layers.0.mlp.up_proj.weight:exp_avg' ->
+    'model.layers.*.mlp.up_proj'; the others by the module that allocated them."""
+    groups: dict[tuple[str, str], list] = {}
+    for r in rows:
+        if not r.birth <= peak <= r.death:
+            continue
+        name = r.name.split(":")[0].split(" ")[0]
+        path = name.rsplit(".", 1)[0] if "." in name else (r.module or name)
+        key = (module_pattern(path), r.category)
+        g = groups.setdefault(key, [set(), 0, 0])
+        g[0].add(path)
+        g[1] += 1
+        g[2] += r.bytes
+    out = [Group(p, c, len(paths), n, b) for (p, c), (paths, n, b) in groups.items()]
+    out.sort(key=lambda g: (-g.bytes, g.pattern, g.category))
+    return out
