@@ -14,8 +14,16 @@ __version__ = "0.1.0"
 __all__ = ["analyze", "compare", "compare_reports", "with_comparison", "RunSpec", "VramtraceError", "__version__"]
 
 
-def analyze(spec: RunSpec, progress: Callable[[str], None] | None = None, levers: bool = True):
+def analyze(spec: RunSpec | None = None, progress: Callable[[str], None] | None = None, levers: bool = True, *,
+            model=None, inputs=None, loss: Callable | None = None, **options):
     """Resolve, build on meta, trace and analyse the step of `spec`. Returns a MemoryReport.
+
+    Without a spec: `analyze(model=..., **options)` with `RunSpec`'s fields as keywords (batch=8, seq=2048,
+    device="cpu", checkpointing="layers", ...). `model` is a model reference (a Hub or bundled id, a config path,
+    "path/model.py:NAME") or an `nn.Module` built on the meta device, traced as a custom module: `inputs` its
+    forward's arguments (a dict of keyword arguments, a tuple of positional ones or one tensor: meta tensors or
+    shape specs such as "int64[B,S]:0..32000") and `loss(output, *inputs)` its training loss (default:
+    `output.loss`, else the mean of the first output tensor); the module is deep-copied, never changed.
 
     With a checkpointing policy the step is also analysed without it, and the report's `checkpointing` holds
     the baseline (peak and activation bytes without the policy) and a note when the policy costs memory.
@@ -26,6 +34,13 @@ def analyze(spec: RunSpec, progress: Callable[[str], None] | None = None, levers
     """
     from dataclasses import replace
 
+    if spec is None or model is not None:
+        return _analyze_model(spec, progress, levers, model, inputs, loss, options)
+    if options or inputs is not None or loss is not None:
+        from .errors import UsageError
+
+        raise UsageError("analyze(spec) takes no other run options: put them in the RunSpec, or call "
+                         "analyze(model=..., batch=..., ...) without a spec")
     say = progress or (lambda _m: None)
     ckpt = spec.checkpointing
     if ckpt.kind == "auto":
@@ -136,6 +151,38 @@ def with_comparison(reports: list, policies) -> object:
              "recompute_overhead": r.recompute_overhead}
             for p, r in zip(policies, reports)]
     return replace(reports[0], comparison=tuple(rows))
+
+
+def _analyze_model(spec, progress, levers, model, inputs, loss, options):
+    """`analyze(model=..., **options)`: the RunSpec from keywords; an nn.Module is registered for the duration
+    (`tracer.custom.in_process_module`) and the report names its class. Raises UsageError."""
+    from dataclasses import replace
+
+    from .errors import UsageError
+
+    if spec is not None:
+        raise UsageError("pass either a RunSpec or model=..., not both")
+    if model is None:
+        raise UsageError("analyze() needs a RunSpec or model=: a model reference string or an nn.Module")
+    if isinstance(model, str):
+        if inputs is not None or loss is not None:
+            raise UsageError("inputs= and loss= go with an nn.Module; for a reference use RunSpec's inputs "
+                             "(shape specs) or a file's example_inputs()/loss()")
+        return analyze(_spec_from(model, options), progress, levers)
+    from .tracer.custom import in_process_module
+
+    with in_process_module(model, inputs, loss) as ref:
+        report = analyze(_spec_from(ref, options), progress, levers)
+    return replace(report, model={**report.model, "ref": f"{type(model).__name__} (nn.Module passed to analyze)"})
+
+
+def _spec_from(model: str, options: dict) -> RunSpec:
+    try:
+        return RunSpec(model, **{"seq": None, **options})  # seq: needed by text models only
+    except TypeError as e:
+        from .errors import UsageError
+
+        raise UsageError(f"analyze(): {e}; the options are RunSpec's fields") from None
 
 
 def compare(spec: RunSpec, policies=COMPARED_POLICIES, progress: Callable[[str], None] | None = None):

@@ -42,7 +42,7 @@ class PhaseMark:
     step: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class MemoryReport:
     """The result of `vramtrace.analyze`. All bytes are ints; GiB in renderers means 2**30."""
 
@@ -75,6 +75,36 @@ class MemoryReport:
     levers: dict[str, Any] | None = None  # when it does not fit: what makes it fit (vramtrace.levers.find_levers)
     compiled: dict[str, Any] | None = None  # --compile: the compiled step against eager (vramtrace.compile_summary)
     schema_version: int = SCHEMA_VERSION
+
+    def __repr__(self) -> str:
+        fit = "" if self.fit is None else f", {'fits' if self.fit['fits'] else 'does not fit'} {self.fit['gpu']}"
+        return (f"<MemoryReport {self.model.get('ref', '?')}: peak allocated {format_bytes(self.peak_allocated_bytes)}"
+                f" ({self.peak_allocated_bytes:,} B) in {self.peak_phase}{fit}; {len(self.tensors):,} storages>")
+
+    def print(self, width: int | None = None) -> None:
+        """Print the terminal report (rich) to stdout, `width` columns (None: the terminal's)."""
+        from rich.console import Console
+
+        from ..reports.terminal import render
+
+        render(self, Console(width=width))
+
+    def to_json(self, path: str | None = None) -> str:
+        """The JSON report (what `--json` writes) as a string; also written to `path` when given. Raises
+        ReportWriteError when `path` cannot be written."""
+        import json
+
+        from ..reports.json_report import write_json
+
+        if path is not None:
+            write_json(self, path)
+        return json.dumps(self.to_dict())
+
+    def to_html(self, path: str) -> None:
+        """Write the self-contained HTML report (what `--html` writes) to `path`. Raises ReportWriteError."""
+        from ..reports.html import write_html
+
+        write_html([self], path)
 
     @property
     def recompute_overhead(self) -> float:

@@ -21,11 +21,14 @@ Importing the file runs it: vramtrace does this only for a file the user names o
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib
 import importlib.util
 import inspect
 import os
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -47,10 +50,50 @@ class CustomModel:
     location: str
 
 
+_IN_PROCESS: dict[str, Any] = {}  # target -> a namespace standing for a file: NAME, example_inputs, loss
+IN_PROCESS_PREFIX = "vramtrace_in_process_"
+
+
+@contextlib.contextmanager
+def in_process_module(module: torch.nn.Module, inputs: Any = None, loss: Callable | None = None):
+    """Inside: a custom-module reference ("vramtrace_in_process_N:ClassName") for `module`, an `nn.Module` the
+    caller built on the meta device (`with torch.device("meta"): model = MyModel()`), that the tracer builds like
+    a file's NAME: each build is a deep copy (the caller's module is never changed). `inputs`, as
+    `example_inputs` would return them: a dict (keyword arguments), a tuple or list (positional) or one tensor;
+    each a meta tensor or a shape spec string "DTYPE[DIMS][:LO..HI]" (B and S: --batch and --seq). `loss(output,
+    *inputs)`: the training loss (default: `output.loss`, else the mean of the first output tensor).
+    Raises UsageError when `module` is not an nn.Module, has tensors off the meta device, or `inputs` is None."""
+    if not isinstance(module, torch.nn.Module):
+        raise UsageError(f"model= takes an nn.Module or a model reference string, not a {type(module).__name__}")
+    off_meta = [(n, t.device) for n, t in [*module.named_parameters(), *module.named_buffers()]
+                if t.device.type != "meta"]
+    if off_meta:
+        raise UsageError(f"the module's {off_meta[0][0]} is on {off_meta[0][1]}: build it on the meta device "
+                         "(with torch.device('meta'): model = MyModel()), so that no weights are allocated")
+    if inputs is None:
+        raise UsageError("analyze(model=<module>) needs inputs=: a dict of keyword arguments, a tuple of positional "
+                         "ones or one tensor (meta tensors, or shape specs such as 'int64[B,S]:0..32000')")
+    name = type(module).__name__
+    target = f"{IN_PROCESS_PREFIX}{len(_IN_PROCESS) + 1}"
+    while target in _IN_PROCESS:
+        target += "_"
+    namespace = {name: lambda: copy.deepcopy(module), "example_inputs": lambda batch, seq: inputs}
+    if loss is not None:
+        namespace["loss"] = loss
+    _IN_PROCESS[target] = types.SimpleNamespace(**namespace, __name__=target)
+    try:
+        yield f"{target}:{name}"
+    finally:
+        del _IN_PROCESS[target]
+
+
 def import_target(target: str, fresh: bool = False):
     """Import `target`: a `.py` file path or a dotted module name (found from the current directory too, as
-    `python -m` would). A file is imported once per process, or anew with `fresh` (its module globals start
-    empty: a --step file's EMA copy). Raises ModelLoadError when it cannot be found or raises while importing."""
+    `python -m` would), or a module registered by `in_process_module`. A file is imported once per process, or anew
+    with `fresh` (its module globals start empty: a --step file's EMA copy). Raises ModelLoadError when it cannot
+    be found or raises while importing."""
+    if target in _IN_PROCESS:
+        return _IN_PROCESS[target]
     if target.endswith(".py"):
         path = Path(target).expanduser().resolve()
         if not path.is_file():
