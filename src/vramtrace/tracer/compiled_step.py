@@ -17,8 +17,8 @@ So the references that keep a tensor alive are the real ones: a saved tensor tha
 outlives the backward's `del`, as it does in a real compiled step.
 
 Limits: the graphs are Inductor's CPU graphs (a CPU-only torch cannot make fake CUDA tensors), so only the CPU target
-is traced; every layer is traced (no layer replication); the eager ops' CPU outputs keep the fake kernels' layouts
-(the eager tracer's `CpuWorkspaceProbe.notes` are not applied).
+is traced; the layers are replicated only where the compiled record is periodic; the eager ops' CPU outputs keep the
+fake kernels' layouts (the eager tracer's `CpuWorkspaceProbe.notes` are not applied).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def trace_compiled(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str],
 
     With a `loaded.layer_plan`, the model with `plan.traced` layers is compiled and traced, and the records of
     all layers are rebuilt (`replication.replicate_layers`) as the eager tracer does: Inductor fuses across layer
-    boundaries, so the check that layer 2 repeats layer 1 op for op runs on the compiled record; if it fails, every
-    layer is compiled and traced."""
+    boundaries, so the check that the check layer repeats the template op for op runs on the compiled record (after
+    `replication.canonical_frees`); if it fails, every layer is compiled and traced."""
     say = progress or (lambda _msg: None)
     plan = loaded.layer_plan
     if plan is not None:

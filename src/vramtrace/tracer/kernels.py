@@ -545,7 +545,7 @@ class CpuWorkspaceProbe:
         self.notes: dict[str, str] = {}  # op -> where the CPU kernel's outputs differ from the meta kernel's
         self.limit_bytes = available_host_bytes() // 2 if limit_bytes is None else limit_bytes
         self.reduce_above = REDUCE_ABOVE_BYTES if reduce_above is None else reduce_above
-        self.extrapolated: dict[str, str] = {}  # op -> the dimension its workspace was extrapolated along
+        self.extrapolated: dict[str, str] = {}  # op -> the sizes its workspace was extrapolated over
 
     @staticmethod
     def _key(x):
