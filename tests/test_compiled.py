@@ -63,13 +63,16 @@ def test_gpt2_graphs_as_inductor_compiles_them():
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     model.train()
     x = torch.randint(0, cfg.vocab_size, (2, 16), device="meta")
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    # another test in this worker may have compiled GPT-2's forward for real first (generate's static-cache
+    # auto-compile); the capture then leaves its entries on that code (docs/compile.md, a known limitation)
+    compiled_before = bool(_debug_get_cache_entry_list(type(model).forward.__code__))
     graphs = capture(model, {"input_ids": x, "labels": x})
     assert [g.kind for g in graphs] == ["forward", "forward", "backward", "backward"]
     assert all(p.device.type == "meta" and p.grad is None for p in model.parameters())
-    # nothing compiled is left in dynamo's caches (the twin's forward functions were compiled first here)
-    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    assert _debug_get_cache_entry_list(type(model).forward.__code__) == []
+    if not compiled_before:  # nothing compiled is left in dynamo's caches (compiled first here)
+        assert _debug_get_cache_entry_list(type(model).forward.__code__) == []
     grads = Counter(tuple(n.meta["val"].shape) for g in graphs if g.kind == "backward"
                     for n in next(n for n in g.gm.graph.nodes if n.op == "output").all_input_nodes
                     if isinstance(n.meta.get("val"), torch.Tensor))
