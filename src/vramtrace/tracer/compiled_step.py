@@ -121,11 +121,13 @@ def graphs_summary(graphs, plan: LayerPlan | None = None) -> dict:
     full model it stands for (`LayerPlan.weight`), a node of no layer once."""
     from ..analysis.graph_liveness import storage_key
 
-    def weight(node: torch.fx.Node) -> int:
-        if plan is None:
-            return 1
+    def module(node: torch.fx.Node) -> str:
+        """The innermost module of dynamo's `nn_module_stack` of `node`, '' outside every module."""
         stack = node.meta.get("nn_module_stack") or {}
-        return plan.weight(plan.layer_of(module_path(list(stack.values())[-1][0])) if stack else None)
+        return module_path(list(stack.values())[-1][0]) if stack else ""
+
+    def weight(node: torch.fx.Node) -> int:
+        return 1 if plan is None else plan.weight(plan.layer_of(module(node)))
 
     saved = 0
     recomputed: dict[tuple[str, str], list[int]] = {}
@@ -145,9 +147,7 @@ def graphs_summary(graphs, plan: LayerPlan | None = None) -> dict:
                 val = n.meta.get("val")
                 if (n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward"
                         and isinstance(val, torch.Tensor) and not _is_view(n)):
-                    stack = n.meta.get("nn_module_stack") or {}
-                    module = module_pattern(module_path(list(stack.values())[-1][0])) if stack else ""
-                    entry = recomputed.setdefault((module, str(n.target)), [0, 0])
+                    entry = recomputed.setdefault((module_pattern(module(n)), str(n.target)), [0, 0])
                     entry[0] += weight(n)
                     entry[1] += val.numel() * val.element_size() * weight(n)
     rows = [{"module": m, "op": op, "count": c, "bytes": b} for (m, op), (c, b) in recomputed.items() if c]

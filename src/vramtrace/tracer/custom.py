@@ -26,6 +26,7 @@ import copy
 import importlib
 import importlib.util
 import inspect
+import itertools
 import os
 import sys
 import types
@@ -52,6 +53,7 @@ class CustomModel:
 
 _IN_PROCESS: dict[str, Any] = {}  # target -> a namespace standing for a file: NAME, example_inputs, loss
 IN_PROCESS_PREFIX = "vramtrace_in_process_"
+_IN_PROCESS_IDS = itertools.count(1)
 
 
 @contextlib.contextmanager
@@ -74,9 +76,7 @@ def in_process_module(module: torch.nn.Module, inputs: Any = None, loss: Callabl
         raise UsageError("analyze(model=<module>) needs inputs=: a dict of keyword arguments, a tuple of positional "
                          "ones or one tensor (meta tensors, or shape specs such as 'int64[B,S]:0..32000')")
     name = type(module).__name__
-    target = f"{IN_PROCESS_PREFIX}{len(_IN_PROCESS) + 1}"
-    while target in _IN_PROCESS:
-        target += "_"
+    target = f"{IN_PROCESS_PREFIX}{next(_IN_PROCESS_IDS)}"
     namespace = {name: lambda: copy.deepcopy(module), "example_inputs": lambda batch, seq: inputs}
     if loss is not None:
         namespace["loss"] = loss

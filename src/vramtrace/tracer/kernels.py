@@ -23,7 +23,7 @@ import contextlib
 import enum
 import os
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -485,6 +485,9 @@ def cpu_environment() -> dict[str, str | int]:
             "torch": torch.__version__}
 
 
+# What a CPU kernel raises on stand-ins it does not accept (the meta kernel's layouts are not the CPU kernel's)
+KERNEL_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError)
+
 # Tensors above this many bytes make an op worth running at reduced sizes (`CpuWorkspaceProbe`): a Llama-2-7b
 # matmul at batch 4 x 2048 (8192 x 4096 by 4096 x 11008, fp32: 480 MiB) takes seconds on two cores.
 REDUCE_ABOVE_BYTES = 256 << 20
@@ -591,17 +594,15 @@ class CpuWorkspaceProbe:
         tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         size = sum(t.untyped_storage().nbytes() for t in tensors)
         if size > self.reduce_above:
-            reduced = self._extrapolated(func, args, kwargs, out, autocast)
+            reduced = self._extrapolated(func, args, kwargs, out, autocast, tensors)
             if reduced is not None:
                 return reduced, ()
         if size > self.limit_bytes:
             self.failures[str(func)] = f"its tensors ({size >> 20} MiB) exceed half of this machine's available memory"
             return 0, ()
-        cpu_args, cpu_kwargs = cpu_zeros_like(args), cpu_zeros_like(kwargs)
         try:
-            peak, cpu_out = self._measure(func, cpu_args, cpu_kwargs, autocast)
-        except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError) as e:
-            # the meta kernel's outputs differ from the CPU kernel's expectations
+            workspace, cpu_out = self._on_zeros(func, args, kwargs, autocast)
+        except KERNEL_ERRORS as e:  # the meta kernel's outputs differ from the CPU kernel's expectations
             self.failures[str(func)] = str(e).splitlines()[0] if str(e) else type(e).__name__
             return 0, ()
         meta_leaves = torch.utils._pytree.tree_leaves(out)
@@ -620,9 +621,9 @@ class CpuWorkspaceProbe:
                                                  f"{list(meta_leaves[i].shape)}" for i, *_ in layouts
                                                  for c in [cpu_leaves[i]])
                                      + "); the trace holds the CPU's")
-        return max(peak - _new_output_bytes(cpu_out, _storages(cpu_args, cpu_kwargs)), 0), tuple(layouts)
+        return workspace, tuple(layouts)
 
-    def _extrapolated(self, func, args, kwargs, out, autocast) -> int | None:
+    def _extrapolated(self, func, args, kwargs, out, autocast, tensors: list[torch.Tensor]) -> int | None:
         """The workspace of `func` at full size from runs at reduced sizes (class docstring), or None: no dimension
         to reduce, a run failed, the outputs differ from the meta kernel's beyond the reduction, or the workspaces
         are not exactly affine in the reduction. Every large dimension (a multiple of 8, 1024 or more) is cut to
@@ -630,8 +631,7 @@ class CpuWorkspaceProbe:
         changes with the sizes (the CPU flash attention's block sizes step at 192 and 768 tokens) is not affine
         over the three and runs at full size; a step between half and full size is not seen (the smallest run
         keeps 128 or more of every cut dimension, above the small-size paths of the CPU kernels)."""
-        leaves = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-        dims = sorted({d for t in leaves for d in t.shape if d >= 1024 and d % 8 == 0})
+        dims = sorted({d for t in tensors for d in t.shape if d >= 1024 and d % 8 == 0})
         if not dims:
             return None
         factors = (8, 4, 2)
@@ -653,10 +653,9 @@ class CpuWorkspaceProbe:
         r_args, r_kwargs, r_out = (_reduced(tree, sizes) for tree in (args, kwargs, out))
         if any(x is None for x in (r_args, r_kwargs, r_out)):
             return None
-        cpu_args, cpu_kwargs = cpu_zeros_like(r_args), cpu_zeros_like(r_kwargs)
         try:
-            peak, cpu_out = self._measure(func, cpu_args, cpu_kwargs, autocast)
-        except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError):
+            workspace, cpu_out = self._on_zeros(func, r_args, r_kwargs, autocast)
+        except KERNEL_ERRORS:
             return None
 
         def layouts(tree):
@@ -665,7 +664,14 @@ class CpuWorkspaceProbe:
 
         if layouts(r_out) != layouts(cpu_out):  # a CPU kernel's own output layout (`notes`): a full-size run says
             return None
-        return max(peak - _new_output_bytes(cpu_out, _storages(cpu_args, cpu_kwargs)), 0)
+        return workspace
+
+    def _on_zeros(self, func, args, kwargs, autocast) -> tuple[int, Any]:
+        """(workspace bytes, CPU output) of one run of `func` on CPU zeros standing for the meta `args` and
+        `kwargs`: the in-op allocation peak less the new output storages. Raises KERNEL_ERRORS."""
+        cpu_args, cpu_kwargs = cpu_zeros_like(args), cpu_zeros_like(kwargs)
+        peak, cpu_out = self._measure(func, cpu_args, cpu_kwargs, autocast)
+        return max(peak - _new_output_bytes(cpu_out, _storages(cpu_args, cpu_kwargs)), 0), cpu_out
 
     @staticmethod
     def _measure(func, args, kwargs, autocast: torch.dtype | None):

@@ -119,6 +119,15 @@ class StepRecorder(TorchDispatchMode):
             if sid not in self._resized_away:
                 self.free_after[sid] = len(self.ops) - 1
 
+    def _retire(self, key: int) -> int | None:
+        """End the record of the live storage `key` after the last op, while the storage lives on as a new record
+        (a resize, a reuse); its finalizer then frees the new record, not this one. Returns the record, or None."""
+        old = self._live.pop(key, None)
+        if old is not None:
+            self.free_after[old] = len(self.ops) - 1
+            self._resized_away.add(old)
+        return old
+
     def storage_reused(self, t: torch.Tensor, module: str, op: str, shape: tuple[int, ...]) -> None:
         """t's live storage is taken over by a new buffer of a compiled graph (Inductor's `# reuse` line: memory
         planning or an in-place kernel hands a dying buffer's storage to the next buffer of the same size, with no
@@ -126,13 +135,8 @@ class StepRecorder(TorchDispatchMode):
         is a new record of the same bytes and the new buffer's `shape`, born at a pseudo-op `REUSE_OP` of `module`
         with `op` (the op the buffer was lowered from): bytes live never differ from the real run's, and a buffer
         that one layer hands to the next is owned by each layer in turn, as layer replication needs."""
-        st = storage_of(t)
-        key = st._cdata
-        old = self._live.pop(key, None)
-        if old is None:
+        if self._retire(storage_of(t)._cdata) is None:
             return
-        self.free_after[old] = len(self.ops) - 1
-        self._resized_away.add(old)  # its finalizer, when the storage dies, is the new record's free, not its own
         index = len(self.ops)
         sid = self.storage_id(t, op_index=index, op=op or REUSE_OP)
         self.storages[sid].module = module or self.storages[sid].module
@@ -148,10 +152,8 @@ class StepRecorder(TorchDispatchMode):
         `storage.resize_`, with the category and name of the storage's last record (also across a resize to 0)."""
         st = storage_of(t)
         key = st._cdata
-        old = self._live.pop(key, None)
+        old = self._retire(key)
         if old is not None:
-            self.free_after[old] = len(self.ops) - 1
-            self._resized_away.add(old)
             self._resized_from[key] = old
         if st.nbytes() == 0:
             return
