@@ -135,6 +135,9 @@ def main_command(
     html_path: Optional[str] = typer.Option(None, "--html", help="write the self-contained HTML liveness report to PATH"),
     snapshot_path: Optional[str] = typer.Option(
         None, "--snapshot", help="write the predicted timeline as a torch.cuda.memory._snapshot() pickle"),
+    trace_events_path: Optional[str] = typer.Option(
+        None, "--trace-events", help="write the predicted timeline as Chrome trace events (JSON) for ui.perfetto.dev: "
+        "a counter track per category, the ops as slices (one step = 1 us of synthetic time)"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="allow configs that need remote code"),
     trace_every_layer: bool = typer.Option(
         False, "--trace-every-layer", help="trace all layers instead of 4 and replicating the repeated one (slower)"),
@@ -158,7 +161,8 @@ def main_command(
     `vramtrace validate MODEL --seq S ...` also runs the step for real on this machine and compares.
     `vramtrace fit MODEL --seq S [--gpu G | --gpu-memory 48GiB] [--headroom 5%]` finds the largest micro-batch
     that fits (with `--batch B` instead of `--seq`: the longest sequence).
-    `vramtrace REPORT.json [...] --html PATH` re-renders saved reports. `vramtrace models` lists the bundled ids.
+    `vramtrace REPORT.json [...] --html PATH` (or --snapshot, --trace-events) re-renders saved reports.
+    `vramtrace models` lists the bundled ids.
     """
     del debug  # read by main() from the arguments, so that it also covers errors raised while parsing them
     from . import COMPARED_POLICIES, analyze, compare_reports, with_comparison
@@ -176,12 +180,15 @@ def main_command(
                                  or (html_path and fit_axis == "sweep")):
         raise UsageError("fit writes no --compare or --snapshot (and --sweep no --html); run `vramtrace MODEL ...` "
                          "for those")
+    if trace_events_path is not None and (fit_axis is not None or validate_run):
+        raise UsageError("fit and validate write no --trace-events; run `vramtrace MODEL ...` for those")
     if compile_model and (fit_axis is not None or validate_run or compare_policies):
         raise UsageError("--compile is traced for `vramtrace MODEL ...` only (not fit, validate or --compare yet); "
                          "drop --compile there")
     if validate_run and (compare_policies or html_path or snapshot_path):
         raise UsageError("validate writes no --compare, --html or --snapshot; run `vramtrace MODEL ...` for those")
-    for option, path in (("--json", json_path), ("--html", html_path), ("--snapshot", snapshot_path)):
+    for option, path in (("--json", json_path), ("--html", html_path), ("--snapshot", snapshot_path),
+                         ("--trace-events", trace_events_path)):
         if path is not None:
             check_writable(path, option)
     saved = [read_json_report(m) for m in model]
@@ -241,6 +248,10 @@ def main_command(
         from .reports.snapshot import write_snapshot
 
         write_snapshot(report, snapshot_path)
+    if trace_events_path is not None:
+        from .reports.trace_events import write_trace_events
+
+        write_trace_events(report, trace_events_path)
 
 
 def _bool_option(value: str | None, option: str) -> bool | None:
