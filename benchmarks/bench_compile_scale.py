@@ -52,7 +52,7 @@ def quick() -> None:
     from vramtrace.spec import RunSpec
     from vramtrace.tracer import kernels
 
-    kernels.CpuWorkspaceProbe._probe = lambda self, func, args, kwargs, out, autocast: (0, ())
+    kernels.CpuWorkspaceProbe._probe = lambda self, func, args, kwargs, out, autocast: kernels.Probed(0, ())
     for use_cache in (False, True):
         start = time.perf_counter()
         spec = RunSpec("meta-llama/Llama-2-7b", batch=4, seq=2048, device="cpu", compile=True, use_cache=use_cache)

@@ -2,6 +2,7 @@
 workspace extrapolated from three reduced sizes must equal the one measured at full size, and an op whose
 workspace is not affine in the reduced dimension must be measured at full size."""
 
+import pytest
 import torch
 
 from vramtrace.tracer.kernels import CpuWorkspaceProbe, _reduced
@@ -36,14 +37,40 @@ def test_an_upcast_copy_is_extrapolated_exactly():
     assert "aten.add.Tensor" in probe.extrapolated
 
 
-def test_a_workspace_not_affine_in_the_sequence_is_measured_at_full_size():
+def test_a_workspace_not_affine_in_the_sequence_is_measured_at_full_size(monkeypatch):
     """The CPU flash attention's per-thread buffers follow its block sizes, which step with the sequence length
-    (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp): not affine over 64, 128, 256 tokens."""
+    (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp): not affine over 128, 256, 512 tokens, the generic cut."""
+    from vramtrace.tracer import kernels
+
+    monkeypatch.setattr(kernels, "REDUCTION_RULES", {})
+    monkeypatch.setattr(kernels, "_PROBED", {})  # no result of the rule from an earlier test
     q = torch.empty(1, 4, 1024, 64, device="meta")
     full, extrapolated, probe = _both(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q),
                                       {"is_causal": True})
     assert full == extrapolated > 0
     assert not probe.extrapolated
+
+
+@pytest.mark.parametrize("dtype,layout,shape", [
+    (torch.bfloat16, "bshd", (2, 8, 2048, 64)),  # transformers' layout: (batch, tokens, heads, dim) transposed
+    (torch.float32, "bhsd", (2, 4, 1024, 64)),  # the backward copies a tensor into its layout: grows with the size
+    (torch.bfloat16, "bhsd", (1, 16, 1536, 128)),
+])
+def test_flash_attention_is_extrapolated_within_one_block_size(dtype, layout, shape):
+    """The flash-attention rule (`kernels.REDUCTION_RULES`) keeps 768 or more tokens, so the block sizes of the
+    full run: forward and backward workspaces extrapolated from it equal the ones measured at full size."""
+    b, h, s, d = shape
+    make = ((lambda: torch.empty(b, s, h, d, dtype=dtype, device="meta").transpose(1, 2)) if layout == "bshd"
+            else (lambda: torch.empty(b, h, s, d, dtype=dtype, device="meta")))
+    q, k, v = make(), make(), make()
+    with torch.no_grad():
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, True)
+    for func, args in ((aten._scaled_dot_product_flash_attention_for_cpu.default, (q, k, v, 0.0, True)),
+                       (aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                        (torch.empty_like(out), q, k, v, out, lse, 0.0, True))):
+        full, extrapolated, probe = _both(func, args)
+        assert full == extrapolated > 0
+        assert "768 and 1024" in probe.extrapolated[str(func)]
 
 
 def test_a_step_with_every_large_op_extrapolated_predicts_the_measured_peak(monkeypatch):

@@ -23,7 +23,8 @@ import contextlib
 import enum
 import os
 import sys
-from typing import Any, Callable
+from fractions import Fraction
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -513,6 +514,23 @@ def available_host_bytes() -> int:
 GLOO_TEMPORARY = {"c10d._reduce_scatter_base_.default": 1, "c10d._allgather_base_.default": 0}
 
 
+class Probed(NamedTuple):
+    """What the CPU probe found for one op signature: its workspace (bytes), the outputs to lay out as the CPU
+    kernel does ((leaf index, shape, stride, dtype), ...), and what the report says of it (or None): why it could
+    not be measured, how its outputs differ from the meta kernel's, how it was extrapolated."""
+    workspace: int
+    layouts: tuple
+    failure: str | None = None
+    note: str | None = None
+    extrapolated: str | None = None
+
+
+# The probe's results in this process, shared by every `CpuWorkspaceProbe` (the compiled trace and the eager one
+# it is compared with run the same large kernels): key (op, argument layouts, autocast dtype, thread count, the
+# probe's limits) -> Probed. A memo of measurements of this process's CPU kernels, which do not change in it.
+_PROBED: dict[tuple, Probed] = {}
+
+
 class CpuWorkspaceProbe:
     """Bytes a CPU kernel allocates and frees inside one op (its workspace), beyond its new outputs.
 
@@ -520,7 +538,9 @@ class CpuWorkspaceProbe:
     tensors of the same sizes, strides and dtypes (zeros), in this process (same thread count, same oneDNN ISA),
     under torch.profiler's allocator events (`profile_memory=True`); the workspace is the peak of the running
     allocation sum inside the op minus the bytes of the output storages it allocated (an in-place op's output
-    is its input: not subtracted). Cached per signature (op, shapes, strides, dtypes, other arguments).
+    is its input: not subtracted). Cached per signature (op, shapes, strides, dtypes, other arguments, thread
+    count) for the whole process (`_PROBED`): `--compile` traces the compiled step and the eager one it is
+    compared with, and each op is run once for both.
 
     What this catches, found on real runs (issue 11): oneDNN's user scratchpad of bf16 matmuls
     (`aten/src/ATen/native/mkldnn/Matmul.cpp` sends bf16 mm/addmm/bmm/baddbmm to `ideep::matmul_forward` when
@@ -534,12 +554,12 @@ class CpuWorkspaceProbe:
     cores) is run at three reduced sizes instead (`_extrapolated`: its large dimensions cut in every tensor, each
     keeping its dimension order), and the workspace, if exactly affine over the three, is extrapolated to the
     full size (listed in `extrapolated`); otherwise the op runs at full size. One too large to run here at full
-    size (over half the available memory) that cannot be extrapolated is a failure.
+    size (over half the available memory) that cannot be extrapolated is a failure. An op whose blocking steps
+    with its sizes has a rule of its own that keeps its block sizes (`REDUCTION_RULES`: the CPU flash attention).
     """
 
     def __init__(self, limit_bytes: int | None = None, autocast_dtype: Callable[[], torch.dtype | None] = lambda: None,
                  reduce_above: int | None = None):
-        self._cache: dict[tuple, int] = {}
         # the dtype of the (emulated) CPU autocast active where the op runs: the probe runs under the real one,
         # since a kernel outside autocast's op lists (e.g. `_transformer_encoder_layer_fwd`) calls ops that
         # autocast casts (`_native_multi_head_attention`); for the ops autocast already handled it is a no-op
@@ -578,10 +598,14 @@ class CpuWorkspaceProbe:
         if func.namespace in ("c10d", "_c10d_functional"):  # the other collectives: nothing the fake backend runs
             return 0, out  # is gloo's, and a collective run here would wait in c10d's work registry for ever
         autocast = self.autocast_dtype()
-        key = (str(func), self._key(args), self._key(tuple(sorted(kwargs.items()))), autocast)
-        if key not in self._cache:
-            self._cache[key] = self._probe(func, args, kwargs, out, autocast)
-        ws, layouts = self._cache[key]
+        key = (str(func), self._key(args), self._key(tuple(sorted(kwargs.items()))), autocast,
+               torch.get_num_threads(), self.limit_bytes, self.reduce_above)
+        if key not in _PROBED:
+            _PROBED[key] = self._probe(func, args, kwargs, out, autocast)
+        ws, layouts, failure, note, extrapolated = _PROBED[key]
+        for found, record in ((failure, self.failures), (note, self.notes), (extrapolated, self.extrapolated)):
+            if found is not None:
+                record[str(func)] = found
         if layouts:
             leaves, spec = torch.utils._pytree.tree_flatten(out)
             for i, shape, stride, dtype in layouts:
@@ -589,22 +613,20 @@ class CpuWorkspaceProbe:
             out = torch.utils._pytree.tree_unflatten(leaves, spec)
         return ws, out
 
-    def _probe(self, func, args, kwargs, out, autocast) -> tuple[int, tuple]:
-        """(workspace bytes, ((leaf index, shape, stride, dtype), ...) of outputs to lay out as the CPU's)."""
+    def _probe(self, func, args, kwargs, out, autocast) -> "Probed":
+        """What one op's run (or runs at reduced sizes) on this CPU found."""
         tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         size = sum(t.untyped_storage().nbytes() for t in tensors)
         if size > self.reduce_above:
             reduced = self._extrapolated(func, args, kwargs, out, autocast, tensors)
             if reduced is not None:
-                return reduced, ()
+                return Probed(reduced[0], (), extrapolated=reduced[1])
         if size > self.limit_bytes:
-            self.failures[str(func)] = f"its tensors ({size >> 20} MiB) exceed half of this machine's available memory"
-            return 0, ()
+            return Probed(0, (), failure=f"its tensors ({size >> 20} MiB) exceed half of this machine's available memory")
         try:
             workspace, cpu_out = self._on_zeros(func, args, kwargs, autocast)
         except KERNEL_ERRORS as e:  # the meta kernel's outputs differ from the CPU kernel's expectations
-            self.failures[str(func)] = str(e).splitlines()[0] if str(e) else type(e).__name__
-            return 0, ()
+            return Probed(0, (), failure=str(e).splitlines()[0] if str(e) else type(e).__name__)
         meta_leaves = torch.utils._pytree.tree_leaves(out)
         cpu_leaves = torch.utils._pytree.tree_leaves(cpu_out)
         ins = _storages(args, kwargs)  # meta inputs: an output among them is in place, never relaid
@@ -614,38 +636,53 @@ class CpuWorkspaceProbe:
                 if (isinstance(m, torch.Tensor) and isinstance(c, torch.Tensor) and m.untyped_storage()._cdata not in ins
                         and (m.dtype != c.dtype or m.shape != c.shape)):
                     layouts.append((i, tuple(c.shape), c.stride(), c.dtype))
+        note = None
         if layouts:
-            self.notes[str(func)] = ("the CPU kernel's outputs are laid out otherwise than the meta kernel's ("
+            note = ("the CPU kernel's outputs are laid out otherwise than the meta kernel's ("
                                      + ", ".join(f"{str(c.dtype).removeprefix('torch.')}{list(c.shape)} for "
                                                  f"{str(meta_leaves[i].dtype).removeprefix('torch.')}"
                                                  f"{list(meta_leaves[i].shape)}" for i, *_ in layouts
                                                  for c in [cpu_leaves[i]])
                                      + "); the trace holds the CPU's")
-        return workspace, tuple(layouts)
+        return Probed(workspace, tuple(layouts), note=note)
 
-    def _extrapolated(self, func, args, kwargs, out, autocast, tensors: list[torch.Tensor]) -> int | None:
-        """The workspace of `func` at full size from runs at reduced sizes (class docstring), or None: no dimension
+    def _extrapolated(self, func, args, kwargs, out, autocast, tensors: list[torch.Tensor]) -> tuple[int, str] | None:
+        """(the workspace of `func` at full size from runs at reduced sizes (class docstring), how it was cut), or
+        None: no dimension
         to reduce, a run failed, the outputs differ from the meta kernel's beyond the reduction, or the workspaces
-        are not exactly affine in the reduction. Every large dimension (a multiple of 8, 1024 or more) is cut to
-        1/8, 1/4 and 1/2 of its size at once: a matmul then costs 14% of its full run. A kernel whose blocking
-        changes with the sizes (the CPU flash attention's block sizes step at 192 and 768 tokens) is not affine
-        over the three and runs at full size; a step between half and full size is not seen (the smallest run
-        keeps 128 or more of every cut dimension, above the small-size paths of the CPU kernels)."""
-        dims = sorted({d for t in tensors for d in t.shape if d >= 1024 and d % 8 == 0})
-        if not dims:
-            return None
-        factors = (8, 4, 2)
+        are not exactly affine in the reduction's measure.
+
+        Generic cut: every large dimension (a multiple of 8, 1024 or more) is cut to 1/8, 1/4 and 1/2 of its size
+        at once (measure: the fraction kept); a matmul then costs 14% of its full run. A step between half and
+        full size is not seen (the smallest run keeps 128 or more of every cut dimension, above the small-size
+        paths of the CPU kernels). A kernel whose blocking changes with the sizes is not affine over the three
+        and runs at full size, unless an op rule (`REDUCTION_RULES`) knows where its blocking is constant."""
+        rule = REDUCTION_RULES.get(str(func))
+        points = rule(args, kwargs) if rule is not None else None
+        how = None
+        if points is not None:
+            how = rule.__doc__.splitlines()[0]
+        else:
+            dims = sorted({d for t in tensors for d in t.shape if d >= 1024 and d % 8 == 0})
+            if not dims:
+                return None
+            points = ([({d: d // k for d in dims}, Fraction(1, k)) for k in (8, 4, 2)], Fraction(1))
+            how = f"sizes {', '.join(map(str, dims))} cut to 1/8, 1/4, 1/2"
+        cuts, full = points
         found = []
-        for k in factors:
-            w = self._reduced_run(func, args, kwargs, out, autocast, {d: d // k for d in dims})
+        for sizes, x in cuts:
+            w = self._reduced_run(func, args, kwargs, out, autocast, sizes)
             if w is None:
                 return None
-            found.append(w)
-        w1, w2, w3 = found
-        if w3 - w2 != 2 * (w2 - w1) or w2 < w1:
+            found.append((x, w))
+        (x0, w0), (x1, w1) = found[:2]
+        slope = Fraction(w1 - w0, 1) / (x1 - x0)
+        if slope < 0 or any(w != w0 + slope * (x - x0) for x, w in found[2:]):
             return None
-        self.extrapolated[str(func)] = f"sizes {', '.join(map(str, dims))} cut to 1/8, 1/4, 1/2: affine"
-        return w1 + (w2 - w1) * (factors[0] - 1)
+        workspace = w0 + slope * (full - x0)
+        if workspace.denominator != 1:
+            return None
+        return int(workspace), f"{how}: affine"
 
     def _reduced_run(self, func, args, kwargs, out, autocast, sizes: dict[int, int]) -> int | None:
         """The workspace of one run of `func` with its tensors' dimensions cut as `sizes` says, or None (it
@@ -733,3 +770,36 @@ def _new_output_bytes(out, ins: set[int]) -> int:
     its input: not new)."""
     return unique_storage_bytes(t for t in torch.utils._pytree.tree_leaves(out)
                                 if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in ins)
+
+
+def _flash_attention_points(args, kwargs):
+    """batch to 2 or less, heads to 1/8 and 1/4 (2 or more), tokens to 768 and 1024: one block size
+
+    The CPU flash attention (`aten/src/ATen/native/cpu/FlashAttentionKernel.cpp`, `cpu_flash_attention` and
+    `cpu_flash_attention_backward`) allocates per-thread buffers sized by its block sizes only: the query block is
+    256 tokens from 768 query tokens up (`flash_attention_kernel_impl` and `flash_attention_backward_kernel_impl`
+    pick 32, 64 or 256 at 192 and 768 tokens), the key block min(512, key tokens). What else it allocates (a copy
+    of a tensor the kernel wants in another layout) grows with batch × heads × tokens. So for a self-attention of
+    1024 tokens or more, the runs keep 768 or more tokens (the same block sizes) and cut the batch, the heads and
+    the tokens; the measure is batch × heads × tokens, and the three runs must be exactly affine in it. No
+    dimension is cut to 1: a tensor with a dimension of 1 is contiguous in more layouts, and the kernel's copy
+    into its layout then does not happen (measured: none at 1 × 1 × 768 × 64 fp32, 196,608 B more at 1 × 2).
+    Returns (((sizes, measure), ...), full measure), or None: not a self-attention of 1024 or more tokens and 4 or
+    more heads with distinct sizes."""
+    backward = len(args) > 5
+    q, k, v = args[1:4] if backward else args[:3]
+    if not (isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape == k.shape == v.shape):
+        return None
+    batch, heads, tokens, head_dim = q.shape
+    if tokens < 1024 or heads < 4 or len({batch, heads, tokens, head_dim}) < 4:
+        return None  # a size shared by two dimensions would be cut in both
+    b, h1 = min(batch, 2), max(2, heads // 8)
+    cuts = [({batch: b, heads: h, tokens: t}, b * h * t) for h, t in ((h1, 768), (2 * h1, 768), (h1, 1024))]
+    return cuts, batch * heads * tokens
+
+
+# Ops whose large runs are cut by a rule of their own (`CpuWorkspaceProbe._extrapolated`): op -> the rule.
+REDUCTION_RULES = {
+    "aten._scaled_dot_product_flash_attention_for_cpu.default": _flash_attention_points,
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": _flash_attention_points,
+}
