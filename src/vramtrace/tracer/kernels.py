@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import math
 import os
 import sys
 from fractions import Fraction
@@ -492,6 +493,9 @@ KERNEL_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, NotImplemented
 # Tensors above this many bytes make an op worth running at reduced sizes (`CpuWorkspaceProbe`): a Llama-2-7b
 # matmul at batch 4 x 2048 (8192 x 4096 by 4096 x 11008, fp32: 480 MiB) takes seconds on two cores.
 REDUCE_ABOVE_BYTES = 256 << 20
+# A run at reduced sizes beyond the three smallest is made while its tensors stay within this many bytes
+# (`CpuWorkspaceProbe._extrapolated`): more points on the line, at a bounded cost.
+REDUCED_RUN_BYTES = 16 << 20
 
 
 def available_host_bytes() -> int:
@@ -622,7 +626,8 @@ class CpuWorkspaceProbe:
             if reduced is not None:
                 return Probed(reduced[0], (), extrapolated=reduced[1])
         if size > self.limit_bytes:
-            return Probed(0, (), failure=f"its tensors ({size >> 20} MiB) exceed half of this machine's available memory")
+            return Probed(0, (), failure=f"its tensors ({size >> 20} MiB) exceed half of this machine's available "
+                                         "memory")
         try:
             workspace, cpu_out = self._on_zeros(func, args, kwargs, autocast)
         except KERNEL_ERRORS as e:  # the meta kernel's outputs differ from the CPU kernel's expectations
@@ -648,15 +653,18 @@ class CpuWorkspaceProbe:
 
     def _extrapolated(self, func, args, kwargs, out, autocast, tensors: list[torch.Tensor]) -> tuple[int, str] | None:
         """(the workspace of `func` at full size from runs at reduced sizes (class docstring), how it was cut), or
-        None: no dimension
-        to reduce, a run failed, the outputs differ from the meta kernel's beyond the reduction, or the workspaces
-        are not exactly affine in the reduction's measure.
+        None: no dimension to reduce, a run failed, the outputs differ from the meta kernel's beyond the reduction,
+        or the workspaces are not exactly affine in the reduction's measure.
 
-        Generic cut: every large dimension (a multiple of 8, 1024 or more) is cut to 1/8, 1/4 and 1/2 of its size
-        at once (measure: the fraction kept); a matmul then costs 14% of its full run. A step between half and
-        full size is not seen (the smallest run keeps 128 or more of every cut dimension, above the small-size
-        paths of the CPU kernels). A kernel whose blocking changes with the sizes is not affine over the three
-        and runs at full size, unless an op rule (`REDUCTION_RULES`) knows where its blocking is constant."""
+        Generic cut: every large dimension (a multiple of 8, 1024 or more) is cut at once to 1/k of its size
+        (measure: 1/k, the fraction kept), for k from the largest power of two that divides them all and keeps
+        128 or more of the smallest (above the small-size paths of the CPU kernels) down to 2: the three smallest
+        runs always, a larger one while its tensors stay within `REDUCED_RUN_BYTES`. Every run must lie on one
+        line. At 1024 the cuts are 1/8, 1/4, 1/2 (a matmul then costs 14% of its full run); for Llama-2-7b's
+        matmuls (4096 and more) 1/32, 1/16, 1/8: a bf16 matmul on a CPU without native bf16 runs at about
+        0.5 GFLOP/s (this AVX2 machine), so its 1/2 run alone would take minutes. A step between the largest run and
+        full size is not seen. A kernel whose blocking changes with the sizes is not affine over the runs and runs
+        at full size, unless an op rule (`REDUCTION_RULES`) knows where its blocking is constant."""
         rule = REDUCTION_RULES.get(str(func))
         points = rule(args, kwargs) if rule is not None else None
         how = None
@@ -666,8 +674,16 @@ class CpuWorkspaceProbe:
             dims = sorted({d for t in tensors for d in t.shape if d >= 1024 and d % 8 == 0})
             if not dims:
                 return None
-            points = ([({d: d // k for d in dims}, Fraction(1, k)) for k in (8, 4, 2)], Fraction(1))
-            how = f"sizes {', '.join(map(str, dims))} cut to 1/8, 1/4, 1/2"
+            k = 8
+            while all(d % (2 * k) == 0 for d in dims) and dims[0] // (2 * k) >= 128:
+                k *= 2
+            cuts = []
+            while k >= 2 and (len(cuts) < 3 or _reduced_bytes((args, kwargs, out), {d: d // k for d in dims})
+                              <= REDUCED_RUN_BYTES):
+                cuts.append(({d: d // k for d in dims}, Fraction(1, k)))
+                k //= 2
+            points = (cuts, Fraction(1))
+            how = f"sizes {', '.join(map(str, dims))} cut to {', '.join(str(x) for _, x in cuts)}"
         cuts, full = points
         found = []
         for sizes, x in cuts:
@@ -759,6 +775,15 @@ def _reduced(tree, sizes: dict[int, int]):
 
     out = torch.utils._pytree.tree_map(leaf, tree, is_leaf=is_sizes)
     return None if bad else out
+
+
+def _reduced_bytes(tree, sizes: dict[int, int]) -> int:
+    """Bytes of the tensors in `tree` (meta), laid out densely, with their dimensions cut as `sizes` says."""
+    total = 0
+    for t in torch.utils._pytree.tree_leaves(tree):
+        if isinstance(t, torch.Tensor):
+            total += t.element_size() * math.prod(sizes.get(d, d) for d in t.shape)
+    return total
 
 
 def _storages(*trees) -> set[int]:
