@@ -261,18 +261,22 @@ class ReservedEstimate:
     oom_sid: int | None = None  # the storage whose allocation failed
     oom_step: str = ""  # 'first' or 'steady': the step it failed in
     oom_state: tuple[int, int] = (0, 0)  # (reserved, allocated) bytes when it failed
+    # with `curve`: the steady step's reserved bytes after each graph step's events, change points only:
+    # ((step, bytes), ...), the first at step 0; reserved at step s is the last entry at or before s
+    reserved_steps: tuple[tuple[int, int], ...] = ()
 
 
-def replay_steps(first, steady, capacity_bytes: int | None = None, conf=None) -> ReservedEstimate:
+def replay_steps(first, steady, capacity_bytes: int | None = None, conf=None, curve: bool = False) -> ReservedEstimate:
     """Replay a first step then a steady-state step (two `liveness.Timeline`s of the same recording, CUDA block
     rounding applied) through `CachingAllocatorModel` (`ExpandableSegmentsModel` when `conf`, a
     `device.AllocConf`, says expandable_segments; its max_split_size applies), as a training loop runs them; the
     peaks are the steady step's (`reset_peak_memory_stats()` between the steps, as the measurement does). With
     `capacity_bytes`, an allocation that finds no memory stops the replay: `oom`, `oom_sid` and `oom_step` name it.
-    The order of events is `ReplaySchedule`'s."""
+    The order of events is `ReplaySchedule`'s. With `curve`, `reserved_steps` holds the steady step's reserved
+    bytes per graph step (change points)."""
     schedule = ReplaySchedule.of(first, steady)
     nbytes = {lt.sid: lt.bytes for tl in (first, steady) for lt in tl.lifetimes}
-    return schedule.replay([nbytes[sid] for sid in schedule.sids], capacity_bytes, conf)
+    return schedule.replay([nbytes[sid] for sid in schedule.sids], capacity_bytes, conf, curve)
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,16 +289,18 @@ class ReplaySchedule:
     dying there are freed; whatever the first step leaves that is not persistent is freed before the second.
 
     sids: the storage of each index; steps: per step ('first', 'steady'), its events (malloc?, key, index) in
-    order, a key being ('persistent' | step, sid).
+    order, a key being ('persistent' | step, sid); ends: per step, the number of its events done when each of
+    its graph steps is done.
     """
 
     sids: tuple[int, ...]
     steps: tuple[tuple[str, tuple[tuple[bool, tuple, int], ...]], ...]
+    ends: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def of(cls, first, steady) -> ReplaySchedule:
         index: dict[int, int] = {}
-        steps = []
+        steps, ends = [], []
         for tag, tl in (("first", first), ("steady", steady)):
             events: list[tuple[bool, tuple, int]] = []
             births: dict[int, list] = {}
@@ -308,34 +314,52 @@ class ReplaySchedule:
                     births.setdefault(lt.birth, []).append((True, key, i))
                 if not lt.outlives_step:
                     deaths.setdefault(lt.death, []).append((False, key, i))
+            done = []
             for step in range(len(tl.steps)):
                 events += births.get(step, ())
                 events += deaths.get(step, ())
+                done.append(len(events))
             steps.append((tag, tuple(events)))
-        return cls(tuple(index), tuple(steps))
+            ends.append(tuple(done))
+        return cls(tuple(index), tuple(steps), tuple(ends))
 
-    def replay(self, nbytes, capacity_bytes: int | None = None, conf=None) -> ReservedEstimate:
+    def replay(self, nbytes, capacity_bytes: int | None = None, conf=None, curve: bool = False) -> ReservedEstimate:
         """The replay with `nbytes[i]` (block-rounded) the bytes of storage `sids[i]`; one of 0 bytes is neither
-        allocated nor freed (PyTorch returns a null pointer for it). See `replay_steps`."""
+        allocated nor freed (PyTorch returns a null pointer for it). See `replay_steps`; `curve` records the
+        steady step's reserved bytes per graph step (`ReservedEstimate.reserved_steps`)."""
         mss = conf.max_split_size if conf is not None else None
         expandable = conf is not None and conf.expandable_segments
         sim = (ExpandableSegmentsModel if expandable else CachingAllocatorModel)(capacity_bytes, mss)
         oom, failed, tag = "", None, ""
         live = sim._live
+        points: list[tuple[int, int]] = []
+
+        def record(ends: tuple[int, ...], step: int, done: int) -> int:
+            """Record the reserved bytes of every graph step done after `done` events; the next step."""
+            while step < len(ends) and ends[step] <= done:
+                if not points or points[-1][1] != sim.reserved_bytes:
+                    points.append((step, sim.reserved_bytes))
+                step += 1
+            return step
+
         try:
-            for tag, events in self.steps:
+            for n, (tag, events) in enumerate(self.steps):
                 if tag == "steady":
                     for key in [k for k in live if k[0] == "first"]:
                         sim.free(key)
                     sim.reset_peaks()
-                for is_malloc, key, i in events:
+                ends = self.ends[n] if curve and tag == "steady" else ()
+                step = record(ends, 0, 0)
+                for j, (is_malloc, key, i) in enumerate(events):
                     if is_malloc:
                         if key not in live and nbytes[i]:
                             sim.malloc(key, nbytes[i])
                     elif key in live:
                         sim.free(key)
+                    if ends:
+                        step = record(ends, step, j + 1)
         except AllocatorOOM as e:
             oom, failed = str(e), e
         return ReservedEstimate(sim.peak_reserved_bytes, sim.peak_allocated_bytes, sim.num_segments,
                                 sim.num_alloc_retries, oom, failed.key[1] if failed else None, tag if failed else "",
-                                (failed.reserved_bytes, failed.allocated_bytes) if failed else (0, 0))
+                                (failed.reserved_bytes, failed.allocated_bytes) if failed else (0, 0), tuple(points))

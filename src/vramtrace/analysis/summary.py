@@ -250,14 +250,16 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
     fit = reserved = allocator = None
     if gpu is not None and gpu.get("cuda", True):
         conf, context = gpu.get("alloc_conf"), gpu.get("cuda_context_bytes", 0)
-        est = replay_steps(first, steady, conf=conf)
+        est = replay_steps(first, steady, conf=conf, curve=True)
         reserved = est.peak_reserved_bytes
         allocator = {"model": "c10/cuda/CUDACachingAllocator.cpp " + (
                          f"with PYTORCH_CUDA_ALLOC_CONF={conf}" if conf is not None and str(conf) else
                          "defaults (512 B blocks, 2 MiB small and 20 MiB large segments, best fit, splitting)"),
                      "segments": est.segments, "peak_reserved_bytes": reserved,
                      # the allocator counts a whole block when it does not split off a remainder <= 1 MiB
-                     "peak_allocated_bytes": est.peak_allocated_bytes}
+                     "peak_allocated_bytes": est.peak_allocated_bytes,
+                     # the steady step's reserved bytes where they change: [[graph step, bytes], ...]
+                     "reserved_steps": [list(p) for p in est.reserved_steps]}
         if conf is not None and conf.garbage_collection_threshold is not None:
             allocator["note"] = ("garbage_collection_threshold acts only under a per-process memory fraction below "
                                  "1 (CUDACachingAllocator.cpp garbage_collect_cached_blocks): no effect modelled")
