@@ -52,6 +52,9 @@ def test_identical_layers_fold_into_one_row(report):
     live = [t for t in report.tensors if t.birth <= report.peak_step <= t.death]
     assert sum(g.bytes for g in groups) == sum(t.bytes for t in live) == report.peak_allocated_bytes
     assert "2 × model.layers.*" in rendered(report, 120)
+    # a gradient sits with its parameter's module, as its optimizer states do
+    grads = {g.pattern for g in groups if g.category == "gradient"}
+    assert grads and not any(p.endswith((".weight", ".bias")) for p in grads)
 
 
 def test_module_pattern_and_flops_units():

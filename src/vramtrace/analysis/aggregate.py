@@ -34,17 +34,23 @@ class Group:
         return self.bytes // max(self.instances, 1)
 
 
+def owner(row) -> str:
+    """The module a storage (TensorRow: name, module) is placed under: a named storage (a parameter, a gradient,
+    an optimizer state) by its name's module ('model.layers.0.mlp.up_proj.weight:exp_avg' and
+    'lm_head.weight.grad' -> 'model.layers.0.mlp.up_proj', 'lm_head'), the others by the module that allocated
+    them; '' for the root."""
+    name = row.name.split(":")[0].split(" ")[0].removesuffix(".grad")
+    return name.rsplit(".", 1)[0] if "." in name else (row.module or name)
+
+
 def live_groups(rows, peak: int) -> list[Group]:
     """The storages of `rows` (TensorRow: module, name, category, bytes, birth, death) live at timeline step
-    `peak`, grouped by (module pattern, category), largest total first. A named storage (a parameter, a
-    gradient, an optimizer state) is placed by its name's module: 'model.layers.0.mlp.up_proj.weight:exp_avg' ->
-    'model.layers.*.mlp.up_proj'; the others by the module that allocated them."""
+    `peak`, grouped by (module pattern, category), largest total first, each placed by `owner`."""
     groups: dict[tuple[str, str], list] = {}
     for r in rows:
         if not r.birth <= peak <= r.death:
             continue
-        name = r.name.split(":")[0].split(" ")[0]
-        path = name.rsplit(".", 1)[0] if "." in name else (r.module or name)
+        path = owner(r)
         key = (module_pattern(path), r.category)
         g = groups.setdefault(key, [set(), 0, 0])
         g[0].add(path)

@@ -19,7 +19,7 @@ from pathlib import Path
 import jinja2
 from markupsafe import Markup
 
-from ..analysis.aggregate import live_groups, module_pattern
+from ..analysis.aggregate import live_groups, module_pattern, owner
 from ..analysis.categories import Category
 from ..analysis.summary import MemoryReport
 from ..errors import ReportWriteError
@@ -38,15 +38,6 @@ CATEGORY_COLORS = {  # stacked bottom to top in this order
 
 PERSISTENT = "persistent (live the whole step)"  # the band that folds parameters, optimizer states, inputs
 AT_PEAK_ROWS = 8  # rows of the "live at the peak, identical layers folded" table
-
-
-def _owner(row) -> str:
-    """The module a storage is placed under: a named storage (parameter, gradient, optimizer state) by its
-    name's module ('model.layers.0.mlp.up_proj.weight:exp_avg' -> 'model.layers.0.mlp.up_proj'), the others by
-    the module that allocated them; '' for the root. The rule of `aggregate.live_groups`, a gradient
-    ('lm_head.weight.grad') placed with its parameter."""
-    name = row.name.split(":")[0].split(" ")[0].removesuffix(".grad")
-    return name.rsplit(".", 1)[0] if "." in name else (row.module or name)
 
 
 def _fold(path: str) -> tuple[str, str]:
@@ -91,7 +82,7 @@ def _lifetime_groups(report: MemoryReport, cats: list[Category]) -> tuple[dict, 
     def place(members: list[int], parent: int) -> None:
         folds: dict[str, dict[str, list[int]]] = {}
         for k in members:
-            key, inst = _fold(_owner(rows[k]))
+            key, inst = _fold(owner(rows[k]))
             folds.setdefault(key, {}).setdefault(inst, []).append(k)
         for key, instances in folds.items():
             if len(instances) == 1:
