@@ -14,7 +14,8 @@ def _both(func, args, kwargs=None):
     kwargs = kwargs or {}
     with torch.no_grad():
         out = func(*args, **kwargs)
-    full, reduced = CpuWorkspaceProbe(reduce_above=1 << 62), CpuWorkspaceProbe(reduce_above=0)
+    full = CpuWorkspaceProbe(reduce_above=1 << 62, reduce_above_flops=1 << 62)
+    reduced = CpuWorkspaceProbe(reduce_above=0)
     return full(func, args, kwargs, out)[0], reduced(func, args, kwargs, out)[0], reduced
 
 
@@ -86,6 +87,7 @@ def test_a_step_with_every_large_op_extrapolated_predicts_the_measured_peak(monk
     reports = {}
     for above in (0, 1 << 62):
         monkeypatch.setattr(kernels, "REDUCE_ABOVE_BYTES", above)
+        monkeypatch.setattr(kernels, "REDUCE_ABOVE_FLOPS", above)
         reports[above] = vramtrace.analyze(spec, levers=False)
     reduced, full = reports[0], reports[1 << 62]
     assert "extrapolated_workspaces" in reduced.run["cpu_kernels"]

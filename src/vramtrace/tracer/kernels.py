@@ -30,6 +30,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import flop_registry
 
 from .. import bridges
 from ..spec import Device
@@ -493,6 +494,10 @@ KERNEL_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, NotImplemented
 # Tensors above this many bytes make an op worth running at reduced sizes (`CpuWorkspaceProbe`): a Llama-2-7b
 # matmul at batch 4 x 2048 (8192 x 4096 by 4096 x 11008, fp32: 480 MiB) takes seconds on two cores.
 REDUCE_ABOVE_BYTES = 256 << 20
+# So do more FLOPs than this (torch.utils.flop_counter's formula for the op, where it has one): a bf16 matmul on a
+# CPU without native bf16 (at::native's cpublas fallback; this AVX2 machine) runs at about 0.5 GFLOP/s, so Llama-2-7b's
+# 8192 x 4096 by 4096 x 4096 bf16 matmul (160 MiB of tensors, 275 GFLOP) would take nine minutes at full size.
+REDUCE_ABOVE_FLOPS = 10**9
 # A run at reduced sizes beyond the three smallest is made while its tensors stay within this many bytes
 # (`CpuWorkspaceProbe._extrapolated`): more points on the line, at a bounded cost.
 REDUCED_RUN_BYTES = 16 << 20
@@ -554,16 +559,17 @@ class CpuWorkspaceProbe:
     (`aten/src/ATen/native/mkldnn/Conv.cpp`, `ConvolutionMM2d.cpp`). An op failing on zeros is listed in
     `failures` (reported as unresolved), never counted as 0 silently.
 
-    A large op (its tensors over `reduce_above` bytes: a 7B model's matmuls take tens of seconds each on two
-    cores) is run at three reduced sizes instead (`_extrapolated`: its large dimensions cut in every tensor, each
-    keeping its dimension order), and the workspace, if exactly affine over the three, is extrapolated to the
-    full size (listed in `extrapolated`); otherwise the op runs at full size. One too large to run here at full
-    size (over half the available memory) that cannot be extrapolated is a failure. An op whose blocking steps
-    with its sizes has a rule of its own that keeps its block sizes (`REDUCTION_RULES`: the CPU flash attention).
+    A large op (its tensors over `reduce_above` bytes, or its FLOPs over `reduce_above_flops`: a 7B model's
+    matmuls take seconds to minutes each on two cores) is run at reduced sizes instead (`_extrapolated`: its large
+    dimensions cut in every tensor, each keeping its dimension order), and the workspace, if exactly affine over
+    the runs, is extrapolated to the full size (listed in `extrapolated`); otherwise the op runs at full size. One
+    too large to run here at full size (over half the available memory) that cannot be extrapolated is a failure.
+    An op whose blocking steps with its sizes has a rule of its own that keeps its block sizes
+    (`REDUCTION_RULES`: the CPU flash attention).
     """
 
     def __init__(self, limit_bytes: int | None = None, autocast_dtype: Callable[[], torch.dtype | None] = lambda: None,
-                 reduce_above: int | None = None):
+                 reduce_above: int | None = None, reduce_above_flops: int | None = None):
         # the dtype of the (emulated) CPU autocast active where the op runs: the probe runs under the real one,
         # since a kernel outside autocast's op lists (e.g. `_transformer_encoder_layer_fwd`) calls ops that
         # autocast casts (`_native_multi_head_attention`); for the ops autocast already handled it is a no-op
@@ -572,6 +578,7 @@ class CpuWorkspaceProbe:
         self.notes: dict[str, str] = {}  # op -> where the CPU kernel's outputs differ from the meta kernel's
         self.limit_bytes = available_host_bytes() // 2 if limit_bytes is None else limit_bytes
         self.reduce_above = REDUCE_ABOVE_BYTES if reduce_above is None else reduce_above
+        self.reduce_above_flops = REDUCE_ABOVE_FLOPS if reduce_above_flops is None else reduce_above_flops
         self.extrapolated: dict[str, str] = {}  # op -> the sizes its workspace was extrapolated over
 
     @staticmethod
@@ -603,7 +610,7 @@ class CpuWorkspaceProbe:
             return 0, out  # is gloo's, and a collective run here would wait in c10d's work registry for ever
         autocast = self.autocast_dtype()
         key = (str(func), self._key(args), self._key(tuple(sorted(kwargs.items()))), autocast,
-               torch.get_num_threads(), self.limit_bytes, self.reduce_above)
+               torch.get_num_threads(), self.limit_bytes, self.reduce_above, self.reduce_above_flops)
         if key not in _PROBED:
             _PROBED[key] = self._probe(func, args, kwargs, out, autocast)
         ws, layouts, failure, note, extrapolated = _PROBED[key]
@@ -621,7 +628,9 @@ class CpuWorkspaceProbe:
         """What one op's run (or runs at reduced sizes) on this CPU found."""
         tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         size = sum(t.untyped_storage().nbytes() for t in tensors)
-        if size > self.reduce_above:
+        flop_rule = flop_registry.get(func.overloadpacket)
+        flops = int(flop_rule(*args, **kwargs, out_val=out)) if flop_rule is not None else 0
+        if size > self.reduce_above or flops > self.reduce_above_flops:
             reduced = self._extrapolated(func, args, kwargs, out, autocast, tensors)
             if reduced is not None:
                 return Probed(reduced[0], (), extrapolated=reduced[1])
