@@ -12,7 +12,7 @@ from rich.console import Console
 
 from conftest import FIXTURES
 from vramtrace import RunSpec, analyze
-from vramtrace.analysis.aggregate import live_groups, module_pattern
+from vramtrace.analysis.aggregate import layer_totals, live_groups, module_pattern
 from vramtrace.reports.terminal import render
 from vramtrace.units import format_flops
 
@@ -55,6 +55,12 @@ def test_identical_layers_fold_into_one_row(report):
     # a gradient sits with its parameter's module, as its optimizer states do
     grads = {g.pattern for g in groups if g.category == "gradient"}
     assert grads and not any(p.endswith((".weight", ".bias")) for p in grads)
+    # whole layers: the decoder layers' parameters live at the peak, counted from the storages' own names
+    whole = {(t.pattern, t.category): t for t in layer_totals(groups)}
+    params = sum(t.bytes for t in live if t.category == "parameter" and t.name.startswith("model.layers."))
+    assert whole["model.layers.*", "parameter"].bytes == params > 0
+    assert whole["model.layers.*", "parameter"].instances == 2
+    assert "2 × model.layers.* (all)" in rendered(report, 80)
 
 
 def test_module_pattern_and_flops_units():

@@ -59,3 +59,22 @@ def live_groups(rows, peak: int) -> list[Group]:
     out = [Group(p, c, len(paths), n, b) for (p, c), (paths, n, b) in groups.items()]
     out.sort(key=lambda g: (-g.bytes, g.pattern, g.category))
     return out
+
+
+def layer_totals(groups: list[Group]) -> list[Group]:
+    """`groups` (from `live_groups`) rolled up to whole layers: every group whose pattern has a folded layer index
+    summed into its stack's pattern up to that index ('model.layers.*.mlp.up_proj' -> 'model.layers.*'), per
+    category, with the most instances of its members; largest total first. 'What each of the 32 decoder layers
+    holds at the peak.'"""
+    totals: dict[tuple[str, str], list[int]] = {}
+    for g in groups:
+        if "*" not in g.pattern:
+            continue
+        stack = g.pattern[:g.pattern.index("*") + 1]
+        t = totals.setdefault((stack, g.category), [0, 0, 0])
+        t[0] = max(t[0], g.instances)
+        t[1] += g.count
+        t[2] += g.bytes
+    out = [Group(p, c, n, k, b) for (p, c), (n, k, b) in totals.items()]
+    out.sort(key=lambda g: (-g.bytes, g.pattern, g.category))
+    return out

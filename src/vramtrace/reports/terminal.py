@@ -9,7 +9,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from ..analysis.aggregate import live_groups
+from ..analysis.aggregate import layer_totals, live_groups
 from ..analysis.categories import OPTIONAL
 from ..analysis.summary import MemoryReport
 from ..units import format_bytes, format_count, format_flops
@@ -205,18 +205,21 @@ def render(report: MemoryReport, console: Console) -> None:
     console.print(wf)
 
     _render_groups(report, console)
-    wide = console.width >= 120  # below, the columns a reader can spare go, and the rest keep their words whole
+    wide = console.width >= 140  # below, the columns a reader can spare go, and the rest keep their words whole
     top = Table(title="Largest storages live at the peak", title_justify="left",
                 box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD)
     columns = ["module / tensor", "op", "category", "shape", "dtype", "bytes", "born", "dies"]
     if not wide:
         columns = ["module / tensor", "op", "shape", "bytes"]
+    longest = max((len(t.name or t.module or "(root)") for t in report.top_tensors), default=0)
     for col in columns:
         top.add_column(col, justify="right" if col in ("bytes", "born", "dies") else "left", overflow="fold",
-                       no_wrap=col in ("bytes", "category", "shape"), ratio=1 if col == "module / tensor" else None)
+                       no_wrap=col in ("bytes", "category", "shape"), ratio=1 if col == "module / tensor" else None,
+                       min_width=None if wide else min(longest, console.width - 48) if col == "module / tensor"
+                       else 10 if col == "bytes" else None)
     for t in report.top_tensors:
         cells = {"module / tensor": t.name or t.module or "(root)",
-                 "op": t.op.removeprefix("aten.").removesuffix(".default") or "(exists at start)",
+                 "op": t.op.removeprefix("aten.").removesuffix(".default") or "(at start)",
                  "category": t.category, "shape": _shape(t.shape), "dtype": t.dtype, "bytes": format_bytes(t.bytes),
                  "born": str(t.birth), "dies": str(t.death)}
         top.add_row(*(cells[c] for c in columns))
@@ -251,6 +254,7 @@ def render(report: MemoryReport, console: Console) -> None:
 
 
 GROUP_ROWS = 8  # rows of the by-layer table
+LAYER_ROWS = 3  # whole-layer rows above them
 
 
 def _render_groups(report: MemoryReport, console: Console) -> None:
@@ -264,6 +268,9 @@ def _render_groups(report: MemoryReport, console: Console) -> None:
     table.add_column("category", no_wrap=True)
     table.add_column("each", justify="right", no_wrap=True)
     table.add_column("total", justify="right", no_wrap=True)
+    for g in [t for t in layer_totals(groups) if t.instances > 1][:LAYER_ROWS]:  # whole layers first
+        table.add_row(Text(f"{g.instances} × {g.pattern} (all)", style="bold"), g.category,
+                      format_bytes(g.bytes_each), format_bytes(g.bytes))
     for g in groups[:GROUP_ROWS]:
         many = g.instances > 1
         table.add_row(f"{g.instances} × {g.pattern}" if many else (g.pattern or "(root)"), g.category,
