@@ -6,6 +6,8 @@ recompute, Inductor's buffer reuse, fallback kernels with workspaces)."""
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -15,6 +17,7 @@ from conftest import FIXTURES, deep_config
 from oracle import measure_cpu_peak
 from vramtrace import RunSpec, analyze
 from vramtrace.errors import UsageError
+from vramtrace.reports.html import render_html
 from vramtrace.tracer.compiled import GraphProgram, run_program
 
 
@@ -41,6 +44,13 @@ def test_compiled_step_matches_real_compiled_cpu_step():
     assert all(r["count"] > 0 and r["op"] for r in c["recomputed"])
     # the checkpointed layers' forward runs again in the backward graph
     assert any(r["module"].startswith("model.layers.*") for r in c["recomputed"])
+    # the HTML draws the compiled and the eager timelines side by side; the eager step stays out of the JSON
+    data = re.search(r'<script type="application/json" id="vramtrace-data">(.*?)</script>',
+                     render_html(*report.html_pages()), re.S)
+    pages = json.loads(data.group(1))["reports"]
+    assert [p["label"] for p in pages] == ["torch.compile", "eager"]
+    assert [p["peak_bytes"] for p in pages] == [report.peak_allocated_bytes, c["peak_allocated_bytes_eager"]]
+    assert "eager" not in report.to_dict() and report.eager.compiled is None
 
 
 def test_run_program_repeats_allocations_reuse_aliases_and_frees():

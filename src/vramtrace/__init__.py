@@ -63,8 +63,9 @@ def analyze(spec: RunSpec | None = None, progress: Callable[[str], None] | None 
             report = replace(report, levers=find_levers(keep["spec"], ev, budget))
     if spec.compile:
         say("the same step without torch.compile")
-        report = replace(report, compiled=compile_summary(report, keep["traces"][keep["spec"]][0].traced.compiled,
-                                                          _analyze_one(replace(spec, compile=False), say)))
+        eager = _analyze_one(replace(spec, compile=False), say)
+        report = replace(report, eager=eager,
+                         compiled=compile_summary(report, keep["traces"][keep["spec"]][0].traced.compiled, eager))
     if ckpt.kind == "none":
         return report
     from .tracer.checkpointing import paste_snippet  # imports torch: after the config is resolved

@@ -234,7 +234,7 @@ def main_command(
                 reports = compare_reports(spec, labels, progress=say)
                 reports[0] = with_comparison(reports, labels)
             else:
-                reports, labels = [analyze(spec, progress=say, levers=not no_levers)], None
+                reports, labels = analyze(spec, progress=say, levers=not no_levers).html_pages()
     report = reports[0]
     if not quiet and json_path != "-":
         render(report, Console())

@@ -74,6 +74,7 @@ class MemoryReport:
     peak_micro_step: int = 0  # gradient accumulation: the micro-step (0-based) of the peak
     levers: dict[str, Any] | None = None  # when it does not fit: what makes it fit (vramtrace.levers.find_levers)
     compiled: dict[str, Any] | None = None  # --compile: the compiled step against eager (vramtrace.compile_summary)
+    eager: "MemoryReport | None" = None  # --compile: the same step traced eagerly (not in the JSON; the HTML draws it)
     schema_version: int = SCHEMA_VERSION
 
     def __repr__(self) -> str:
@@ -104,7 +105,15 @@ class MemoryReport:
         """Write the self-contained HTML report (what `--html` writes) to `path`. Raises ReportWriteError."""
         from ..reports.html import write_html
 
-        write_html([self], path)
+        reports, labels = self.html_pages()
+        write_html(reports, path, labels)
+
+    def html_pages(self) -> tuple[list["MemoryReport"], list[str] | None]:
+        """(reports, labels) the HTML report draws: this one, and beside it on one scale the eager step of a
+        `--compile` report."""
+        if self.eager is None:
+            return [self], None
+        return [self, self.eager], ["torch.compile", "eager"]
 
     @property
     def recompute_overhead(self) -> float:
@@ -128,7 +137,8 @@ class MemoryReport:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data (lists for tuples); rows are built field by field, not by `asdict`, which is
         slow for the ~10^5 storages of a large model."""
-        d = {f: getattr(self, f) for f in self.__dataclass_fields__ if f not in ("phases", "top_tensors", "tensors")}
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__
+             if f not in ("phases", "top_tensors", "tensors", "eager")}
         d["phases"] = [asdict(m) for m in self.phases]
         d["top_tensors"] = [r.to_dict() for r in self.top_tensors]
         d["tensors"] = [r.to_dict() for r in self.tensors]
