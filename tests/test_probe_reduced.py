@@ -93,3 +93,22 @@ def test_a_step_with_every_large_op_extrapolated_predicts_the_measured_peak(monk
     assert "extrapolated_workspaces" in reduced.run["cpu_kernels"]
     assert "extrapolated_workspaces" not in full.run["cpu_kernels"]
     assert reduced.peak_allocated_bytes == full.peak_allocated_bytes
+
+
+def test_probes_share_their_results_in_the_process(monkeypatch):
+    """A second probe (another trace: --compile's eager comparison) finds the first one's result, also with
+    another memory limit (each probe reads the memory available when it starts), and its own report lists the
+    op's extrapolation; nothing runs again."""
+    from vramtrace.tracer import kernels
+
+    monkeypatch.setattr(kernels, "_PROBED", {})
+    a = torch.empty(2, 512, 1024, device="meta", dtype=torch.bfloat16)
+    b = torch.empty(2, 512, 1024, device="meta")
+    out = aten.add.Tensor(a, b)
+    first = CpuWorkspaceProbe(limit_bytes=1 << 40, reduce_above=0)
+    measured = first(aten.add.Tensor, (a, b), {}, out)[0]
+    runs = []
+    monkeypatch.setattr(CpuWorkspaceProbe, "_on_zeros", lambda *args: runs.append(args))
+    second = CpuWorkspaceProbe(limit_bytes=1 << 41, reduce_above=0)
+    assert second(aten.add.Tensor, (a, b), {}, out)[0] == measured > 0
+    assert not runs and second.extrapolated == first.extrapolated != {}

@@ -536,7 +536,8 @@ class Probed(NamedTuple):
 
 # The probe's results in this process, shared by every `CpuWorkspaceProbe` (the compiled trace and the eager one
 # it is compared with run the same large kernels): key (op, argument layouts, autocast dtype, thread count, the
-# probe's limits) -> Probed. A memo of measurements of this process's CPU kernels, which do not change in it.
+# probe's thresholds, whether its memory limit applies) -> Probed. A memo of measurements of this process's CPU
+# kernels, which do not change in it.
 _PROBED: dict[tuple, Probed] = {}
 
 
@@ -609,8 +610,10 @@ class CpuWorkspaceProbe:
         if func.namespace in ("c10d", "_c10d_functional"):  # the other collectives: nothing the fake backend runs
             return 0, out  # is gloo's, and a collective run here would wait in c10d's work registry for ever
         autocast = self.autocast_dtype()
+        # the memory limit enters as whether it applies: each probe reads the memory available when it starts
+        over = _tensor_bytes((args, kwargs, out)) > self.limit_bytes
         key = (str(func), self._key(args), self._key(tuple(sorted(kwargs.items()))), autocast,
-               torch.get_num_threads(), self.limit_bytes, self.reduce_above, self.reduce_above_flops)
+               torch.get_num_threads(), over, self.reduce_above, self.reduce_above_flops)
         if key not in _PROBED:
             _PROBED[key] = self._probe(func, args, kwargs, out, autocast)
         ws, layouts, failure, note, extrapolated = _PROBED[key]
@@ -627,7 +630,7 @@ class CpuWorkspaceProbe:
     def _probe(self, func, args, kwargs, out, autocast) -> "Probed":
         """What one op's run (or runs at reduced sizes) on this CPU found."""
         tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-        size = sum(t.untyped_storage().nbytes() for t in tensors)
+        size = _tensor_bytes(tensors)
         flop_rule = flop_registry.get(func.overloadpacket)
         flops = int(flop_rule(*args, **kwargs, out_val=out)) if flop_rule is not None else 0
         if size > self.reduce_above or flops > self.reduce_above_flops:
@@ -784,6 +787,12 @@ def _reduced(tree, sizes: dict[int, int]):
 
     out = torch.utils._pytree.tree_map(leaf, tree, is_leaf=is_sizes)
     return None if bad else out
+
+
+def _tensor_bytes(tree) -> int:
+    """Bytes of the storages of the tensors in `tree`, each tensor's storage counted once per tensor."""
+    return sum(t.untyped_storage().nbytes() for t in torch.utils._pytree.tree_leaves(tree)
+               if isinstance(t, torch.Tensor))
 
 
 def _reduced_bytes(tree, sizes: dict[int, int]) -> int:
