@@ -112,3 +112,38 @@ def test_probes_share_their_results_in_the_process(monkeypatch):
     second = CpuWorkspaceProbe(limit_bytes=1 << 41, reduce_above=0)
     assert second(aten.add.Tensor, (a, b), {}, out)[0] == measured > 0
     assert not runs and second.extrapolated == first.extrapolated != {}
+
+
+def test_probe_results_on_disk_serve_the_next_process(monkeypatch, tmp_path):
+    """What a probe measured is written to the disk cache (one JSON line per signature) and found by a later
+    process (here: the in-process tables emptied) without running the kernel, with its output layouts (CPU
+    layer norm of bf16 returns bf16 mean and rstd, the meta kernel fp32) and its note; a torn line is skipped."""
+    from vramtrace.tracer import kernels
+
+    monkeypatch.setenv("VRAMTRACE_CPU_PROBE_CACHE", str(tmp_path))
+    x = torch.empty(4, 64, 256, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(256, device="meta", dtype=torch.bfloat16)
+    args = (x, [256], w, w, 1e-5)
+    out = aten.native_layer_norm.default(*args)
+
+    def fresh_process():
+        monkeypatch.setattr(kernels, "_PROBED", {})
+        monkeypatch.setattr(kernels, "_DISK", {})
+        return CpuWorkspaceProbe()
+
+    probe = fresh_process()
+    measured, relaid = probe(aten.native_layer_norm.default, args, {}, out)
+    assert [t.dtype for t in relaid[1:]] == [torch.bfloat16] * 2 and probe.notes
+    files = list(tmp_path.glob("cpu-kernels-*.jsonl"))
+    assert len(files) == 1
+    with open(files[0], "a") as f:
+        f.write('["torn')
+    runs = []
+    monkeypatch.setattr(CpuWorkspaceProbe, "_on_zeros", lambda *a: runs.append(a))
+    again = fresh_process()
+    ws, relaid_again = again(aten.native_layer_norm.default, args, {}, out)
+    assert not runs and ws == measured and again.notes == probe.notes
+    assert [(t.shape, t.stride(), t.dtype) for t in relaid_again] == [(t.shape, t.stride(), t.dtype) for t in relaid]
+    monkeypatch.setenv("VRAMTRACE_CPU_PROBE_CACHE", "off")  # off: nothing found, the kernel runs
+    fresh_process()(aten.native_layer_norm.default, args, {}, out)
+    assert runs

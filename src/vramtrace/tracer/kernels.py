@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import hashlib
+import json
 import math
 import os
 import sys
 from fractions import Fraction
+from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -541,6 +544,80 @@ class Probed(NamedTuple):
 _PROBED: dict[tuple, Probed] = {}
 
 
+# The probe's results on disk, for the next process on this machine: a directory, or "off". Default:
+# $XDG_CACHE_HOME/vramtrace (else ~/.cache/vramtrace).
+PROBE_CACHE_ENV = "VRAMTRACE_CPU_PROBE_CACHE"
+
+
+class ProbeDiskCache:
+    """The probe's results (`Probed`) on disk, one JSON line per op signature, in a file named by a digest of
+    `cpu_environment()` (CPU model and flags, oneDNN ISA cap, ATen's vectorisation, threads, torch version) and of
+    this module's source (a change to the probe's rules starts a new file). A measurement is a fact about this
+    machine's kernels, so a later run finds it instead of running the kernel again (Llama-2-7b's probes take tens
+    of seconds on two cores). Failures are not kept (they may depend on the memory free at the time). Best effort:
+    a file it cannot read or write is a cache that finds nothing. Where: `path`; off: `VRAMTRACE_CPU_PROBE_CACHE=off`;
+    to clear it, delete the directory."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._found: dict[str, Probed] | None = None
+
+    @classmethod
+    def for_this_machine(cls) -> "ProbeDiskCache":
+        where = os.environ.get(PROBE_CACHE_ENV, "")
+        if where.lower() == "off":
+            return cls(None)
+        base = Path(where) if where else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vramtrace"
+        digest = hashlib.sha256(json.dumps(cpu_environment(), sort_keys=True).encode()
+                                + Path(__file__).read_bytes()).hexdigest()[:16]
+        return cls(base / f"cpu-kernels-{digest}.jsonl")
+
+    def _load(self) -> dict[str, Probed]:
+        if self._found is None:
+            self._found = {}
+            try:
+                lines = self.path.read_text(encoding="utf-8").splitlines() if self.path is not None else []
+            except OSError:
+                lines = []
+            for line in lines:
+                try:
+                    k, (ws, layouts, note, extrapolated) = json.loads(line)
+                    self._found[k] = Probed(ws, tuple((i, tuple(shape), tuple(stride), getattr(torch, dtype))
+                                                      for i, shape, stride, dtype in layouts),
+                                            note=note, extrapolated=extrapolated)
+                except (ValueError, TypeError, AttributeError):
+                    continue  # a line cut short by a process that stopped while writing it
+        return self._found
+
+    def get(self, key: tuple) -> Probed | None:
+        return self._load().get(repr(key))
+
+    def put(self, key: tuple, found: Probed) -> None:
+        if self.path is None or found.failure is not None:
+            return
+        layouts = [(i, list(shape), list(stride), str(dtype).removeprefix("torch."))
+                   for i, shape, stride, dtype in found.layouts]
+        line = json.dumps([repr(key), [found.workspace, layouts, found.note, found.extrapolated]])
+        self._load()[repr(key)] = found
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+        except OSError:
+            pass
+
+
+_DISK: dict[str | None, ProbeDiskCache] = {}
+
+
+def _disk_cache() -> ProbeDiskCache:
+    """This machine's `ProbeDiskCache` under the current `VRAMTRACE_CPU_PROBE_CACHE` and thread count."""
+    key = f"{os.environ.get(PROBE_CACHE_ENV, '')}|{torch.get_num_threads()}"
+    if key not in _DISK:
+        _DISK[key] = ProbeDiskCache.for_this_machine()
+    return _DISK[key]
+
+
 class CpuWorkspaceProbe:
     """Bytes a CPU kernel allocates and frees inside one op (its workspace), beyond its new outputs.
 
@@ -615,7 +692,11 @@ class CpuWorkspaceProbe:
         key = (str(func), self._key(args), self._key(tuple(sorted(kwargs.items()))), autocast,
                torch.get_num_threads(), over, self.reduce_above, self.reduce_above_flops)
         if key not in _PROBED:
-            _PROBED[key] = self._probe(func, args, kwargs, out, autocast)
+            found = _disk_cache().get(key)
+            if found is None:
+                found = self._probe(func, args, kwargs, out, autocast)
+                _disk_cache().put(key, found)
+            _PROBED[key] = found
         ws, layouts, failure, note, extrapolated = _PROBED[key]
         for found, record in ((failure, self.failures), (note, self.notes), (extrapolated, self.extrapolated)):
             if found is not None:
