@@ -36,7 +36,7 @@ CATEGORY_COLORS = {  # stacked bottom to top in this order
 }
 
 
-PERSISTENT = "persistent (live the whole step)"  # the band that folds parameters, optimizer states, inputs
+WHOLE_STEP_BAND = "persistent (live the whole step)"  # the band that folds parameters, optimizer states, inputs
 AT_PEAK_ROWS = 8  # rows of the "live at the peak, identical layers folded" table
 
 
@@ -57,9 +57,9 @@ def _index_key(path: str) -> tuple:
 
 
 def _lifetime_groups(report: MemoryReport, cats: list[Category]) -> tuple[dict, list[int]]:
-    """The lifetimes panel's tree: storages that live the whole step in one band (PERSISTENT, then by category),
-    the others by module, identical layers folded into one node ('model.layers.* ×32') whose children are the
-    instances. Returns ({'label', 'parent', 'kind'}: one entry per node, parents before children, kind 'band' |
+    """The lifetimes panel's tree: storages that live the whole step in one band (WHOLE_STEP_BAND, then by
+    category), the others by module, identical layers folded into one node ('model.layers.* ×32') whose children
+    are the instances. Returns ({'label', 'parent', 'kind'}: one entry per node, parents before children, kind 'band' |
     'category' | 'fold' | 'module'), and per storage the node it sits in (the deepest)."""
     labels: list[str] = []
     parents: list[int] = []
@@ -98,7 +98,7 @@ def _lifetime_groups(report: MemoryReport, cats: list[Category]) -> tuple[dict, 
                     where[k] = g
 
     if persistent:
-        band = node(PERSISTENT, -1, "band")
+        band = node(WHOLE_STEP_BAND, -1, "band")
         for c in cats:
             members = [k for k in persistent if rows[k].category == c.value]
             if members:
