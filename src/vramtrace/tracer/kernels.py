@@ -567,9 +567,13 @@ class ProbeDiskCache:
         where = os.environ.get(PROBE_CACHE_ENV, "")
         if where.lower() == "off":
             return cls(None)
-        base = Path(where) if where else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vramtrace"
-        digest = hashlib.sha256(json.dumps(cpu_environment(), sort_keys=True).encode()
-                                + Path(__file__).read_bytes()).hexdigest()[:16]
+        try:
+            base = Path(where) if where else (
+                Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vramtrace")
+            digest = hashlib.sha256(json.dumps(cpu_environment(), sort_keys=True).encode()
+                                    + Path(__file__).read_bytes()).hexdigest()[:16]
+        except (OSError, RuntimeError):  # no home directory, the module's source unreadable: no cache
+            return cls(None)
         return cls(base / f"cpu-kernels-{digest}.jsonl")
 
     def _load(self) -> dict[str, Probed]:
