@@ -16,6 +16,12 @@ def module_pattern(path: str) -> str:
     return _INDEX.sub(".*", path)
 
 
+def stack_pattern(pattern: str) -> str | None:
+    """A module pattern's layer stack, up to its first folded index: 'model.layers.*.mlp' -> 'model.layers.*';
+    None for a pattern without one."""
+    return pattern[:pattern.index("*") + 1] if "*" in pattern else None
+
+
 @dataclass(frozen=True, slots=True)
 class Group:
     """Storages live at the peak that share a module pattern and a category. `instances` is how many distinct
@@ -68,9 +74,9 @@ def layer_totals(groups: list[Group]) -> list[Group]:
     holds at the peak.'"""
     totals: dict[tuple[str, str], list[int]] = {}
     for g in groups:
-        if "*" not in g.pattern:
+        stack = stack_pattern(g.pattern)
+        if stack is None:
             continue
-        stack = g.pattern[:g.pattern.index("*") + 1]
         t = totals.setdefault((stack, g.category), [0, 0, 0])
         t[0] = max(t[0], g.instances)
         t[1] += g.count

@@ -19,7 +19,7 @@ from pathlib import Path
 import jinja2
 from markupsafe import Markup
 
-from ..analysis.aggregate import live_groups, module_pattern, owner
+from ..analysis.aggregate import live_groups, module_pattern, owner, stack_pattern
 from ..analysis.categories import Category
 from ..analysis.summary import MemoryReport
 from ..errors import ReportWriteError
@@ -43,10 +43,9 @@ AT_PEAK_ROWS = 8  # rows of the "live at the peak, identical layers folded" tabl
 def _fold(path: str) -> tuple[str, str]:
     """(fold key, instance) of a module path: 'model.layers.3.mlp' -> ('model.layers.*', 'model.layers.3'),
     the first layer index folded (`aggregate.module_pattern`); a path without an index is its own key."""
-    pattern = module_pattern(path)
-    if "*" not in pattern:
+    head = stack_pattern(module_pattern(path))
+    if head is None:
         return path or "(root)", path or "(root)"
-    head = pattern[:pattern.index("*") + 1]
     depth = head.count(".") + 1
     return head, ".".join(path.split(".")[:depth])
 

@@ -611,7 +611,7 @@ class ProbeDiskCache:
             pass
 
 
-_DISK: dict[str | None, ProbeDiskCache] = {}
+_DISK: dict[str, ProbeDiskCache] = {}  # by (cache setting, thread count)
 
 
 def _disk_cache() -> ProbeDiskCache:
@@ -712,7 +712,7 @@ class CpuWorkspaceProbe:
             out = torch.utils._pytree.tree_unflatten(leaves, spec)
         return ws, out
 
-    def _probe(self, func, args, kwargs, out, autocast) -> "Probed":
+    def _probe(self, func, args, kwargs, out, autocast) -> Probed:
         """What one op's run (or runs at reduced sizes) on this CPU found."""
         tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         size = _tensor_bytes(tensors)
@@ -764,7 +764,6 @@ class CpuWorkspaceProbe:
         at full size, unless an op rule (`REDUCTION_RULES`) knows where its blocking is constant."""
         rule = REDUCTION_RULES.get(str(func))
         points = rule(args, kwargs) if rule is not None else None
-        how = None
         if points is not None:
             how = rule.__doc__.splitlines()[0]
         else:
