@@ -666,7 +666,9 @@ class CpuWorkspaceProbe:
     @staticmethod
     def _key(x):
         if isinstance(x, torch.Tensor):
-            return ("T", tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.requires_grad)
+            # not requires_grad: the op runs under no_grad on fresh zeros, so an eager op and a compiled graph's
+            # extern kernel on the same layouts are one run
+            return ("T", tuple(x.shape), x.stride(), x.storage_offset(), x.dtype)
         if isinstance(x, (list, tuple)):
             return tuple(CpuWorkspaceProbe._key(v) for v in x)
         return x
@@ -756,7 +758,7 @@ class CpuWorkspaceProbe:
         Generic cut: every large dimension (a multiple of 8, 1024 or more) is cut at once to 1/k of its size
         (measure: 1/k, the fraction kept), for k from the largest power of two that divides them all and keeps
         128 or more of the smallest (above the small-size paths of the CPU kernels) down to 2: the three smallest
-        runs always, a larger one while its tensors stay within `REDUCED_RUN_BYTES`. Every run must lie on one
+        runs always, a larger one while it is cheap (`_affordable`). Every run must lie on one
         line. At 1024 the cuts are 1/8, 1/4, 1/2 (a matmul then costs 14% of its full run); for Llama-2-7b's
         matmuls (4096 and more) 1/32, 1/16, 1/8: a bf16 matmul on a CPU without native bf16 runs at about
         0.5 GFLOP/s (this AVX2 machine), so its 1/2 run alone would take minutes. A step between the largest run and
@@ -774,8 +776,7 @@ class CpuWorkspaceProbe:
             while all(d % (2 * k) == 0 for d in dims) and dims[0] // (2 * k) >= 128:
                 k *= 2
             cuts = []
-            while k >= 2 and (len(cuts) < 3 or _reduced_bytes((args, kwargs, out), {d: d // k for d in dims})
-                              <= REDUCED_RUN_BYTES):
+            while k >= 2 and (len(cuts) < 3 or self._affordable(func, args, kwargs, out, {d: d // k for d in dims})):
                 cuts.append(({d: d // k for d in dims}, Fraction(1, k)))
                 k //= 2
             points = (cuts, Fraction(1))
@@ -795,6 +796,18 @@ class CpuWorkspaceProbe:
         if workspace.denominator != 1:
             return None
         return int(workspace), f"{how}: affine"
+
+    def _affordable(self, func, args, kwargs, out, sizes: dict[int, int]) -> bool:
+        """Whether a run beyond the three smallest, with dimensions cut as `sizes` says, is cheap enough: its tensors
+        within `REDUCED_RUN_BYTES` and its FLOPs within `reduce_above_flops` (Llama-2-7b's bf16 8192 x 4096 by
+        4096 x 4096 matmul at 1/4, 4.3 GFLOP, takes 4.3 s on this AVX2 machine)."""
+        if _reduced_bytes((args, kwargs, out), sizes) > REDUCED_RUN_BYTES:
+            return False
+        flop_rule = flop_registry.get(func.overloadpacket)
+        if flop_rule is None:
+            return True
+        r_args, r_kwargs, r_out = (_reduced(tree, sizes) for tree in (args, kwargs, out))
+        return r_args is not None and int(flop_rule(*r_args, **r_kwargs, out_val=r_out)) <= self.reduce_above_flops
 
     def _reduced_run(self, func, args, kwargs, out, autocast, sizes: dict[int, int]) -> int | None:
         """The workspace of one run of `func` with its tensors' dimensions cut as `sizes` says, or None (it
@@ -900,7 +913,7 @@ def _new_output_bytes(out, ins: set[int]) -> int:
 
 
 def _flash_attention_points(args, kwargs):
-    """batch to 2 or less, heads to 1/8 and 1/4 (2 or more), tokens to 768 and 1024: one block size
+    """batch to 2 or less, heads to 2 and 4, tokens to 768 and 1024: one block size
 
     The CPU flash attention (`aten/src/ATen/native/cpu/FlashAttentionKernel.cpp`, `cpu_flash_attention` and
     `cpu_flash_attention_backward`) allocates per-thread buffers sized by its block sizes only: the query block is
@@ -920,8 +933,8 @@ def _flash_attention_points(args, kwargs):
     batch, heads, tokens, head_dim = q.shape
     if tokens < 1024 or heads < 4 or len({batch, heads, tokens, head_dim}) < 4:
         return None  # a size shared by two dimensions would be cut in both
-    b, h1 = min(batch, 2), max(2, heads // 8)
-    cuts = [({batch: b, heads: h, tokens: t}, b * h * t) for h, t in ((h1, 768), (2 * h1, 768), (h1, 1024))]
+    b = min(batch, 2)
+    cuts = [({batch: b, heads: h, tokens: t}, b * h * t) for h, t in ((2, 768), (4, 768), (2, 1024))]
     return cuts, batch * heads * tokens
 
 

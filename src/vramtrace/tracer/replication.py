@@ -158,6 +158,21 @@ def _sweeps(phase: str, idxs: list[int], owner_layer: list[int | None], multi: l
     return units
 
 
+def _user_layer(plan: LayerPlan, ops: list[RecOp], born: list[int], uses: dict[int, list[int]]) -> int | None:
+    """The layer a creation op outside every layer's modules (no inputs) runs for: the one layer whose ops, alone,
+    read or free the storages it made, or None. The autograd.Function that runs a compiled backward
+    (AOTAutograd's CompiledFunction, torch/_functorch/_aot_autograd/runtime_wrappers.py) materializes a zero
+    gradient for each output no loss depends on (torch/autograd/function.py `set_materialize_grads`, default
+    True), all of them before the backward graph runs: with transformers' KV cache on, two per layer (the keys
+    and values the cache keeps), each read only by its layer's backward."""
+    if not born:
+        return None
+    layers = {plan.layer_of(ops[u].module) for s in born for u in uses.get(s, (None,)) if u is not None}
+    if len(layers) != 1 or any(not uses.get(s) for s in born):
+        return None
+    return layers.pop()
+
+
 def _is_foreach(o: RecOp) -> bool:
     return o.name.startswith("aten._foreach_")
 
@@ -278,6 +293,10 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
         layer = plan.layer_of(s.name) if s.op_index < 0 else None
         if layer is not None:
             owner[s.sid] = (layer, ("pre", plan.rename(s.name, {layer: -1})))
+    uses: dict[int, list[int]] = {}  # storage -> the ops that read or free it
+    for o in ops:
+        for s in (*o.ins, *o.frees):
+            uses.setdefault(s, []).append(o.index)
     owner_layer: list[int | None] = [None] * len(ops)
     multi = [False] * len(ops)
     units: list[_Unit] = []
@@ -300,6 +319,8 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
                 o = ops[k]
                 if phase in ("forward", "backward") or (phase == "step" and ops[k].module != "optimizer"):
                     owner_layer[k] = plan.layer_of(o.module)
+                    if owner_layer[k] is None and not o.ins:
+                        owner_layer[k] = _user_layer(plan, ops, births[k], uses)
                 else:
                     seen = {owner[s][0] if owner[s] is not None else born_layer.get(s) for s in o.ins} - {None}
                     owner_layer[k] = next(iter(seen)) if len(seen) == 1 else None
