@@ -22,7 +22,6 @@ from vramtrace.tracer.loading import resolve_config
 from vramtrace.tracer.records import RecOp, RecStorage
 from vramtrace.tracer.replication import LayerPlan, NotPeriodic, canonical_frees, replicate_layers
 from vramtrace.analysis.storages import storage_table
-from vramtrace.tracer.fx_export import to_fx_graph
 from vramtrace.tracer.trace import trace_step
 
 
@@ -193,34 +192,3 @@ def test_replicated_prediction_matches_profiler(tmp_path):
     assert abs(report.peak_allocated_bytes - measured) <= 0.01 * measured, (report.peak_allocated_bytes, measured)
 
 
-def test_fx_graph_has_one_node_per_op(tmp_path):
-    spec = RunSpec(deep_config(tmp_path, "tiny-gpt2", 6), batch=1, seq=8)
-    traced = trace_step(spec, load_model(spec, resolve_config(spec.model)))
-    gm = to_fx_graph(traced)
-    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-    assert len(calls) == sum(1 for o in traced.ops if o.step == traced.steps - 1)
-    assert {"forward", "backward", "optimizer"} <= {n.meta["phase"] for n in calls} <= {
-        "forward", "backward", "optimizer", "zero_grad"}
-    # every storage a node reads comes from a placeholder or an earlier node, or was first seen as an input of
-    # an op up to this one (made outside the dispatcher, e.g. the constant that lift_fresh lifts: recorded as born
-    # at that op, which it did not allocate, so it has no producer node); args are exactly the producers, and no
-    # storage is produced twice
-    born = {s.sid: s.op_index for s in traced.storages}
-
-    def first_seen_as_input(sid, step):
-        first = traced.ops[born[sid]] if 0 <= born[sid] <= step else None
-        return first is not None and sid in first.reads and sid not in first.allocates
-
-    producer = {}
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            assert n.meta["storage"] not in producer
-            producer[n.meta["storage"]] = n
-        elif n.op == "call_function":
-            assert all(a.op == "placeholder" or a.meta["step"] < n.meta["step"] for a in n.args)
-            unproduced = [sid for sid in n.meta["reads"] if sid not in producer]
-            assert all(first_seen_as_input(sid, n.meta["step"]) for sid in unproduced), (n.meta["step"], unproduced)
-            assert list(n.args) == list(dict.fromkeys(producer[sid] for sid in n.meta["reads"] if sid in producer))
-            for sid in n.meta["allocates"]:
-                assert sid not in producer and born[sid] == n.meta["step"], (sid, n.meta["step"])
-                producer[sid] = n

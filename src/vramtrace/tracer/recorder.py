@@ -13,8 +13,10 @@ storage is alive, so a reused address gets a new id.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -40,6 +42,33 @@ _WRAP_COLLECTIVE = "_c10d_functional._wrap_tensor_autograd.default"
 # references to an input-buffer gradient seen from the top of __torch_dispatch__ when the engine holds the last one
 # (the buffer, the dispatcher's argument, the Python argument, the engine's own copy): see _accumulates_in_place
 ACCUMULATE_USE_COUNT = 4
+
+
+# Set by `keeping_args`: recorders made meanwhile keep every op's arguments (`StepRecorder.op_args`), for a runnable
+# FX graph of the step (fx_export.py); off by default, since the tracer's analyses need storages only
+_KEEP_ARGS: contextvars.ContextVar[bool] = contextvars.ContextVar("vramtrace_keep_args", default=False)
+
+
+@contextlib.contextmanager
+def keeping_args():
+    """Recorders created inside keep each op's arguments and outputs (`StepRecorder.op_args`)."""
+    token = _KEEP_ARGS.set(True)
+    try:
+        yield
+    finally:
+        _KEEP_ARGS.reset(token)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorArg:
+    """A tensor among an op's recorded arguments or outputs: its storage (`sid`), and its view of it: sizes,
+    strides and storage offset in elements of `dtype`. A pytree leaf (not a tuple)."""
+
+    sid: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
 
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
@@ -92,6 +121,9 @@ class StepRecorder(TorchDispatchMode):
         self._copying_to_device = 0
         self._resized_away: set[int] = set()  # records whose storage was resized (storage_resized): freed there
         self._resized_from: dict[int, int] = {}  # StorageImpl address -> its last record, while resized to 0
+        # op index -> (args, kwargs, output) with every tensor a TensorArg, for the ops of `__torch_dispatch__`
+        # (not the pseudo-ops), when made under `keeping_args`; else None
+        self.op_args: dict[int, tuple] | None = {} if _KEEP_ARGS.get() else None
 
     @property
     def phase(self) -> Phase:
@@ -447,6 +479,14 @@ class StepRecorder(TorchDispatchMode):
         flop_rule = flop_registry.get(func.overloadpacket)
         flops = int(flop_rule(*args, **kwargs, out_val=out)) if flop_rule is not None else 0
         phase = self.phase
+        if self.op_args is not None:
+            def arg(t):
+                if not isinstance(t, torch.Tensor):
+                    return t
+                return TensorArg(self.storage_id(t, op_index=index, op=name), tuple(t.shape), tuple(t.stride()),
+                                 t.storage_offset(), t.dtype)
+
+            self.op_args[index] = tree_map(arg, (args, kwargs, out))
         self.ops.append(RecOp(index, name, phase, self.current_module(), tuple(ins), tuple(new), (), lead,
                               flops, self.recomputing > 0 and phase is Phase.BACKWARD, self.step, self.micro))
         return out

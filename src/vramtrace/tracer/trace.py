@@ -30,7 +30,7 @@ from .hooks import module_hooks, moe_routing
 from .kernels import CpuWorkspaceProbe, KernelPolicyMode, cpu_environment
 from .optim import make_optimizer
 from .records import MicroMarks, OpInfo, Phase, RecStorage
-from .recorder import StepRecorder, tag_autograd_nodes
+from .recorder import StepRecorder, keeping_args, tag_autograd_nodes
 from .replay import MicroRecord, capture, replay, replayable
 from .decoding import PATTERN, decode_steps_to_trace, rebuild_decode_steps
 from .sharding import FSDP_OP_CATEGORIES, mixed_precision_policy, param_bytes, tp_layout
@@ -56,6 +56,9 @@ class TracedGraph:
     unresolved: tuple[str, ...] = ()  # what the trace could not size, one line each (never counted silently)
     cpu_environment: tuple[tuple[str, str | int], ...] = ()  # CPU target: what its kernel workspaces depend on
     compiled: dict | None = None  # --compile: the graphs Inductor compiled (`compiled_step.graphs_summary`)
+    # op index -> (args, kwargs, output), tensors as recorder.TensorArg: a trace made with `keep_args`
+    # (fx_export.to_fx_graph), else None
+    op_args: dict[int, tuple] | None = None
 
 
 KV_CACHE_NAME = "past_key_values"
@@ -413,7 +416,7 @@ def cache_windows(model: torch.nn.Module) -> tuple[int, ...]:
 
 
 def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], None] | None = None, *,
-               replay_steady: bool = True, rebuild_decode: bool = True) -> TracedGraph:
+               replay_steady: bool = True, rebuild_decode: bool = True, keep_args: bool = False) -> TracedGraph:
     """Run the steps of `spec` on `loaded` (meta device) and record them. Raises TraceError, UnsupportedOpError,
     UsageError (a bad --step file).
 
@@ -426,8 +429,14 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
     A generation is traced for its first few decode steps and the records of the rest are rebuilt
     (`decoding.rebuild_decode_steps`); if the decode steps turn out not to be periodic, or `rebuild_decode` is
     False, every decode step is traced.
+
+    `keep_args`: keep every op's arguments (`TracedGraph.op_args`, for `fx_export.to_fx_graph`); every layer and
+    every step is then traced, none rebuilt or copied.
     """
     say = progress or (lambda _msg: None)
+    if keep_args:
+        with keeping_args():
+            return _trace_step(spec, loaded, say, False, None, every_layer=True)
     traced_steps = None
     if spec.mode is Mode.GENERATE and rebuild_decode:
         traced_steps = decode_steps_to_trace(spec.new_tokens, spec.seq, cache_windows(loaded.model))
@@ -442,10 +451,11 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
 
 
 def _trace_step(spec: RunSpec, loaded: LoadedModel, say: Callable[[str], None], replay_steady: bool,
-                traced_steps: int | None, decode_note: str = "") -> TracedGraph:
-    """`trace_step` with `traced_steps` decode steps traced and the rest rebuilt (None: every step traced).
-    Raises NotPeriodic when that rebuild fails (a layer replication that fails traces every layer here)."""
-    plan, note = loaded.layer_plan, loaded.replication_note
+                traced_steps: int | None, decode_note: str = "", every_layer: bool = False) -> TracedGraph:
+    """`trace_step` with `traced_steps` decode steps traced and the rest rebuilt (None: every step traced), and
+    with `every_layer`, no layer replication. Raises NotPeriodic when that rebuild fails (a layer replication that
+    fails traces every layer here)."""
+    plan, note = (None, "traced every layer") if every_layer else (loaded.layer_plan, loaded.replication_note)
     if plan is not None and spec.ddp is not None:  # the reducer sizes its buckets from every parameter at once
         plan, note = None, "traced every layer (DDP's gradient buckets are built from the whole model's parameters)"
     stop_after = None if traced_steps is None else traced_steps + 1  # the prefill makes the first token
@@ -494,7 +504,7 @@ def _trace_step(spec: RunSpec, loaded: LoadedModel, say: Callable[[str], None], 
         storages=tuple(storages), marks=tuple(marks), steps=max((o.step for o in ops), default=0) + 1,
         counted_devices=counted, sdpa_backends=tuple(sorted(sdpa.items())), has_optimizer=has_optimizer,
         trace_note=note, unresolved=unresolved,
-        cpu_environment=_cpu_kernels(rec.workspace) if spec.device is Device.CPU else ())
+        cpu_environment=_cpu_kernels(rec.workspace) if spec.device is Device.CPU else (), op_args=rec.op_args)
 
 
 def _cpu_kernels(probe: CpuWorkspaceProbe) -> tuple[tuple[str, str | int], ...]:
