@@ -24,8 +24,8 @@ checkpointing, inputs, freeze, LoRA, quantization, image size, multiple-choice c
 - the literal loop of the case (`loop` trainer | function | script, `grad_accum`, `clip_grad_norm`, `zero_grad`,
   fp16-mixed with `torch.amp.GradScaler("cpu")`; see `RealStep`), or the case's `--step` file's function called
   as FUNC(model, batch, optimizer); one warm-up step then the measured one;
-- a compiled case (`compile`): `torch._dynamo.reset()`, then `model = torch.compile(model)` (Inductor, default mode)
-  after checkpointing, as HF Trainer's `torch_compile=True` does; one step runs before the profiler starts (it
+- a compiled case (`compile`): `torch._dynamo.reset()`, then `model = torch.compile(model, mode=compile_mode)`
+  (Inductor; the case's mode, default when it has none) after checkpointing, as HF Trainer's `torch_compile=True` does; one step runs before the profiler starts (it
   compiles; the optimizer state it creates is counted as alive at start);
 - the measurement: the bytes of every unique storage alive before the warm-up (parameters, buffers, inputs)
   plus the running sum of torch.profiler's `[memory]` allocator events (`profile_memory=True`) from the warm-up's
@@ -409,9 +409,9 @@ class RealStep:
         if wrap is not None:  # the parallelism (FSDP2 / DDP) wraps the model before the optimizer sees it
             model = wrap(model)
         self.compiled = bool(getattr(spec, "compile", False))
-        if self.compiled:  # `model = torch.compile(model)` (Inductor, default mode), as HF Trainer's torch_compile
+        if self.compiled:  # `model = torch.compile(model, mode=...)` (Inductor), as HF Trainer's torch_compile
             torch._dynamo.reset()  # no earlier case's compiled code or recompile count
-            model = torch.compile(model)
+            model = torch.compile(model, mode=getattr(spec, "compile_mode", "default"))
         self.model = model
         params = [p for p in model.parameters() if p.requires_grad]
         self.opt = make_optimizer(_v(spec.optimizer), _v(spec.optimizer_impl), params) if self.train else None

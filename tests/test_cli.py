@@ -52,6 +52,10 @@ def test_json_to_stdout():
     (["--batch", "1", "--seq", "8", "--checkpointing", "selective:aten.nope"], 2, "is not an op"),
     (["--batch", "1", "--seq", "8", "--compile"], 2, "--compile is traced for --device cpu only"),
     (["--batch", "1", "--seq", "8", "--device", "cpu", "--compile", "--compare"], 2, "not fit, validate or --compare"),
+    (["--batch", "1", "--seq", "8", "--device", "cpu", "--compile-mode", "max-autotune-no-cudagraphs"], 2,
+     "--compile-mode sets torch.compile's mode: add --compile"),
+    (["--batch", "1", "--seq", "8", "--device", "cpu", "--compile", "--compile-mode", "max-autotune"], 2,
+     "unknown --compile-mode 'max-autotune'"),
 ])
 def test_usage_errors(args, status, needle, capsys):
     """In process (`cli.main`, what the console script calls): one `Error:` line on stderr and the exit status;

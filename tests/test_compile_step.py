@@ -80,6 +80,7 @@ def test_run_program_repeats_allocations_reuse_aliases_and_frees():
     ({"device": "cpu", "mode": "inference"}, "--compile models a training step"),
     ({"device": "cpu", "lora_rank": 8}, "--compile with --lora-rank is not traced yet"),
     ({"device": "cpu", "optimizer": "adamw-8bit"}, "--compile with bitsandbytes' optimizer adamw-8bit"),
+    ({"device": "cpu", "compile_mode": "reduce-overhead"}, "unknown --compile-mode 'reduce-overhead'"),
 ])
 def test_compile_refuses_what_it_does_not_trace(extra, message):
     with pytest.raises(UsageError, match=message):
@@ -102,3 +103,17 @@ def test_replicated_compiled_step_equals_every_layer_compiled(tmp_path, use_cach
     assert replicated.peak_allocated_bytes == full.peak_allocated_bytes
     assert replicated.compiled == full.compiled
     assert replicated.breakdown_at_peak == full.breakdown_at_peak
+
+
+def test_max_autotune_mode_matches_real_compiled_step():
+    """`--compile-mode max-autotune-no-cudagraphs`, tiny Llama-GQA bf16-mixed: the graphs compiled with that mode's
+    Inductor options (max_autotune, coordinate_descent_tuning) against a real `torch.compile(model,
+    mode="max-autotune-no-cudagraphs")` step. In a training step the weights are graph inputs, not constants, so
+    Inductor's CPU GEMM template (torch/_inductor/utils.py `use_cpp_gemm_template`: a constant mat2) does not
+    apply, and the matmuls stay ATen's."""
+    spec = RunSpec(str(FIXTURES / "tiny-llama-gqa.json"), batch=2, seq=64, device="cpu", precision="bf16-mixed",
+                   use_cache=False, compile=True, compile_mode="max-autotune-no-cudagraphs")
+    report = analyze(spec, levers=False)
+    assert "mode max-autotune-no-cudagraphs" in report.run["trace"]
+    measured = measure_cpu_peak(spec)
+    assert abs(report.peak_allocated_bytes - measured) <= 0.001 * measured, (report.peak_allocated_bytes, measured)

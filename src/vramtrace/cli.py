@@ -120,6 +120,8 @@ def main_command(
     compile_model: bool = typer.Option(False, "--compile", help="the model is torch.compile(model) (Inductor, default "
                                        "mode; the optimizer eager): its graphs as Inductor compiles them, beside the "
                                        "eager step; --device cpu training only"),
+    compile_mode: str = typer.Option("default", "--compile-mode", help="--compile: torch.compile's mode, default | "
+                                     "max-autotune-no-cudagraphs (its Inductor options set while the graphs compile)"),
     fsdp_plan: str = typer.Option("layers", "--fsdp-plan", help="--fsdp: layers (fully_shard each layer, then the "
                                   "root: torchtitan, accelerate) | transformers (the model's own FSDP plan, as "
                                   "DistributedConfig(fsdp_size=N) applies it)"),
@@ -185,6 +187,8 @@ def main_command(
     if compile_model and (fit_axis is not None or validate_run or compare_policies):
         raise UsageError("--compile is traced for `vramtrace MODEL ...` only (not fit, validate or --compare yet); "
                          "drop --compile there")
+    if compile_mode != "default" and not compile_model:
+        raise UsageError("--compile-mode sets torch.compile's mode: add --compile")
     if validate_run and (compare_policies or html_path or snapshot_path):
         raise UsageError("validate writes no --compare, --html or --snapshot; run `vramtrace MODEL ...` for those")
     for option, path in (("--json", json_path), ("--html", html_path), ("--snapshot", snapshot_path),
@@ -216,7 +220,7 @@ def main_command(
                        alloc_conf=alloc_conf, new_tokens=new_tokens, cache=cache, kv_dtype=kv_dtype,
                        fsdp=fsdp, reshard_after_forward=_bool_option(reshard_after_forward, "--reshard-after-forward"),
                        rank=rank, ddp=ddp, tp=tp, fsdp_plan=fsdp_plan, cpu_offload=cpu_offload,
-                       compile=compile_model)
+                       compile=compile_model, compile_mode=compile_mode)
         err = Console(stderr=True)
         if fit_axis == "sweep":
             _sweep(spec, sweep_grid, headroom, json_path, quiet, err)

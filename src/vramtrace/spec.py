@@ -192,6 +192,8 @@ BNB_OPTIMIZER_BUILDS = {
     OptimizerKind.PAGED_ADEMAMIX_8BIT: ("AdEMAMix", 8, True),
 }
 BNB_OPTIMIZERS = frozenset(BNB_OPTIMIZER_BUILDS)
+# torch.compile's modes traced by --compile (a CPU target: the CUDA-graph modes do not apply)
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 OPTIMIZER_IMPLS.update({k: (OptimizerImpl.DEFAULT,) for k in BNB_OPTIMIZERS})
 
 
@@ -534,8 +536,10 @@ class RunSpec:
         rank r // tp and TP rank r % tp); None: every distinct rank class (`analyze`).
     ddp: N ranks of PyTorch's DistributedDataParallel (its defaults: 25 MiB gradient buckets, buffers broadcast
         each forward; `tracer/sharding.py`), batch being the per-rank micro-batch; None: one device.
-    compile: the model is `torch.compile(model)` (Inductor, its default mode; the optimizer eager): the step's
+    compile: the model is `torch.compile(model, mode=compile_mode)` (Inductor; the optimizer eager): the step's
         graphs as Inductor compiles them (`tracer/compiled_step.py`); a CPU target's training step only.
+    compile_mode: `COMPILE_MODES`: the Inductor options of torch.compile's `mode` (torch/_inductor/__init__.py
+        `list_mode_options`) are set while the graphs are compiled.
     """
 
     model: str
@@ -587,6 +591,7 @@ class RunSpec:
     fsdp_plan: FsdpPlan = FsdpPlan.LAYERS
     rank: int | None = None
     compile: bool = False
+    compile_mode: str = "default"
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq", "lora_rank", "image_size", "choices", "grad_accum", "new_tokens",
@@ -783,6 +788,9 @@ class RunSpec:
     def _check_compile(self) -> None:
         """--compile: what the compiled tracer (`tracer/compiled_step.py`) models, else a UsageError naming the
         option to drop."""
+        if self.compile_mode not in COMPILE_MODES:
+            raise UsageError(f"unknown --compile-mode {self.compile_mode!r}; use {' or '.join(COMPILE_MODES)} (the "
+                             "CUDA-graph modes, reduce-overhead and max-autotune, are CUDA's)")
         if not self.compile:
             return
         if self.device is not Device.CPU:

@@ -139,12 +139,14 @@ class CompiledTwin:
 def compiled_twin(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
                   loss_of: Callable[[Any], torch.Tensor], autocast_dtype: torch.dtype | None = None, *,
                   prepare: Callable[[torch.nn.Module], None] | None = None, outputs_held: bool = False,
-                  workspace: Callable | None = None):
+                  workspace: Callable | None = None, mode: str = "default"):
     """Inside: a `CompiledTwin` of `model` (built on meta, left as it is), with the fake-tensor mode it lives in
     entered. `prepare(twin)` runs on the materialized copy before it is compiled (activation checkpointing). One
     training forward (`loss_of(module(*args, **kwargs))`, under the CPU autocast of `autocast_dtype` when given)
     and backward run on fake inputs to compile the graphs; the gradients they leave are set to None. `workspace`:
-    a `kernels.CpuWorkspaceProbe` measuring the extern kernels' CPU workspaces (`_cpu_allocations`). Raises
+    a `kernels.CpuWorkspaceProbe` measuring the extern kernels' CPU workspaces (`_cpu_allocations`). `mode`:
+    torch.compile's, whose Inductor options (torch/_inductor/__init__.py `list_mode_options`) are set while the
+    graphs compile, as `_TorchCompileInductorWrapper.apply_mode` sets them (torch/__init__.py). Raises
     BridgeError when a private Inductor name it uses is gone (`bridges.INDUCTOR_GRAPHS`), torch's errors when
     dynamo or Inductor cannot compile the model."""
     from .. import bridges
@@ -198,6 +200,7 @@ def compiled_twin(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
     twin = copy.deepcopy(model)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_forget_new_compiled_code())
+        stack.enter_context(inductor_config.patch(torch._inductor.list_mode_options(mode)))
         stack.enter_context(inductor_config.patch(fx_graph_cache=False))  # the kept graphs are not serializable
         stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
         stack.enter_context(fake_mode)

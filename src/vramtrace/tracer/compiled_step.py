@@ -78,11 +78,15 @@ def trace_compiled(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str],
                          o.frees) for o in ops),
         storages=tuple(storages), marks=tuple(marks), steps=max((o.step for o in ops), default=0) + 1,
         counted_devices=("meta", "cpu"), sdpa_backends=(), has_optimizer=optimizer is not None,
-        trace_note=f"torch.compile (Inductor's CPU graphs); {note}",
+        trace_note=f"torch.compile (Inductor's CPU graphs{_mode_note(spec)}); {note}",
         unresolved=tuple(dict.fromkeys(rec.unresolved)) + tuple(
             f"{op}: CPU kernel workspace not measured, counted as 0 bytes ({why})"
             for op, why in probe.failures.items()),
         cpu_environment=_cpu_kernels(probe), compiled=graphs_summary(twin.graphs, plan))
+
+
+def _mode_note(spec: RunSpec) -> str:
+    return "" if spec.compile_mode == "default" else f", mode {spec.compile_mode}"
 
 
 def _compile_and_record(spec: RunSpec, loaded: LoadedModel, model: torch.nn.Module, say: Callable[[str], None]):
@@ -96,7 +100,8 @@ def _compile_and_record(spec: RunSpec, loaded: LoadedModel, model: torch.nn.Modu
     try:
         probe = CpuWorkspaceProbe()  # the graphs' dtypes are explicit: no autocast around their extern kernels
         with quiet_transformers_logs(), compiled_twin(model, loaded.args, loaded.inputs, loaded.loss,
-                                                      loaded.compute_dtype, prepare=prepare, workspace=probe) as twin:
+                                                      loaded.compute_dtype, prepare=prepare, workspace=probe,
+                                                      mode=spec.compile_mode) as twin:
             rec, obs, optimizer = _record(spec, loaded, twin, say, probe)
             if not twin.calls:
                 raise TraceError("torch.compile ran the step eagerly (dynamo fell back to the Python code), so the "
