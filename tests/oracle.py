@@ -25,8 +25,9 @@ checkpointing, inputs, freeze, LoRA, quantization, image size, multiple-choice c
   fp16-mixed with `torch.amp.GradScaler("cpu")`; see `RealStep`), or the case's `--step` file's function called
   as FUNC(model, batch, optimizer); one warm-up step then the measured one;
 - a compiled case (`compile`): `torch._dynamo.reset()`, then `model = torch.compile(model, mode=compile_mode)`
-  (Inductor; the case's mode, default when it has none) after checkpointing, as HF Trainer's `torch_compile=True` does; one step runs before the profiler starts (it
-  compiles; the optimizer state it creates is counted as alive at start);
+  (Inductor; the case's mode, default when it has none) after checkpointing, as HF Trainer's `torch_compile=True`
+  does; one step runs before the profiler starts (it compiles; the optimizer state it creates is counted as alive
+  at start);
 - the measurement: the bytes of every unique storage alive before the warm-up (parameters, buffers, inputs)
   plus the running sum of torch.profiler's `[memory]` allocator events (`profile_memory=True`) from the warm-up's
   start, maximised over the measured step;
