@@ -159,18 +159,14 @@ def _sweeps(phase: str, idxs: list[int], owner_layer: list[int | None], multi: l
 
 
 def _user_layer(plan: LayerPlan, ops: list[RecOp], born: list[int], uses: dict[int, list[int]]) -> int | None:
-    """The layer a creation op outside every layer's modules (no inputs) runs for: the one layer whose ops, alone,
-    read or free the storages it made, or None. The autograd.Function that runs a compiled backward
+    """The layer a creation op of the backward outside every layer's modules (no inputs) runs for: the one layer
+    whose ops, alone, read or free the storages it made, or None. The autograd.Function that runs a compiled backward
     (AOTAutograd's CompiledFunction, torch/_functorch/_aot_autograd/runtime_wrappers.py) materializes a zero
     gradient for each output no loss depends on (torch/autograd/function.py `set_materialize_grads`, default
     True), all of them before the backward graph runs: with transformers' KV cache on, two per layer (the keys
     and values the cache keeps), each read only by its layer's backward."""
-    if not born:
-        return None
-    layers = {plan.layer_of(ops[u].module) for s in born for u in uses.get(s, (None,)) if u is not None}
-    if len(layers) != 1 or any(not uses.get(s) for s in born):
-        return None
-    return layers.pop()
+    layers = {plan.layer_of(ops[u].module) for s in born for u in uses.get(s, ())}
+    return layers.pop() if born and len(layers) == 1 and all(uses.get(s) for s in born) else None
 
 
 def _is_foreach(o: RecOp) -> bool:
@@ -319,7 +315,7 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
                 o = ops[k]
                 if phase in ("forward", "backward") or (phase == "step" and ops[k].module != "optimizer"):
                     owner_layer[k] = plan.layer_of(o.module)
-                    if owner_layer[k] is None and not o.ins:
+                    if owner_layer[k] is None and not o.ins and phase == "backward":
                         owner_layer[k] = _user_layer(plan, ops, births[k], uses)
                 else:
                     seen = {owner[s][0] if owner[s] is not None else born_layer.get(s) for s in o.ins} - {None}
