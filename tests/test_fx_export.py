@@ -19,8 +19,9 @@ from vramtrace.tracer.recorder import TensorArg
 from vramtrace.tracer.trace import trace_step
 
 CASES = {  # (fixture, run options, the phases of the step)
-    "llama-cpu-bf16-checkpointed": ("tiny-llama-gqa", dict(device="cpu", precision="bf16-mixed",
-                                                           checkpointing="layers"), {"forward", "backward", "optimizer"}),
+    "llama-cpu-bf16-checkpointed": (
+        "tiny-llama-gqa", dict(device="cpu", precision="bf16-mixed", checkpointing="layers"),
+        {"forward", "backward", "optimizer"}),
     "gpt2-generate": ("tiny-gpt2", dict(mode="generate", new_tokens=4), {"forward"}),
 }
 
