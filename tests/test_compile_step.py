@@ -115,5 +115,6 @@ def test_max_autotune_mode_matches_real_compiled_step():
                    use_cache=False, compile=True, compile_mode="max-autotune-no-cudagraphs")
     report = analyze(spec, levers=False)
     assert "mode max-autotune-no-cudagraphs" in report.run["trace"]
+    assert report.run["compile_mode"] == "max-autotune-no-cudagraphs"
     measured = measure_cpu_peak(spec)
     assert abs(report.peak_allocated_bytes - measured) <= 0.001 * measured, (report.peak_allocated_bytes, measured)
