@@ -258,10 +258,23 @@ def test_cli_writes_the_trace_from_a_real_process(tmp_path):
     assert main([str(saved), "-q", "--trace-events", str(again)]) == 0
     assert strict_json(again.read_text()) == trace
 
+    # '-' writes to stdout, alone (no terminal report), and no file named '-'; so does --snapshot's pickle
+    p = subprocess.run([sys.executable, "-m", "vramtrace.cli", str(saved), "--trace-events", "-"],
+                       capture_output=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0 and strict_json(p.stdout.decode()) == trace
+    snap = tmp_path / "s.pickle"
+    assert main([str(saved), "-q", "--snapshot", str(snap)]) == 0
+    p = subprocess.run([sys.executable, "-m", "vramtrace.cli", str(saved), "--snapshot", "-"],
+                       capture_output=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0 and p.stdout == snap.read_bytes()
+    assert not (tmp_path / "-").exists()
+
 
 @pytest.mark.parametrize("args,status,needle", [
     ([TINY, "--batch", "1", "--seq", "8", "--trace-events", "/no/such/dir/t.json"], 1, "cannot write --trace-events"),
     ([TINY, "--batch", "1", "--seq", "8", "--trace-events", "."], 1, "--trace-events . is a directory"),
+    ([TINY, "--batch", "1", "--seq", "8", "--json", "-", "--trace-events", "-"], 2,
+     "--json and --trace-events both write to stdout"),
     (["fit", TINY, "--seq", "8", "--trace-events", "t.json"], 2, "fit and validate write no --trace-events"),
     (["validate", TINY, "--seq", "8", "--device", "cpu", "--trace-events", "t.json"], 2,
      "fit and validate write no --trace-events"),

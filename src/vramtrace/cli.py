@@ -134,12 +134,14 @@ def main_command(
     strict: bool = typer.Option(False, "--strict", help="an op without a meta kernel is an error, not an unresolved entry"),
     compare_policies: bool = typer.Option(False, "--compare", help="compare checkpointing none, layers and selective"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write the JSON report to PATH, or '-' for stdout"),
-    html_path: Optional[str] = typer.Option(None, "--html", help="write the self-contained HTML liveness report to PATH"),
+    html_path: Optional[str] = typer.Option(None, "--html", help="write the self-contained HTML liveness report to PATH "
+                                            "('-': stdout)"),
     snapshot_path: Optional[str] = typer.Option(
-        None, "--snapshot", help="write the predicted timeline as a torch.cuda.memory._snapshot() pickle"),
+        None, "--snapshot", help="write the predicted timeline as a torch.cuda.memory._snapshot() pickle ('-': "
+        "stdout)"),
     trace_events_path: Optional[str] = typer.Option(
         None, "--trace-events", help="write the predicted timeline as Chrome trace events (JSON) for ui.perfetto.dev: "
-        "a counter track per category, the ops as slices (one step = 1 us of synthetic time)"),
+        "a counter track per category, the ops as slices (one step = 1 us of synthetic time); '-': stdout"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="allow configs that need remote code"),
     trace_every_layer: bool = typer.Option(
         False, "--trace-every-layer", help="trace all layers instead of 4 and replicating the repeated one (slower)"),
@@ -191,8 +193,13 @@ def main_command(
         raise UsageError("--compile-mode sets torch.compile's mode: add --compile")
     if validate_run and (compare_policies or html_path or snapshot_path):
         raise UsageError("validate writes no --compare, --html or --snapshot; run `vramtrace MODEL ...` for those")
-    for option, path in (("--json", json_path), ("--html", html_path), ("--snapshot", snapshot_path),
-                         ("--trace-events", trace_events_path)):
+    outputs = (("--json", json_path), ("--html", html_path), ("--snapshot", snapshot_path),
+               ("--trace-events", trace_events_path))
+    to_stdout = [option for option, path in outputs if path == "-"]
+    if len(to_stdout) > 1:
+        raise UsageError(f"{' and '.join(to_stdout)} both write to stdout ('-'); give all but one a file path")
+    quiet = quiet or bool(to_stdout)  # stdout carries that output alone, not the terminal report
+    for option, path in outputs:
         if path is not None:
             check_writable(path, option)
     saved = [read_json_report(m) for m in model]

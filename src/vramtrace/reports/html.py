@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 from importlib import resources
-from pathlib import Path
 
 import jinja2
 from markupsafe import Markup
@@ -22,8 +21,8 @@ from markupsafe import Markup
 from ..analysis.aggregate import live_groups, module_pattern, owner, stack_pattern
 from ..analysis.categories import Category
 from ..analysis.summary import MemoryReport
-from ..errors import ReportWriteError
 from ..units import format_bytes
+from .json_report import write_output
 
 CATEGORY_COLORS = {  # stacked bottom to top in this order
     Category.PARAMETER: "#4c78a8", Category.OPTIMIZER_STATE: "#72b7b2", Category.GRADIENT: "#54a24b",
@@ -230,9 +229,5 @@ def render_html(reports: list[MemoryReport], labels: list[str] | None = None) ->
 
 
 def write_html(reports: list[MemoryReport], path: str, labels: list[str] | None = None) -> None:
-    """Write the HTML report to `path`. Raises ReportWriteError."""
-    text = render_html(reports, labels)
-    try:
-        Path(path).expanduser().write_text(text, encoding="utf-8")
-    except OSError as e:
-        raise ReportWriteError(f"cannot write --html {path}: {e.strerror}") from e
+    """Write the HTML report to `path` ('-' for stdout). Raises ReportWriteError."""
+    write_output(path, render_html(reports, labels), "--html")

@@ -27,18 +27,30 @@ def check_writable(path: str, option: str = "--json") -> None:
         raise ReportWriteError(f"cannot write {option} {path}: {e.strerror}") from e
 
 
+def write_output(path: str, data: str | bytes, option: str) -> None:
+    """Write `data` to the file `path`, or to stdout for '-' (bytes to its binary buffer), for `option`.
+    Raises ReportWriteError."""
+    try:
+        if path == "-":
+            if isinstance(data, bytes):
+                sys.stdout.flush()
+                sys.stdout.buffer.write(data)
+                sys.stdout.buffer.flush()
+            else:
+                sys.stdout.write(data)
+        elif isinstance(data, bytes):
+            Path(path).expanduser().write_bytes(data)
+        else:
+            Path(path).expanduser().write_text(data, encoding="utf-8")
+    except OSError as e:
+        raise ReportWriteError(f"cannot write {option} {path}: {e.strerror}") from e
+
+
 def write_json(report: MemoryReport | dict, path: str) -> None:
     """Write the report (or plain JSON data, e.g. a validate result) to `path` ('-' for stdout).
     Raises ReportWriteError."""
     data = report.to_dict() if isinstance(report, MemoryReport) else report
-    text = json.dumps(data)  # no indent: json's C encoder only runs without one
-    if path == "-":
-        sys.stdout.write(text + "\n")
-        return
-    try:
-        Path(path).expanduser().write_text(text + "\n")
-    except OSError as e:
-        raise ReportWriteError(f"cannot write --json {path}: {e.strerror}") from e
+    write_output(path, json.dumps(data) + "\n", "--json")  # no indent: json's C encoder only runs without one
 
 
 def read_json_report(path: str) -> MemoryReport | None:

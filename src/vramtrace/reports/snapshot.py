@@ -11,10 +11,9 @@ the caching allocator's placement.
 from __future__ import annotations
 
 import pickle
-from pathlib import Path
 
 from ..analysis.summary import MemoryReport
-from ..errors import ReportWriteError
+from .json_report import write_output
 
 _BASE_ADDRESS = 0x7F0000000000
 _ALIGN = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize
@@ -57,9 +56,6 @@ def snapshot_of(report: MemoryReport) -> dict:
 
 
 def write_snapshot(report: MemoryReport, path: str) -> None:
-    """Pickle the snapshot to `path`, as `torch.cuda.memory._dump_snapshot` does. Raises ReportWriteError."""
-    try:
-        with open(Path(path).expanduser(), "wb") as f:
-            pickle.dump(snapshot_of(report), f)
-    except OSError as e:
-        raise ReportWriteError(f"cannot write --snapshot {path}: {e.strerror}") from e
+    """Pickle the snapshot to `path` ('-' for stdout), as `torch.cuda.memory._dump_snapshot` does. Raises
+    ReportWriteError."""
+    write_output(path, pickle.dumps(snapshot_of(report)), "--snapshot")

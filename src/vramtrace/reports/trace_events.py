@@ -23,12 +23,11 @@ processors read it as ts in ns, which scales every event alike (one step = 1 ns)
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from ..analysis.categories import Category
 from ..analysis.summary import MemoryReport
-from ..errors import ReportWriteError
+from .json_report import write_output
 
 PID = 1
 PHASES_TID, OPS_TID = 1, 2
@@ -143,9 +142,5 @@ def trace_events_of(report: MemoryReport) -> dict[str, Any]:
 
 
 def write_trace_events(report: MemoryReport, path: str) -> None:
-    """Write `trace_events_of(report)` as compact JSON to `path`. Raises ReportWriteError."""
-    text = json.dumps(trace_events_of(report), separators=(",", ":"))
-    try:
-        Path(path).expanduser().write_text(text + "\n", encoding="utf-8")
-    except OSError as e:
-        raise ReportWriteError(f"cannot write --trace-events {path}: {e.strerror}") from e
+    """Write `trace_events_of(report)` as compact JSON to `path` ('-' for stdout). Raises ReportWriteError."""
+    write_output(path, json.dumps(trace_events_of(report), separators=(",", ":")) + "\n", "--trace-events")
