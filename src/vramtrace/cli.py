@@ -134,8 +134,8 @@ def main_command(
     strict: bool = typer.Option(False, "--strict", help="an op without a meta kernel is an error, not an unresolved entry"),
     compare_policies: bool = typer.Option(False, "--compare", help="compare checkpointing none, layers and selective"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write the JSON report to PATH, or '-' for stdout"),
-    html_path: Optional[str] = typer.Option(None, "--html", help="write the self-contained HTML liveness report to PATH "
-                                            "('-': stdout)"),
+    html_path: Optional[str] = typer.Option(None, "--html", help="write the self-contained HTML liveness report to "
+                                            "PATH ('-': stdout)"),
     snapshot_path: Optional[str] = typer.Option(
         None, "--snapshot", help="write the predicted timeline as a torch.cuda.memory._snapshot() pickle ('-': "
         "stdout)"),
