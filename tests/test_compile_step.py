@@ -87,7 +87,6 @@ def test_compile_refuses_what_it_does_not_trace(extra, message):
         RunSpec(str(FIXTURES / "tiny-gpt2.json"), batch=1, seq=8, compile=True, **extra)
 
 
-
 @pytest.mark.parametrize("use_cache", [False, True])
 def test_replicated_compiled_step_equals_every_layer_compiled(tmp_path, use_cache):
     """A 6-layer tiny Llama: the compiled step traced on 5 layers with layer 2 replicated (`LayerPlan.head` 2,

@@ -32,8 +32,7 @@ def to_fx_graph(traced, step: int | None = None) -> fx.GraphModule:
     (`torch.tensor(x, device=...)`: recorder.py `host_data`) has no node: that tensor is a placeholder too. The
     autograd engine's accumulation of a gradient into its input buffer, which the recorder runs in place
     (recorder.py `_accumulates_in_place`), is `aten.add_`. Node meta also has 'phase', 'nn_module_stack' (module
-    path), 'step' (op index),
-    'reads' and 'allocates' (storage ids).
+    path), 'step' (op index), 'reads' and 'allocates' (storage ids).
 
     Raises TraceError: `traced` has no recorded arguments, an op name torch does not know, or the graph does not
     run under FakeTensorMode (the failing op named)."""
