@@ -19,6 +19,7 @@ from vramtrace import RunSpec, analyze
 from vramtrace.errors import UsageError
 from vramtrace.reports.html import render_html
 from vramtrace.tracer.compiled import GraphProgram, run_program
+from vramtrace.tracer.records import ZERO_GRADIENT_NAME
 
 
 def test_compiled_step_matches_real_compiled_cpu_step():
@@ -102,6 +103,11 @@ def test_replicated_compiled_step_equals_every_layer_compiled(tmp_path, use_cach
     assert replicated.peak_allocated_bytes == full.peak_allocated_bytes
     assert replicated.compiled == full.compiled
     assert replicated.breakdown_at_peak == full.breakdown_at_peak
+    # the zero gradients the compiled backward materializes: the logits (batch, seq, vocab) the model returns beside
+    # its loss, and with the cache on each layer's cached keys and values (batch, kv heads, seq, head dim)
+    for report in (replicated, full):
+        zeros = sorted(t.shape for t in report.tensors if t.name == ZERO_GRADIENT_NAME)
+        assert zeros == sorted([(2, 64, 512)] + [(2, 2, 64, 16)] * (12 if use_cache else 0)), zeros
 
 
 def test_max_autotune_mode_matches_real_compiled_step():

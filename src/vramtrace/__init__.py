@@ -78,9 +78,14 @@ def analyze(spec: RunSpec | None = None, progress: Callable[[str], None] | None 
 def compile_summary(report, graphs: dict, eager) -> dict:
     """The JSON `compiled` entry: the compiled step's `report` against the same step run eagerly (`eager`), with
     `graphs` (`tracer.compiled_step.graphs_summary`: graph counts, the bytes the forward graphs save, the ops the
-    partitioner recomputes in the backward)."""
+    partitioner recomputes in the backward), and the bytes of the zero gradients that the compiled backward
+    materializes for outputs no loss depends on, alive at the peak (`tracer.records.ZERO_GRADIENT_NAME`)."""
+    from .tracer.records import ZERO_GRADIENT_NAME
+
     return {
         "peak_allocated_bytes": report.peak_allocated_bytes,
+        "zero_gradient_bytes_at_peak": sum(t.bytes for t in report.tensors if t.name == ZERO_GRADIENT_NAME
+                                           and t.birth <= report.peak_step <= t.death),
         "peak_allocated_bytes_eager": eager.peak_allocated_bytes,
         "activation_bytes": report.activation_bytes,
         "activation_bytes_eager": eager.activation_bytes,

@@ -304,6 +304,12 @@ def _render_compiled(report: MemoryReport, console: Console) -> None:
     grid.add_row("activations", f"{format_bytes(c['activation_bytes'])} at the end of the forward (eager: "
                                 f"{format_bytes(c['activation_bytes_eager'])}); the forward graphs save "
                                 f"{format_bytes(c['saved_bytes'])} of what they compute")
+    zeros = c.get("zero_gradient_bytes_at_peak", 0)
+    if zeros:
+        grid.add_row("zero gradients", f"{format_bytes(zeros)} at the peak: the compiled backward makes a zero "
+                                       "gradient for each graph output no loss depends on (the logits a model returns "
+                                       "beside its loss; with the KV cache on, its keys and values: --use-cache false "
+                                       "drops those)")
     grid.add_row("graphs", f"{c['forward_graphs']} forward, {c['backward_graphs']} backward"
                            + (" (graph breaks: the code between them runs eagerly)" if c["forward_graphs"] > 1 else ""))
     rows = c["recomputed"]

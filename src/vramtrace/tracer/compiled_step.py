@@ -38,7 +38,7 @@ from .checkpointing import apply_checkpointing, layer_stack
 from .compiled import compiled_twin, module_path
 from .kernels import CpuWorkspaceProbe, KernelPolicyMode
 from .optim import make_optimizer
-from .records import MicroMarks, OpInfo, Phase
+from .records import ZERO_GRADIENT_NAME, MicroMarks, OpInfo, Phase
 from .recorder import StepRecorder
 from .replication import LayerPlan, NotPeriodic, canonical_frees, replicate_layers
 from .step import StepContext, run_training
@@ -176,6 +176,21 @@ class CompiledStepRecorder(StepRecorder):
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        """Record the op; a zero gradient that the autograd.Function running a compiled backward materializes for an
+        output no loss depends on (torch/autograd/function.py `set_materialize_grads`, default True; made in
+        torch/csrc/autograd/python_function.cpp `PyNode::apply`, `VariableInfo::zeros`, while the engine runs
+        AOTAutograd's CompiledFunctionBackward node) is named `ZERO_GRADIENT_NAME`: the logits a model returns
+        beside the loss it computed get one, and with transformers' KV cache on, the cache's keys and values."""
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func is torch.ops.aten.zeros.default and isinstance(out, torch.Tensor):
+            node = torch._C._current_autograd_node()
+            if node is not None and node.name() == "CompiledFunctionBackward":
+                sid = self.live_sid(out)
+                if sid is not None and not self.storages[sid].name:
+                    self.storages[sid].name = ZERO_GRADIENT_NAME
+        return out
 
 
 def _record(spec: RunSpec, loaded: LoadedModel, twin, say, probe: CpuWorkspaceProbe):

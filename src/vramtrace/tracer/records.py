@@ -13,6 +13,9 @@ from dataclasses import dataclass
 # recorder.py `StepRecorder.storage_reused`): a birth that an allocation (`ALLOCATION_OP`) makes elsewhere.
 REUSE_OP = "inductor.reuse"
 ALLOCATION_OP = "aten.empty_strided.default"  # how a compiled graph's buffers are allocated (compiled.run_program)
+# the storage name of a zero gradient that the autograd.Function running a compiled backward materializes for an
+# output no loss depends on (compiled_step.CompiledStepRecorder)
+ZERO_GRADIENT_NAME = "AOTAutograd zero gradient of a graph output"  # its first word labels it in the by-layer table
 
 
 class Phase(str, enum.Enum):
