@@ -718,9 +718,7 @@ class CpuWorkspaceProbe:
         """What one op's run (or runs at reduced sizes) on this CPU found."""
         tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         size = _tensor_bytes(tensors)
-        flop_rule = flop_registry.get(func.overloadpacket)
-        flops = int(flop_rule(*args, **kwargs, out_val=out)) if flop_rule is not None else 0
-        if size > self.reduce_above or flops > self.reduce_above_flops:
+        if size > self.reduce_above or op_flops(func, args, kwargs, out) > self.reduce_above_flops:
             reduced = self._extrapolated(func, args, kwargs, out, autocast, tensors)
             if reduced is not None:
                 return Probed(reduced[0], (), extrapolated=reduced[1])
@@ -803,11 +801,8 @@ class CpuWorkspaceProbe:
         4096 x 4096 matmul at 1/4, 4.3 GFLOP, takes 4.3 s on this AVX2 machine)."""
         if _reduced_bytes((args, kwargs, out), sizes) > REDUCED_RUN_BYTES:
             return False
-        flop_rule = flop_registry.get(func.overloadpacket)
-        if flop_rule is None:
-            return True
         r_args, r_kwargs, r_out = (_reduced(tree, sizes) for tree in (args, kwargs, out))
-        return r_args is not None and int(flop_rule(*r_args, **r_kwargs, out_val=r_out)) <= self.reduce_above_flops
+        return r_args is not None and op_flops(func, r_args, r_kwargs, r_out) <= self.reduce_above_flops
 
     def _reduced_run(self, func, args, kwargs, out, autocast, sizes: dict[int, int]) -> int | None:
         """The workspace of one run of `func` with its tensors' dimensions cut as `sizes` says, or None (it
@@ -845,6 +840,12 @@ class CpuWorkspaceProbe:
         finally:
             torch.default_generator.set_state(rng)
         return peak, out
+
+
+def op_flops(func, args, kwargs, out) -> int:
+    """FLOPs of one op by torch.utils.flop_counter's formula for it (`flop_registry`), 0 where it has none."""
+    flop_rule = flop_registry.get(func.overloadpacket)
+    return int(flop_rule(*args, **kwargs, out_val=out)) if flop_rule is not None else 0
 
 
 def _reduced(tree, sizes: dict[int, int]):

@@ -23,10 +23,9 @@ import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import flop_registry
 
 from ..errors import UnsupportedOpError
-from .kernels import cpu_zeros_like
+from .kernels import cpu_zeros_like, op_flops
 from .records import REUSE_OP, Phase, RecOp, RecStorage
 
 FALLBACK_LIMIT_BYTES = 256 << 20  # inputs of an op without a meta kernel that the CPU fallback may run
@@ -476,8 +475,7 @@ class StepRecorder(TorchDispatchMode):
                     self.set_category(t, category)
         first = args[0] if args else None
         lead = len(first) if isinstance(first, (list, tuple)) else int(isinstance(first, torch.Tensor))
-        flop_rule = flop_registry.get(func.overloadpacket)
-        flops = int(flop_rule(*args, **kwargs, out_val=out)) if flop_rule is not None else 0
+        flops = op_flops(func, args, kwargs, out)
         phase = self.phase
         if self.op_args is not None:
             def arg(t):
