@@ -89,17 +89,24 @@ def test_compile_refuses_what_it_does_not_trace(extra, message):
 
 
 @pytest.mark.parametrize("use_cache", [False, True])
-def test_replicated_compiled_step_equals_every_layer_compiled(tmp_path, use_cache):
+def test_replicated_compiled_step_equals_every_layer_compiled(tmp_path, monkeypatch, use_cache):
     """A 6-layer tiny Llama: the compiled step traced on 5 layers with layer 2 replicated (`LayerPlan.head` 2,
     Inductor's reused buffers as new records, interchangeable buffers freed first born first) has the peak, the
     activations and the compiled-graph summary of the step traced on all 6 compiled layers. With the KV cache on,
     the backward first makes a zero gradient for every layer's cached keys and values (outside the layers'
-    modules), each reused by its layer's backward graph."""
+    modules), each reused by its layer's backward graph. The first analysis traces the eager comparison in a
+    second process, the second in this one (as on a one-core machine): the `compiled` summaries, eager figures
+    included, are equal."""
     spec = RunSpec(deep_config(tmp_path, "tiny-llama-gqa", 6), batch=2, seq=64, device="cpu", precision="fp32",
                    use_cache=use_cache, compile=True)
-    replicated = analyze(spec, levers=False)
+    said: list[str] = []
+    replicated = analyze(spec, said.append, levers=False)
     assert "compiled and traced 5 of 6 layers; layer 2 replicated" in replicated.run["trace"]
-    full = analyze(replace(spec, replicate_layers=False), levers=False)
+    assert "the same step without torch.compile (in a second process)" in said
+    monkeypatch.setattr("vramtrace.second_process.cores", lambda: 1)
+    said.clear()
+    full = analyze(replace(spec, replicate_layers=False), said.append, levers=False)
+    assert "the same step without torch.compile" in said
     assert replicated.peak_allocated_bytes == full.peak_allocated_bytes
     assert replicated.compiled == full.compiled
     assert replicated.breakdown_at_peak == full.breakdown_at_peak

@@ -47,25 +47,25 @@ def analyze(spec: RunSpec | None = None, progress: Callable[[str], None] | None 
         from .planner import plan_checkpointing
 
         return plan_checkpointing(spec, _analyze_one, say)
-    with _FrozenHeap() as heap:
-        keep: dict = {}
-        report = _analyze_one_frozen(spec, say, heap, keep)
-        if levers and report.fit is not None and not report.fit["fits"]:
-            from .levers import Evaluator, find_levers
+    with _eager_beside(spec) as eager_job:
+        with _FrozenHeap() as heap:
+            keep: dict = {}
+            report = _analyze_one_frozen(spec, say, heap, keep)
+            if levers and report.fit is not None and not report.fit["fits"]:
+                from .levers import Evaluator, find_levers
 
-            from .tables import outcome
+                from .tables import outcome
 
-            cuda = spec.device is Device.CUDA
-            ev = Evaluator(keep["resolved"], cuda, say, heap)
-            for traced_spec, (tables, num_layers) in keep["traces"].items():  # the traces made: not traced again
-                ev.seed(traced_spec, outcome(tables, num_layers, cuda))
-            budget = report.fit["capacity_bytes"] - report.fit.get("cuda_context_bytes", 0)
-            report = replace(report, levers=find_levers(keep["spec"], ev, budget))
-    if spec.compile:
-        say("the same step without torch.compile")
-        eager = _analyze_one(replace(spec, compile=False), say)
-        report = replace(report, eager=eager,
-                         compiled=compile_summary(report, keep["traces"][keep["spec"]][0].traced.compiled, eager))
+                cuda = spec.device is Device.CUDA
+                ev = Evaluator(keep["resolved"], cuda, say, heap)
+                for traced_spec, (tables, num_layers) in keep["traces"].items():  # the traces made: not traced again
+                    ev.seed(traced_spec, outcome(tables, num_layers, cuda))
+                budget = report.fit["capacity_bytes"] - report.fit.get("cuda_context_bytes", 0)
+                report = replace(report, levers=find_levers(keep["spec"], ev, budget))
+        if spec.compile:
+            eager = _eager_report(spec, eager_job, say)
+            report = replace(report, eager=eager,
+                             compiled=compile_summary(report, keep["traces"][keep["spec"]][0].traced.compiled, eager))
     if ckpt.kind == "none":
         return report
     from .tracer.checkpointing import paste_snippet  # imports torch: after the config is resolved
@@ -73,6 +73,43 @@ def analyze(spec: RunSpec | None = None, progress: Callable[[str], None] | None 
     say("the same step without checkpointing")
     base = _analyze_one(replace(spec, checkpointing="none"), say)
     return replace(report, checkpointing=checkpointing_summary(report, base, paste_snippet(ckpt)))
+
+
+def _eager_beside(spec: RunSpec):
+    """A context: for a `--compile` spec on a machine with two or more cores, the `SecondProcess` computing the
+    eager step's report (`_analyze_eager`) while this process traces the compiled one; else None. A model passed
+    as an nn.Module lives in this process only, so its eager step is traced here."""
+    import contextlib
+
+    from .second_process import SecondProcess, cores
+    from .spec import IN_PROCESS_PREFIX
+
+    if not spec.compile or cores() < 2 or spec.model.startswith(IN_PROCESS_PREFIX):
+        return contextlib.nullcontext()
+    try:
+        return SecondProcess(_analyze_eager, spec)
+    except OSError:  # no process can be started here (no /dev/shm, a sandbox): the eager step is traced after
+        return contextlib.nullcontext()
+
+
+def _analyze_eager(spec: RunSpec):
+    """The MemoryReport of `spec`'s step without torch.compile (the `compiled` comparison's eager side)."""
+    from dataclasses import replace
+
+    return _analyze_one(replace(spec, compile=False), lambda _msg: None)
+
+
+def _eager_report(spec: RunSpec, job, say: Callable[[str], None]):
+    """`_analyze_eager(spec)`: the second process's answer when `job` runs it, else traced here (also when the
+    second process ended without an answer)."""
+    if job is not None:
+        say("the same step without torch.compile (in a second process)")
+        try:
+            return job.result()
+        except ChildProcessError:
+            pass
+    say("the same step without torch.compile")
+    return _analyze_eager(spec)
 
 
 def compile_summary(report, graphs: dict, eager) -> dict:

@@ -406,6 +406,9 @@ class MoeRouting(_Choice):
 _CUSTOM_REF = re.compile(r"^(?P<target>.+\.py|[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*):(?P<name>[A-Za-z_]\w*)$")
 
 
+IN_PROCESS_PREFIX = "vramtrace_in_process_"  # a module passed to analyze() (`tracer.custom.in_process_module`)
+
+
 def custom_ref(model: str) -> tuple[str, str] | None:
     """(file or module, NAME) for a custom-module reference `path/to/model.py:NAME` or `package.module:NAME`,
     else None (a Hub id, bundled id or path)."""

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ModelLoadError, TraceError, UsageError
-from ..spec import InputSpec, RunSpec, custom_ref
+from ..spec import IN_PROCESS_PREFIX, InputSpec, RunSpec, custom_ref
 
 
 @dataclass(slots=True)
@@ -52,7 +52,6 @@ class CustomModel:
 
 
 _IN_PROCESS: dict[str, Any] = {}  # target -> a namespace standing for a file: NAME, example_inputs, loss
-IN_PROCESS_PREFIX = "vramtrace_in_process_"
 _IN_PROCESS_IDS = itertools.count(1)
 
 
