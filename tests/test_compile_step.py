@@ -18,7 +18,9 @@ from oracle import measure_cpu_peak
 from vramtrace import RunSpec, analyze
 from vramtrace.errors import UsageError
 from vramtrace.reports.html import render_html
+from vramtrace.tracer import compiled
 from vramtrace.tracer.compiled import GraphProgram, run_program
+from vramtrace.tracer.kernels import CpuWorkspaceProbe
 from vramtrace.tracer.records import ZERO_GRADIENT_NAME
 
 
@@ -74,6 +76,49 @@ def test_run_program_repeats_allocations_reuse_aliases_and_frees():
     assert out[1:] == [None, 7]
     assert out[0].shape == (3,) and out[0].storage_offset() == 1
     assert out[0].untyped_storage()._cdata != x.untyped_storage()._cdata
+
+
+def test_a_repeated_compile_finds_its_lowered_graphs_and_reports_the_same(tmp_path, monkeypatch):
+    """With the probe's disk cache on, a second analysis of the same compiled step lowers no graph: each graph's
+    memory comes from `LoweredGraphCache` (keyed by Inductor's FX-graph cache key), and the report is the first's."""
+    monkeypatch.setenv("VRAMTRACE_CPU_PROBE_CACHE", str(tmp_path))
+    spec = RunSpec(str(FIXTURES / "tiny-gpt2.json"), batch=2, seq=32, device="cpu", precision="bf16-mixed",
+                   use_cache=False, compile=True)
+    first = analyze(spec, levers=False)
+    graphs = first.compiled["forward_graphs"] + first.compiled["backward_graphs"]
+    assert graphs >= 2 and len(list((tmp_path / "inductor-graphs").glob("*.pkl"))) == graphs  # one per graph
+
+    def lowered_again(*args, **kwargs):
+        raise AssertionError("a graph was lowered again")
+
+    monkeypatch.setattr(compiled, "_lower_and_generate", lowered_again)
+    again = analyze(spec, levers=False)
+    # but the number of recorded ops: dynamo's guard checks at the first step's first call dispatch `prim.device`
+    # on the fake parameters (zero-byte records), and after a graph lowered here they run over one more set of
+    # parameters (28 records for this model)
+    a, b = again.to_dict(), first.to_dict()
+    assert a["run"].pop("num_ops") <= b["run"].pop("num_ops")
+    assert a == b
+
+
+def test_lowered_graph_cache_keeps_the_probe_records_and_no_failure(tmp_path):
+    """An entry carries what the workspace probe recorded while the graph was lowered (notes, extrapolations),
+    applied to the probe of the run that finds it; a graph whose probe failed is not kept."""
+    memory = compiled.InductorMemory(5, 1, ("buf1",), (), GraphProgram(("x",), (("free", "x"),), ()))
+    cache = compiled.LoweredGraphCache(lambda kept: tmp_path / f"{sorted(kept or ())}.pkl")
+    probe = CpuWorkspaceProbe()
+    probe.extrapolated["aten.mm.default"] = "before the graph"
+    before = cache.probe_records(probe)
+    probe.notes["aten.native_layer_norm.default"] = "bf16 mean"
+    probe.extrapolated["aten.addmm.default"] = "sizes cut"
+    cache.put(None, memory, before, probe)
+    probe.failures["aten.bmm.default"] = "out of memory"
+    cache.put({"primals_1"}, memory, before, probe)
+    fresh = CpuWorkspaceProbe()
+    assert cache.get({"primals_1"}, fresh) is None
+    assert cache.get(None, fresh) == memory
+    assert fresh.notes == {"aten.native_layer_norm.default": "bf16 mean"}
+    assert fresh.extrapolated == {"aten.addmm.default": "sizes cut"} and fresh.failures == {}
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -218,12 +218,13 @@ INDUCTOR_GRAPHS = Bridge(
         "get_input_idxs_to_check", "maybe_disable_comprehensive_padding", "maybe_disable_graph_partition")),
      (_INDUCTOR + "graph", "GraphLowering"), (_INDUCTOR + "output_code", "OutputCode"),
      (_INDUCTOR + "fx_passes.post_grad", "view_to_reshape"),
-     (_INDUCTOR + "graph", "GraphLowering.codegen"),
+     (_INDUCTOR + "graph", "GraphLowering.codegen"), (_INDUCTOR + "codecache", "FxGraphCache.prepare_key"),
      ("torch._C._dynamo.eval_frame", "reset_code")), TORCH_WRITTEN_FOR,
     "not a patch: the private names tracer/compiled.py `compiled_twin` calls to run Inductor's own compile_fx "
     "with its per-graph compile replaced (`inner_compile`), lower each graph and generate its code as "
     "`_InProcessFxCompile.codegen_and_compile` does (nothing compiled; the wrapper's `call` is read for its "
-    "allocations), and drop dynamo's cache entries of what it compiled; checked before a capture starts")
+    "allocations; `LoweredGraphCache` keys it by Inductor's own FX-graph cache key), and drop dynamo's cache "
+    "entries of what it compiled; checked before a capture starts")
 
 BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_CHECK, PADDING_MASK_CHECK,
                                PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION, MHA_FAST_PATH,

@@ -184,11 +184,19 @@ def compiled_twin(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
 
     def _keep_graph(gm: fx.GraphModule, example_inputs, **kw):
         kind = "backward" if kw.get("is_backward") else "inference" if kw.get("is_inference") else "forward"
-        with _lower_and_generate(gm, example_inputs, kw) as (graph, source):  # post-grad passes run on gm first
+        cached = LoweredGraphCache.of(gm, example_inputs, kw, workspace)  # Inductor's key: before post-grad
+        with _post_grad(gm, example_inputs, kw):
             if kind == "forward":
                 held_by_caller.append(_saved_outputs_held(gm))
-            memory = _cpu_allocations(graph, source, None if kind != "backward" else _outliving_inputs(
-                gm, held_by_caller[-1] if held_by_caller and outputs_held else (set(), set())), workspace)
+            kept_inputs = None if kind != "backward" else _outliving_inputs(
+                gm, held_by_caller[-1] if held_by_caller and outputs_held else (set(), set()))
+            memory = cached.get(kept_inputs, workspace) if cached is not None else None
+            if memory is None:
+                before = LoweredGraphCache.probe_records(workspace) if cached is not None else None
+                with _lower_and_generate(gm, example_inputs, kw) as (graph, source):
+                    memory = _cpu_allocations(graph, source, kept_inputs, workspace)
+                if cached is not None:
+                    cached.put(kept_inputs, memory, before, workspace)
         _report_output_strides(memory.program.outputs)
         kept.append(CapturedGraph(kind, gm, tuple(kw.get("static_input_idxs") or ()), memory))
         return _Allocating(program=memory.program)
@@ -226,6 +234,99 @@ def compiled_twin(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
             p.grad = None
         result.append(CompiledTwin(compiled, twin, fake_args, fake_kwargs, kept))
         yield result[0]
+
+
+class LoweredGraphCache:
+    """What `_cpu_allocations` read off one graph's generated code (its `InductorMemory`) and what the extern
+    kernels' workspace probe recorded for it (notes, extrapolations), on disk beside the CPU kernel probe's results
+    (`kernels.ProbeDiskCache`: the same directory and setting, `VRAMTRACE_CPU_PROBE_CACHE`, off with "off").
+
+    Key: Inductor's own FX-graph cache key of the graph as compile_fx hands it over, before the post-grad passes
+    (torch/_inductor/codecache.py `FxGraphCache.prepare_key`: the graph's code, its inputs' metadata, the compile
+    kwargs, Inductor's config, torch's version and Inductor's source), with the inputs the graph keeps, the probe's
+    settings and file (this machine's CPU environment and kernels.py's source) and this module's source. A real
+    torch.compile finds a graph it compiled before in its FX-graph cache the same way; here the lowering and
+    code generation it saves are about half of a repeated Llama-2-7b `--compile` run. Only with a
+    `kernels.CpuWorkspaceProbe` (its records are part of the result); a graph Inductor would not cache
+    (`BypassFxGraphCache`) or whose probe failed (a failure may depend on the memory free at the time) is not kept.
+    Best effort: a file it cannot read or write is a cache that finds nothing."""
+
+    def __init__(self, path_of: Callable[[set[str] | None], Any]):
+        self._path_of = path_of
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, example_inputs, kw: dict, workspace) -> "LoweredGraphCache | None":
+        """The cache entry of this graph (call before the post-grad passes change `gm`), or None: no cache."""
+        import hashlib
+        from pathlib import Path
+
+        from torch._inductor.codecache import FxGraphCache
+        from torch._inductor.compile_fx import get_input_idxs_to_check
+
+        from .kernels import CpuWorkspaceProbe, _disk_cache
+
+        probes = _disk_cache().path
+        if probes is None or not isinstance(workspace, CpuWorkspaceProbe):
+            return None
+        key, _info = FxGraphCache.prepare_key(
+            gm, example_inputs, kw, get_input_idxs_to_check(example_inputs, kw.get("static_input_idxs") or ()),
+            remote=False)
+        if key is None:
+            return None
+        try:
+            source = Path(__file__).read_bytes()
+        except OSError:
+            return None
+        settings = repr((workspace.reduce_above, workspace.reduce_above_flops, workspace.autocast_dtype()))
+
+        def path_of(kept: set[str] | None) -> Path:
+            kept_names = repr(sorted(kept) if kept is not None else None)
+            digest = hashlib.sha256("\0".join((key[0], kept_names, settings, probes.name)).encode() + source)
+            return probes.parent / "inductor-graphs" / f"{digest.hexdigest()[:32]}.pkl"
+
+        return cls(path_of)
+
+    @staticmethod
+    def probe_records(workspace) -> tuple[dict, dict, dict]:
+        """Copies of the probe's failures, notes and extrapolations (what a graph adds is kept with it)."""
+        return dict(workspace.failures), dict(workspace.notes), dict(workspace.extrapolated)
+
+    def get(self, kept: set[str] | None, workspace) -> InductorMemory | None:
+        """The graph's memory found on disk, its probe records applied to `workspace`; None when not found."""
+        import pickle
+
+        try:
+            with open(self._path_of(kept), "rb") as f:
+                memory, notes, extrapolated = pickle.load(f)
+        except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError):
+            return None
+        workspace.notes.update(notes)
+        workspace.extrapolated.update(extrapolated)
+        return memory
+
+    def put(self, kept: set[str] | None, memory: InductorMemory, before: tuple[dict, dict, dict], workspace) -> None:
+        """Keep `memory` with what the probe recorded since `before` (`probe_records`), unless a probe failed."""
+        import os
+        import pickle
+        import tempfile
+
+        added = [{k: v for k, v in now.items() if was.get(k) != v}
+                 for was, now in zip(before, self.probe_records(workspace))]
+        if added[0]:
+            return
+        path = self._path_of(kept)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("wb", dir=path.parent, suffix=".tmp", delete=False) as f:
+                try:
+                    pickle.dump((memory, added[1], added[2]), f)
+                except pickle.PicklingError:
+                    f.close()
+                    os.unlink(f.name)
+                    return
+            os.replace(f.name, path)  # whole or absent: another process may read it meanwhile
+        except OSError:
+            pass
 
 
 def run_program(program: GraphProgram, inputs: list, on_alloc: Callable | None = None) -> list:
@@ -337,23 +438,17 @@ def _outliving_inputs(gm: fx.GraphModule, held: tuple[set[str], set[str]]) -> se
 
 
 @contextlib.contextmanager
-def _lower_and_generate(gm: fx.GraphModule, example_inputs, kw: dict):
-    """Inside: `V.graph` is `gm` lowered and scheduled by Inductor as `_InProcessFxCompile.codegen_and_compile`
-    (torch/_inductor/compile_fx.py) does before generating code: `view_to_reshape`, fake propagation, the
-    original output strides, the post-grad passes (gm is changed in place), then `GraphLowering(...).run` and
-    `_update_scheduler` (fusion, `reorder_for_peak_memory`, `compute_last_usage`)."""
+def _post_grad(gm: fx.GraphModule, example_inputs, kw: dict):
+    """Inside: `gm` changed in place as `_InProcessFxCompile.codegen_and_compile` (torch/_inductor/compile_fx.py)
+    prepares it for lowering: `view_to_reshape`, fake propagation, the original output strides, the post-grad
+    passes; with the caller's FakeTensorMode off, Inductor's debug context and the graph's fake mode set."""
     from torch._inductor.compile_fx import (_recursive_post_grad_passes, _recursive_record_original_output_strides,
-                                            fake_tensor_prop, get_input_idxs_to_check,
-                                            maybe_disable_comprehensive_padding, maybe_disable_graph_partition)
+                                            fake_tensor_prop)
     from torch._inductor.debug import DebugContext
-    from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.fx_passes.post_grad import view_to_reshape
-    from torch._inductor.graph import GraphLowering
-    from torch._inductor.utils import shape_env_from_inputs
     from torch._inductor.virtualized import V
     from torch.utils._python_dispatch import _disable_current_modes
 
-    is_backward, is_inference = bool(kw.get("is_backward")), bool(kw.get("is_inference"))
     with contextlib.ExitStack() as stack:
         stack.enter_context(_disable_current_modes())  # as compile_fx_inner: the caller's FakeTensorMode is off
         stack.enter_context(DebugContext())  # V.debug, which the scheduler logs through
@@ -362,16 +457,32 @@ def _lower_and_generate(gm: fx.GraphModule, example_inputs, kw: dict):
             fake_mode = fake_tensor_prop(gm, example_inputs)
         _recursive_record_original_output_strides(gm)
         stack.enter_context(V.set_fake_mode(fake_mode))
-        _recursive_post_grad_passes(gm, is_inference=is_inference)
+        _recursive_post_grad_passes(gm, is_inference=bool(kw.get("is_inference")))
+        yield
+
+
+@contextlib.contextmanager
+def _lower_and_generate(gm: fx.GraphModule, example_inputs, kw: dict):
+    """Inside `_post_grad`: `V.graph` is `gm` lowered and scheduled by Inductor as `codegen_and_compile` does
+    before generating code, `GraphLowering(...).run` and `_update_scheduler` (fusion, `reorder_for_peak_memory`,
+    `compute_last_usage`); yields (the GraphLowering, the Python wrapper's source)."""
+    from torch._inductor.compile_fx import (get_input_idxs_to_check, maybe_disable_comprehensive_padding,
+                                            maybe_disable_graph_partition)
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.utils import shape_env_from_inputs
+    from torch._inductor.virtualized import V
+
+    with contextlib.ExitStack() as stack:
         stack.enter_context(maybe_disable_comprehensive_padding(example_inputs))
         stack.enter_context(maybe_disable_graph_partition(False, False))
         graph = GraphLowering(
             gm, example_inputs=example_inputs, shape_env=gm.shape_env or shape_env_from_inputs(example_inputs),
             graph_id=kw.get("graph_id"), cpp_wrapper=False, aot_mode=False,
-            extern_node_serializer=kw.get("extern_node_serializer"), is_inference=is_inference,
-            is_backward=is_backward, const_output_index=None, const_wrapper_code=None, const_kernel_code=None,
-            const_module=None, inputs_to_check=get_input_idxs_to_check(example_inputs,
-                                                                       kw.get("static_input_idxs") or ()),
+            extern_node_serializer=kw.get("extern_node_serializer"), is_inference=bool(kw.get("is_inference")),
+            is_backward=bool(kw.get("is_backward")), const_output_index=None, const_wrapper_code=None,
+            const_kernel_code=None, const_module=None,
+            inputs_to_check=get_input_idxs_to_check(example_inputs, kw.get("static_input_idxs") or ()),
             fx_wrapper=False, get_decomp_fn=kw.get("get_decomp_fn", select_decomp_table))
         graph.freeze_runtime_asserts()
         stack.enter_context(V.set_graph_handler(graph))
