@@ -630,8 +630,8 @@ class CpuWorkspaceProbe:
     under torch.profiler's allocator events (`profile_memory=True`); the workspace is the peak of the running
     allocation sum inside the op minus the bytes of the output storages it allocated (an in-place op's output
     is its input: not subtracted). Cached per signature (op, shapes, strides, dtypes, other arguments, thread
-    count) for the whole process (`_PROBED`): `--compile` traces the compiled step and the eager one it is
-    compared with, and each op is run once for both.
+    count) for the whole process (`_PROBED`), and on disk for the next process (`ProbeDiskCache`; `--compile`'s
+    eager comparison runs in a second process on a machine with two cores or more, `second_process.py`).
 
     What this catches, found on real runs (issue 11): oneDNN's user scratchpad of bf16 matmuls
     (`aten/src/ATen/native/mkldnn/Matmul.cpp` sends bf16 mm/addmm/bmm/baddbmm to `ideep::matmul_forward` when
