@@ -82,6 +82,7 @@ def test_a_repeated_compile_finds_its_lowered_graphs_and_reports_the_same(tmp_pa
     """With the probe's disk cache on, a second analysis of the same compiled step lowers no graph: each graph's
     memory comes from `LoweredGraphCache` (keyed by Inductor's FX-graph cache key), and the report is the first's."""
     monkeypatch.setenv("VRAMTRACE_CPU_PROBE_CACHE", str(tmp_path))
+    monkeypatch.setattr("vramtrace.second_process.cores", lambda: 1)  # the eager comparison here: no second process
     spec = RunSpec(str(FIXTURES / "tiny-gpt2.json"), batch=2, seq=32, device="cpu", precision="bf16-mixed",
                    use_cache=False, compile=True)
     first = analyze(spec, levers=False)

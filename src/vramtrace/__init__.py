@@ -86,10 +86,12 @@ def _eager_beside(spec: RunSpec):
 
     if not spec.compile or cores() < 2 or spec.model.startswith(IN_PROCESS_PREFIX):
         return contextlib.nullcontext()
+    import pickle
+
     try:
         return SecondProcess(_analyze_eager, spec)
-    except OSError:  # no process can be started here (no /dev/shm, a sandbox): the eager step is traced after
-        return contextlib.nullcontext()
+    except (OSError, pickle.PicklingError):  # no process can be started here, or the spec holds an object that
+        return contextlib.nullcontext()  # lives in this process only: the eager step is traced here, after
 
 
 def _analyze_eager(spec: RunSpec):

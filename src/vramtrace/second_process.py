@@ -34,11 +34,12 @@ class SecondProcess:
     module-level function; a RunSpec). `result()` returns its value or raises its exception; `stop()` ends the
     process if it still runs (use the instance as a context manager, so that an error here stops it). The child's
     own output goes nowhere: what it has to say comes back as its value or its exception. Raises OSError when no
-    process can be started."""
+    process can be started, pickle.PicklingError (before starting one) when `fn` or `args` do not pickle."""
 
     def __init__(self, fn: Callable, *args: Any):
         torch = sys.modules.get("torch")  # not imported yet: the child's defaults are this process's
         threads = (torch.get_num_threads(), torch.get_num_interop_threads()) if torch is not None else None
+        payload = pickle.dumps(list(sys.path)) + pickle.dumps((threads, fn, args))  # fails before a process starts
         read, write = os.pipe()
         try:
             self._proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(write)], stdin=subprocess.PIPE,
@@ -50,8 +51,7 @@ class SecondProcess:
             os.close(write)  # the child holds the only writing end: its exit ends the reading with EOF
         self._answer = os.fdopen(read, "rb")
         try:
-            pickle.dump(list(sys.path), self._proc.stdin)
-            pickle.dump((threads, fn, args), self._proc.stdin)
+            self._proc.stdin.write(payload)
             self._proc.stdin.close()
         except BrokenPipeError:  # the child is gone already: result() says so
             pass
