@@ -30,7 +30,8 @@ dropped after the capture (`torch._C._dynamo.eval_frame.reset_code`, what `torch
 for every code); a function the process had compiled before keeps its entries and the twin's, in the twin's own
 recompile bucket (`torch.compile(..., isolate_recompiles=True)`: no recompile limit shared with the caller's
 compiles), whose guards fail for any other module (fake tensors). Inductor's FX-graph and AOTAutograd caches are off
-while it runs.
+while it runs; what each graph allocates is kept on disk in their place (`LoweredGraphCache`, under Inductor's own
+FX-graph cache key), so a repeated run lowers no graph.
 """
 
 from __future__ import annotations
@@ -262,15 +263,17 @@ class LoweredGraphCache:
 
         from torch._inductor.codecache import FxGraphCache
         from torch._inductor.compile_fx import get_input_idxs_to_check
+        from torch.utils._python_dispatch import _disable_current_modes
 
         from .kernels import CpuWorkspaceProbe, _disk_cache
 
         probes = _disk_cache().path
         if probes is None or not isinstance(workspace, CpuWorkspaceProbe):
             return None
-        key, _info = FxGraphCache.prepare_key(
-            gm, example_inputs, kw, get_input_idxs_to_check(example_inputs, kw.get("static_input_idxs") or ()),
-            remote=False)
+        with _disable_current_modes():  # as compile_fx_inner computes it: the caller's FakeTensorMode off
+            key, _info = FxGraphCache.prepare_key(
+                gm, example_inputs, kw, get_input_idxs_to_check(example_inputs, kw.get("static_input_idxs") or ()),
+                remote=False)
         if key is None:
             return None
         try:
