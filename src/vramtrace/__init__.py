@@ -80,18 +80,17 @@ def _eager_beside(spec: RunSpec):
     eager step's report (`_analyze_eager`) while this process traces the compiled one; else None. A model passed
     as an nn.Module lives in this process only, so its eager step is traced here."""
     import contextlib
+    import pickle
 
     from .second_process import SecondProcess, cores
     from .spec import IN_PROCESS_PREFIX
 
     if not spec.compile or cores() < 2 or spec.model.startswith(IN_PROCESS_PREFIX):
         return contextlib.nullcontext()
-    import pickle
-
     try:
         return SecondProcess(_analyze_eager, spec)
-    except (OSError, pickle.PicklingError):  # no process can be started here, or the spec holds an object that
-        return contextlib.nullcontext()  # lives in this process only: the eager step is traced here, after
+    except (OSError, ValueError, pickle.PicklingError):  # no process can be started here (ValueError: no pass_fds
+        return contextlib.nullcontext()  # off POSIX), or the spec holds an object of this process only: traced here
 
 
 def _analyze_eager(spec: RunSpec):
