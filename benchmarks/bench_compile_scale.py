@@ -9,8 +9,8 @@ first run, which measures the CPU kernels, and a repeated run, which finds them 
 seconds, peak RSS, the trace note (whether the compiled step was traced on 5 layers with the middle layer
 replicated, or on all 32), the predicted peak, and the ops whose CPU workspace was extrapolated from runs at
 reduced sizes (kernels.py `CpuWorkspaceProbe`). Before each run it prints the seconds a fixed pure-Python loop
-takes: this machine's speed varies by up to 2x within minutes (1.1 to 2.1 s for the same loop), so timings are
-comparable only at a similar figure.
+takes: this machine's speed varies by up to 2x within minutes (0.50 to 0.95 s for this loop here), so timings
+are comparable only at a similar figure.
 
 `--quick` also runs the same with every CPU kernel probe answered 0 bytes (in process, the eager comparison in
 this process too), which is the time of the tracer alone: dynamo, AOTAutograd, Inductor's lowering and code
