@@ -224,8 +224,11 @@ def compiled_twin(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
             return fakes.setdefault(id(v), torch.empty_like(v, device="cpu")) if isinstance(v, torch.Tensor) else v
 
         fake_args, fake_kwargs = tuple(fake(v) for v in args), {k: fake(v) for k, v in kwargs.items()}
-        # its own recompile bucket: no entry or recompile limit shared with the process's other compiles
-        compiled = torch.compile(twin, backend=backend, isolate_recompiles=True)
+        # its own recompile bucket: no entry or recompile limit shared with the process's other compiles. Static
+        # shapes, as the first compile of a fresh process has them: dynamo's automatic dynamic shapes
+        # (torch/_dynamo/pgo.py `update_automatic_dynamic`, off under dynamic=False) would otherwise read the
+        # sizes of an earlier compile of the same code (another analysis, the caller's own) and make them symbolic
+        compiled = torch.compile(twin, backend=backend, dynamic=False, isolate_recompiles=True)
         autocast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
         with autocast:
             loss = loss_of(compiled(*fake_args, **fake_kwargs))
@@ -604,11 +607,20 @@ def _extern_workspaces(graph, workspace: Callable) -> dict[str, tuple[int, str, 
         node = getattr(snode, "node", None)
         if not isinstance(node, ir.ExternKernel) or isinstance(node, ir.MultiOutput) or node.get_name() is None:
             continue
-        kernel = getattr(node, "op_overload", None)  # a fallback kernel's op; an extern_kernels.mm's name
+        # the op the kernel runs: a fallback kernel's is the node's own (aten._scaled_dot_product_flash_attention_
+        # for_cpu.default); an extern_kernels.mm runs aten.mm.out for an aten.mm.default node (same overload
+        # packet); a kernel without one is known by its name
+        kernel = getattr(node, "op_overload", None)
+        packet = getattr(kernel, "overloadpacket", None)
         name = (getattr(node, "python_kernel_name", None) or "").rsplit(".", 1)[-1]
-        origin = next((o for o in sorted(node.origins, key=lambda n: n.name) if o.op == "call_function" and (
-            o.target is kernel if kernel is not None
-            else getattr(getattr(o.target, "overloadpacket", None), "__name__", None) == name)), None)
+
+        def lowered_from(target) -> bool:
+            if kernel is not None:
+                return target is kernel or (packet is not None and getattr(target, "overloadpacket", None) is packet)
+            return getattr(getattr(target, "overloadpacket", None), "__name__", None) == name
+
+        origin = next((o for o in sorted(node.origins, key=lambda n: n.name)
+                       if o.op == "call_function" and lowered_from(o.target)), None)
         if origin is None:
             continue
         func, args, kwargs = origin.target, origin.args, origin.kwargs
