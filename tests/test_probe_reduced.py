@@ -147,3 +147,25 @@ def test_probe_results_on_disk_serve_the_next_process(monkeypatch, tmp_path):
     monkeypatch.setenv("VRAMTRACE_CPU_PROBE_CACHE", "off")  # off: nothing found, the kernel runs
     fresh_process()(aten.native_layer_norm.default, args, {}, out)
     assert runs
+
+
+def test_a_process_beside_finds_what_the_other_measured_since(tmp_path):
+    """Two processes share the disk cache while both run (`--compile`'s eager comparison in its second process):
+    a miss reads the lines written since the last read, and a line still being written is read once whole."""
+    from vramtrace.tracer.kernels import ProbeDiskCache, Probed
+
+    path = tmp_path / "cpu-kernels-x.jsonl"
+    reader, writer = ProbeDiskCache(path), ProbeDiskCache(path)
+    key = ("aten.mm.default", 2)
+    assert reader.get(key) is None  # nothing yet: the file does not exist
+    writer.put(key, Probed(4096, ((0, (2, 3), (3, 1), torch.bfloat16),), note="relaid"))
+    assert reader.get(key) == Probed(4096, ((0, (2, 3), (3, 1), torch.bfloat16),), note="relaid")
+    other = ("aten.bmm.default", 2)
+    ProbeDiskCache(tmp_path / "elsewhere.jsonl").put(other, Probed(8, ()))
+    line = (tmp_path / "elsewhere.jsonl").read_text()
+    with open(path, "a") as f:
+        f.write(line[:10])  # the other process is writing it
+    assert reader.get(other) is None
+    with open(path, "a") as f:
+        f.write(line[10:])
+    assert reader.get(other) == Probed(8, ()) and reader.get(key).workspace == 4096

@@ -554,13 +554,15 @@ class ProbeDiskCache:
     `cpu_environment()` (CPU model and flags, oneDNN ISA cap, ATen's vectorisation, threads, torch version) and of
     this module's source (a change to the probe's rules starts a new file). A measurement is a fact about this
     machine's kernels, so a later run finds it instead of running the kernel again (Llama-2-7b's probes take tens
-    of seconds on two cores). Failures are not kept (they may depend on the memory free at the time). Best effort:
+    of seconds on two cores), and a process running beside it finds what the other measured since (`get`).
+    Failures are not kept (they may depend on the memory free at the time). Best effort:
     a file it cannot read or write is a cache that finds nothing. Where: `path`; off: `VRAMTRACE_CPU_PROBE_CACHE=off`;
     to clear it, delete the directory."""
 
     def __init__(self, path: Path | None):
         self.path = path
-        self._found: dict[str, Probed] | None = None
+        self._found: dict[str, Probed] = {}
+        self._read_to = 0  # bytes of the file read so far (whole lines)
 
     @classmethod
     def for_this_machine(cls) -> "ProbeDiskCache":
@@ -576,25 +578,34 @@ class ProbeDiskCache:
             return cls(None)
         return cls(base / f"cpu-kernels-{digest}.jsonl")
 
-    def _load(self) -> dict[str, Probed]:
-        if self._found is None:
-            self._found = {}
+    def _read_new(self) -> None:
+        """Read the whole lines written to the file since the last read (by any process)."""
+        if self.path is None:
+            return
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._read_to)
+                data = f.read()
+        except OSError:
+            return
+        whole = data[:data.rfind(b"\n") + 1]  # a line still being written is read next time
+        self._read_to += len(whole)
+        for line in whole.decode("utf-8", errors="replace").splitlines():
             try:
-                lines = self.path.read_text(encoding="utf-8").splitlines() if self.path is not None else []
-            except OSError:
-                lines = []
-            for line in lines:
-                try:
-                    k, (ws, layouts, note, extrapolated) = json.loads(line)
-                    self._found[k] = Probed(ws, tuple((i, tuple(shape), tuple(stride), getattr(torch, dtype))
-                                                      for i, shape, stride, dtype in layouts),
-                                            note=note, extrapolated=extrapolated)
-                except (ValueError, TypeError, AttributeError):
-                    continue  # a line cut short by a process that stopped while writing it
-        return self._found
+                k, (ws, layouts, note, extrapolated) = json.loads(line)
+                self._found[k] = Probed(ws, tuple((i, tuple(shape), tuple(stride), getattr(torch, dtype))
+                                                  for i, shape, stride, dtype in layouts),
+                                        note=note, extrapolated=extrapolated)
+            except (ValueError, TypeError, AttributeError):
+                continue  # a line cut short by a process that stopped while writing it
 
     def get(self, key: tuple) -> Probed | None:
-        return self._load().get(repr(key))
+        """The result stored for `key`, or None. A miss reads the file again: another process on this machine may
+        have measured it since (`--compile`'s eager comparison runs in a second process, and both trace the
+        optimizer's and the loss's ops, and matmuls of the same layouts)."""
+        if repr(key) not in self._found:
+            self._read_new()
+        return self._found.get(repr(key))
 
     def put(self, key: tuple, found: Probed) -> None:
         if self.path is None or found.failure is not None:
@@ -602,7 +613,7 @@ class ProbeDiskCache:
         layouts = [(i, list(shape), list(stride), str(dtype).removeprefix("torch."))
                    for i, shape, stride, dtype in found.layouts]
         line = json.dumps([repr(key), [found.workspace, layouts, found.note, found.extrapolated]])
-        self._load()[repr(key)] = found
+        self._found[repr(key)] = found
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a", encoding="utf-8") as f:
