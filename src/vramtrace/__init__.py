@@ -94,10 +94,13 @@ def _eager_beside(spec: RunSpec):
 
 
 def _analyze_eager(spec: RunSpec):
-    """The MemoryReport of `spec`'s step without torch.compile (the `compiled` comparison's eager side)."""
+    """The MemoryReport of `spec`'s step without torch.compile (the `compiled` comparison's eager side). Only its
+    timeline and figures are shown (`compile_summary`, the HTML report's second page), so the step is not traced a
+    second time with `--use-cache false` (`run["use_cache_false_peak_bytes"]` is left out)."""
     from dataclasses import replace
 
-    return _analyze_one(replace(spec, compile=False), lambda _msg: None)
+    with _FrozenHeap() as heap:
+        return _analyze_one_frozen(replace(spec, compile=False), lambda _msg: None, heap, use_cache_variant=False)
 
 
 def _eager_report(spec: RunSpec, job, say: Callable[[str], None]):
@@ -372,10 +375,12 @@ def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
         return _analyze_one_frozen(spec, say, heap)
 
 
-def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _FrozenHeap, keep: dict | None = None):
+def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _FrozenHeap, keep: dict | None = None,
+                        use_cache_variant: bool = True):
     """The MemoryReport of `spec`. With `keep`, also fills keep['spec'] (the spec with its precision resolved),
     keep['resolved'] (the resolved config) and keep['traces'] ({spec: (StepTables, layers in its stack)} of the
-    traces made), for the lever search."""
+    traces made), for the lever search. `use_cache_variant`: when the config's KV cache is live at the peak, the
+    step is traced again with use_cache false (`run["use_cache_false_peak_bytes"]`)."""
     from dataclasses import replace
 
     from .tracer.checkpoint_headers import precision_for
@@ -420,7 +425,7 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
     traces = {spec: (main, loaded.num_layers)}
     if keep is not None:
         keep.update(spec=spec, resolved=resolved, traces=traces)
-    if spec.mode is Mode.TRAIN and spec.use_cache is None and any(
+    if use_cache_variant and spec.mode is Mode.TRAIN and spec.use_cache is None and any(
             lt.category == "kv_cache" and lt.birth <= steady.peak_step <= lt.death for lt in steady.lifetimes):
         # the config's KV cache is live at the peak: what --use-cache false saves, traced (not derived: without
         # the cache the attention's own key/value tensors live as long as its locals and saved tensors keep them)
