@@ -122,44 +122,6 @@ def test_lowered_graph_cache_keeps_the_probe_records_and_no_failure(tmp_path):
     assert fresh.extrapolated == {"aten.addmm.default": "sizes cut"} and fresh.failures == {}
 
 
-def test_two_compiles_in_one_process_are_static_and_hold_the_matmul_workspaces(monkeypatch):
-    """Two analyses of tiny Llama-GQA bf16-mixed in one process, at sequence lengths 16 and 24.
-
-    Inductor's `extern_kernels.mm` runs aten.mm.out for the graph's aten.mm.default: the workspace its CPU kernel
-    holds (oneDNN's scratchpad of a bf16 matmul on an AVX-512 CPU; none on an AVX2 one) is probed on that op and
-    held while the kernel runs, as eagerly. The probe here reports an odd-sized workspace for every mm, as a CPU
-    with scratchpads would; before the overload packets were matched, the compiled step held none.
-
-    dynamo's automatic dynamic shapes remember the sizes each code object was compiled with
-    (torch/_dynamo/pgo.py `update_automatic_dynamic`), so the second analysis compiled graphs with symbolic sizes
-    and failed (the backward saved SymInts). The twin compiles with static shapes, as a fresh process's first
-    compile does."""
-    odd = 3_000_017
-    real_probe, real_post_grad = CpuWorkspaceProbe.__call__, compiled._post_grad
-    sizes = []
-
-    def probe(self, func, args, kwargs, out):
-        workspace, out = real_probe(self, func, args, kwargs, out)
-        return (odd if func is torch.ops.aten.mm.default else workspace), out
-
-    def post_grad(gm, example_inputs, kw):
-        sizes.extend(s for t in example_inputs if isinstance(t, torch.Tensor) for s in t.shape)
-        return real_post_grad(gm, example_inputs, kw)
-
-    monkeypatch.setattr(CpuWorkspaceProbe, "__call__", probe)
-    monkeypatch.setattr(compiled, "_post_grad", post_grad)
-    monkeypatch.setattr("vramtrace.second_process.cores", lambda: 1)  # the eager comparison in this process
-    for seq in (16, 24):
-        report = analyze(RunSpec(str(FIXTURES / "tiny-llama-gqa.json"), batch=2, seq=seq, device="cpu",
-                                 precision="bf16-mixed", use_cache=False, compile=True), levers=False)
-        compiled_held = [r for r in report.tensors if r.bytes == odd]
-        eager_held = [r for r in report.eager.tensors if r.bytes == odd]
-        assert compiled_held and {r.op for r in compiled_held} == {"aten.mm.default"}
-        # one per matmul of the step, compiled or not: 7 per layer and the lm_head, forward; twice that, backward
-        assert len(compiled_held) == len(eager_held) == 3 * (2 * 7 + 1)
-    assert 2 * 24 in sizes and all(type(s) is int for s in sizes)  # the second's 48 tokens, as ints
-
-
 @pytest.mark.parametrize("extra,message", [
     ({"device": "cuda"}, "--compile is traced for --device cpu only"),
     ({"device": "cpu", "mode": "inference"}, "--compile models a training step"),

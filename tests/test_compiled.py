@@ -14,7 +14,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from conftest import FIXTURES
 from vramtrace.analysis.graph_liveness import graph_memory
-from vramtrace.tracer.compiled import capture
+from vramtrace.tracer.compiled import capture, compiled_twin
 
 
 def _graph(fn, *shapes) -> fx.GraphModule:
@@ -95,3 +95,40 @@ def test_gpt2_graphs_as_inductor_compiles_them():
              and not n.name.startswith(("primals", "tangents"))}
     outputs = {n.name for n in next(n for n in main_forward.gm.graph.nodes if n.op == "output").all_input_nodes}
     assert saved and saved <= outputs
+
+
+def test_two_compiles_in_one_process_are_static_and_hold_the_matmul_workspaces():
+    """Tiny Llama-GQA under bf16 autocast, compiled twice in one process, at sequence lengths 16 and 24.
+
+    Inductor's `extern_kernels.mm` runs aten.mm.out for the graph's aten.mm.default: the workspace its CPU kernel
+    holds (oneDNN's scratchpad of a bf16 matmul on an AVX-512 CPU; none on an AVX2 one) is asked of the probe for
+    that op and held while the kernel runs. The probe here reports an odd-sized workspace for every mm, as a CPU
+    with scratchpads would; before the overload packets were matched, no graph held one.
+
+    dynamo's automatic dynamic shapes remember the sizes each code object was compiled with
+    (torch/_dynamo/pgo.py `update_automatic_dynamic`), so the second compile had symbolic sizes and failed (the
+    backward saved SymInts). The twin compiles with static shapes, as a fresh process's first compile does."""
+    odd = 3_000_017
+    asked = []
+
+    def workspace(func, args, kwargs, out):
+        asked.append(str(func))
+        return (odd if func is torch.ops.aten.mm.default else 0), out
+
+    cfg = transformers.AutoConfig.from_pretrained(FIXTURES / "tiny-llama-gqa.json")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model.train()
+    for seq in (16, 24):
+        x = torch.randint(0, cfg.vocab_size, (2, seq), device="meta")
+        with compiled_twin(model, (), {"input_ids": x, "labels": x, "use_cache": False}, lambda out: out["loss"],
+                           torch.bfloat16, workspace=workspace) as twin:
+            held = [e for g in twin.graphs for e in g.memory.program.events if e[0] == "workspace"]
+            sizes = [s for g in twin.graphs for n in g.gm.graph.nodes if n.op == "placeholder"
+                     and isinstance(n.meta.get("val"), torch.Tensor) for s in n.meta["val"].shape]
+        # one per matmul: 7 per layer and the lm_head in the forward, twice that in the backward
+        assert [e[1:] for e in held if e[3] == "aten.mm.default"] == [(odd, e[2], "aten.mm.default")
+                                                                      for e in held] and len(held) == 3 * (2 * 7 + 1)
+        assert asked.count("aten.mm.default") == len(held)
+        assert 2 * seq in sizes and all(type(s) is int for s in sizes)  # the tokens, flattened, as an int
+        asked.clear()
