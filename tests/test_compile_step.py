@@ -94,12 +94,9 @@ def test_a_repeated_compile_finds_its_lowered_graphs_and_reports_the_same(tmp_pa
 
     monkeypatch.setattr(compiled, "_lower_and_generate", lowered_again)
     again = analyze(spec, levers=False)
-    # but the number of recorded ops: dynamo's guard checks at the first step's first call dispatch `prim.device`
-    # on the fake parameters (zero-byte records), and after a graph lowered here they run over one more set of
-    # parameters (28 records for this model)
-    a, b = again.to_dict(), first.to_dict()
-    assert a["run"].pop("num_ops") <= b["run"].pop("num_ops")
-    assert a == b
+    # the number of recorded ops included: dynamo's guards read the fake parameters' `.device` (`prim.device`)
+    # once more after a graph was lowered in this process than after a hit, and such reads are not recorded
+    assert again.to_dict() == first.to_dict()
 
 
 def test_lowered_graph_cache_keeps_the_probe_records_and_no_failure(tmp_path):

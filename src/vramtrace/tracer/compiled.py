@@ -806,6 +806,11 @@ def _origin(node) -> tuple[str, str]:
 
 
 def module_path(dynamo_name: str) -> str:
-    """"L['self'].transformer.h[0].attn" (dynamo's source name of a submodule) -> "transformer.h.0.attn"."""
-    path = re.sub(r"^L\['self'\]\.?", "", dynamo_name)
+    """"L['self'].transformer.h[0].attn" (dynamo's source name of a submodule) -> "transformer.h.0.attn".
+
+    The root module is the compiled frame's local `self`, or `args[0]` when its forward is wrapped by a
+    `def wrapped(*args, **kwargs)` decorator (transformers 5.24's `deprecate_kwarg` on every model's forward:
+    "L['args'][0].model.layers.0"). Names come from torch/_dynamo/variables/nn_module.py
+    `record_nn_module_stack` (the source's name, `._modules['x']` already shortened to `.x`)."""
+    path = re.sub(r"^L\[(['\"])[^'\"]+\1\](\[\d+\])*\.?", "", dynamo_name)
     return re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path).lstrip(".")

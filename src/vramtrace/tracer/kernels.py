@@ -491,6 +491,25 @@ def cpu_environment() -> dict[str, str | int]:
             "torch": torch.__version__}
 
 
+@contextlib.contextmanager
+def rank_threads(world: int | None):
+    """This process's intra-op thread count set, while the block runs, to what one rank of a `world`-rank CPU job
+    runs with, and restored after: torchrun starts each of more than one local rank with `OMP_NUM_THREADS=1`
+    unless the variable is set (torch/distributed/run.py `config_from_args`), so 1 for `world` > 1 without
+    `OMP_NUM_THREADS` (with it, this process already runs with that many). The CPU kernels' workspaces depend on
+    the thread count (oneDNN's per-thread scratchpads of bf16 matmuls on an AVX-512-BF16 CPU), and the probe's
+    cache keys and `cpu_environment()` read it, so a sharded trace is probed as its ranks run."""
+    before = torch.get_num_threads()
+    if world is None or world <= 1 or "OMP_NUM_THREADS" in os.environ or before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 # What a CPU kernel raises on stand-ins it does not accept (the meta kernel's layouts are not the CPU kernel's)
 KERNEL_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError)
 

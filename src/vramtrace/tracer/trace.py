@@ -27,7 +27,7 @@ from ..spec import Device, Mode, Precision, RunSpec, ZeroGrad
 from .building import LoadedModel, quiet_transformers_logs
 from .checkpointing import apply_checkpointing, layer_stack
 from .hooks import module_hooks, moe_routing
-from .kernels import CpuWorkspaceProbe, KernelPolicyMode, cpu_environment
+from .kernels import CpuWorkspaceProbe, KernelPolicyMode, cpu_environment, rank_threads
 from .optim import make_optimizer
 from .records import MicroMarks, OpInfo, Phase, RecStorage
 from .recorder import StepRecorder, keeping_args, tag_autograd_nodes
@@ -432,7 +432,17 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
 
     `keep_args`: keep every op's arguments (`TracedGraph.op_args`, for `fx_export.to_fx_graph`); every layer and
     every step is then traced, none rebuilt or copied.
+
+    On the CPU target, a step of more than one rank is traced with one rank's intra-op thread count
+    (`kernels.rank_threads`: 1, as torchrun sets it, unless OMP_NUM_THREADS is set), restored after.
     """
+    # the CPU target's kernels are probed with the thread count of one of its ranks
+    with rank_threads(spec.world) if spec.device is Device.CPU else contextlib.nullcontext():
+        return _trace_steps(spec, loaded, progress, replay_steady, rebuild_decode, keep_args)
+
+
+def _trace_steps(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], None] | None, replay_steady: bool,
+                 rebuild_decode: bool, keep_args: bool) -> TracedGraph:
     say = progress or (lambda _msg: None)
     if keep_args:
         with keeping_args():
