@@ -116,10 +116,9 @@ def _example_names(model: torch.nn.Module) -> str:
 
 
 def _no_kv_cache(kwargs: dict) -> None:
-    """As transformers' GradientCheckpointingLayer does (modeling_layers.py `__call__`): no KV cache under
-    checkpointing (a recompute would append to it a second time). The cache's keyword is `cache` from
-    transformers 5.24, `past_key_values` before."""
-    for key, off in (("use_cache", False), ("cache", None), ("past_key_values", None), ("layer_past", None)):
+    """As transformers' GradientCheckpointingLayer does: no KV cache under checkpointing (a recompute would
+    append to it a second time)."""
+    for key, off in (("use_cache", False), ("past_key_values", None), ("layer_past", None)):
         if key in kwargs:
             kwargs[key] = off
 
