@@ -116,19 +116,21 @@ def _example_names(model: torch.nn.Module) -> str:
 
 
 def _no_kv_cache(kwargs: dict) -> None:
-    """As transformers' GradientCheckpointingLayer does: no KV cache under checkpointing (a recompute would
-    append to it a second time)."""
-    for key, off in (("use_cache", False), ("past_key_values", None), ("layer_past", None)):
+    """As transformers' GradientCheckpointingLayer does (transformers/modeling_layers.py `__call__`): no KV cache
+    under checkpointing (a recompute would append to it a second time). transformers 5.24 passes the cache to a
+    layer as `cache` (5.23: `past_key_values`)."""
+    for key, off in (("use_cache", False), ("past_key_values", None), ("cache", None), ("layer_past", None)):
         if key in kwargs:
             kwargs[key] = off
 
 
 def _checkpoint_module(module: torch.nn.Module, run_checkpoint) -> None:
-    """Run `module`'s forward (any signature, any outputs) under one checkpoint."""
+    """Run `module`'s forward (any signature, any outputs) under one checkpoint, its arguments as given: the
+    snippet `paste_snippet` prints for `modules:` (`functools.partial(checkpoint, m.forward)`) keeps a KV cache
+    passed to a decoder layer, and the prediction is of the code the user pastes."""
     original = module.forward
 
     def forward(*args, **kwargs):
-        _no_kv_cache(kwargs)
         return run_checkpoint(original, *args, **kwargs)
 
     module.forward = forward
