@@ -571,9 +571,9 @@ PROBE_CACHE_ENV = "VRAMTRACE_CPU_PROBE_CACHE"
 class ProbeDiskCache:
     """The probe's results (`Probed`) on disk, one JSON line per op signature, in a file named by a digest of
     `cpu_environment()` (CPU model and flags, oneDNN ISA cap, ATen's vectorisation, threads, torch version) and of
-    this module's source (a change to the probe's rules starts a new file). A measurement is a fact about this
-    machine's kernels, so a later run finds it instead of running the kernel again (Llama-2-7b's probes take tens
-    of seconds on two cores), and a process running beside it finds what the other measured since (`get`).
+    this module's and onednn.py's source (a change to the probe's rules starts a new file). A measurement is a fact
+    about this machine's kernels, so a later run finds it instead of running the kernel again (Llama-2-7b's probes
+    take tens of seconds on two cores), and a process running beside it finds what the other measured since (`get`).
     Failures are not kept (they may depend on the memory free at the time). Best effort:
     a file it cannot read or write is a cache that finds nothing. Where: `path`; off: `VRAMTRACE_CPU_PROBE_CACHE=off`;
     to clear it, delete the directory."""
@@ -592,7 +592,8 @@ class ProbeDiskCache:
             base = Path(where) if where else (
                 Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vramtrace")
             digest = hashlib.sha256(json.dumps(cpu_environment(), sort_keys=True).encode()
-                                    + Path(__file__).read_bytes()).hexdigest()[:16]
+                                    + Path(__file__).read_bytes()
+                                    + (Path(__file__).parent / "onednn.py").read_bytes()).hexdigest()[:16]
         except (OSError, RuntimeError):  # no home directory, the module's source unreadable: no cache
             return cls(None)
         return cls(base / f"cpu-kernels-{digest}.jsonl")
@@ -791,7 +792,13 @@ class CpuWorkspaceProbe:
         matmuls (4096 and more) 1/32, 1/16, 1/8: a bf16 matmul on a CPU without native bf16 runs at about
         0.5 GFLOP/s (this AVX2 machine), so its 1/2 run alone would take minutes. A step between the largest run and
         full size is not seen. A kernel whose blocking changes with the sizes is not affine over the runs and runs
-        at full size, unless an op rule (`REDUCTION_RULES`) knows where its blocking is constant."""
+        at full size, unless an op rule (`REDUCTION_RULES`) knows where its blocking is constant.
+
+        Before the line: an op whose workspace a library states (`SCRATCHPAD_QUERIES`: oneDNN's matmul scratchpad)
+        takes the library's answer at full size when its answers at the reduced sizes equal every measured run (one
+        of them not 0). oneDNN's bf16 matmul scratchpads on an AVX-512-BF16 CPU step with the sizes: a line through
+        three runs can be exactly affine and wrong at full size, both ways (`onednn.py`; (1024, 4096) @ (4096,
+        1024): 657,024 B on the line, 3,442,432 B booked)."""
         rule = REDUCTION_RULES.get(str(func))
         points = rule(args, kwargs) if rule is not None else None
         if points is not None:
@@ -810,12 +817,18 @@ class CpuWorkspaceProbe:
             points = (cuts, Fraction(1))
             how = f"sizes {', '.join(map(str, dims))} cut to {', '.join(str(x) for _, x in cuts)}"
         cuts, full = points
-        found = []
+        query = SCRATCHPAD_QUERIES.get(str(func))
+        found, answered = [], query is not None
         for sizes, x in cuts:
             w = self._reduced_run(func, args, kwargs, out, autocast, sizes)
             if w is None:
                 return None
             found.append((x, w))
+            answered = answered and query(*(_reduced(tree, sizes) for tree in (args, kwargs, out))) == w
+        if answered and any(w for _, w in found):
+            at_full = query(args, kwargs, out)
+            if at_full is not None:
+                return at_full, f"{how}: oneDNN's matmul scratchpad at each, asked of oneDNN at full size"
         (x0, w0), (x1, w1) = found[:2]
         slope = Fraction(w1 - w0, 1) / (x1 - x0)
         if slope < 0 or any(w != w0 + slope * (x - x0) for x, w in found[2:]):
@@ -968,6 +981,19 @@ def _flash_attention_points(args, kwargs):
     cuts = [({batch: b, heads: h, tokens: t}, b * h * t) for h, t in ((2, 768), (4, 768), (2, 1024))]
     return cuts, batch * heads * tokens
 
+
+def _onednn_matmul(args, kwargs, out) -> int | None:
+    """oneDNN's scratchpad for `mm` / `bmm` (`onednn.matmul_scratchpad_bytes`), None with other arguments."""
+    from .onednn import matmul_scratchpad_bytes
+
+    return None if kwargs or len(args) != 2 else matmul_scratchpad_bytes(args[0], args[1], out)
+
+
+# Ops whose workspace a library can state without running them (`CpuWorkspaceProbe._extrapolated`): op -> (args,
+# kwargs, out) -> bytes or None. An answer is taken for a large op only where it equals the measured workspace of
+# every run at reduced sizes, so an op that does not reach that library here (ATen's own bf16 gemm on a CPU without
+# native bf16, MKL's fp32 sgemm: 0 bytes measured) keeps the measured line.
+SCRATCHPAD_QUERIES = {"aten.mm.default": _onednn_matmul, "aten.bmm.default": _onednn_matmul}
 
 # Ops whose large runs are cut by a rule of their own (`CpuWorkspaceProbe._extrapolated`): op -> the rule.
 REDUCTION_RULES = {

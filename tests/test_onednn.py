@@ -1,0 +1,78 @@
+"""oneDNN's matmul scratchpad, asked of oneDNN (tracer/onednn.py), against what the profiler measures when the matmul
+runs; and the probe's use of the answer for large matmuls (kernels.py `SCRATCHPAD_QUERIES`)."""
+
+import pytest
+import torch
+
+from vramtrace.tracer import kernels
+from vramtrace.tracer.kernels import CpuWorkspaceProbe
+from vramtrace.tracer.onednn import matmul_scratchpad_bytes
+
+aten = torch.ops.aten
+
+
+def _matrix(rows, cols, transposed, dtype=torch.bfloat16, batch=None):
+    """A meta (rows, cols) matrix, stored transposed (column-major) when `transposed`; batched when `batch`."""
+    lead = () if batch is None else (batch,)
+    t = torch.empty(*lead, cols, rows, dtype=dtype, device="meta").transpose(-1, -2) if transposed else \
+        torch.empty(*lead, rows, cols, dtype=dtype, device="meta")
+    return t
+
+
+def _measured(func, a, b):
+    """The workspace of one real run at full size (zeros), as the probe measures it."""
+    probe = CpuWorkspaceProbe(reduce_above=1 << 62, reduce_above_flops=1 << 62)
+    return probe(func, (a, b), {}, func(a, b))[0]
+
+
+def _onednn_serves_bf16_matmuls() -> bool:
+    a = _matrix(256, 128, False)
+    return _measured(aten.mm.default, a, _matrix(128, 344, False)) > 0
+
+
+needs_onednn_bf16 = pytest.mark.skipif(
+    not _onednn_serves_bf16_matmuls(),
+    reason="ATen runs bf16 matmuls without oneDNN on this CPU (no native bf16): nothing allocated to state")
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("op,m,k,n,batch", [
+    (aten.mm.default, 256, 128, 344, None), (aten.mm.default, 1000, 256, 128, None),
+    (aten.mm.default, 176, 32, 64, None), (aten.mm.default, 64, 176, 32, None),
+    (aten.bmm.default, 128, 64, 96, 8),
+])
+@pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False), (True, True)])
+def test_onednn_states_the_scratchpad_the_profiler_measures(op, m, k, n, batch, ta, tb):
+    a, b = _matrix(m, k, ta, batch=batch), _matrix(k, n, tb, batch=batch)
+    assert matmul_scratchpad_bytes(a, b, op(a, b)) == _measured(op, a, b) > 0
+
+
+@needs_onednn_bf16
+def test_a_large_matmul_takes_onednns_answer_where_a_line_through_its_runs_is_wrong():
+    """(1024, 4096) @ (4096, 1024) bf16 at 1/8, 1/4, 1/2 of each size: 198,272, 263,808, 394,880 B on this
+    AVX-512-BF16 CPU, exactly affine, so a line puts it at 657,024 B; the full-size run allocates 3,442,432 B."""
+    a, b = _matrix(1024, 4096, False), _matrix(4096, 1024, False)
+    probe = CpuWorkspaceProbe(reduce_above=0)
+    assert probe(aten.mm.default, (a, b), {}, torch.mm(a, b))[0] == _measured(aten.mm.default, a, b)
+    assert "asked of oneDNN at full size" in probe.extrapolated["aten.mm.default"]
+
+
+@pytest.mark.parametrize("answers", [
+    lambda args, kwargs, out: 12_345,  # disagrees with the measured runs
+    lambda args, kwargs, out: 0 if out.shape[0] < 1024 else 999,  # agrees only with zeros: no sign of oneDNN
+])
+def test_an_answer_that_is_not_the_measured_one_is_not_taken(monkeypatch, answers):
+    """fp32 matmuls run MKL's sgemm (nothing allocated): the probe keeps its measured line."""
+    monkeypatch.setattr(kernels, "SCRATCHPAD_QUERIES", {"aten.mm.default": answers})
+    monkeypatch.setattr(kernels, "_PROBED", {})
+    monkeypatch.setenv(kernels.PROBE_CACHE_ENV, "off")
+    a, b = _matrix(1024, 2048, False, torch.float32), _matrix(2048, 1024, True, torch.float32)
+    probe = CpuWorkspaceProbe(reduce_above=0)
+    assert probe(aten.mm.default, (a, b), {}, torch.mm(a, b))[0] == _measured(aten.mm.default, a, b)
+    assert probe.extrapolated["aten.mm.default"].endswith(": affine")
+
+
+def test_no_answer_for_what_onednn_is_not_asked():
+    a = _matrix(8, 8, False)
+    assert matmul_scratchpad_bytes(a, _matrix(8, 8, False, torch.int64), a) is None
+    assert matmul_scratchpad_bytes(a.unsqueeze(0).unsqueeze(0), a.unsqueeze(0).unsqueeze(0), a) is None
