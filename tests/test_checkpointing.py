@@ -58,7 +58,7 @@ def test_selective_matches_real_run(config):
 
 def test_modules_on_decoder_layers_matches_the_printed_snippet():
     """`modules:` checkpoints each match with its arguments as given, as the snippet the report prints does: a
-    decoder layer keeps the KV cache transformers passes it. Until 2026-11-25 the traced layers dropped it (under
+    decoder layer keeps the KV cache transformers passes it. Until 2026-11-24 the traced layers dropped it (under
     transformers 5.23, `past_key_values`): 4,016,220 B predicted, 9% under this real run's 4,410,460 B."""
     spec = RunSpec(str(FIXTURES / "tiny-llama-gqa.json"), batch=4, seq=64, device="cpu", precision="fp32",
                    checkpointing="modules:model.layers.*")
