@@ -169,3 +169,31 @@ def test_a_process_beside_finds_what_the_other_measured_since(tmp_path):
     with open(path, "a") as f:
         f.write(line[10:])
     assert reader.get(other) == Probed(8, ()) and reader.get(key).workspace == 4096
+
+
+def test_a_dtensor_op_is_probed_as_the_local_op_each_rank_runs(monkeypatch):
+    """A DTensor's shape is the global one; each rank runs the op on its shard (torch.distributed.tensor's
+    dispatch). bf16 + fp32 copies the bf16 operand to fp32 on any CPU: a (4, 1024) shard's copy, not (8, 1024)'s.
+    An op whose shards do not make its local op (Shard(0) + Shard(1): DTensor redistributes first) is probed as
+    given."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from vramtrace.tracer import kernels
+    from vramtrace.tracer.sharding import fake_rank
+
+    monkeypatch.setattr(kernels, "_PROBED", {})
+    monkeypatch.setenv(kernels.PROBE_CACHE_ENV, "off")
+    with fake_rank(2, 0):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh("meta", torch.arange(2))
+
+        def sharded(dtype, dim):
+            return DTensor.from_local(torch.empty(8 // (2 - dim), 1024 // (1 + dim), dtype=dtype, device="meta"),
+                                      mesh, [Shard(dim)], run_check=False)
+
+        a, b, out = sharded(torch.bfloat16, 0), sharded(torch.float32, 0), sharded(torch.float32, 0)
+        probe = CpuWorkspaceProbe()
+        ws, got = probe(aten.add.Tensor, (a, b), {}, out)
+        assert got is out and ws == 4 * 1024 * 4
+        assert kernels._dtensor_local_op(aten.add.Tensor, (a, sharded(torch.float32, 1)), {}, out) is None

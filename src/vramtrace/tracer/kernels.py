@@ -718,6 +718,9 @@ class CpuWorkspaceProbe:
         holds (listed in `notes`)."""
         if not self.probed(func):
             return 0, out
+        local = _dtensor_local_op(func, args, kwargs, out)
+        if local is not None:
+            return self(func, *local)[0], out
         if str(func) in GLOO_TEMPORARY:  # a collective: the fake backend runs no kernel to probe
             t = args[GLOO_TEMPORARY[str(func)]]
             return t.numel() * t.element_size(), out
@@ -883,6 +886,45 @@ class CpuWorkspaceProbe:
         finally:
             torch.default_generator.set_state(rng)
         return peak, out
+
+
+def _dtensor_local_op(func, args, kwargs, out) -> tuple | None:
+    """(args, kwargs, out) of the local op a DTensor op runs on each rank: every DTensor replaced by its local tensor
+    (torch.distributed.tensor's dispatch runs `func` on the local shards, torch/distributed/tensor/_dispatch.py
+    `OpDispatcher.dispatch`), when `func` on the local tensors (meta) gives outputs shaped as the DTensor outputs'
+    local tensors. None: no DTensor among the arguments, or the op redistributes its inputs first (its local
+    inputs are not the shards the trace holds), and then the op is probed as given. A DTensor's `shape` is the
+    global one: probed as given, a TP rank's weight-gradient matmul ran at the full size of the weight (FSDP x TP
+    on tiny Llama, bf16: oneDNN's scratchpad of a (176, 32)^T @ (32, 64) mm, 61,568 B at one thread, where the
+    rank runs (88, 32)^T @ (32, 64), 33,408 B)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(dtensor, "DTensor", None)
+    if cls is None or not any(isinstance(t, cls) for t in torch.utils._pytree.tree_leaves((args, kwargs))):
+        return None
+
+    def local(tree):
+        return torch.utils._pytree.tree_map(lambda t: t._local_tensor if isinstance(t, cls) else t, tree)
+
+    l_args, l_kwargs, l_out = local(args), local(kwargs), local(out)
+    if any(t.device.type != "meta" for t in torch.utils._pytree.tree_leaves((l_args, l_kwargs, l_out))
+           if isinstance(t, torch.Tensor)):
+        return None
+    def stand_in(tree):  # the op may write its arguments: run it on stand-ins laid out as the local tensors
+        return torch.utils._pytree.tree_map(
+            lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            if isinstance(t, torch.Tensor) else t, tree)
+
+    try:
+        with torch.no_grad():
+            ran = func(*stand_in(l_args), **stand_in(l_kwargs))
+    except KERNEL_ERRORS:
+        return None
+
+    def shapes(tree):
+        return [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None
+                for t in torch.utils._pytree.tree_leaves(tree)]
+
+    return (l_args, l_kwargs, l_out) if shapes(ran) == shapes(l_out) else None
 
 
 def op_flops(func, args, kwargs, out) -> int:
