@@ -251,7 +251,8 @@ def apply_checkpointing(model, policy: str) -> None:
 
             def run_segment(h, *args, _fw=forwards, **kwargs):
                 # as transformers' GradientCheckpointingLayer does under checkpointing: no KV cache
-                kwargs.update({k: v for k, v in (("use_cache", False), ("past_key_values", None), ("cache", None)) if k in kwargs})
+                off = (("use_cache", False), ("past_key_values", None), ("cache", None))  # 5.24: `cache`
+                kwargs.update({k: v for k, v in off if k in kwargs})
                 for f in _fw:
                     h = f(h, *args, **kwargs)
                 return h

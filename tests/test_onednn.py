@@ -72,6 +72,17 @@ def test_an_answer_that_is_not_the_measured_one_is_not_taken(monkeypatch, answer
     assert probe.extrapolated["aten.mm.default"].endswith(": affine")
 
 
+def test_onednn_is_reachable_in_this_torch():
+    """The torch wheel CI installs (2.13.0, CPU) keeps libtorch_cpu's symbol table and oneDNN 3 in it: the query
+    answers for an fp32 matmul on any x86 CPU (whether ATen sends a matmul to oneDNN is not what this checks)."""
+    from vramtrace.tracer import onednn
+
+    assert onednn._library() is not None
+    a = _matrix(256, 128, False, torch.float32)
+    b = _matrix(128, 344, False, torch.float32)
+    assert matmul_scratchpad_bytes(a, b, torch.mm(a, b)) is not None
+
+
 def test_no_answer_for_what_onednn_is_not_asked():
     a = _matrix(8, 8, False)
     assert matmul_scratchpad_bytes(a, _matrix(8, 8, False, torch.int64), a) is None

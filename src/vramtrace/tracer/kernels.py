@@ -909,6 +909,7 @@ def _dtensor_local_op(func, args, kwargs, out) -> tuple | None:
     if any(t.device.type != "meta" for t in torch.utils._pytree.tree_leaves((l_args, l_kwargs, l_out))
            if isinstance(t, torch.Tensor)):
         return None
+
     def stand_in(tree):  # the op may write its arguments: run it on stand-ins laid out as the local tensors
         return torch.utils._pytree.tree_map(
             lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")

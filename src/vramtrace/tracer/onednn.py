@@ -161,8 +161,8 @@ def matmul_scratchpad_bytes(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor)
     """Bytes of the user scratchpad oneDNN books for the matmul `out = a @ b` as ideep creates it (tensors of any
     device, meta included: only shapes, strides and dtypes are read; 2-D (M, K) @ (K, N) or batched 3-D), at this
     thread's current thread count (oneDNN reads `omp_get_max_threads()` when it creates the descriptor). None when
-    oneDNN's C API cannot be reached here, the dtypes are not one float type of fp32, bf16 or fp16, or oneDNN has
-    no implementation for them. Whether ATen actually sends the op to oneDNN is not decided here: the caller checks
+    oneDNN's C API cannot be reached here, a dtype is not fp32, bf16 or fp16, or oneDNN has no implementation for
+    them. Whether ATen actually sends the op to oneDNN is not decided here: the caller checks
     the answer against measured runs."""
     if not all(isinstance(t, torch.Tensor) and t.dtype in _DATA_TYPES and t.dim() == a.dim() in (2, 3)
                for t in (a, b, out)):
