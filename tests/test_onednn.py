@@ -19,10 +19,10 @@ def _matrix(rows, cols, transposed, dtype=torch.bfloat16, batch=None):
     return t
 
 
-def _measured(func, a, b):
+def _measured(func, *args):
     """The workspace of one real run at full size (zeros), as the probe measures it."""
     probe = CpuWorkspaceProbe(reduce_above=1 << 62, reduce_above_flops=1 << 62)
-    return probe(func, (a, b), {}, func(a, b))[0]
+    return probe(func, args, {}, func(*args))[0]
 
 
 def _onednn_serves_bf16_matmuls() -> bool:
@@ -48,13 +48,27 @@ def test_onednn_states_the_scratchpad_the_profiler_measures(op, m, k, n, batch, 
 
 
 @needs_onednn_bf16
-def test_a_large_matmul_takes_onednns_answer_where_a_line_through_its_runs_is_wrong():
+@pytest.mark.parametrize("m,k,n", [(256, 128, 344), (1000, 256, 128), (512, 768, 2304), (64, 176, 32)])
+@pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False), (True, True)])
+def test_addmm_allocates_the_plain_matmuls_scratchpad(m, k, n, ta, tb):
+    """addmm (a Linear with a bias, GPT-2's Conv1D): ATen copies the bias into the output and oneDNN adds the
+    product to it (a sum post-op); the scratchpad is the plain matmul's."""
+    a, b = _matrix(m, k, ta), _matrix(k, n, tb)
+    bias = torch.empty(n, dtype=torch.bfloat16, device="meta")
+    assert matmul_scratchpad_bytes(a, b, torch.mm(a, b)) == _measured(aten.addmm.default, bias, a, b) > 0
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("op", [aten.mm.default, aten.addmm.default])
+def test_a_large_matmul_takes_onednns_answer_where_a_line_through_its_runs_is_wrong(op):
     """(1024, 4096) @ (4096, 1024) bf16 at 1/8, 1/4, 1/2 of each size: 198,272, 263,808, 394,880 B on this
-    AVX-512-BF16 CPU, exactly affine, so a line puts it at 657,024 B; the full-size run allocates 3,442,432 B."""
+    AVX-512-BF16 CPU, exactly affine, so a line puts it at 657,024 B; the full-size run allocates 3,442,432 B.
+    With a bias (addmm) the same."""
     a, b = _matrix(1024, 4096, False), _matrix(4096, 1024, False)
+    args = (a, b) if op == aten.mm.default else (torch.empty(1024, dtype=torch.bfloat16, device="meta"), a, b)
     probe = CpuWorkspaceProbe(reduce_above=0)
-    assert probe(aten.mm.default, (a, b), {}, torch.mm(a, b))[0] == _measured(aten.mm.default, a, b)
-    assert "asked of oneDNN at full size" in probe.extrapolated["aten.mm.default"]
+    assert probe(op, args, {}, op(*args))[0] == _measured(op, *args)
+    assert "asked of oneDNN at full size" in probe.extrapolated[str(op)]
 
 
 @pytest.mark.parametrize("answers", [

@@ -1032,11 +1032,23 @@ def _onednn_matmul(args, kwargs, out) -> int | None:
     return None if kwargs or len(args) != 2 else matmul_scratchpad_bytes(args[0], args[1], out)
 
 
+def _onednn_addmm(args, kwargs, out) -> int | None:
+    """oneDNN's scratchpad for `addmm` / `baddbmm` (bias or `self`, then the two matrices): ATen copies `self` into
+    the output and has oneDNN add the product to it (aten/src/ATen/native/mkldnn/Matmul.cpp `mkldnn_matmul`: a
+    `sum` post-op for beta != 0), whose scratchpad is the plain matmul's (checked against the profiler on 16
+    layouts, `tests/test_onednn.py`; and per op against its reduced runs, as every answer). None with other
+    arguments."""
+    from .onednn import matmul_scratchpad_bytes
+
+    return None if kwargs or len(args) != 3 else matmul_scratchpad_bytes(args[1], args[2], out)
+
+
 # Ops whose workspace a library can state without running them (`CpuWorkspaceProbe._extrapolated`): op -> (args,
 # kwargs, out) -> bytes or None. An answer is taken for a large op only where it equals the measured workspace of
 # every run at reduced sizes, so an op that does not reach that library here (ATen's own bf16 gemm on a CPU without
 # native bf16, MKL's fp32 sgemm: 0 bytes measured) keeps the measured line.
-SCRATCHPAD_QUERIES = {"aten.mm.default": _onednn_matmul, "aten.bmm.default": _onednn_matmul}
+SCRATCHPAD_QUERIES = {"aten.mm.default": _onednn_matmul, "aten.bmm.default": _onednn_matmul,
+                      "aten.addmm.default": _onednn_addmm, "aten.baddbmm.default": _onednn_addmm}
 
 # Ops whose large runs are cut by a rule of their own (`CpuWorkspaceProbe._extrapolated`): op -> the rule.
 REDUCTION_RULES = {
