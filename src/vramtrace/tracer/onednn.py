@@ -1,10 +1,10 @@
 """oneDNN's own answer to how large a matmul's scratchpad is, asked without running the matmul.
 
-On a CPU with native bf16 (AVX-512-BF16, AMX), ATen sends bf16 `mm` and `bmm` to oneDNN
+On a CPU with native bf16 (AVX-512-BF16, AMX), ATen sends bf16 `mm`, `addmm`, `bmm` and `baddbmm` to oneDNN
 (aten/src/ATen/native/mkldnn/Matmul.cpp `use_mkldnn_bf16_matmul`, then `mkldnn_matmul`), through ideep's
 `matmul_forward`, which creates a matmul primitive descriptor from the tensors' plain strided memory descriptors
-with the attribute `scratchpad_mode = user` (ONEDNN_VERBOSE prints `attr-scratchpad:user` and no post-op for it) and
-allocates `pd.scratchpad_desc()`'s bytes through c10's CPU allocator before it executes. That size comes from
+with the attribute `scratchpad_mode = user` (ONEDNN_VERBOSE prints `attr-scratchpad:user`; addmm adds a `sum`
+post-op, which leaves the scratchpad as it is) and allocates `pd.scratchpad_desc()`'s bytes through c10's CPU allocator before it executes. That size comes from
 oneDNN's blocking heuristics (src/cpu/x64/matmul/brgemm_matmul_utils.cpp: per-thread A, B and accumulator
 buffers), which step with the sizes, the thread count and the CPU's caches: not affine in the sizes (Llama-2-7b's
 (8192, 4096) @ (4096, 4096): 165,504, 198,272 and 263,808 B at 1/32, 1/16 and 1/8 of each dimension, which a line
