@@ -14,9 +14,9 @@ aten = torch.ops.aten
 def _matrix(rows, cols, transposed, dtype=torch.bfloat16, batch=None):
     """A meta (rows, cols) matrix, stored transposed (column-major) when `transposed`; batched when `batch`."""
     lead = () if batch is None else (batch,)
-    t = torch.empty(*lead, cols, rows, dtype=dtype, device="meta").transpose(-1, -2) if transposed else \
-        torch.empty(*lead, rows, cols, dtype=dtype, device="meta")
-    return t
+    if transposed:
+        return torch.empty(*lead, cols, rows, dtype=dtype, device="meta").transpose(-1, -2)
+    return torch.empty(*lead, rows, cols, dtype=dtype, device="meta")
 
 
 def _measured(func, *args):

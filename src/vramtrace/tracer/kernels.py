@@ -826,11 +826,12 @@ class CpuWorkspaceProbe:
         query = SCRATCHPAD_QUERIES.get(str(func))
         found, answered = [], query is not None
         for sizes, x in cuts:
-            w = self._reduced_run(func, args, kwargs, out, autocast, sizes)
+            reduced = tuple(_reduced(tree, sizes) for tree in (args, kwargs, out))
+            w = self._reduced_run(func, *reduced, autocast)
             if w is None:
                 return None
             found.append((x, w))
-            answered = answered and query(*(_reduced(tree, sizes) for tree in (args, kwargs, out))) == w
+            answered = answered and query(*reduced) == w
         if answered and any(w for _, w in found):
             at_full = query(args, kwargs, out)
             if at_full is not None:
@@ -853,10 +854,9 @@ class CpuWorkspaceProbe:
         r_args, r_kwargs, r_out = (_reduced(tree, sizes) for tree in (args, kwargs, out))
         return r_args is not None and op_flops(func, r_args, r_kwargs, r_out) <= self.reduce_above_flops
 
-    def _reduced_run(self, func, args, kwargs, out, autocast, sizes: dict[int, int]) -> int | None:
-        """The workspace of one run of `func` with its tensors' dimensions cut as `sizes` says, or None (it
-        failed, or its outputs are not the reduced meta outputs)."""
-        r_args, r_kwargs, r_out = (_reduced(tree, sizes) for tree in (args, kwargs, out))
+    def _reduced_run(self, func, r_args, r_kwargs, r_out, autocast) -> int | None:
+        """The workspace of one run of `func` on its arguments cut to reduced sizes (`_reduced`: meta, None where a
+        tensor could not be cut), or None (not cut, it failed, or its outputs are not the reduced meta outputs)."""
         if any(x is None for x in (r_args, r_kwargs, r_out)):
             return None
         try:
@@ -1029,29 +1029,21 @@ def _flash_attention_points(args, kwargs):
 
 
 def _onednn_matmul(args, kwargs, out) -> int | None:
-    """oneDNN's scratchpad for `mm` / `bmm` (`onednn.matmul_scratchpad_bytes`), None with other arguments."""
+    """oneDNN's scratchpad (`onednn.matmul_scratchpad_bytes`) for `mm` / `bmm` (the two matrices) and `addmm` /
+    `baddbmm` (bias or `self`, then the two matrices: ATen copies `self` into the output and has oneDNN add the
+    product to it, aten/src/ATen/native/mkldnn/Matmul.cpp `mkldnn_matmul`, a `sum` post-op for beta != 0, whose
+    scratchpad is the plain matmul's: checked against the profiler on 16 layouts, `tests/test_onednn.py`, and per
+    op against its reduced runs, as every answer). None with other arguments (alpha, beta)."""
     from .onednn import matmul_scratchpad_bytes
 
-    return None if kwargs or len(args) != 2 else matmul_scratchpad_bytes(args[0], args[1], out)
-
-
-def _onednn_addmm(args, kwargs, out) -> int | None:
-    """oneDNN's scratchpad for `addmm` / `baddbmm` (bias or `self`, then the two matrices): ATen copies `self` into
-    the output and has oneDNN add the product to it (aten/src/ATen/native/mkldnn/Matmul.cpp `mkldnn_matmul`: a
-    `sum` post-op for beta != 0), whose scratchpad is the plain matmul's (checked against the profiler on 16
-    layouts, `tests/test_onednn.py`; and per op against its reduced runs, as every answer). None with other
-    arguments."""
-    from .onednn import matmul_scratchpad_bytes
-
-    return None if kwargs or len(args) != 3 else matmul_scratchpad_bytes(args[1], args[2], out)
+    return None if kwargs or len(args) not in (2, 3) else matmul_scratchpad_bytes(args[-2], args[-1], out)
 
 
 # Ops whose workspace a library can state without running them (`CpuWorkspaceProbe._extrapolated`): op -> (args,
 # kwargs, out) -> bytes or None. An answer is taken for a large op only where it equals the measured workspace of
 # every run at reduced sizes, so an op that does not reach that library here (ATen's own bf16 gemm on a CPU without
 # native bf16, MKL's fp32 sgemm: 0 bytes measured) keeps the measured line.
-SCRATCHPAD_QUERIES = {"aten.mm.default": _onednn_matmul, "aten.bmm.default": _onednn_matmul,
-                      "aten.addmm.default": _onednn_addmm, "aten.baddbmm.default": _onednn_addmm}
+SCRATCHPAD_QUERIES = {f"aten.{op}.default": _onednn_matmul for op in ("mm", "bmm", "addmm", "baddbmm")}
 
 # Ops run at full size however large (`CpuWorkspaceProbe._extrapolated`): oneDNN's convolutions pick their
 # blocking and reorders from the channel counts, and a line through runs at reduced channels can be exactly affine
