@@ -17,7 +17,7 @@ checkpointing, inputs, freeze, LoRA, quantization, image size, multiple-choice c
   weight's `SCB`, which `Linear8bitLt.state` holds after the first forward) count as alive before the warm-up;
 - the optimizer: a plain `torch.optim.AdamW(params)` (or the case's Adam/SGD, for-loop or foreach), or
   bitsandbytes' `bnb.optim.AdamW|Lion|AdEMAMix(optim_bits=8|32, is_paged=...)` / `bnb.optim.RMSprop(optim_bits=...)`
-  as HF Trainer builds them from the name;
+  as HF Trainer builds them from the name, or `bnb.optim.Adam8bit` for adam-8bit;
 - a generation case (mode generate): `model.generate(input_ids, attention_mask=ones, max_new_tokens=N,
   min_new_tokens=N, do_sample=False, cache_implementation='static' or None, or 'quantized' with
   cache_config={'backend': 'fp8'})`, transformers' documented call;
@@ -287,6 +287,8 @@ def make_optimizer(kind: str, impl: str, params):
     if any(w in kind for w in ("8bit", "paged", "lion", "bnb", "ademamix")):
         import bitsandbytes as bnb  # as transformers/trainer_optimizer.py `_get_bitsandbytes_optimizer` builds them
 
+        if kind == "adam-8bit":  # bitsandbytes' own 8-bit Adam class (bitsandbytes/optim/adam.py)
+            return bnb.optim.Adam8bit(params, lr=1e-4)
         bits = {"optim_bits": 8 if "8bit" in kind else 32}
         if "rmsprop" in kind:
             return bnb.optim.RMSprop(params, lr=1e-4, **bits)

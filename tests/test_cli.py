@@ -42,7 +42,7 @@ def test_json_to_stdout():
     (["--batch", "x", "--seq", "8"], 2, "valid integer"),
     (["--batch", "1", "--seq", "-3"], 2, "--seq must be a positive integer"),
     (["--batch", "1", "--seq", "8", "--precision", "fp8"], 2, "unknown precision"),
-    (["--batch", "1", "--seq", "8", "--optimizer", "lion"], 2, "unknown optimizer"),
+    (["--batch", "1", "--seq", "8", "--optimizer", "lion"], 2, "unsupported optimizer 'lion'"),
     (["--batch", "1", "--seq", "8", "--json", "/no/such/dir/r.json"], 1, "cannot write --json"),
     (["--batch", "1", "--seq", "8", "--html", "/no/such/dir/r.html"], 1, "cannot write --html"),
     (["--batch", "1"], 2, "--seq is required"),

@@ -109,6 +109,9 @@ class OptimizerKind(_Choice):
     # 256-element block and 256-entry fp32 maps, for parameters of at least min_8bit_size = 4096 elements (fp32
     # states below it); paged states live in CUDA managed memory
     ADAMW_8BIT = "adamw-8bit"
+    # bnb.optim.Adam8bit (bitsandbytes/optim/adam.py): the same Optimizer2State("adam", 8 bits) as AdamW8bit, so the
+    # same states; only its default weight_decay differs (0 against 1e-2), a scalar of the kernel
+    ADAM_8BIT = "adam-8bit"
     PAGED_ADAMW_8BIT = "paged-adamw-8bit"
     PAGED_ADAMW = "paged-adamw"
     LION_8BIT = "lion-8bit"
@@ -125,23 +128,21 @@ class OptimizerKind(_Choice):
 
     @classmethod
     def parse(cls, value: "str | OptimizerKind", what: str = "optimizer") -> "OptimizerKind":
-        """An OptimizerKind from its name or an HF Trainer `optim` name. Raises UsageError listing the valid names,
-        or saying that a low-bit or paged optimizer outside them is not supported yet."""
+        """An OptimizerKind from its name, an HF Trainer `optim` name (`HF_OPTIM_NAMES`) or a bitsandbytes class
+        name (`BNB_CLASS_NAMES`, case-insensitive). Raises UsageError, one message for every name outside them
+        (an HF Trainer name vramtrace does not trace is said to be one), listing the valid names."""
         if isinstance(value, cls):
             return value
         key = str(value).strip().lower()
         if key in HF_OPTIM_NAMES:
             return cls(HF_OPTIM_NAMES[key][0])
+        if key in BNB_CLASS_NAMES:
+            return cls(BNB_CLASS_NAMES[key])
         if key.replace("_", "-") in cls._value2member_map_:
             return cls(key.replace("_", "-"))
-        if "8bit" in key or key.startswith("paged_"):  # e.g. HF Trainer's galore_adamw_8bit
-            raise UsageError(f"optimizer {value!r} is not supported yet; choose one of: "
-                             f"{', '.join(m.value for m in cls)}")
-        try:
-            return cls(key.replace("_", "-"))
-        except ValueError:
-            valid = ", ".join([m.value for m in cls] + sorted(k for k in HF_OPTIM_NAMES if k not in cls._value2member_map_))
-            raise UsageError(f"unknown {what} {value!r}; choose one of: {valid}") from None
+        valid = ", ".join([m.value for m in cls] + sorted(k for k in HF_OPTIM_NAMES if k not in cls._value2member_map_))
+        note = " (an HF Trainer optim name that vramtrace does not trace yet)" if key in HF_UNTRACED_OPTIM_NAMES else ""
+        raise UsageError(f"unsupported {what} {value!r}{note}; choose one of: {valid}")
 
 
 class OptimizerImpl(_Choice):
@@ -170,6 +171,25 @@ HF_OPTIM_NAMES = {
     "ademamix": ("ademamix", None), "ademamix_8bit": ("ademamix-8bit", None),
     "paged_ademamix_32bit": ("paged-ademamix", None), "paged_ademamix_8bit": ("paged-ademamix-8bit", None),
 }
+# HF Trainer's `optim` names (transformers 5.24, training_args.py::OptimizerNames) that build an optimizer vramtrace
+# does not trace: torchao's low-bit AdamW, XLA's and Ascend NPU's fused AdamW, torchdistx's AnyPrecisionAdamW, GaLore,
+# LOMO, GrokAdamW, schedule-free, APOLLO and optimi's StableAdamW. (`adamw_hf` was removed in transformers 5.)
+HF_UNTRACED_OPTIM_NAMES = frozenset({
+    "adamw_torch_xla", "adamw_torch_npu_fused", "adamw_anyprecision", "adamw_torch_4bit", "adamw_torch_8bit",
+    "galore_adamw", "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise", "galore_adamw_8bit_layerwise",
+    "galore_adafactor_layerwise", "lomo", "adalomo", "grokadamw", "schedule_free_radam", "schedule_free_adamw",
+    "schedule_free_sgd", "apollo_adamw", "apollo_adamw_layerwise", "stable_adamw",
+})
+# bitsandbytes' optimizer class names (bitsandbytes/optim/*.py), lower-cased, that name one of the kinds above; the
+# plain `AdamW`, `Adam`, `Lion`, `RMSprop` classes are left out: without a bit count they read as torch's optimizers
+BNB_CLASS_NAMES = {
+    "adam8bit": "adam-8bit", "adamw8bit": "adamw-8bit", "pagedadamw8bit": "paged-adamw-8bit",
+    "pagedadamw": "paged-adamw", "pagedadamw32bit": "paged-adamw", "lion8bit": "lion-8bit", "lion32bit": "lion-32bit",
+    "pagedlion": "paged-lion", "pagedlion32bit": "paged-lion", "pagedlion8bit": "paged-lion-8bit",
+    "rmsprop8bit": "rmsprop-bnb-8bit", "rmsprop32bit": "rmsprop-bnb", "ademamix8bit": "ademamix-8bit",
+    "ademamix32bit": "ademamix", "pagedademamix": "paged-ademamix", "pagedademamix32bit": "paged-ademamix",
+    "pagedademamix8bit": "paged-ademamix-8bit",
+}
 # Which implementations each optimizer has (torch/optim/*.py: a `foreach` and a `fused` argument, or neither for
 # transformers' Adafactor). torch.optim.RMSprop and Adafactor have no fused kernel.
 OPTIMIZER_IMPLS = {
@@ -183,7 +203,8 @@ OPTIMIZER_IMPLS = {
 }
 # each bitsandbytes optimizer: (its class in bitsandbytes.optim, optim_bits, is_paged; None: the class has none)
 BNB_OPTIMIZER_BUILDS = {
-    OptimizerKind.ADAMW_8BIT: ("AdamW", 8, False), OptimizerKind.PAGED_ADAMW_8BIT: ("AdamW", 8, True),
+    OptimizerKind.ADAMW_8BIT: ("AdamW", 8, False), OptimizerKind.ADAM_8BIT: ("Adam", 8, False),
+    OptimizerKind.PAGED_ADAMW_8BIT: ("AdamW", 8, True),
     OptimizerKind.PAGED_ADAMW: ("AdamW", 32, True), OptimizerKind.LION_8BIT: ("Lion", 8, False),
     OptimizerKind.LION_32BIT: ("Lion", 32, False), OptimizerKind.PAGED_LION: ("Lion", 32, True),
     OptimizerKind.PAGED_LION_8BIT: ("Lion", 8, True), OptimizerKind.RMSPROP_BNB: ("RMSprop", 32, None),
@@ -621,8 +642,7 @@ class RunSpec:
         if self.attn_implementation is not None:
             object.__setattr__(self, "attn_implementation",
                                AttnImplementation.parse(self.attn_implementation, "attention implementation"))
-        if custom_ref(self.model) is not None and (self.task is not None or self.attn_implementation is not None):
-            raise UsageError("--task and --attn-implementation apply to transformers models, not custom modules")
+        self._check_custom_options()
         if self.choices is not None and self.task not in (None, Task.MULTIPLE_CHOICE):
             raise UsageError(f"--choices applies to multiple-choice heads, not --task {self.task.value}")
         object.__setattr__(self, "moe_routing", MoeRouting.parse(self.moe_routing, "MoE routing"))
@@ -673,6 +693,16 @@ class RunSpec:
         if self.memory_budget_bytes is not None and ckpt.kind != "auto":
             raise UsageError("--memory-budget applies to --checkpointing auto only; add --checkpointing auto or "
                              "drop --memory-budget")
+
+    def _check_custom_options(self) -> None:
+        """Raise UsageError for a transformers-only option given with a custom module (`custom_ref`)."""
+        if custom_ref(self.model) is None:
+            return
+        if self.task is not None or self.attn_implementation is not None:
+            raise UsageError("--task and --attn-implementation apply to transformers models, not custom modules")
+        if self.use_cache is not None:  # no config to set use_cache on
+            raise UsageError("--use-cache sets a transformers config's use_cache; a custom module has no KV-cache "
+                             "option: drop --use-cache")
 
     def _resolve_optimizer(self) -> None:
         """Parse `optimizer` (also HF Trainer's names: `adamw_torch_fused` also sets the fused implementation) and
@@ -777,9 +807,12 @@ class RunSpec:
         if self.mode is not Mode.TRAIN:
             raise UsageError(f"{option} runs a training step on N ranks; --mode {self.mode.value} is not supported "
                              "with it yet")
-        if custom_ref(self.model) is not None or self.step is not None:
-            raise UsageError(f"{option} wraps a transformers model and runs vramtrace's loop; drop --step, or use a "
-                             "transformers model")
+        if custom_ref(self.model) is not None:
+            raise UsageError(f"{option} wraps a transformers model (its layer stack and plans); a custom module "
+                             f"({self.model}) has none: drop {option}, or use a transformers model")
+        if self.step is not None:
+            raise UsageError(f"{option} runs vramtrace's own loop on each rank; --step {self.step} replaces it: drop "
+                             f"--step or {option}")
 
     def _check_serve_profile(self) -> None:
         if self.serve_requests is None:

@@ -11,7 +11,10 @@ from ..errors import ReportWriteError
 
 
 def check_writable(path: str, option: str = "--json") -> None:
-    """Fail early (before tracing) when `path` (given to `option`) cannot be written. '-' means stdout."""
+    """Fail early (before tracing) when `path` (given to `option`) cannot be written. '-' means stdout.
+
+    Leaves the file system as it found it: no file is created, an existing one is not modified, so a run that
+    fails after this check writes nothing. Raises ReportWriteError."""
     if path == "-":
         return
     p = Path(path).expanduser()
@@ -21,8 +24,13 @@ def check_writable(path: str, option: str = "--json") -> None:
     if not parent.is_dir():
         raise ReportWriteError(f"cannot write {option} {path}: directory {parent} does not exist")
     try:
-        with open(p, "a"):
-            pass
+        if p.exists():  # an existing file is opened, never truncated: a failed run leaves it as it was
+            with open(p, "a"):
+                pass
+        else:  # made and removed at once: a failed run leaves no file behind
+            with open(p, "x"):
+                pass
+            p.unlink()
     except OSError as e:
         raise ReportWriteError(f"cannot write {option} {path}: {e.strerror}") from e
 

@@ -231,7 +231,9 @@ def layer_plan(model: torch.nn.Module, config, head: int = 1) -> tuple[LayerPlan
     """
     L = getattr(config, "num_hidden_layers", None)
     traced = head + 3
-    if not isinstance(L, int) or L <= traced:
+    if not isinstance(L, int):  # a composite config (SigLIP, CLIP) keeps its layer counts in its sub-configs
+        return None, {}, "every layer traced (the config has no num_hidden_layers)"
+    if L <= traced:
         return None, {}, f"{L} layers: every layer traced"
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == L]
     if len(lists) != 1:
