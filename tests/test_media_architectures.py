@@ -152,9 +152,17 @@ def test_layerdrop_is_traced_as_every_layer_running(tmp_path):
 @pytest.mark.parametrize("arch,needle", [("Wav2Vec2Model", "SpecAugment"), ("Wav2Vec2ForCTC", "CTC training")])
 def test_wav2vec2_training_it_cannot_trace_is_refused_in_one_line(tmp_path, capsys, arch, needle):
     path = _wav2vec2(tmp_path, arch, apply_spec_augment=True, mask_time_prob=0.05)
-    assert main([path, "--batch", "2", "--seq", "4000", "--device", "cpu"]) == 2
+    assert main([path, "--batch", "2", "--seq", "4000", "--device", "cpu"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("Error: ") and needle in err and len(err.splitlines()) == 1
+
+
+def test_whisper_generate_is_refused_in_one_line(tmp_path, capsys):
+    """Whisper's generate() loop reads token values (generate_with_fallback): refused, not guessed."""
+    assert main([_whisper(tmp_path), "--batch", "2", "--seq", "4", "--mode", "generate", "--new-tokens", "4",
+                 "--device", "cpu"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("Error: ") and "generate_with_fallback" in err and len(err.splitlines()) == 1
 
 
 def test_audio_shorter_than_the_receptive_field_is_refused(tmp_path):

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import ModelLoadError, UsageError
+from ..errors import ModelLoadError, TraceError, UnsupportedOpError, UsageError
 from ..spec import DEFAULT_CHOICES, AttnImplementation, Device, KvDtype, Mode, Precision, RunSpec, Task
 from .loading import ResolvedConfig
 from .checkpoint_headers import precision_for
@@ -408,14 +408,15 @@ def media_inputs(spec: RunSpec, config, task: str, main_input: str, device: str,
 
     - input_features (Whisper): float (B, num_mel_bins, `whisper_frames`), as WhisperFeatureExtractor pads a clip;
       the decoder reads --seq tokens: `labels` int64 (B, S) to train (the model shifts them right into
-      decoder_input_ids), `decoder_input_ids` (B, S) for inference and feature extraction; --mode generate: the
-      features alone, the decoder starts from decoder_start_token_id;
+      decoder_input_ids), `decoder_input_ids` (B, S) for inference and feature extraction; --mode generate is
+      refused (TraceError: Whisper's generate() reads token values);
     - input_values (wav2vec2): float (B, S), S = --seq audio samples; sequence classification trains with
       `sequence_labels`; CTC training is refused (no meta kernel for ctc_loss);
     - feature extraction of a pixel_values model: (B, C, H, W) as image classification; of an input_ids model:
       input_ids (B, S) (+ decoder_input_ids (B, S) for an encoder-decoder); no labels: the loss is `feature_loss`.
     Raises UsageError (no --seq where one is needed; a task these inputs have no labels for; --mode generate of a
-    model that does not generate; audio shorter than the feature encoder's receptive field)."""
+    model that does not generate; audio shorter than the feature encoder's receptive field), TraceError (what
+    cannot be traced yet: Whisper's generate(), SpecAugment, CTC training)."""
     audio = main_input in ("input_features", "input_values")
     if not audio and task != Task.FEATURE_EXTRACTION.value:
         return None
@@ -435,9 +436,12 @@ def media_inputs(spec: RunSpec, config, task: str, main_input: str, device: str,
         if not hasattr(config, "max_source_positions") or not hasattr(config, "num_mel_bins"):
             raise UsageError(f"{config.model_type}: only Whisper-style input_features (num_mel_bins, "
                              "max_source_positions) are built")
-        inputs["input_features"] = _floats((B, config.num_mel_bins, whisper_frames(config)), float_dtype, device)
         if spec.mode is Mode.GENERATE:
-            return inputs
+            raise TraceError("--mode generate of a speech seq2seq model cannot be traced yet: Whisper's generate() "
+                             "(generation_whisper.py `generate_with_fallback`) reads token values, e.g. "
+                             "`seek_sequence[-1] == pad_token_id`, which meta tensors do not hold; trace --mode "
+                             "inference (one forward of --seq decoder tokens) or train")
+        inputs["input_features"] = _floats((B, config.num_mel_bins, whisper_frames(config)), float_dtype, device)
     ids = _ints((B, spec.seq), config.vocab_size, device, getattr(config, "pad_token_id", None))  # (B, S)
     if main_input == "input_ids":
         inputs["input_ids"] = ids
@@ -463,13 +467,13 @@ def _wav2vec2_inputs(spec: RunSpec, config, task: str, device: str, float_dtype:
     if spec.mode is not Mode.TRAIN:
         return inputs
     if task == Task.CTC.value:
-        raise UsageError("CTC training cannot be traced yet: torch has no meta kernel for ctc_loss (its buffers "
+        raise UnsupportedOpError("CTC training cannot be traced yet: torch has no meta kernel for ctc_loss (its buffers "
                          "depend on the label lengths) and transformers' CTC loss masks the labels "
                          "(masked_select); trace --mode inference, or --task feature-extraction to train the encoder")
     if getattr(config, "apply_spec_augment", False) and (getattr(config, "mask_time_prob", 0) > 0
                                                           or getattr(config, "mask_feature_prob", 0) > 0):
         # modeling_wav2vec2.py `_mask_hidden_states`: `hidden_states[mask_time_indices] = masked_spec_embed`
-        raise UsageError("SpecAugment (the config's apply_spec_augment with mask_time_prob or mask_feature_prob "
+        raise TraceError("SpecAugment (the config's apply_spec_augment with mask_time_prob or mask_feature_prob "
                          "> 0) masks frames drawn by numpy at random in training, which a meta trace cannot "
                          "follow; set apply_spec_augment to false in the config to trace training without it")
     if task == Task.FEATURE_EXTRACTION.value:
