@@ -129,9 +129,10 @@ def test_whisper_input_features_have_the_feature_extractors_shape(tmp_path):
     assert tuple(shapes["decoder_input_ids"]) == (2, 16)
 
 
-# -- wav2vec2-style input_values ----------------------------------------------------------------------------------------
+# -- wav2vec2-style input_values ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch,mode,precision", [
-    ("Wav2Vec2ForCTC", "inference", "fp32"), ("Wav2Vec2Model", "train", "fp32"), ("Wav2Vec2Model", "train", "bf16-mixed"),
+    ("Wav2Vec2ForCTC", "inference", "fp32"), ("Wav2Vec2Model", "train", "fp32"),
+    ("Wav2Vec2Model", "train", "bf16-mixed"),
     ("Wav2Vec2ForSequenceClassification", "train", "fp32")])
 def test_wav2vec2_matches_a_real_cpu_step(tmp_path, arch, mode, precision):
     """--seq is the audio samples (4,000: a quarter second at 16 kHz). Training without SpecAugment and LayerDrop:

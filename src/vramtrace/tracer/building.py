@@ -369,7 +369,9 @@ def feature_loss(output) -> torch.Tensor:
 
 
 def _floats(shape, dtype: torch.dtype, device: str) -> torch.Tensor:
-    return torch.randn(shape, dtype=dtype, device=device) if device != "meta" else torch.empty(shape, dtype=dtype, device="meta")
+    if device == "meta":
+        return torch.empty(shape, dtype=dtype, device="meta")
+    return torch.randn(shape, dtype=dtype, device=device)
 
 
 def _ints(shape, high: int, device: str, pad=None) -> torch.Tensor:
@@ -467,9 +469,10 @@ def _wav2vec2_inputs(spec: RunSpec, config, task: str, device: str, float_dtype:
     if spec.mode is not Mode.TRAIN:
         return inputs
     if task == Task.CTC.value:
-        raise UnsupportedOpError("CTC training cannot be traced yet: torch has no meta kernel for ctc_loss (its buffers "
-                         "depend on the label lengths) and transformers' CTC loss masks the labels "
-                         "(masked_select); trace --mode inference, or --task feature-extraction to train the encoder")
+        raise UnsupportedOpError("CTC training cannot be traced yet: torch has no meta kernel for ctc_loss (its "
+                                 "buffers depend on the label lengths) and transformers' CTC loss masks the labels "
+                                 "(masked_select); trace --mode inference, or --task feature-extraction to train "
+                                 "the encoder")
     if getattr(config, "apply_spec_augment", False) and (getattr(config, "mask_time_prob", 0) > 0
                                                           or getattr(config, "mask_feature_prob", 0) > 0):
         # modeling_wav2vec2.py `_mask_hidden_states`: `hidden_states[mask_time_indices] = masked_spec_embed`
@@ -491,11 +494,13 @@ def _wav2vec2_inputs(spec: RunSpec, config, task: str, device: str, float_dtype:
 LAYERDROP_FIELDS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
 
 
-def every_layer_runs(config) -> None:
-    """Set the config's LayerDrop probabilities (`LAYERDROP_FIELDS`) to 0, in place: a training step that skips
-    layers at random (modeling_wav2vec2.py `Wav2Vec2Encoder.forward`: `skip_the_layer = self.training and
-    dropout_probability < self.config.layerdrop`) is traced as the step that runs every layer, the one with the
-    most activations: the prediction is that worst case, the same each run, not one random draw."""
+def every_layer_runs(config, mode: Mode) -> None:
+    """In training (`mode`), set the config's LayerDrop probabilities (`LAYERDROP_FIELDS`) to 0, in place: a
+    training step that skips layers at random (modeling_wav2vec2.py `Wav2Vec2Encoder.forward`: `skip_the_layer =
+    self.training and dropout_probability < self.config.layerdrop`) is traced as the step that runs every layer,
+    the one with the most activations: the prediction is that worst case, the same each run, not one draw."""
+    if mode is not Mode.TRAIN:
+        return
     for field in LAYERDROP_FIELDS:
         if isinstance(getattr(config, field, None), (int, float)) and getattr(config, field) > 0:
             setattr(config, field, 0.0)
@@ -591,16 +596,13 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
         if not hasattr(config, "use_cache"):
             raise UsageError(f"--use-cache: {config.model_type} models have no KV cache (their config has no use_cache)")
         config.use_cache = spec.use_cache  # what `config.use_cache = False` before from_config does
-    if spec.mode is Mode.TRAIN:
-        every_layer_runs(config)
+    every_layer_runs(config, spec.mode)
     cls, arch = _model_class(config, spec.trust_remote_code, spec.task)
-    kwargs: dict[str, Any] = {"dtype": param_dtype}
+    kwargs: dict[str, Any] = {"dtype": param_dtype, **({"trust_remote_code": True} if spec.trust_remote_code else {})}
     attn = spec.attn_implementation.value if spec.attn_implementation is not None else None
     check_attn_implementation(attn or getattr(config, "_attn_implementation", None), spec, device)
     if attn is not None:
         kwargs["attn_implementation"] = attn  # what `from_config(config, attn_implementation=...)` selects
-    if spec.trust_remote_code:
-        kwargs["trust_remote_code"] = True
     model = apply_adapters(spec, _quantized(spec, _build(cls, config, kwargs, arch, resolved.location, device),
                                             param_dtype), device)
     model.train(spec.mode is Mode.TRAIN)
@@ -637,20 +639,27 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
             and config.model_type in ("gpt2", "bert", "roberta", "opt", "bart", "xlm-roberta", "deberta-v2")):
         raise ModelLoadError(f"--seq {spec.seq} exceeds {arch}'s learned position embeddings ({max_pos}); "
                              f"use --seq <= {max_pos}")
-    inputs = media_inputs(spec, config, task, main_input_name(model), device, param_dtype)
-    if inputs is None:
-        inputs = step_inputs(spec, config, task, device, param_dtype)
+    inputs, loss = _inputs_and_loss(spec, config, task, model, device, param_dtype)
     total, trainable = count_params(model)
     stack = layer_stack(model)
     return LoadedModel(
-        model=model, inputs=inputs, task=task,
-        loss=feature_loss if task == Task.FEATURE_EXTRACTION.value else output_loss, architecture=type(unwrap(model)).__name__, precision=precision,
+        model=model, inputs=inputs, task=task, loss=loss, architecture=type(unwrap(model)).__name__,
         model_type=config.model_type, params=total, trainable_params=trainable, param_dtype=param_dtype,
-        compute_dtype=compute_dtype,
+        compute_dtype=compute_dtype, precision=precision,
         attn_implementation=str(getattr(unwrap(model).config, "_attn_implementation", None) or "eager"),
         layer_plan=plan, traced_model=traced_model, replication_note=note,
         num_layers=len(stack) if stack is not None else 0, layer_stack_path=_path_of(model, stack),
     )
+
+
+def _inputs_and_loss(spec: RunSpec, config, task: str, model: torch.nn.Module, device: str,
+                     float_dtype: torch.dtype) -> tuple[dict[str, Any], Callable[[Any], torch.Tensor]]:
+    """(the step's keyword inputs, its training loss): `media_inputs` (audio, feature extraction), else
+    `step_inputs`; `feature_loss` for feature extraction, else `output_loss`."""
+    inputs = media_inputs(spec, config, task, main_input_name(model), device, float_dtype)
+    if inputs is None:
+        inputs = step_inputs(spec, config, task, device, float_dtype)
+    return inputs, feature_loss if task == Task.FEATURE_EXTRACTION.value else output_loss
 
 
 def _quantized(spec: RunSpec, model: torch.nn.Module, weight_dtype: torch.dtype) -> torch.nn.Module:
