@@ -86,7 +86,8 @@ def hf_config(ref: str):
 
 AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM", "AutoModelForImageClassification",
                 "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
-                "AutoModelForQuestionAnswering", "AutoModelForMultipleChoice", "AutoModelForPreTraining", "AutoModel")
+                "AutoModelForQuestionAnswering", "AutoModelForMultipleChoice", "AutoModelForPreTraining",
+                "AutoModelForSpeechSeq2Seq", "AutoModelForCTC", "AutoModelForAudioClassification", "AutoModel")
 
 
 def hf_model(config, dtype: torch.dtype) -> torch.nn.Module:
@@ -162,6 +163,9 @@ def hf_batch(model: torch.nn.Module, config, batch: int, seq: int | None, train:
     head reads `choices` candidates per example, input_ids (batch, choices, seq)."""
     name = type(model).__name__
     out: dict = {}
+    media = _media_batch(model, config, batch, seq, train, image_size, float_dtype)
+    if media is not None:
+        return media
     if "ForImageClassification" in name or hasattr(model, "get_image_features"):
         vision = getattr(config, "vision_config", config)
         size = image_size or getattr(vision, "image_size", None) or 224
@@ -202,6 +206,53 @@ def hf_batch(model: torch.nn.Module, config, batch: int, seq: int | None, train:
         out["end_positions"] = torch.randint(0, seq, (batch,))
     else:  # causal, masked and seq2seq LM
         out["labels"] = ids
+    return out
+
+
+def is_base_model(model, config) -> bool:
+    """A model without a head: the class `AutoModel` builds for the config (Dinov2Model, Wav2Vec2Model), not CLIP."""
+    return (transformers.AutoModel._model_mapping.get(type(config), None) is type(model)
+            and not hasattr(model, "get_image_features"))
+
+
+def base_model_loss(out):
+    """What a user trains a headless model on here: the mean of its last hidden state."""
+    return out.last_hidden_state.mean()
+
+
+def _media_batch(model, config, batch: int, seq: int | None, train: bool, image_size: int | None,
+                 float_dtype: torch.dtype) -> dict | None:
+    """Audio models' inputs and base models' (feature extraction), as their documentation feeds them; None for the
+    rest. Whisper: `input_features` from WhisperFeatureExtractor (its default 30 s window, random 1 s waveforms at
+    16 kHz), `labels` (train) or `decoder_input_ids` of `seq` tokens; wav2vec2: `input_values` (batch, seq
+    samples); a base model's inputs carry no labels."""
+    main = model.main_input_name
+    base = is_base_model(model, config)
+    if main not in ("input_features", "input_values") and not base:
+        return None
+    if main == "pixel_values":
+        size = image_size or config.image_size
+        return {"pixel_values": torch.randn(batch, config.num_channels, size, size, dtype=float_dtype)}
+    if main == "input_values":
+        out = {"input_values": torch.randn(batch, seq, dtype=float_dtype)}
+        if train and "ForSequenceClassification" in type(model).__name__:
+            out["labels"] = torch.randint(0, config.num_labels, (batch,))
+        return out
+    out = {}
+    if main == "input_features":
+        import numpy as np
+
+        extractor = transformers.WhisperFeatureExtractor(feature_size=config.num_mel_bins)
+        waves = [np.random.default_rng(i).standard_normal(16000).astype(np.float32) for i in range(batch)]
+        features = extractor(waves, sampling_rate=16000, return_tensors="pt").input_features
+        out["input_features"] = features.to(float_dtype)
+    ids = _ids((batch, seq), config.vocab_size, getattr(config, "pad_token_id", None))
+    if main == "input_ids":
+        out["input_ids"] = ids
+    if train and not base:
+        out["labels"] = ids
+    elif config.is_encoder_decoder:
+        out["decoder_input_ids"] = ids
     return out
 
 
@@ -372,9 +423,13 @@ class RealStep:
                 model = _quantized(model, spec, weight_dtype)
             self.kwargs = hf_batch(model, config, spec.batch, spec.seq, self.train, getattr(spec, "image_size", None),
                                    weight_dtype, getattr(spec, "choices", None) or 2)
-            if mode == "generate":  # a tokenizer's output for unpadded prompts
+            if mode == "generate" and "input_features" in self.kwargs:  # speech: the audio alone
+                self.kwargs = {"input_features": self.kwargs["input_features"]}
+            elif mode == "generate":  # a tokenizer's output for unpadded prompts
                 self.kwargs = {"input_ids": self.kwargs["input_ids"],
                                "attention_mask": torch.ones_like(self.kwargs["input_ids"])}
+            if is_base_model(model, config):
+                self.loss_of = base_model_loss
         self.generate = None
         if mode == "generate":
             cache = _v(getattr(spec, "cache", "dynamic"))

@@ -34,7 +34,9 @@ def main_command(
                                             "config.json, custom module path/model.py:NAME or package.module:NAME; "
                                             "or saved --json reports to re-render (several: compared)"),
     batch: int = typer.Option(1, "--batch", "-b", help="batch size B of input_ids (B, S)"),
-    seq: Optional[int] = typer.Option(None, "--seq", "-s", help="sequence length S (required for text models)"),
+    seq: Optional[int] = typer.Option(None, "--seq", "-s", help="sequence length S (required for text models); "
+                                      "Whisper-style models: the decoder's tokens; wav2vec2-style models: audio "
+                                      "samples of input_values (B, S), 16,000 per second at 16 kHz"),
     inputs: list[str] = typer.Option([], "--input", help="custom module input NAME=DTYPE[DIMS][:LO..HI], repeatable; "
                                      "DIMS: ints, B, S; e.g. x=float32[B,3,224,224], ids=int64[B,S]:0..32000 "
                                      "(integers without a range: 0..2)"),

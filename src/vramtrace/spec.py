@@ -258,6 +258,8 @@ class Task(_Choice):
     QUESTION_ANSWERING = "question-answering"
     MULTIPLE_CHOICE = "multiple-choice"
     IMAGE_CLASSIFICATION = "image-classification"
+    CTC = "ctc"  # speech recognition by CTC (Wav2Vec2ForCTC, HubertForCTC): AutoModelForCTC
+    FEATURE_EXTRACTION = "feature-extraction"  # the base model, no head (AutoModel); loss: mean of last_hidden_state
 
     @classmethod
     def parse(cls, value: "str | Task", what: str = "task") -> "Task":
@@ -278,6 +280,7 @@ TASK_ALIASES = {
     "text-generation": "causal-lm", "fill-mask": "masked-lm", "text2text-generation": "seq2seq-lm",
     "summarization": "seq2seq-lm", "translation": "seq2seq-lm", "text-classification": "sequence-classification",
     "sentiment-analysis": "sequence-classification", "ner": "token-classification",
+    "image-feature-extraction": "feature-extraction",
 }
 # Multiple-choice heads read input_ids (B, C, S); C without --choices (SWAG, the task's classic data set, has 4
 # endings; 2 is the smallest valid C and what transformers' own multiple-choice tests use).

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import ModelLoadError, UsageError
+from ..errors import ModelLoadError, TraceError, UnsupportedOpError, UsageError
 from ..spec import DEFAULT_CHOICES, AttnImplementation, Device, KvDtype, Mode, Precision, RunSpec, Task
 from .loading import ResolvedConfig
 from .checkpoint_headers import precision_for
@@ -119,7 +119,12 @@ TASK_AUTO_CLASS = {
     Task.QUESTION_ANSWERING: "AutoModelForQuestionAnswering",
     Task.MULTIPLE_CHOICE: "AutoModelForMultipleChoice",
     Task.IMAGE_CLASSIFICATION: "AutoModelForImageClassification",
+    Task.CTC: "AutoModelForCTC",
+    Task.FEATURE_EXTRACTION: "AutoModel",
 }
+# A second Auto class for a task whose first does not map the config: a speech seq2seq LM (Whisper) is a seq2seq LM
+# whose encoder reads audio.
+_TASK_AUTO_FALLBACK = {Task.SEQ2SEQ_LM: "AutoModelForSpeechSeq2Seq"}
 
 
 def _task_class(config, task: Task, trust_remote_code: bool):
@@ -128,8 +133,10 @@ def _task_class(config, task: Task, trust_remote_code: bool):
     import transformers
 
     auto = getattr(transformers, TASK_AUTO_CLASS[task])
-    if type(config) in auto._model_mapping:
-        return auto, auto._model_mapping[type(config)].__name__
+    for name in (TASK_AUTO_CLASS[task], _TASK_AUTO_FALLBACK.get(task)):
+        mapped = getattr(transformers, name) if name else None
+        if mapped is not None and type(config) in mapped._model_mapping:
+            return mapped, mapped._model_mapping[type(config)].__name__
     if trust_remote_code and auto.__name__ in (getattr(config, "auto_map", None) or {}):
         return auto, f"{auto.__name__} (remote code)"
     raise ModelLoadError(f"model_type {config.model_type!r} has no {task.value} head in transformers "
@@ -138,8 +145,9 @@ def _task_class(config, task: Task, trust_remote_code: bool):
 
 def _model_class(config, trust_remote_code: bool, task: Task | None = None):
     """(class or Auto class to build, architecture name): `--task`'s head, else the first class of the config's
-    `architectures` that transformers has, else the first of the causal-LM, seq2seq-LM, masked-LM and
-    image-classification Auto classes that maps the config. Raises ModelLoadError."""
+    `architectures` that transformers has, else the first of the speech-seq2seq (before causal LM: a Whisper
+    config maps WhisperForCausalLM too, its decoder alone), causal-LM, seq2seq-LM, masked-LM, image-classification
+    and CTC Auto classes that maps the config. Raises ModelLoadError."""
     import transformers
 
     if task is not None:
@@ -148,15 +156,17 @@ def _model_class(config, trust_remote_code: bool, task: Task | None = None):
         cls = getattr(transformers, arch, None)
         if cls is not None:
             return cls, arch
-    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForSeq2SeqLM,
-                 transformers.AutoModelForMaskedLM, transformers.AutoModelForImageClassification):
+    for auto in (transformers.AutoModelForSpeechSeq2Seq, transformers.AutoModelForCausalLM,
+                 transformers.AutoModelForSeq2SeqLM, transformers.AutoModelForMaskedLM,
+                 transformers.AutoModelForImageClassification, transformers.AutoModelForCTC):
         if type(config) in auto._model_mapping:
             return auto, auto._model_mapping[type(config)].__name__
     if trust_remote_code and getattr(config, "auto_map", None):
         return transformers.AutoModelForCausalLM, "AutoModelForCausalLM (remote code)"
     raise ModelLoadError(
-        f"transformers has no causal-LM, seq2seq-LM, masked-LM or image-classification head for model_type "
-        f"{config.model_type!r}; set config.architectures to the class to build")
+        f"transformers has no speech-seq2seq, causal-LM, seq2seq-LM, masked-LM, image-classification or CTC head "
+        f"for model_type {config.model_type!r}; set config.architectures to the class to build, or pass --task "
+        f"feature-extraction for the base model")
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -168,11 +178,13 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 _HEAD_TASKS = (("ForSequenceClassification", Task.SEQUENCE_CLASSIFICATION),
                ("ForTokenClassification", Task.TOKEN_CLASSIFICATION),
                ("ForQuestionAnswering", Task.QUESTION_ANSWERING), ("ForMultipleChoice", Task.MULTIPLE_CHOICE),
-               ("ForImageClassification", Task.IMAGE_CLASSIFICATION))
+               ("ForImageClassification", Task.IMAGE_CLASSIFICATION), ("ForCTC", Task.CTC))
 
 
 def _task(model: torch.nn.Module) -> str:
-    """The task of a built model, from its class (as transformers names heads): a `Task` value or 'contrastive'."""
+    """The task of a built model, from its class (as transformers names heads): a `Task` value or 'contrastive'.
+    A base model (the class `AutoModel` maps its config to, e.g. Dinov2Model, the Hub's DINOv2 checkpoints) is
+    'feature-extraction'; CLIPModel, also AutoModel's, is 'contrastive'."""
     import transformers
 
     model = unwrap(model)
@@ -181,12 +193,14 @@ def _task(model: torch.nn.Module) -> str:
         for part, task in _HEAD_TASKS:
             if part in name:
                 return task.value
+        if hasattr(model, "get_image_features") and hasattr(model, "get_text_features"):
+            return "contrastive"
+        if transformers.AutoModel._model_mapping.get(type(model.config), None) is type(model):
+            return Task.FEATURE_EXTRACTION.value
         if getattr(model.config, "is_encoder_decoder", False):
             return Task.SEQ2SEQ_LM.value
         if "MaskedLM" in name or name.endswith("ForPreTraining"):
             return Task.MASKED_LM.value
-        if hasattr(model, "get_image_features") and hasattr(model, "get_text_features"):
-            return "contrastive"
     return Task.CAUSAL_LM.value
 
 
@@ -343,6 +357,157 @@ def step_inputs(spec: RunSpec, config, task: str, device: str, float_dtype: torc
     return inputs
 
 
+# -- audio and base-model (feature-extraction) inputs: chosen by the model's `main_input_name` ------------------
+def main_input_name(model: torch.nn.Module) -> str:
+    """The forward argument the model reads its data from (transformers' `PreTrainedModel.main_input_name`):
+    'input_ids', 'pixel_values', 'input_features' (Whisper), 'input_values' (wav2vec2)."""
+    return getattr(unwrap(model), "main_input_name", "input_ids")
+
+
+def feature_loss(output) -> torch.Tensor:
+    """The training loss of `--task feature-extraction` (a base model, no head): the mean of
+    `output.last_hidden_state` (for an encoder-decoder base model, the decoder's), a 0-d tensor."""
+    return output.last_hidden_state.mean()
+
+
+def _floats(shape, dtype: torch.dtype, device: str) -> torch.Tensor:
+    if device == "meta":
+        return torch.empty(shape, dtype=dtype, device="meta")
+    return torch.randn(shape, dtype=dtype, device=device)
+
+
+def _ints(shape, high: int, device: str, pad=None) -> torch.Tensor:
+    """int64 `shape` in [0, high), no `pad` token; empty on meta."""
+    if device == "meta":
+        return torch.empty(shape, dtype=torch.int64, device="meta")
+    ids = torch.randint(0, high, shape, dtype=torch.int64, device=device)
+    if pad is not None and 0 <= pad < high and high > 1:
+        ids[ids == pad] = (pad + 1) % high
+    return ids
+
+
+def whisper_frames(config) -> int:
+    """The mel frames a Whisper-style encoder requires: `max_source_positions` × its two convolutions' strides
+    (1 and 2), 3,000 for 30 s (transformers/models/whisper/modeling_whisper.py `WhisperEncoder.forward`:
+    `expected_seq_length = max_source_positions * conv1.stride[0] * conv2.stride[0]`; WhisperFeatureExtractor pads
+    every clip to `chunk_length` 30 s = 3,000 frames of `hop_length` 160 at 16 kHz)."""
+    return 2 * config.max_source_positions
+
+
+def encoder_frames(config, samples: int) -> int:
+    """Frames a wav2vec2-style feature encoder makes of `samples` audio samples: each convolution maps n to
+    (n - kernel) // stride + 1 (transformers/models/wav2vec2/modeling_wav2vec2.py
+    `Wav2Vec2PreTrainedModel._get_feat_extract_output_lengths`)."""
+    n = samples
+    for kernel, stride in zip(config.conv_kernel, config.conv_stride):
+        n = (n - kernel) // stride + 1
+    return n
+
+
+def media_inputs(spec: RunSpec, config, task: str, main_input: str, device: str,
+                 float_dtype: torch.dtype) -> dict[str, Any] | None:
+    """Keyword inputs of one step of an audio model (`main_input` 'input_features' or 'input_values') or of a
+    base model without a head (`task` 'feature-extraction'), random on a real device, empty on meta; None for
+    the others (`step_inputs` builds theirs).
+
+    - input_features (Whisper): float (B, num_mel_bins, `whisper_frames`), as WhisperFeatureExtractor pads a clip;
+      the decoder reads --seq tokens: `labels` int64 (B, S) to train (the model shifts them right into
+      decoder_input_ids), `decoder_input_ids` (B, S) for inference and feature extraction; --mode generate is
+      refused (TraceError: Whisper's generate() reads token values);
+    - input_values (wav2vec2): float (B, S), S = --seq audio samples; sequence classification trains with
+      `sequence_labels`; CTC training is refused (no meta kernel for ctc_loss);
+    - feature extraction of a pixel_values model: (B, C, H, W) as image classification; of an input_ids model:
+      input_ids (B, S) (+ decoder_input_ids (B, S) for an encoder-decoder); no labels: the loss is `feature_loss`.
+    Raises UsageError (no --seq where one is needed; a task these inputs have no labels for; --mode generate of a
+    model that does not generate; audio shorter than the feature encoder's receptive field), TraceError (what
+    cannot be traced yet: Whisper's generate(), SpecAugment, CTC training)."""
+    audio = main_input in ("input_features", "input_values")
+    if not audio and task != Task.FEATURE_EXTRACTION.value:
+        return None
+    if spec.mode is Mode.GENERATE and (main_input != "input_features" or task != Task.SEQ2SEQ_LM.value):
+        raise UsageError(f"--mode generate needs a causal or seq2seq LM head; this model is built as {task}")
+    B, train = spec.batch, spec.mode is Mode.TRAIN
+    if main_input == "pixel_values":
+        h, w = _image_size(spec, config)
+        return {"pixel_values": _floats((B, getattr(config, "num_channels", 3), h, w), float_dtype, device)}
+    if spec.seq is None and spec.mode is not Mode.GENERATE:
+        raise UsageError("--seq is required for this model: the decoder's tokens (Whisper), the audio samples "
+                         "(wav2vec2) or the tokens (text), e.g. --seq 64")
+    if main_input == "input_values":
+        return _wav2vec2_inputs(spec, config, task, device, float_dtype)
+    inputs: dict[str, Any] = {}
+    if main_input == "input_features":
+        if not hasattr(config, "max_source_positions") or not hasattr(config, "num_mel_bins"):
+            raise UsageError(f"{config.model_type}: only Whisper-style input_features (num_mel_bins, "
+                             "max_source_positions) are built")
+        if spec.mode is Mode.GENERATE:
+            raise TraceError("--mode generate of a speech seq2seq model cannot be traced yet: Whisper's generate() "
+                             "(generation_whisper.py `generate_with_fallback`) reads token values, e.g. "
+                             "`seek_sequence[-1] == pad_token_id`, which meta tensors do not hold; trace --mode "
+                             "inference (one forward of --seq decoder tokens) or train")
+        inputs["input_features"] = _floats((B, config.num_mel_bins, whisper_frames(config)), float_dtype, device)
+    ids = _ints((B, spec.seq), config.vocab_size, device, getattr(config, "pad_token_id", None))  # (B, S)
+    if main_input == "input_ids":
+        inputs["input_ids"] = ids
+    if task == Task.SEQ2SEQ_LM.value and train:
+        inputs["labels"] = ids
+    elif task in (Task.SEQ2SEQ_LM.value, Task.FEATURE_EXTRACTION.value):
+        if getattr(config, "is_encoder_decoder", False):
+            inputs["decoder_input_ids"] = ids
+    else:
+        raise UsageError(f"input_features models are built as speech seq2seq LMs or base models "
+                         f"(--task seq2seq-lm or feature-extraction), not {task}")
+    return inputs
+
+
+def _wav2vec2_inputs(spec: RunSpec, config, task: str, device: str, float_dtype: torch.dtype) -> dict[str, Any]:
+    """`media_inputs` of an input_values model: input_values (B, S) and the task's labels."""
+    B, S = spec.batch, spec.seq
+    frames = encoder_frames(config, S) if hasattr(config, "conv_kernel") else S
+    if frames < 1:
+        raise UsageError(f"--seq {S} audio samples is shorter than the feature encoder's receptive field; use "
+                         "--seq 16000 (1 s at 16 kHz) or more")
+    inputs: dict[str, Any] = {"input_values": _floats((B, S), float_dtype, device)}
+    if spec.mode is not Mode.TRAIN:
+        return inputs
+    if task == Task.CTC.value:
+        raise UnsupportedOpError("CTC training cannot be traced yet: torch has no meta kernel for ctc_loss (its "
+                                 "buffers depend on the label lengths) and transformers' CTC loss masks the labels "
+                                 "(masked_select); trace --mode inference, or --task feature-extraction to train "
+                                 "the encoder")
+    if getattr(config, "apply_spec_augment", False) and (getattr(config, "mask_time_prob", 0) > 0
+                                                          or getattr(config, "mask_feature_prob", 0) > 0):
+        # modeling_wav2vec2.py `_mask_hidden_states`: `hidden_states[mask_time_indices] = masked_spec_embed`
+        raise TraceError("SpecAugment (the config's apply_spec_augment with mask_time_prob or mask_feature_prob "
+                         "> 0) masks frames drawn by numpy at random in training, which a meta trace cannot "
+                         "follow; set apply_spec_augment to false in the config to trace training without it")
+    if task == Task.FEATURE_EXTRACTION.value:
+        return inputs
+    if task == Task.SEQUENCE_CLASSIFICATION.value:
+        inputs["labels"] = sequence_labels(config, B, device, float_dtype)
+    else:
+        raise UsageError(f"input_values models are built as CTC, sequence-classification or base models "
+                         f"(--task ctc, sequence-classification or feature-extraction), not {task}")
+    return inputs
+
+
+# LayerDrop probabilities (transformers' wav2vec2-family `layerdrop`, Whisper's and BART's `encoder_layerdrop` and
+# `decoder_layerdrop`): in training each layer is skipped when `torch.rand([]) < p`.
+LAYERDROP_FIELDS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
+def every_layer_runs(config, mode: Mode) -> None:
+    """In training (`mode`), set the config's LayerDrop probabilities (`LAYERDROP_FIELDS`) to 0, in place: a
+    training step that skips layers at random (modeling_wav2vec2.py `Wav2Vec2Encoder.forward`: `skip_the_layer =
+    self.training and dropout_probability < self.config.layerdrop`) is traced as the step that runs every layer,
+    the one with the most activations: the prediction is that worst case, the same each run, not one draw."""
+    if mode is not Mode.TRAIN:
+        return
+    for field in LAYERDROP_FIELDS:
+        if isinstance(getattr(config, field, None), (int, float)) and getattr(config, field) > 0:
+            setattr(config, field, 0.0)
+
+
 def serve_logits_indices(tokens: int, requests: int, device: str) -> torch.Tensor:
     """The positions of each request's last token when `tokens` are packed as `requests` requests, the first
     requests one token shorter when they do not divide (vLLM 0.33 `vllm/v1/worker/gpu/model_runner.py`
@@ -433,14 +598,13 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
         if not hasattr(config, "use_cache"):
             raise UsageError(f"--use-cache: {config.model_type} models have no KV cache (their config has no use_cache)")
         config.use_cache = spec.use_cache  # what `config.use_cache = False` before from_config does
+    every_layer_runs(config, spec.mode)
     cls, arch = _model_class(config, spec.trust_remote_code, spec.task)
-    kwargs: dict[str, Any] = {"dtype": param_dtype}
+    kwargs: dict[str, Any] = {"dtype": param_dtype, **({"trust_remote_code": True} if spec.trust_remote_code else {})}
     attn = spec.attn_implementation.value if spec.attn_implementation is not None else None
     check_attn_implementation(attn or getattr(config, "_attn_implementation", None), spec, device)
     if attn is not None:
         kwargs["attn_implementation"] = attn  # what `from_config(config, attn_implementation=...)` selects
-    if spec.trust_remote_code:
-        kwargs["trust_remote_code"] = True
     model = apply_adapters(spec, _quantized(spec, _build(cls, config, kwargs, arch, resolved.location, device),
                                             param_dtype), device)
     model.train(spec.mode is Mode.TRAIN)
@@ -477,17 +641,27 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
             and config.model_type in ("gpt2", "bert", "roberta", "opt", "bart", "xlm-roberta", "deberta-v2")):
         raise ModelLoadError(f"--seq {spec.seq} exceeds {arch}'s learned position embeddings ({max_pos}); "
                              f"use --seq <= {max_pos}")
-    inputs = step_inputs(spec, config, task, device, param_dtype)
+    inputs, loss = _inputs_and_loss(spec, config, task, model, device, param_dtype)
     total, trainable = count_params(model)
     stack = layer_stack(model)
     return LoadedModel(
-        model=model, inputs=inputs, task=task, architecture=type(unwrap(model)).__name__, precision=precision,
+        model=model, inputs=inputs, task=task, loss=loss, architecture=type(unwrap(model)).__name__,
         model_type=config.model_type, params=total, trainable_params=trainable, param_dtype=param_dtype,
-        compute_dtype=compute_dtype,
+        compute_dtype=compute_dtype, precision=precision,
         attn_implementation=str(getattr(unwrap(model).config, "_attn_implementation", None) or "eager"),
         layer_plan=plan, traced_model=traced_model, replication_note=note,
         num_layers=len(stack) if stack is not None else 0, layer_stack_path=_path_of(model, stack),
     )
+
+
+def _inputs_and_loss(spec: RunSpec, config, task: str, model: torch.nn.Module, device: str,
+                     float_dtype: torch.dtype) -> tuple[dict[str, Any], Callable[[Any], torch.Tensor]]:
+    """(the step's keyword inputs, its training loss): `media_inputs` (audio, feature extraction), else
+    `step_inputs`; `feature_loss` for feature extraction, else `output_loss`."""
+    inputs = media_inputs(spec, config, task, main_input_name(model), device, float_dtype)
+    if inputs is None:
+        inputs = step_inputs(spec, config, task, device, float_dtype)
+    return inputs, feature_loss if task == Task.FEATURE_EXTRACTION.value else output_loss
 
 
 def _quantized(spec: RunSpec, model: torch.nn.Module, weight_dtype: torch.dtype) -> torch.nn.Module:

@@ -79,6 +79,17 @@ CPU_AUTOCAST: dict[str, CastPolicy] = {
     **_ops(CastPolicy.PROMOTE, "stack cat index_copy"),
 }
 
+# CompositeImplicitAutograd ops that the CPU list above does not name but whose decomposition calls ops it casts
+# to the lower precision (aten/src/ATen/native/Linear.cpp: einsum's `sumproduct_pair` and tensordot reach `bmm`/`mm`,
+# `inner` reaches tensordot; LinearAlgebra.cpp: linalg_multi_dot and chain_matmul reach `mm`). Autocast acts at
+# every dispatcher call, including the calls made inside a composite kernel, so the real op computes in the lower
+# precision (checked: each returns bf16 from fp32 inputs under `torch.autocast("cpu", torch.bfloat16)`); this
+# mode sees the composite's Python call only, so it casts the floating operands at the composite's boundary,
+# uncached (the cast operands inside are views, not leaves: `cached_cast` never caches them). The bytes saved
+# for backward are the same (bmm/mm save the cast operands); a transient differs when the composite's reshape
+# copies an operand: the real run copies it in fp32 and then casts it, this one casts and then copies.
+CPU_AUTOCAST_COMPOSITE = frozenset("einsum tensordot inner linalg_multi_dot chain_matmul".split())
+
 _SDP_MATH, _SDP_FLASH, _SDP_EFFICIENT = 0, 1, 2  # at::SDPBackend (sdp_utils_cpp.h)
 
 
@@ -178,6 +189,7 @@ class KernelPolicyMode(TorchFunctionMode):
         self.sm = sm
         self.autocast_dtype = autocast_dtype
         self.table = CUDA_AUTOCAST if device is Device.CUDA else CPU_AUTOCAST
+        self.composite = frozenset() if device is Device.CUDA else CPU_AUTOCAST_COMPOSITE
         self._autocast_depth = 0
         self.on_weight_cast = None  # called (weight, cached low-precision copy) for each weight autocast caches
         self._below_autocast_kernel = 0  # > 0 while an op autocast handled runs (its inner calls are not cast)
@@ -259,6 +271,9 @@ class KernelPolicyMode(TorchFunctionMode):
 
     def _apply_autocast(self, func, name, args, kwargs):
         policy = self.table.get(name)
+        if policy is None and name in self.composite:  # the cast of its inner bmm/mm, at its boundary
+            dtype = self.autocast_dtype
+            return self._map(lambda a: a.to(dtype) if self._eligible(a) and a.dtype is not dtype else a, args, kwargs)
         if policy is None:
             return args, kwargs
         if policy is CastPolicy.LOWER:

@@ -9,6 +9,7 @@ Resolution order:
    (`HF_HUB_OFFLINE`) from the HF cache only; online after a probe bounded by `HUB_TIMEOUT_S`, and also the
    safetensors headers (`get_safetensors_metadata`), as information (`checkpoint_headers.precision_for`).
 A config with `auto_map` (remote code) is refused unless `trust_remote_code` is set; none of its code is run.
+Every config file is read as `transformers.AutoConfig.from_pretrained` reads it (`_read_config`), never as raw JSON.
 """
 
 from __future__ import annotations
@@ -47,20 +48,41 @@ def bundled_ids() -> dict[str, str]:
 
 def bundled_models() -> list[tuple[str, str]]:
     """(bundled id, its config's model_type), sorted by id without regard to case: `vramtrace models`."""
-    return [(ref, json.loads((_CONFIG_DIR / name).read_text()).get("model_type", "?"))
+    return [(ref, _bundled_config(name).get("model_type", "?"))
             for ref, name in sorted(bundled_ids().items(), key=lambda kv: kv[0].lower())]
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_config(path: Path) -> dict[str, Any]:
+    """The config dict of the JSON file at `path`, read by `transformers.PretrainedConfig.get_config_dict`, the
+    reader `AutoConfig.from_pretrained` uses (transformers/configuration_utils.py `_dict_from_json_file`): it
+    decodes transformers' own encoding of non-finite floats (`{"__float__": "Infinity"}`, written by
+    `save_pretrained`'s `_encode_special_floats`, e.g. Mamba2's `time_step_limit`). A file path is read locally,
+    with no Hub call (`resolve_revision` and `_get_config_dict` take an existing path as it is).
+    Raises ModelLoadError (unreadable, not JSON, not a JSON object)."""
+    from transformers import PretrainedConfig
+
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); fix or re-download it") from e
+        path.read_bytes()  # an unreadable file: our one line, not transformers' message about the Hub
     except OSError as e:
         raise ModelLoadError(f"cannot read {path}: {e.strerror}") from e
+    try:
+        data = PretrainedConfig.get_config_dict(str(path))[0]
+    except (OSError, AttributeError, TypeError) as e:  # not JSON; or JSON that is not an object
+        try:
+            json.loads(path.read_text())
+        except json.JSONDecodeError as bad:
+            raise ModelLoadError(f"{path} is not valid JSON ({bad.msg} at line {bad.lineno}); fix or re-download "
+                                 "it") from e
+        raise ModelLoadError(f"{path} must hold a JSON object: {e}") from e
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path} must hold a JSON object, found {type(data).__name__}")
     return data
+
+
+def _bundled_config(name: str) -> dict[str, Any]:
+    """The bundled config file `name` (configs/), read by `_read_config`."""
+    with resources.as_file(_CONFIG_DIR / name) as path:
+        return _read_config(Path(path))
 
 
 def meta_params_to_hf(params: dict[str, Any]) -> dict[str, Any]:
@@ -100,7 +122,7 @@ def meta_params_to_hf(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _from_file(path: Path, ref: str, source: str) -> ResolvedConfig:
-    data = _read_json(path)
+    data = _read_config(path)
     if path.name == "params.json" and "model_type" not in data:
         data = meta_params_to_hf(data)
     return ResolvedConfig(ref=ref, config=data, source=source, location=str(path))
@@ -127,7 +149,7 @@ def _bundled(ref: str) -> ResolvedConfig | None:
     name = index.get(ref.lower())
     if name is None:
         return None
-    return ResolvedConfig(ref=ref, config=json.loads((_CONFIG_DIR / name).read_text()),
+    return ResolvedConfig(ref=ref, config=_bundled_config(name),
                           source="bundled", location=f"vramtrace/tracer/configs/{name}")
 
 
