@@ -152,6 +152,25 @@ GENERATION_QUESTIONS = Bridge(
     "N-th token, then True (MaxLengthCriteria ends every row at once). A question from any other function is a "
     "TraceError naming it")
 
+TENSOR_CHECKS = Bridge(
+    "tensor_checks", "transformers",
+    (("transformers.utils.import_utils", "torch_compilable_check"), ("torch", "_check_tensor_all_with")),
+    TRANSFORMERS_WRITTEN_FOR,
+    "transformers' `torch_compilable_check(cond, msg)` (utils/import_utils.py) asserts a condition tensor with "
+    "torch._check_tensor_all_with, whose `.item()` meta cannot answer; vision-language models check that the "
+    "image placeholder tokens match the image features (e.g. Qwen2-VL's and Gemma-3's `get_placeholder_mask`). "
+    "Called from torch_compilable_check on a meta condition, it holds: vramtrace builds the inputs the way the "
+    "processor does (tracer/vlm.py), one placeholder per feature, and the real-run tests check it")
+VISION_POSITIONS = Bridge(
+    "vision_positions", "transformers",
+    (("transformers.models.qwen2_vl.modeling_qwen2_vl", "get_vision_position_ids"),
+     ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "get_vision_position_ids")), TRANSFORMERS_WRITTEN_FOR,
+    "Qwen2-VL's and Qwen2.5-VL's vision towers compute their rotary positions (transformers/vision_utils.py "
+    "`get_vision_position_ids`) from `grid_thw` in Python (`grid_thw.tolist()`), a value meta cannot hold: "
+    "vramtrace feeds `image_grid_thw` as a real CPU tensor (tracer/vlm.py), and the positions it gives, (patches, "
+    "2) int64, are moved to the meta device, where the real run has them (on the GPU, with the grid)",
+    when_absent="a transformers without these modules has no Qwen2-VL or Qwen2.5-VL to trace")
+
 _FSDP = "torch.distributed.fsdp._fully_shard."
 FSDP_ON_META = Bridge(
     "fsdp_on_meta", "torch",
@@ -230,7 +249,8 @@ BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_C
                                PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION, MHA_FAST_PATH,
                                FUNCTIONAL_TORCH_FUNCTION_CHECK, GRAD_SCALER_FOUND_INF, CLIP_GRAD_FOREACH,
                                FUSED_OPTIMIZER_DEVICES, ADAFACTOR_SCALARS, GENERATION_QUESTIONS, FSDP_ON_META,
-                               DDP_ON_META, BNB_OPTIMIZER_STATE, INT8_MATMUL_DEVICE, INDUCTOR_GRAPHS)
+                               DDP_ON_META, BNB_OPTIMIZER_STATE, INT8_MATMUL_DEVICE, INDUCTOR_GRAPHS, TENSOR_CHECKS,
+                               VISION_POSITIONS)
 
 
 def _installed_version(library: str) -> str:
@@ -370,6 +390,37 @@ def _padding_warning(stack: contextlib.ExitStack) -> None:
             (input_ids[:, [-1, 0]] == pad).any()  # the check's ops, as `Tensor.__contains__` runs them
 
     stack.enter_context(_set(PreTrainedModel, "warn_if_padding_and_no_attention_mask", bridged))
+
+
+def _tensor_checks(stack: contextlib.ExitStack) -> None:
+    """TENSOR_CHECKS: torch._check_tensor_all_with holds for a meta condition asked by torch_compilable_check."""
+    import inspect
+
+    from transformers.utils import import_utils
+
+    asking = inspect.unwrap(import_utils.torch_compilable_check).__code__
+    original = torch._check_tensor_all_with
+
+    def check(error_type, cond, message=None):
+        if isinstance(cond, torch.Tensor) and cond.device.type == "meta" and sys._getframe(1).f_code is asking:
+            return None
+        return original(error_type, cond, message)
+
+    stack.enter_context(_set(torch, "_check_tensor_all_with", check))
+
+
+def _vision_positions(stack: contextlib.ExitStack) -> None:
+    """VISION_POSITIONS: the positions computed from a CPU grid moved to meta, in each Qwen-VL module loaded."""
+    for module, attribute in VISION_POSITIONS.targets:
+        if module not in sys.modules:
+            continue
+        owner = sys.modules[module]
+        original = getattr(owner, attribute)
+
+        def positions(grid_thw, *args, _original=original, **kwargs):
+            out = _original(grid_thw, *args, **kwargs)
+            return out.to("meta") if grid_thw.device.type == "cpu" and out.device.type == "cpu" else out
+        stack.enter_context(_set(owner, attribute, positions))
 
 
 def _moe_grouped_mm(stack: contextlib.ExitStack) -> None:
@@ -673,10 +724,14 @@ def installed(policy: KernelPolicyMode, rec: StepRecorder) -> Iterator[None]:
         ADAFACTOR_SCALARS: _adafactor_scalars,
         BNB_OPTIMIZER_STATE: lambda s: _bnb_optimizer_state(s, policy, rec),
         INT8_MATMUL_DEVICE: lambda s: _int8_matmul_device(s, policy),
+        TENSOR_CHECKS: _tensor_checks,
+        VISION_POSITIONS: _vision_positions,
     }
     resolve(FUNCTIONAL_TORCH_FUNCTION_CHECK)  # patched per call (skip_next_torch_function_check); checked here
     if "bitsandbytes" not in sys.modules:  # no bitsandbytes layer or optimizer was made (its import costs seconds)
         del apply[BNB_OPTIMIZER_STATE], apply[INT8_MATMUL_DEVICE]
+    if not any(m in sys.modules for m, _ in VISION_POSITIONS.targets):  # no Qwen-VL model was built
+        del apply[VISION_POSITIONS]
     needed = [b for b in apply if resolve(b) is not None]  # all targets checked before anything is patched
     with contextlib.ExitStack() as stack:
         for b in needed:

@@ -19,6 +19,7 @@ from .checkpoint_headers import precision_for
 from .checkpointing import layer_stack
 from .custom import output_loss
 from .replication import TRACED_LAYERS, LayerPlan
+from .vlm import vlm_family, vlm_inputs, vlm_layout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -55,6 +56,8 @@ class LoadedModel:
     args: tuple = ()
     loss: Callable[[Any], torch.Tensor] = output_loss
     precision: Precision = Precision.BF16_MIXED  # effective: --precision, else the checkpoint's dtype, else the default
+    images: int = 0  # a vision-language model's images per sample (`vlm.images_per_sample`), else 0
+    image_hw: tuple[int, int] | None = None  # a vision-language model's image [H, W] after its processor's resize
 
     def input_summary(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype, shape) of each tensor input, positional ones named args[i]."""
@@ -63,7 +66,10 @@ class LoadedModel:
 
     @property
     def image_size(self) -> list[int] | None:
-        """[H, W] of `pixel_values`, or None."""
+        """[H, W] of each image: a vision-language model's (`image_hw`), else of `pixel_values` (B, C, H, W), or
+        None."""
+        if self.image_hw is not None:
+            return list(self.image_hw)
         pv = self.inputs.get("pixel_values")
         return list(pv.shape[-2:]) if isinstance(pv, torch.Tensor) else None
 
@@ -428,9 +434,12 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
             layer_stack_path=_path_of(model, stack))
     config = build_config(resolved, spec.trust_remote_code)
     if spec.use_cache is not None:
-        if not hasattr(config, "use_cache"):
+        # a vision-language model keeps its use_cache in its text config (`get_text_config()`, transformers'
+        # configuration_utils.py), the one its language model reads
+        text_config = config.get_text_config()
+        if not hasattr(text_config, "use_cache"):
             raise UsageError(f"--use-cache: {config.model_type} models have no KV cache (their config has no use_cache)")
-        config.use_cache = spec.use_cache  # what `config.use_cache = False` before from_config does
+        text_config.use_cache = spec.use_cache  # what `config.use_cache = False` before from_config does
     cls, arch = _model_class(config, spec.trust_remote_code, spec.task)
     kwargs: dict[str, Any] = {"dtype": param_dtype}
     attn = spec.attn_implementation.value if spec.attn_implementation is not None else None
@@ -475,7 +484,15 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
             and config.model_type in ("gpt2", "bert", "roberta", "opt", "bart", "xlm-roberta", "deberta-v2")):
         raise ModelLoadError(f"--seq {spec.seq} exceeds {arch}'s learned position embeddings ({max_pos}); "
                              f"use --seq <= {max_pos}")
-    inputs = step_inputs(spec, config, task, device, param_dtype)
+    family = vlm_family(config)
+    if spec.images is not None and (family is None or task != Task.CAUSAL_LM.value):
+        raise UsageError(f"--images applies to vision-language models (Qwen2-VL, Qwen2.5-VL, Gemma-3); {arch} is not "
+                         "one vramtrace feeds images to")
+    if family is not None and task == Task.CAUSAL_LM.value:
+        vlm = vlm_layout(spec, config, family)
+        inputs = vlm_inputs(spec, config, vlm, device, param_dtype)
+    else:
+        vlm, inputs = None, step_inputs(spec, config, task, device, param_dtype)
     total, trainable = count_params(model)
     stack = layer_stack(model)
     return LoadedModel(
@@ -485,6 +502,7 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
         attn_implementation=str(getattr(unwrap(model).config, "_attn_implementation", None) or "eager"),
         layer_plan=plan, traced_model=traced_model, replication_note=note,
         num_layers=len(stack) if stack is not None else 0, layer_stack_path=_path_of(model, stack),
+        images=vlm.images if vlm is not None else 0, image_hw=vlm.image_hw if vlm is not None else None,
     )
 
 
