@@ -161,14 +161,22 @@ TENSOR_CHECKS = Bridge(
     "image placeholder tokens match the image features (e.g. Qwen2-VL's and Gemma-3's `get_placeholder_mask`). "
     "Called from torch_compilable_check on a meta condition, it holds: vramtrace builds the inputs the way the "
     "processor does (tracer/vlm.py), one placeholder per feature, and the real-run tests check it")
-VISION_POSITIONS = Bridge(
-    "vision_positions", "transformers",
-    (("transformers.models.qwen2_vl.modeling_qwen2_vl", "get_vision_position_ids"),
-     ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "get_vision_position_ids")), TRANSFORMERS_WRITTEN_FOR,
-    "Qwen2-VL's and Qwen2.5-VL's vision towers compute their rotary positions (transformers/vision_utils.py "
-    "`get_vision_position_ids`) from `grid_thw` in Python (`grid_thw.tolist()`), a value meta cannot hold: "
-    "vramtrace feeds `image_grid_thw` as a real CPU tensor (tracer/vlm.py), and the positions it gives, (patches, "
-    "2) int64, are moved to the meta device, where the real run has them (on the GPU, with the grid)",
+_QWEN2_VL, _QWEN2_5_VL = ("transformers.models.qwen2_vl.modeling_qwen2_vl",
+                          "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
+QWEN_VL_POSITIONS = Bridge(
+    "qwen_vl_positions", "transformers",
+    ((_QWEN2_VL, "get_vision_position_ids"), (_QWEN2_5_VL, "get_vision_position_ids"),
+     (_QWEN2_VL, "Qwen2VLForConditionalGeneration._prepare_position_ids_for_generation"),
+     (_QWEN2_5_VL, "Qwen2_5_VLForConditionalGeneration._prepare_position_ids_for_generation")),
+    TRANSFORMERS_WRITTEN_FOR,
+    "Qwen2-VL and Qwen2.5-VL compute positions from values in Python: the vision tower's rotary positions "
+    "(transformers/vision_utils.py `get_vision_position_ids`, `grid_thw.tolist()`) and the M-RoPE positions "
+    "(`get_rope_index`, grouping `mm_token_type_ids.tolist()`), which meta cannot hold. vramtrace feeds "
+    "`image_grid_thw` and `mm_token_type_ids` as real CPU tensors (tracer/vlm.py); the vision positions they give, "
+    "(patches, 2) int64, are moved to meta, where the real run has them (on its device). generate's "
+    "`_prepare_position_ids_for_generation` also reads the prompt's mask and ids: on meta it runs on CPU stand-ins "
+    "(the traced prompt's mask is all ones; get_rope_index reads the ids' shape only) and its positions (4, B, S) "
+    "and `rope_deltas` (B, 1) are moved to meta",
     when_absent="a transformers without these modules has no Qwen2-VL or Qwen2.5-VL to trace")
 
 _FSDP = "torch.distributed.fsdp._fully_shard."
@@ -250,7 +258,7 @@ BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_C
                                FUNCTIONAL_TORCH_FUNCTION_CHECK, GRAD_SCALER_FOUND_INF, CLIP_GRAD_FOREACH,
                                FUSED_OPTIMIZER_DEVICES, ADAFACTOR_SCALARS, GENERATION_QUESTIONS, FSDP_ON_META,
                                DDP_ON_META, BNB_OPTIMIZER_STATE, INT8_MATMUL_DEVICE, INDUCTOR_GRAPHS, TENSOR_CHECKS,
-                               VISION_POSITIONS)
+                               QWEN_VL_POSITIONS)
 
 
 def _installed_version(library: str) -> str:
@@ -409,18 +417,40 @@ def _tensor_checks(stack: contextlib.ExitStack) -> None:
     stack.enter_context(_set(torch, "_check_tensor_all_with", check))
 
 
-def _vision_positions(stack: contextlib.ExitStack) -> None:
-    """VISION_POSITIONS: the positions computed from a CPU grid moved to meta, in each Qwen-VL module loaded."""
-    for module, attribute in VISION_POSITIONS.targets:
+def _host_positions(original):
+    """`get_vision_position_ids` whose result from a CPU grid is moved to meta."""
+    def positions(grid_thw, *args, **kwargs):
+        out = original(grid_thw, *args, **kwargs)
+        return out.to("meta") if grid_thw.device.type == "cpu" and out.device.type == "cpu" else out
+    return positions
+
+
+def _host_generation_positions(original):
+    """`_prepare_position_ids_for_generation` run on CPU stand-ins of a meta prompt, its results moved to meta."""
+    def prepare(self, inputs_tensor, model_kwargs):
+        if inputs_tensor.device.type != "meta":
+            return original(self, inputs_tensor, model_kwargs)
+        stand_in = {k: (torch.ones_like(v, device="cpu") if k == "attention_mask" else torch.zeros_like(v, device="cpu"))
+                    if k in ("attention_mask", "input_ids") and isinstance(v, torch.Tensor) else v
+                    for k, v in model_kwargs.items()}
+        out = original(self, torch.zeros_like(inputs_tensor, device="cpu"), stand_in)
+        if isinstance(self.model.rope_deltas, torch.Tensor):
+            self.model.rope_deltas = self.model.rope_deltas.to("meta")
+        return out.to("meta")
+    return prepare
+
+
+def _qwen_vl_positions(stack: contextlib.ExitStack) -> None:
+    """QWEN_VL_POSITIONS, in each Qwen-VL module loaded."""
+    for module, attribute in QWEN_VL_POSITIONS.targets:
         if module not in sys.modules:
             continue
+        *path, name = attribute.split(".")
         owner = sys.modules[module]
-        original = getattr(owner, attribute)
-
-        def positions(grid_thw, *args, _original=original, **kwargs):
-            out = _original(grid_thw, *args, **kwargs)
-            return out.to("meta") if grid_thw.device.type == "cpu" and out.device.type == "cpu" else out
-        stack.enter_context(_set(owner, attribute, positions))
+        for part in path:
+            owner = getattr(owner, part)
+        wrap = _host_generation_positions if path else _host_positions
+        stack.enter_context(_set(owner, name, wrap(getattr(owner, name))))
 
 
 def _moe_grouped_mm(stack: contextlib.ExitStack) -> None:
@@ -725,13 +755,13 @@ def installed(policy: KernelPolicyMode, rec: StepRecorder) -> Iterator[None]:
         BNB_OPTIMIZER_STATE: lambda s: _bnb_optimizer_state(s, policy, rec),
         INT8_MATMUL_DEVICE: lambda s: _int8_matmul_device(s, policy),
         TENSOR_CHECKS: _tensor_checks,
-        VISION_POSITIONS: _vision_positions,
+        QWEN_VL_POSITIONS: _qwen_vl_positions,
     }
     resolve(FUNCTIONAL_TORCH_FUNCTION_CHECK)  # patched per call (skip_next_torch_function_check); checked here
     if "bitsandbytes" not in sys.modules:  # no bitsandbytes layer or optimizer was made (its import costs seconds)
         del apply[BNB_OPTIMIZER_STATE], apply[INT8_MATMUL_DEVICE]
-    if not any(m in sys.modules for m, _ in VISION_POSITIONS.targets):  # no Qwen-VL model was built
-        del apply[VISION_POSITIONS]
+    if not any(m in sys.modules for m, _ in QWEN_VL_POSITIONS.targets):  # no Qwen-VL model was built
+        del apply[QWEN_VL_POSITIONS]
     needed = [b for b in apply if resolve(b) is not None]  # all targets checked before anything is patched
     with contextlib.ExitStack() as stack:
         for b in needed:

@@ -27,9 +27,10 @@ The layout of a sample: its image blocks first, then text tokens (random ids tha
 ones). Batches are unpadded, so no `attention_mask` in training and inference (as for text LMs here); a
 generation gets the prompt's mask of ones, as from the processor.
 
-On the meta device the integer inputs the model reads as Python values (`image_grid_thw`, and
-`mm_token_type_ids` for Qwen-VL: its vision rotary positions loop over the grid, its M-RoPE positions group the
-token types) are real CPU tensors with the processor's values; on a CUDA target these and what is computed from
+On the meta device the integer inputs the model reads as Python values (Qwen-VL's `image_grid_thw` and
+`mm_token_type_ids`: its vision rotary positions loop over the grid, its M-RoPE positions group the token
+types) are real CPU tensors with the processor's values (bridges.py `QWEN_VL_POSITIONS` moves what the model
+computes from them to meta); on a CUDA target these and what is computed from
 them on the host are not counted (a few int64 per token).
 """
 
