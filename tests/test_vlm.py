@@ -20,8 +20,9 @@ GEMMA3 = str(FIXTURES / "tiny-gemma3-vlm.json")  # vision_use_head false, as Gem
 
 
 def _spec(model, mode, **kw):
-    extra = {"new_tokens": 6} if mode == "generate" else {}
-    return RunSpec(model, batch=2, seq=64, mode=mode, device="cpu", precision="fp32", image_size=56, **extra, **kw)
+    args = {"batch": 2, "seq": 64, "mode": mode, "device": "cpu", "precision": "fp32", "image_size": 56,
+            **({"new_tokens": 6} if mode == "generate" else {}), **kw}
+    return RunSpec(model, **args)
 
 
 @pytest.mark.parametrize("mode", ["train", "inference", "generate"])
