@@ -154,7 +154,7 @@ GENERATION_QUESTIONS = Bridge(
 
 TENSOR_CHECKS = Bridge(
     "tensor_checks", "transformers",
-    (("transformers.utils.import_utils", "torch_compilable_check"), ("torch", "_check_tensor_all_with")),
+    (("torch", "_check_tensor_all_with"), ("transformers.utils.import_utils", "torch_compilable_check")),
     TRANSFORMERS_WRITTEN_FOR,
     "transformers' `torch_compilable_check(cond, msg)` (utils/import_utils.py) asserts a condition tensor with "
     "torch._check_tensor_all_with, whose `.item()` meta cannot answer; vision-language models check that the "
