@@ -80,3 +80,16 @@ def test_training_builds_no_kv_cache_error_for_a_vlm():
     """The use_cache lever traces the step again with use_cache false: a VLM's use_cache is in its text config."""
     report = analyze(_spec(QWEN2_VL, "train", use_cache=False))
     assert report.run["use_cache"] is False
+
+
+def test_the_language_models_layers_are_replicated_as_traced_in_full(tmp_path):
+    """A VLM's layer count is in its text config: 4 of 6 layers traced, the rest rebuilt, equal to every layer
+    traced."""
+    cfg = json.loads((FIXTURES / "tiny-qwen2-vl.json").read_text())
+    cfg["text_config"]["num_hidden_layers"] = 6
+    path = tmp_path / "qwen2-vl-6l.json"
+    path.write_text(json.dumps(cfg))
+    shallow = analyze(_spec(str(path), "train"))
+    full = analyze(_spec(str(path), "train", replicate_layers=False))
+    assert shallow.run["trace"].startswith("traced 4 of 6 layers")
+    assert shallow.peak_allocated_bytes == full.peak_allocated_bytes

@@ -226,6 +226,14 @@ def _layer_signature(layer: torch.nn.Module) -> tuple:
             tuple((n, type(m).__name__, getattr(m, "training", None)) for n, m in layer.named_modules()))
 
 
+def layer_config(config):
+    """The config that holds the layer count: `config`, or its text config (transformers' `get_text_config()`)
+    when it has no num_hidden_layers of its own (Qwen2-VL, Gemma-3 multimodal)."""
+    if hasattr(config, "num_hidden_layers") or not hasattr(config, "get_text_config"):
+        return config
+    return config.get_text_config()
+
+
 def layer_plan(model: torch.nn.Module, config, head: int = 1) -> tuple[LayerPlan | None, dict[str, Any], str]:
     """(plan, config overrides for the shallow model, note) for tracing `head` + 3 of the model's layers
     (`LayerPlan.head`: how many leading layers are kept as traced; head 1 traces `TRACED_LAYERS`).
@@ -233,8 +241,10 @@ def layer_plan(model: torch.nn.Module, config, head: int = 1) -> tuple[LayerPlan
     The plan needs `config.num_hidden_layers` = L > head + 3, exactly one `nn.ModuleList` of L layers, the
     layers alike (class, parameter and buffer shapes, submodules), and no per-layer config list whose entries
     differ (e.g. `layer_types` alternating sliding and full attention). Otherwise the plan is None and `note`
-    says why.
+    says why. A config without its own num_hidden_layers (a vision-language model's) is read, and overridden,
+    through its text config (`layer_config`).
     """
+    config = layer_config(config)
     L = getattr(config, "num_hidden_layers", None)
     traced = head + 3
     if not isinstance(L, int) or L <= traced:
@@ -465,7 +475,7 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
     if plan is not None:
         shallow = copy.deepcopy(config)
         for key, value in overrides.items():
-            setattr(shallow, key, value)
+            setattr(layer_config(shallow), key, value)
         traced_model = apply_adapters(spec, _quantized(spec, _build(cls, shallow, kwargs, arch, resolved.location,
                                                                     device), param_dtype), device)
         traced_model.train(spec.mode is Mode.TRAIN)
