@@ -19,7 +19,7 @@ from .checkpoint_headers import precision_for
 from .checkpointing import layer_stack
 from .custom import output_loss
 from .replication import TRACED_LAYERS, LayerPlan
-from .vlm import vlm_family, vlm_inputs, vlm_layout
+from .vlm import VlmLayout, vlm_family, vlm_inputs, vlm_layout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -56,8 +56,7 @@ class LoadedModel:
     args: tuple = ()
     loss: Callable[[Any], torch.Tensor] = output_loss
     precision: Precision = Precision.BF16_MIXED  # effective: --precision, else the checkpoint's dtype, else the default
-    images: int = 0  # a vision-language model's images per sample (`vlm.images_per_sample`), else 0
-    image_hw: tuple[int, int] | None = None  # a vision-language model's image [H, W] after its processor's resize
+    vlm: VlmLayout | None = None  # a vision-language model's images (tracer/vlm.py), else None
 
     def input_summary(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype, shape) of each tensor input, positional ones named args[i]."""
@@ -65,11 +64,16 @@ class LoadedModel:
         return [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named if isinstance(t, torch.Tensor)]
 
     @property
+    def images(self) -> int:
+        """A vision-language model's images per sample (--images), else 0."""
+        return self.vlm.images if self.vlm is not None else 0
+
+    @property
     def image_size(self) -> list[int] | None:
-        """[H, W] of each image: a vision-language model's (`image_hw`), else of `pixel_values` (B, C, H, W), or
-        None."""
-        if self.image_hw is not None:
-            return list(self.image_hw)
+        """[H, W] of each image: a vision-language model's after its processor's resize, else of `pixel_values`
+        (B, C, H, W), or None."""
+        if self.vlm is not None:
+            return list(self.vlm.image_hw)
         pv = self.inputs.get("pixel_values")
         return list(pv.shape[-2:]) if isinstance(pv, torch.Tensor) else None
 
@@ -443,11 +447,8 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
             replication_note="custom module: every layer traced", num_layers=len(stack) if stack is not None else 0,
             layer_stack_path=_path_of(model, stack))
     config = build_config(resolved, spec.trust_remote_code)
-    if spec.use_cache is not None:
-        # a vision-language model keeps its use_cache in its text config (`get_text_config()`, transformers'
-        # configuration_utils.py), the one its language model reads
-        text_config = config.get_text_config()
-        if not hasattr(text_config, "use_cache"):
+    if spec.use_cache is not None:  # a VLM's use_cache is its text config's, the one its language model reads
+        if not hasattr(text_config := config.get_text_config(), "use_cache"):
             raise UsageError(f"--use-cache: {config.model_type} models have no KV cache (their config has no use_cache)")
         text_config.use_cache = spec.use_cache  # what `config.use_cache = False` before from_config does
     cls, arch = _model_class(config, spec.trust_remote_code, spec.task)
@@ -494,15 +495,7 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
             and config.model_type in ("gpt2", "bert", "roberta", "opt", "bart", "xlm-roberta", "deberta-v2")):
         raise ModelLoadError(f"--seq {spec.seq} exceeds {arch}'s learned position embeddings ({max_pos}); "
                              f"use --seq <= {max_pos}")
-    family = vlm_family(config)
-    if spec.images is not None and (family is None or task != Task.CAUSAL_LM.value):
-        raise UsageError(f"--images applies to vision-language models (Qwen2-VL, Qwen2.5-VL, Gemma-3); {arch} is not "
-                         "one vramtrace feeds images to")
-    if family is not None and task == Task.CAUSAL_LM.value:
-        vlm = vlm_layout(spec, config, family)
-        inputs = vlm_inputs(spec, config, vlm, device, param_dtype)
-    else:
-        vlm, inputs = None, step_inputs(spec, config, task, device, param_dtype)
+    vlm, inputs = _model_inputs(spec, config, task, arch, device, param_dtype)
     total, trainable = count_params(model)
     stack = layer_stack(model)
     return LoadedModel(
@@ -511,9 +504,21 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
         compute_dtype=compute_dtype,
         attn_implementation=str(getattr(unwrap(model).config, "_attn_implementation", None) or "eager"),
         layer_plan=plan, traced_model=traced_model, replication_note=note,
-        num_layers=len(stack) if stack is not None else 0, layer_stack_path=_path_of(model, stack),
-        images=vlm.images if vlm is not None else 0, image_hw=vlm.image_hw if vlm is not None else None,
-    )
+        num_layers=len(stack) if stack is not None else 0, layer_stack_path=_path_of(model, stack), vlm=vlm)
+
+
+def _model_inputs(spec: RunSpec, config, task: str, arch: str, device: str, float_dtype: torch.dtype
+                  ) -> tuple[VlmLayout | None, dict[str, Any]]:
+    """(the images' layout or None, the step's inputs): a vision-language model's (`vlm.vlm_inputs`), else
+    `step_inputs`. Raises UsageError (--images given to a model vramtrace feeds no images)."""
+    family = vlm_family(config)
+    if spec.images is not None and (family is None or task != Task.CAUSAL_LM.value):
+        raise UsageError(f"--images applies to vision-language models (Qwen2-VL, Qwen2.5-VL, Gemma-3); {arch} is not "
+                         "one vramtrace feeds images to")
+    if family is None or task != Task.CAUSAL_LM.value:
+        return None, step_inputs(spec, config, task, device, float_dtype)
+    layout = vlm_layout(spec, config, family)
+    return layout, vlm_inputs(spec, config, layout, device, float_dtype)
 
 
 def _quantized(spec: RunSpec, model: torch.nn.Module, weight_dtype: torch.dtype) -> torch.nn.Module:

@@ -142,7 +142,7 @@ def vlm_layout(spec: RunSpec, config, family: VlmFamily) -> VlmLayout:
     return layout
 
 
-def _sample_ids(layout: VlmLayout, seq: int, text: torch.Tensor) -> torch.Tensor:
+def _sample_ids(layout: VlmLayout, text: torch.Tensor) -> torch.Tensor:
     """One sample's ids (S,): the image blocks, then `text` (S - images · block,) ids."""
     block = [layout.open_id, *([layout.image_id] * layout.tokens), layout.close_id]
     return torch.cat([torch.tensor(block * layout.images, dtype=torch.int64), text])
@@ -172,7 +172,7 @@ def vlm_inputs(spec: RunSpec, config, layout: VlmLayout, device: str, float_dtyp
     pad = getattr(text, "pad_token_id", None)
     avoid = set(layout.special) | ({pad} if isinstance(pad, int) else set())
     images = B * layout.images
-    ids = torch.stack([_sample_ids(layout, S, row)
+    ids = torch.stack([_sample_ids(layout, row)
                        for row in _text_ids((B, S - layout.images * layout.block), text.vocab_size, avoid)])
     types = (ids == layout.image_id).to(torch.int64)  # processing_utils.py create_mm_token_type_ids: 1 = image
     vision = config.vision_config
