@@ -64,6 +64,7 @@ import transformers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIXED = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+VLM_TYPES = ("qwen2_vl", "qwen2_5_vl", "gemma3")  # vision-language models fed images (`vlm_batch`)
 INPUT_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16, "int64": torch.int64, "long": torch.int64, "int32": torch.int32,
                 "bool": torch.bool}
@@ -87,7 +88,8 @@ def hf_config(ref: str):
 AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM", "AutoModelForImageClassification",
                 "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
                 "AutoModelForQuestionAnswering", "AutoModelForMultipleChoice", "AutoModelForPreTraining",
-                "AutoModelForSpeechSeq2Seq", "AutoModelForCTC", "AutoModelForAudioClassification", "AutoModel")
+                "AutoModelForSpeechSeq2Seq", "AutoModelForCTC", "AutoModelForAudioClassification",
+                "AutoModelForImageTextToText", "AutoModel")
 
 
 def hf_model(config, dtype: torch.dtype) -> torch.nn.Module:
@@ -155,6 +157,66 @@ def _ids(shape, vocab: int, pad) -> torch.Tensor:
     if pad is not None and 0 <= pad < vocab and vocab > 1:
         ids[ids == pad] = (pad + 1) % vocab  # no padding tokens
     return ids
+
+
+def _qwen_vl_pixels(images: torch.Tensor, patch: int, merge: int, temporal: int) -> torch.Tensor:
+    """Qwen2VLImageProcessor's `patchify` (transformers models/qwen2_vl/image_processing_qwen2_vl.py), written out:
+    images (N, C, H, W) -> (N·H/patch·W/patch, C·temporal·patch²), each frame repeated `temporal` times."""
+    n, c, h, w = images.shape
+    gh, gw = h // patch, w // patch
+    x = images.reshape(n, c, gh // merge, merge, patch, gw // merge, merge, patch).permute(0, 2, 5, 3, 6, 1, 4, 7)
+    x = x.unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, temporal, -1, -1)
+    return x.reshape(n * gh * gw, c * temporal * patch * patch)
+
+
+def vlm_batch(config, batch: int, seq: int, train: bool, image_size: int | None, images: int,
+              float_dtype: torch.dtype, generate: bool) -> dict:
+    """What Qwen2-VL's / Qwen2.5-VL's / Gemma-3's processor returns for `images` random images per sample and text
+    of `seq` tokens in all (image tokens included; each sample: its image blocks, then text), plus labels = input_ids
+    to train (TRL's DataCollatorForVisionLanguageModeling masks only padding). No tokenizer offline: the ids are
+    laid out by hand as the processors expand them. Qwen-VL: <|vision_start|>, (H/14/2)·(W/14/2) <|image_pad|>,
+    <|vision_end|> per image (processing_qwen2_vl.py `replace_image_token`, the chat template's delimiters),
+    pixel_values patchified, image_grid_thw [1, H/14, W/14], mm_token_type_ids 1 at image tokens; Gemma-3: boi,
+    mm_tokens_per_image image tokens, eoi (processing_gemma3.py `full_image_sequence`), pixel_values (N, 3, S, S),
+    token_type_ids 1 at image tokens. Qwen images must be multiples of 28 (the processor would resize others)."""
+    vision, text = config.vision_config, config.get_text_config()
+    qwen = config.model_type in ("qwen2_vl", "qwen2_5_vl")
+    n = batch * images
+    if qwen:
+        size = image_size or 224
+        patch, merge = vision.patch_size, vision.spatial_merge_size
+        assert size % (patch * merge) == 0 and size * size >= 56 * 56, "oracle: a size the processor would resize"
+        grid = size // patch
+        per_image = grid * grid // merge**2
+        block = [config.vision_start_token_id] + [config.image_token_id] * per_image + [config.vision_end_token_id]
+        special = {config.image_token_id, config.video_token_id, config.vision_start_token_id,
+                   config.vision_end_token_id}
+    else:
+        size = vision.image_size
+        block = [config.boi_token_index] + [config.image_token_index] * config.mm_tokens_per_image + [config.eoi_token_index]
+        special = {config.boi_token_index, config.eoi_token_index, config.image_token_index}
+    rows = []
+    for _ in range(batch):
+        words = [w for w in torch.randint(0, text.vocab_size, (4 * seq,)).tolist()
+                 if w not in special and w != text.pad_token_id][: seq - images * len(block)]
+        rows.append(block * images + words)
+    ids = torch.tensor(rows)
+    image_id = config.image_token_id if qwen else config.image_token_index
+    types = (ids == image_id).long()
+    pixels = torch.randn(n, 3, size, size)  # normalised pixels, as the processor's output
+    out = {"input_ids": ids}
+    if qwen:
+        out["pixel_values"] = _qwen_vl_pixels(pixels, patch, merge, vision.temporal_patch_size).to(float_dtype)
+        out["image_grid_thw"] = torch.tensor([[1, grid, grid]] * n)
+        out["mm_token_type_ids"] = types
+    else:
+        out["pixel_values"] = pixels.to(float_dtype)
+        out["token_type_ids"] = types
+    if generate:
+        out["attention_mask"] = torch.ones_like(ids)
+    elif train:
+        out["labels"] = ids
+    return out
 
 
 def hf_batch(model: torch.nn.Module, config, batch: int, seq: int | None, train: bool, image_size: int | None,
@@ -417,15 +479,19 @@ class RealStep:
         else:
             config = hf_config(ref)
             if getattr(spec, "use_cache", None) is not None:
-                config.use_cache = spec.use_cache
+                config.get_text_config().use_cache = spec.use_cache  # a VLM's language model reads its text config
             model = hf_model(config, weight_dtype)
             if self.quantized:
                 model = _quantized(model, spec, weight_dtype)
-            self.kwargs = hf_batch(model, config, spec.batch, spec.seq, self.train, getattr(spec, "image_size", None),
-                                   weight_dtype, getattr(spec, "choices", None) or 2)
+            if config.model_type in VLM_TYPES:
+                self.kwargs = vlm_batch(config, spec.batch, spec.seq, self.train, getattr(spec, "image_size", None),
+                                        getattr(spec, "images", None) or 1, weight_dtype, mode == "generate")
+            else:
+                self.kwargs = hf_batch(model, config, spec.batch, spec.seq, self.train,
+                                       getattr(spec, "image_size", None), weight_dtype, getattr(spec, "choices", None) or 2)
             if mode == "generate" and "input_features" in self.kwargs:  # speech: the audio alone
                 self.kwargs = {"input_features": self.kwargs["input_features"]}
-            elif mode == "generate":  # a tokenizer's output for unpadded prompts
+            elif mode == "generate" and config.model_type not in VLM_TYPES:  # a tokenizer's output, unpadded prompts
                 self.kwargs = {"input_ids": self.kwargs["input_ids"],
                                "attention_mask": torch.ones_like(self.kwargs["input_ids"])}
             if is_base_model(model, config):
@@ -642,7 +708,7 @@ def _local(t):
 # -- the distributed step: N CPU ranks over gloo ------------------------------------------------------------------
 _PLAIN_FIELDS = ("model", "batch", "seq", "mode", "precision", "optimizer", "optimizer_impl", "device",
                  "checkpointing", "inputs", "freeze", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
-                 "image_size",
+                 "image_size", "images",
                  "choices", "use_cache", "loop", "grad_accum", "zero_grad", "clip_grad_norm", "step", "new_tokens",
                  "cache", "kv_dtype", "fsdp", "ddp", "tp", "reshard_after_forward", "fsdp_plan")
 

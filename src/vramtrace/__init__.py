@@ -466,7 +466,8 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
         "allocator_block_bytes": block, "num_ops": len(traced.ops), "trace": traced.trace_note,
         "inputs": [f"{n}={d}{list(s)}" for n, d, s in loaded.input_summary()] if loaded.task == "custom" else [],
         **step_summary(spec, loop_peaks, cache_off_peak), **sharding_summary(spec, rank_peaks, host_peak),
-        "adapters": adapters_summary(spec), "image_size": loaded.image_size, **moe_summary(spec, loaded.model),
+        "adapters": adapters_summary(spec), "image_size": loaded.image_size,
+        **({"images": loaded.images} if loaded.images else {}), **moe_summary(spec, loaded.model),
         "compile": spec.compile, "compile_mode": spec.compile_mode if spec.compile else None,
     }
     if spec.mode is Mode.GENERATE:

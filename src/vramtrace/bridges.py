@@ -152,6 +152,33 @@ GENERATION_QUESTIONS = Bridge(
     "N-th token, then True (MaxLengthCriteria ends every row at once). A question from any other function is a "
     "TraceError naming it")
 
+TENSOR_CHECKS = Bridge(
+    "tensor_checks", "transformers",
+    (("torch", "_check_tensor_all_with"), ("transformers.utils.import_utils", "torch_compilable_check")),
+    TRANSFORMERS_WRITTEN_FOR,
+    "transformers' `torch_compilable_check(cond, msg)` (utils/import_utils.py) asserts a condition tensor with "
+    "torch._check_tensor_all_with, whose `.item()` meta cannot answer; vision-language models check that the "
+    "image placeholder tokens match the image features (e.g. Qwen2-VL's and Gemma-3's `get_placeholder_mask`). "
+    "Called from torch_compilable_check on a meta condition, it holds: vramtrace builds the inputs the way the "
+    "processor does (tracer/vlm.py), one placeholder per feature, and the real-run tests check it")
+_QWEN2_VL, _QWEN2_5_VL = ("transformers.models.qwen2_vl.modeling_qwen2_vl",
+                          "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
+QWEN_VL_POSITIONS = Bridge(
+    "qwen_vl_positions", "transformers",
+    ((_QWEN2_VL, "get_vision_position_ids"), (_QWEN2_5_VL, "get_vision_position_ids"),
+     (_QWEN2_VL, "Qwen2VLForConditionalGeneration._prepare_position_ids_for_generation"),
+     (_QWEN2_5_VL, "Qwen2_5_VLForConditionalGeneration._prepare_position_ids_for_generation")),
+    TRANSFORMERS_WRITTEN_FOR,
+    "Qwen2-VL and Qwen2.5-VL compute positions from values in Python: the vision tower's rotary positions "
+    "(transformers/vision_utils.py `get_vision_position_ids`, `grid_thw.tolist()`) and the M-RoPE positions "
+    "(`get_rope_index`, grouping `mm_token_type_ids.tolist()`), which meta cannot hold. vramtrace feeds "
+    "`image_grid_thw` and `mm_token_type_ids` as real CPU tensors (tracer/vlm.py); the vision positions they give, "
+    "(patches, 2) int64, are moved to meta, where the real run has them (on its device). generate's "
+    "`_prepare_position_ids_for_generation` also reads the prompt's mask and ids: on meta it runs on CPU stand-ins "
+    "(the traced prompt's mask is all ones; get_rope_index reads the ids' shape only) and its positions (4, B, S) "
+    "and `rope_deltas` (B, 1) are moved to meta",
+    when_absent="a transformers without these modules has no Qwen2-VL or Qwen2.5-VL to trace")
+
 _FSDP = "torch.distributed.fsdp._fully_shard."
 FSDP_ON_META = Bridge(
     "fsdp_on_meta", "torch",
@@ -230,7 +257,8 @@ BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_C
                                PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION, MHA_FAST_PATH,
                                FUNCTIONAL_TORCH_FUNCTION_CHECK, GRAD_SCALER_FOUND_INF, CLIP_GRAD_FOREACH,
                                FUSED_OPTIMIZER_DEVICES, ADAFACTOR_SCALARS, GENERATION_QUESTIONS, FSDP_ON_META,
-                               DDP_ON_META, BNB_OPTIMIZER_STATE, INT8_MATMUL_DEVICE, INDUCTOR_GRAPHS)
+                               DDP_ON_META, BNB_OPTIMIZER_STATE, INT8_MATMUL_DEVICE, INDUCTOR_GRAPHS, TENSOR_CHECKS,
+                               QWEN_VL_POSITIONS)
 
 
 def _installed_version(library: str) -> str:
@@ -370,6 +398,59 @@ def _padding_warning(stack: contextlib.ExitStack) -> None:
             (input_ids[:, [-1, 0]] == pad).any()  # the check's ops, as `Tensor.__contains__` runs them
 
     stack.enter_context(_set(PreTrainedModel, "warn_if_padding_and_no_attention_mask", bridged))
+
+
+def _tensor_checks(stack: contextlib.ExitStack) -> None:
+    """TENSOR_CHECKS: torch._check_tensor_all_with holds for a meta condition asked by torch_compilable_check."""
+    import inspect
+
+    from transformers.utils import import_utils
+
+    asking = inspect.unwrap(import_utils.torch_compilable_check).__code__
+    original = torch._check_tensor_all_with
+
+    def check(error_type, cond, message=None):
+        if isinstance(cond, torch.Tensor) and cond.device.type == "meta" and sys._getframe(1).f_code is asking:
+            return None
+        return original(error_type, cond, message)
+
+    stack.enter_context(_set(torch, "_check_tensor_all_with", check))
+
+
+def _host_positions(original):
+    """`get_vision_position_ids` whose result from a CPU grid is moved to meta."""
+    def positions(grid_thw, *args, **kwargs):
+        out = original(grid_thw, *args, **kwargs)
+        return out.to("meta") if grid_thw.device.type == "cpu" and out.device.type == "cpu" else out
+    return positions
+
+
+def _host_generation_positions(original):
+    """`_prepare_position_ids_for_generation` run on CPU stand-ins of a meta prompt, its results moved to meta."""
+    def prepare(self, inputs_tensor, model_kwargs):
+        if inputs_tensor.device.type != "meta":
+            return original(self, inputs_tensor, model_kwargs)
+        stand_in = {k: (torch.ones_like(v, device="cpu") if k == "attention_mask" else torch.zeros_like(v, device="cpu"))
+                    if k in ("attention_mask", "input_ids") and isinstance(v, torch.Tensor) else v
+                    for k, v in model_kwargs.items()}
+        out = original(self, torch.zeros_like(inputs_tensor, device="cpu"), stand_in)
+        if isinstance(self.model.rope_deltas, torch.Tensor):
+            self.model.rope_deltas = self.model.rope_deltas.to("meta")
+        return out.to("meta")
+    return prepare
+
+
+def _qwen_vl_positions(stack: contextlib.ExitStack) -> None:
+    """QWEN_VL_POSITIONS, in each Qwen-VL module loaded."""
+    for module, attribute in QWEN_VL_POSITIONS.targets:
+        if module not in sys.modules:
+            continue
+        *path, name = attribute.split(".")
+        owner = sys.modules[module]
+        for part in path:
+            owner = getattr(owner, part)
+        wrap = _host_generation_positions if path else _host_positions
+        stack.enter_context(_set(owner, name, wrap(getattr(owner, name))))
 
 
 def _moe_grouped_mm(stack: contextlib.ExitStack) -> None:
@@ -673,10 +754,14 @@ def installed(policy: KernelPolicyMode, rec: StepRecorder) -> Iterator[None]:
         ADAFACTOR_SCALARS: _adafactor_scalars,
         BNB_OPTIMIZER_STATE: lambda s: _bnb_optimizer_state(s, policy, rec),
         INT8_MATMUL_DEVICE: lambda s: _int8_matmul_device(s, policy),
+        TENSOR_CHECKS: _tensor_checks,
+        QWEN_VL_POSITIONS: _qwen_vl_positions,
     }
     resolve(FUNCTIONAL_TORCH_FUNCTION_CHECK)  # patched per call (skip_next_torch_function_check); checked here
     if "bitsandbytes" not in sys.modules:  # no bitsandbytes layer or optimizer was made (its import costs seconds)
         del apply[BNB_OPTIMIZER_STATE], apply[INT8_MATMUL_DEVICE]
+    if not any(m in sys.modules for m, _ in QWEN_VL_POSITIONS.targets):  # no Qwen-VL model was built
+        del apply[QWEN_VL_POSITIONS]
     needed = [b for b in apply if resolve(b) is not None]  # all targets checked before anything is patched
     with contextlib.ExitStack() as stack:
         for b in needed:

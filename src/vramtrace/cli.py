@@ -41,7 +41,11 @@ def main_command(
                                      "DIMS: ints, B, S; e.g. x=float32[B,3,224,224], ids=int64[B,S]:0..32000 "
                                      "(integers without a range: 0..2)"),
     image_size: Optional[int] = typer.Option(None, "--image-size", help="H = W of vision models' pixel_values (B, 3, H, W) "
-                                             "[default: the config's image_size, else 224]"),
+                                             "[default: the config's image_size, else 224]; a vision-language "
+                                             "model's images before its processor's resize"),
+    images: Optional[int] = typer.Option(None, "--images", help="images per sample of a vision-language model "
+                                         "(Qwen2-VL, Qwen2.5-VL, Gemma-3); --seq counts their image tokens "
+                                         "[default: 1]"),
     task: Optional[str] = typer.Option(
         None, "--task", help=" | ".join(m.value for m in Task) + " (or transformers' names: " + ", ".join(TASK_ALIASES) + "): the head "
         "to build and its labels (default: the config's architectures)"),
@@ -214,7 +218,7 @@ def main_command(
         spec = RunSpec(model=model[0], batch=batch, seq=seq, mode=mode, precision=precision, optimizer=optimizer,
                        optimizer_impl=optimizer_impl, device=device, gpu=gpu, checkpointing=checkpointing,
                        trust_remote_code=trust_remote_code, replicate_layers=not trace_every_layer,
-                       inputs=tuple(inputs), image_size=image_size, freeze=tuple(freeze), lora_rank=lora_rank,
+                       inputs=tuple(inputs), image_size=image_size, images=images, freeze=tuple(freeze), lora_rank=lora_rank,
                        lora_alpha=lora_alpha, lora_dropout=lora_dropout, lora_targets=targets,
                        moe_routing=moe_routing, strict=strict,
                        quantization=quantization, double_quant=double_quant, bnb_compute_dtype=bnb_compute_dtype,

@@ -517,7 +517,10 @@ class RunSpec:
         blocks).
     bnb_compute_dtype: `bnb_4bit_compute_dtype` ('bf16', 'fp16' or 'fp32'); None: BitsAndBytesConfig's default,
         fp32.
-    image_size: H = W of vision models' `pixel_values` (B, 3, H, W); None: the config's image_size.
+    image_size: H = W of vision models' `pixel_values` (B, 3, H, W); None: the config's image_size. For a
+        vision-language model, H = W of each image before its processor's resize (`tracer/vlm.py`).
+    images: N images per sample of a vision-language model (Qwen2-VL, Qwen2.5-VL, Gemma-3; `tracer/vlm.py`),
+        their image tokens counted in `seq`; None: 1 (`vlm.DEFAULT_IMAGES`).
     moe_routing: the tokens-per-expert policy of mixture-of-experts layers.
     strict: an op without a meta kernel is an error (else the report lists it as unresolved).
     precision: None picks the default for the mode (bf16-mixed to train, bf16 for inference).
@@ -592,6 +595,7 @@ class RunSpec:
     double_quant: bool = False
     bnb_compute_dtype: str | None = None
     image_size: int | None = None
+    images: int | None = None
     moe_routing: MoeRouting = MoeRouting.BALANCED
     strict: bool = False
     task: Task | None = None
@@ -621,7 +625,7 @@ class RunSpec:
     compile_mode: str = "default"
 
     def __post_init__(self) -> None:
-        for name in ("batch", "seq", "lora_rank", "image_size", "choices", "grad_accum", "new_tokens",
+        for name in ("batch", "seq", "lora_rank", "image_size", "images", "choices", "grad_accum", "new_tokens",
                      "serve_requests", "fsdp", "ddp", "tp"):
             v = getattr(self, name)
             if v is None and name != "batch":

@@ -23,6 +23,7 @@ from ..analysis.categories import Category
 from ..analysis.summary import MemoryReport
 from ..units import format_bytes
 from .json_report import write_output
+from .terminal import image_text
 
 CATEGORY_COLORS = {  # stacked bottom to top in this order
     Category.PARAMETER: "#4c78a8", Category.OPTIMIZER_STATE: "#72b7b2", Category.GRADIENT: "#54a24b",
@@ -153,7 +154,7 @@ def _summary(report: MemoryReport, label: str) -> dict:
                  + (f"; checkpoint: {m['checkpoint']['note']}" if m.get("checkpoint") else ""),
         "run": f"{r['mode']}, {r['precision']}, optimizer {r['optimizer']} ({r['optimizer_impl']}), batch {r['batch']}"
                + (f" × seq {r['seq']}" if r.get("seq") else "")
-               + (f", image {'×'.join(map(str, r['image_size']))}" if r.get("image_size") else "")
+               + image_text(r)
                + f", target {r['device']}" + (f" ({r['gpu']})" if r["device"] == "cuda" else "")
                + f", checkpointing {r['checkpointing']}"
                + (f", MoE routing {r['moe_routing']}" if r.get("moe_layers") else ""),

@@ -96,6 +96,15 @@ def _shape(shape) -> str:
     return "(" + ", ".join(str(d) for d in shape) + ")"
 
 
+def image_text(r: dict) -> str:
+    """', image H×W' of the run's images, ', N images H×W per sample' for a vision-language model, else ''."""
+    if not r.get("image_size"):
+        return ""
+    size = "×".join(map(str, r["image_size"]))
+    n = r.get("images")
+    return f", {n} image{'s' * (n > 1)} {size} per sample" if n else f", image {size}"
+
+
 def render(report: MemoryReport, console: Console) -> None:
     """Print the report to `console`."""
     m, r = report.model, report.run
@@ -124,13 +133,13 @@ def render(report: MemoryReport, console: Console) -> None:
     head.add_row("attention", f"{m['attn_implementation']} (SDPA backend: {sdpa})")
     if r["mode"] == "generate":
         head.add_row("run", f"generate, {r['precision']}, batch {r['batch']} × prompt {r['seq']} + {r['new_tokens']} "
-                            f"new tokens (greedy), {r['cache']} cache"
+                            f"new tokens (greedy), {r['cache']} cache" + image_text(r)
                             + (f" in {r['kv_dtype']} (QuantizedCache)" if r.get("kv_dtype", "auto") != "auto" else ""))
     else:
         optimizer = (f"optimizer {r['optimizer']} ({r['optimizer_impl']}), " if r["mode"] == "train" else "")
         head.add_row("run", f"{r['mode']}, {r['precision']}, {optimizer}"
                             f"batch {r['batch']}" + (f" × seq {r['seq']}" if r.get("seq") else "")
-                     + (f", image {'×'.join(map(str, r['image_size']))}" if r.get("image_size") else "")
+                     + image_text(r)
                      + f", checkpointing {r['checkpointing']}"
                      + (f" ({r['checkpointing_source']})" if r.get("checkpointing_source") else "")
                      + (f", MoE routing {r['moe_routing']}" if r.get("moe_layers") else ""))

@@ -19,6 +19,7 @@ from .checkpoint_headers import precision_for
 from .checkpointing import layer_stack
 from .custom import output_loss
 from .replication import TRACED_LAYERS, LayerPlan
+from .vlm import VlmLayout, vlm_family, vlm_inputs, vlm_layout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -55,6 +56,7 @@ class LoadedModel:
     args: tuple = ()
     loss: Callable[[Any], torch.Tensor] = output_loss
     precision: Precision = Precision.BF16_MIXED  # effective: --precision, else the checkpoint's dtype, else the default
+    vlm: VlmLayout | None = None  # a vision-language model's images (tracer/vlm.py), else None
 
     def input_summary(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype, shape) of each tensor input, positional ones named args[i]."""
@@ -62,8 +64,16 @@ class LoadedModel:
         return [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named if isinstance(t, torch.Tensor)]
 
     @property
+    def images(self) -> int:
+        """A vision-language model's images per sample (--images), else 0."""
+        return self.vlm.images if self.vlm is not None else 0
+
+    @property
     def image_size(self) -> list[int] | None:
-        """[H, W] of `pixel_values`, or None."""
+        """[H, W] of each image: a vision-language model's after its processor's resize, else of `pixel_values`
+        (B, C, H, W), or None."""
+        if self.vlm is not None:
+            return list(self.vlm.image_hw)
         pv = self.inputs.get("pixel_values")
         return list(pv.shape[-2:]) if isinstance(pv, torch.Tensor) else None
 
@@ -234,6 +244,14 @@ def _layer_signature(layer: torch.nn.Module) -> tuple:
             tuple((n, type(m).__name__, getattr(m, "training", None)) for n, m in layer.named_modules()))
 
 
+def layer_config(config):
+    """The config that holds the layer count: `config`, or its text config (transformers' `get_text_config()`)
+    when it has no num_hidden_layers of its own (Qwen2-VL, Gemma-3 multimodal)."""
+    if hasattr(config, "num_hidden_layers") or not hasattr(config, "get_text_config"):
+        return config
+    return config.get_text_config()
+
+
 def layer_plan(model: torch.nn.Module, config, head: int = 1) -> tuple[LayerPlan | None, dict[str, Any], str]:
     """(plan, config overrides for the shallow model, note) for tracing `head` + 3 of the model's layers
     (`LayerPlan.head`: how many leading layers are kept as traced; head 1 traces `TRACED_LAYERS`).
@@ -241,8 +259,10 @@ def layer_plan(model: torch.nn.Module, config, head: int = 1) -> tuple[LayerPlan
     The plan needs `config.num_hidden_layers` = L > head + 3, exactly one `nn.ModuleList` of L layers, the
     layers alike (class, parameter and buffer shapes, submodules), and no per-layer config list whose entries
     differ (e.g. `layer_types` alternating sliding and full attention). Otherwise the plan is None and `note`
-    says why.
+    says why. A config without its own num_hidden_layers (a vision-language model's) is read, and overridden,
+    through its text config (`layer_config`).
     """
+    config = layer_config(config)
     L = getattr(config, "num_hidden_layers", None)
     traced = head + 3
     if not isinstance(L, int):  # a composite config (SigLIP, CLIP) keeps its layer counts in its sub-configs
@@ -594,10 +614,10 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
             replication_note="custom module: every layer traced", num_layers=len(stack) if stack is not None else 0,
             layer_stack_path=_path_of(model, stack))
     config = build_config(resolved, spec.trust_remote_code)
-    if spec.use_cache is not None:
-        if not hasattr(config, "use_cache"):
+    if spec.use_cache is not None:  # a VLM's use_cache is its text config's, the one its language model reads
+        if not hasattr(text_config := config.get_text_config(), "use_cache"):
             raise UsageError(f"--use-cache: {config.model_type} models have no KV cache (their config has no use_cache)")
-        config.use_cache = spec.use_cache  # what `config.use_cache = False` before from_config does
+        text_config.use_cache = spec.use_cache  # what `config.use_cache = False` before from_config does
     every_layer_runs(config, spec.mode)
     cls, arch = _model_class(config, spec.trust_remote_code, spec.task)
     kwargs: dict[str, Any] = {"dtype": param_dtype, **({"trust_remote_code": True} if spec.trust_remote_code else {})}
@@ -622,7 +642,7 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
     if plan is not None:
         shallow = copy.deepcopy(config)
         for key, value in overrides.items():
-            setattr(shallow, key, value)
+            setattr(layer_config(shallow), key, value)
         traced_model = apply_adapters(spec, _quantized(spec, _build(cls, shallow, kwargs, arch, resolved.location,
                                                                     device), param_dtype), device)
         traced_model.train(spec.mode is Mode.TRAIN)
@@ -641,7 +661,7 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
             and config.model_type in ("gpt2", "bert", "roberta", "opt", "bart", "xlm-roberta", "deberta-v2")):
         raise ModelLoadError(f"--seq {spec.seq} exceeds {arch}'s learned position embeddings ({max_pos}); "
                              f"use --seq <= {max_pos}")
-    inputs, loss = _inputs_and_loss(spec, config, task, model, device, param_dtype)
+    vlm, inputs, loss = _inputs_and_loss(spec, config, task, arch, model, device, param_dtype)
     total, trainable = count_params(model)
     stack = layer_stack(model)
     return LoadedModel(
@@ -650,18 +670,34 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
         compute_dtype=compute_dtype, precision=precision,
         attn_implementation=str(getattr(unwrap(model).config, "_attn_implementation", None) or "eager"),
         layer_plan=plan, traced_model=traced_model, replication_note=note,
-        num_layers=len(stack) if stack is not None else 0, layer_stack_path=_path_of(model, stack),
-    )
+        num_layers=len(stack) if stack is not None else 0, layer_stack_path=_path_of(model, stack), vlm=vlm)
 
 
-def _inputs_and_loss(spec: RunSpec, config, task: str, model: torch.nn.Module, device: str,
-                     float_dtype: torch.dtype) -> tuple[dict[str, Any], Callable[[Any], torch.Tensor]]:
-    """(the step's keyword inputs, its training loss): `media_inputs` (audio, feature extraction), else
-    `step_inputs`; `feature_loss` for feature extraction, else `output_loss`."""
+def _model_inputs(spec: RunSpec, config, task: str, arch: str, device: str, float_dtype: torch.dtype
+                  ) -> tuple[VlmLayout | None, dict[str, Any]]:
+    """(the images' layout or None, the step's inputs): a vision-language model's (`vlm.vlm_inputs`), else
+    `step_inputs`. Raises UsageError (--images given to a model vramtrace feeds no images)."""
+    family = vlm_family(config)
+    if spec.images is not None and (family is None or task != Task.CAUSAL_LM.value):
+        raise UsageError(f"--images applies to vision-language models (Qwen2-VL, Qwen2.5-VL, Gemma-3); {arch} is not "
+                         "one vramtrace feeds images to")
+    if family is None or task != Task.CAUSAL_LM.value:
+        return None, step_inputs(spec, config, task, device, float_dtype)
+    layout = vlm_layout(spec, config, family)
+    return layout, vlm_inputs(spec, config, layout, device, float_dtype)
+
+
+def _inputs_and_loss(spec: RunSpec, config, task: str, arch: str, model: torch.nn.Module, device: str,
+                     float_dtype: torch.dtype) -> tuple[VlmLayout | None, dict[str, Any], Callable[[Any], torch.Tensor]]:
+    """(the images' layout or None, the step's keyword inputs, its training loss): `media_inputs` (audio, feature
+    extraction), else `_model_inputs` (a vision-language model's or `step_inputs`); `feature_loss` for feature
+    extraction, else `output_loss`. Raises UsageError (--images given to a model vramtrace feeds no images)."""
+    loss = feature_loss if task == Task.FEATURE_EXTRACTION.value else output_loss
     inputs = media_inputs(spec, config, task, main_input_name(model), device, float_dtype)
-    if inputs is None:
-        inputs = step_inputs(spec, config, task, device, float_dtype)
-    return inputs, feature_loss if task == Task.FEATURE_EXTRACTION.value else output_loss
+    if inputs is not None and spec.images is None:
+        return None, inputs, loss
+    vlm, inputs = _model_inputs(spec, config, task, arch, device, float_dtype)
+    return vlm, inputs, loss
 
 
 def _quantized(spec: RunSpec, model: torch.nn.Module, weight_dtype: torch.dtype) -> torch.nn.Module:

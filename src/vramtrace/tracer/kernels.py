@@ -732,7 +732,9 @@ class CpuWorkspaceProbe:
         autocast casts inside, such as `_transformer_encoder_layer_fwd`), the returned output is `out` with
         those leaves replaced by meta tensors laid out as the CPU kernel's, since they are what the real step
         holds (listed in `notes`)."""
-        if not self.probed(func):
+        if not self.probed(func) or not _has_meta((args, kwargs, out)):
+            # an op on host tensors only (a vision-language model's image grid, tracer/vlm.py) ran for real: its
+            # outputs hold the values the model reads, and are not relaid by a run on zeros
             return 0, out
         local = _dtensor_local_op(func, args, kwargs, out)
         if local is not None:
@@ -989,6 +991,11 @@ def _reduced(tree, sizes: dict[int, int]):
 
     out = torch.utils._pytree.tree_map(leaf, tree, is_leaf=is_sizes)
     return None if bad else out
+
+
+def _has_meta(tree) -> bool:
+    """Whether any tensor of `tree` is on the meta device."""
+    return any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in torch.utils._pytree.tree_leaves(tree))
 
 
 def _tensor_bytes(tree) -> int:
