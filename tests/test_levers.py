@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 
 import pytest
 from rich.console import Console
@@ -120,3 +121,64 @@ def test_fit_lists_the_levers_when_nothing_fits():
     assert result.levers["base_bytes"] == peak1
     assert any(lv["fits"] for lv in result.levers["levers"])
     assert all(lv["family"] != "micro_batch" for lv in result.levers["levers"])  # batch 1 has no smaller
+
+
+def _lever_report(monkeypatch, capsys, tmp_path, *extra: str) -> tuple[int, dict, str]:
+    """The CLI's exit status, JSON report and stderr for the tiny GPT-2 run one byte over its peak."""
+    spec = RunSpec(GPT2, batch=2, seq=32, device="cpu")
+    peak = analyze(spec, levers=False).peak_allocated_bytes
+    out = tmp_path / "r.json"
+    monkeypatch.setenv("COLUMNS", "250")  # each table cell on one line
+    rc = main([GPT2, "--batch", "2", "--seq", "32", "--device", "cpu", "--gpu-memory", f"{peak - 1}B",
+               "--json", str(out), "--html", str(tmp_path / "r.html"), *extra])
+    text = capsys.readouterr()
+    return rc, json.loads(out.read_text()) if rc == 0 else {}, text.out + text.err
+
+
+def test_a_lever_whose_extra_is_missing_is_listed_with_the_extra(monkeypatch, capsys, tmp_path):
+    """peft and bitsandbytes absent (a None entry in sys.modules: `import` raises ImportError and
+    `importlib.util.find_spec` answers None, as for a package not installed): the report is kept, the levers that
+    need them are rows naming the extra, the others are traced."""
+    monkeypatch.setitem(sys.modules, "peft", None)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    rc, report, out = _lever_report(monkeypatch, capsys, tmp_path)
+    assert rc == 0, out
+    skipped = {sk["family"]: sk for sk in report["levers"]["skipped"]}
+    assert set(skipped) == {"lora", "qlora", "optimizer_8bit"}
+    assert skipped["lora"]["detail"] == "needs peft (pip install 'vramtrace[lora]')"
+    assert skipped["optimizer_8bit"]["detail"] == "needs bitsandbytes (pip install 'vramtrace[quant]')"
+    assert skipped["qlora"]["detail"] == "needs bitsandbytes and peft (pip install 'vramtrace[quant]')"
+    assert all(sk["reason"] == "needs_extra" for sk in skipped.values())
+    assert skipped["lora"]["options"] == "--lora-rank 16"
+    families = {lv["family"] for lv in report["levers"]["levers"]}
+    assert "checkpointing" in families and not families & set(skipped)
+    assert "What makes it fit" in out and "LoRA r=16: needs peft (pip install 'vramtrace[lora]')" in out
+    html = (tmp_path / "r.html").read_text()
+    assert "LoRA r=16: needs peft (pip install &#39;vramtrace[lora]&#39;)" in html
+
+
+def test_a_lever_whose_trace_fails_keeps_the_report(monkeypatch, capsys, tmp_path):
+    """Any exception while tracing one lever: its row says "could not be traced" and why, the other levers and
+    the report are kept; --debug adds the traceback on stderr."""
+    import vramtrace.tables
+
+    real = vramtrace.tables.step_tables
+
+    def failing(spec, *args, **kwargs):
+        if spec.lora_rank is not None:
+            raise RuntimeError("boom in the LoRA trace\nsecond line")
+        return real(spec, *args, **kwargs)
+
+    monkeypatch.setattr(vramtrace.tables, "step_tables", failing)
+    rc, report, out = _lever_report(monkeypatch, capsys, tmp_path)
+    assert rc == 0, out
+    skipped = {sk["family"]: sk for sk in report["levers"]["skipped"]}
+    assert skipped["lora"] == {"family": "lora", "title": "LoRA r=16", "options": "--lora-rank 16",
+                               "reason": "failed",
+                               "detail": "could not be traced: RuntimeError: boom in the LoRA trace"}
+    assert "qlora" in skipped  # QLoRA is LoRA too
+    assert "checkpointing" in {lv["family"] for lv in report["levers"]["levers"]}
+    assert "Traceback" not in out and "LoRA r=16: could not be traced: RuntimeError: boom" in out
+    rc, _, out = _lever_report(monkeypatch, capsys, tmp_path, "--debug")
+    assert rc == 0 and "Traceback" in out and "boom in the LoRA trace" in out
+

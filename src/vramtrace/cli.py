@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import traceback
@@ -450,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv or os.environ.get("VRAMTRACE_DEBUG", "").strip().lower() in ("1", "true", "yes")
     if argv[:1] == ["validate"]:
         argv = argv[1:] + ["--validate"]
+    log_handler = _debug_log(debug)
     try:
         if argv[:1] == ["fit"]:
             argv = argv[1:] + ([] if {"-h", "--help"} & set(argv) else ["--fit", _fit_axis(argv[1:])])
@@ -478,7 +480,22 @@ def main(argv: list[str] | None = None) -> int:
         _error(e, debug, f"internal error {type(e).__name__}: {text} (rerun with --debug for the traceback, and "
                          "please report it)")
         return 1
+    finally:
+        if log_handler is not None:
+            logging.getLogger("vramtrace").removeHandler(log_handler)
     return 0
+
+
+def _debug_log(debug: bool):
+    """With --debug, the library's DEBUG records on stderr (e.g. the traceback of a lever whose trace failed, which
+    the report lists as "could not be traced"); returns the handler added, or None."""
+    if not debug:
+        return None
+    handler = logging.StreamHandler(sys.stderr)
+    log = logging.getLogger("vramtrace")
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    return handler
 
 
 if __name__ == "__main__":
