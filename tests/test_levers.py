@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+from dataclasses import replace
 
 import pytest
 from rich.console import Console
@@ -182,3 +183,27 @@ def test_a_lever_whose_trace_fails_keeps_the_report(monkeypatch, capsys, tmp_pat
     rc, _, out = _lever_report(monkeypatch, capsys, tmp_path, "--debug")
     assert rc == 0 and "Traceback" in out and "boom in the LoRA trace" in out
 
+
+def test_the_lever_cache_gives_the_outcomes_of_the_same_traces(monkeypatch, tmp_path):
+    """A second run of the same command finds every lever's outcome on disk: the same levers entry as the run that
+    traced them, with no trace; another spec (a batch) or the same config file edited misses."""
+    monkeypatch.setenv("VRAMTRACE_LEVER_CACHE", str(tmp_path / "cache"))
+    config = tmp_path / "config.json"
+    config.write_text(open(LLAMA).read())
+
+    def levers(batch: int) -> dict:
+        spec = RunSpec(str(config), batch=batch, seq=32, cuda_context_bytes=0)
+        capacity = analyze(spec, levers=False).peak_reserved_bytes - 1  # one byte short: the levers are searched
+        return analyze(replace(spec, gpu_memory_bytes=capacity)).levers
+
+    first = levers(2)
+    assert first["traces"] >= 3 and "cached" not in first and len(list((tmp_path / "cache").iterdir())) >= 3
+    second = levers(2)
+    assert second["traces"] == 0 and second["cached"] == first["traces"]
+    assert {k: v for k, v in second.items() if k not in ("traces", "cached")} == \
+        {k: v for k, v in first.items() if k != "traces"}
+    assert "cached" not in levers(3)
+    cfg = json.loads(config.read_text())
+    cfg["intermediate_size"] += 8  # the same file edited: new keys
+    config.write_text(json.dumps(cfg))
+    assert "cached" not in levers(2)

@@ -39,7 +39,7 @@ from typing import Callable
 
 from .planner import budget_peak, search_checkpointing
 from .errors import UsageError
-from .spec import (BNB_OPTIMIZERS, OPTIMIZER_IMPLS, Device, Mode, OptimizerImpl, OptimizerKind,
+from .spec import (BNB_OPTIMIZERS, IN_PROCESS_PREFIX, OPTIMIZER_IMPLS, Device, Mode, OptimizerImpl, OptimizerKind,
                    RunSpec, custom_ref)
 from .tables import Outcome
 
@@ -156,6 +156,95 @@ def options_text(changes: dict) -> str:
     return " ".join(p for p in parts if p)
 
 
+LEVER_CACHE_ENV = "VRAMTRACE_LEVER_CACHE"  # a directory, or "off"; default $XDG_CACHE_HOME/vramtrace/levers
+
+
+class LeverDiskCache:
+    """The outcomes of lever traces on disk, for the next run of the same command (a user who reads the levers,
+    then tries one, runs the same search again): one JSON file per traced spec, named by a digest of everything
+    that changes the trace: the RunSpec (its repr: every field), the resolved config dict and checkpoint header,
+    the versions of torch, transformers, peft and bitsandbytes (or their absence) and the bytes of every file of
+    the vramtrace package (a change to any rule starts new keys). So a cached outcome is the outcome of the same
+    trace: exact, not an estimate.
+
+    Only CUDA targets are cached (a CPU target's trace measures this machine's kernels), and never a spec that
+    runs code the key does not hold: a custom module (`path/model.py:NAME`), a model passed in-process, a
+    `--step` function, `--trust-remote-code`. Failures are not cached. Best effort: a file it cannot read or write
+    is a miss. Where: `path` (`VRAMTRACE_LEVER_CACHE`, default $XDG_CACHE_HOME/vramtrace/levers, else
+    ~/.cache/vramtrace/levers); off: `VRAMTRACE_LEVER_CACHE=off`; to clear it, delete the directory."""
+
+    def __init__(self, path, resolved) -> None:
+        self.path, self.resolved = path, resolved
+        self._base_key: bytes | None = None
+
+    @classmethod
+    def from_environment(cls, resolved) -> "LeverDiskCache":
+        import os
+        from pathlib import Path
+
+        where = os.environ.get(LEVER_CACHE_ENV, "")
+        if where.lower() == "off":
+            return cls(None, resolved)
+        try:
+            base = Path(where) if where else (
+                Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vramtrace" / "levers")
+        except RuntimeError:  # no home directory
+            return cls(None, resolved)
+        return cls(base, resolved)
+
+    def _key(self, spec: RunSpec) -> str | None:
+        import hashlib
+        import importlib.metadata
+        import json
+        from pathlib import Path
+
+        if (self.path is None or spec.device is not Device.CUDA or custom_ref(spec.model) is not None
+                or spec.step is not None or spec.trust_remote_code or spec.model.startswith(IN_PROCESS_PREFIX)):
+            return None
+        if self._base_key is None:
+            h = hashlib.sha256()
+            for dist in ("torch", "transformers", "peft", "bitsandbytes"):
+                try:
+                    h.update(f"{dist}={importlib.metadata.version(dist)};".encode())
+                except importlib.metadata.PackageNotFoundError:
+                    h.update(f"{dist} absent;".encode())
+            package = Path(__file__).resolve().parent
+            for f in sorted(package.rglob("*")):
+                if f.is_file() and f.suffix in (".py", ".json", ".j2", ".js"):
+                    h.update(str(f.relative_to(package)).encode() + b"\0" + f.read_bytes())
+            h.update(json.dumps(self.resolved.config, sort_keys=True, default=str).encode())
+            h.update(repr(self.resolved.checkpoint).encode())
+            self._base_key = h.digest()
+        return hashlib.sha256(self._base_key + repr(spec).encode()).hexdigest()
+
+    def get(self, spec: RunSpec) -> Outcome | None:
+        import json
+
+        try:
+            key = self._key(spec)
+            if key is None:
+                return None
+            return Outcome(**json.loads((self.path / f"{key}.json").read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def put(self, spec: RunSpec, out: Outcome) -> None:
+        import dataclasses
+        import json
+        import os
+
+        try:
+            key = self._key(spec)
+            if key is None:
+                return
+            self.path.mkdir(parents=True, exist_ok=True)
+            tmp = self.path / f"{key}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(dataclasses.asdict(out)), encoding="utf-8")
+            os.replace(tmp, self.path / f"{key}.json")  # whole or not at all, for a process reading beside
+        except OSError:
+            pass
+
+
 class Evaluator:
     """Exact traces of variants of one run, by RunSpec, cached: `ev(spec) -> Outcome`. `spec`s are resolved
     (precision set); `seed` adds outcomes already traced (the main run's). A variant that needs an extra that is
@@ -166,6 +255,8 @@ class Evaluator:
         self.cache: dict[RunSpec, Outcome | NotTraced] = {}
         self.base: RunSpec | None = None  # the progress messages name the options that differ from it
         self.traces = 0
+        self.cached = 0  # outcomes found in the disk cache instead of traced
+        self.disk = LeverDiskCache.from_environment(resolved)
 
     def seed(self, spec: RunSpec, out: Outcome) -> None:
         self.cache[spec] = out
@@ -197,8 +288,12 @@ class Evaluator:
         missing = missing_extras(spec)
         if missing:
             return NotTraced(SkipReason.NEEDS_EXTRA, options, needs_text(missing))
+        found = self.disk.get(spec)
+        if found is not None:
+            self.cached += 1
+            return found
         if self.base is not None:
-            self.say(f"what makes it fit: {options}")
+            self.say(f"what makes it fit, trace {self.traces + 1}: {options}")
         try:
             loaded = load_model(spec, self.resolved)
             out = outcome(step_tables(spec, loaded), loaded.num_layers, self.cuda)
@@ -209,6 +304,7 @@ class Evaluator:
         finally:
             self.heap.refreeze()
         self.traces += 1
+        self.disk.put(spec, out)
         return out
 
 
@@ -375,7 +471,8 @@ def find_levers(spec: RunSpec, ev: Evaluator, budget_bytes: int) -> dict:
     as the report's JSON `levers` entry: {'budget_bytes', 'basis', 'base_bytes', 'levers': [ranked, each
     `Lever.to_dict`], 'combination': None or {'options', 'levers', 'peak_allocated_bytes', 'peak_reserved_bytes',
     'compared_bytes', 'fits'}, 'traces'}, and 'skipped': [`NotTraced.to_dict`] when a family was not traced (an
-    extra missing) or its trace failed. Levers that save nothing are left out."""
+    extra missing) or its trace failed, 'cached': the outcomes found in the disk cache (`LeverDiskCache`) when
+    any. Levers that save nothing are left out."""
     s = _Search(spec, ev, budget_bytes)
     base_bytes = budget_peak(s.base)
     found: list[Lever] = []
@@ -397,6 +494,8 @@ def find_levers(spec: RunSpec, ev: Evaluator, budget_bytes: int) -> dict:
            "levers": [lv.to_dict(base_bytes) for lv in found], "combination": combination, "traces": ev.traces}
     if skipped:  # only then: the reports of a run with every lever traced stay as they were
         out["skipped"] = skipped
+    if ev.cached:
+        out["cached"] = ev.cached  # outcomes read from `LeverDiskCache`, each of the same trace made before
     return out
 
 
