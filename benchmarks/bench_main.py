@@ -78,8 +78,8 @@ def main() -> None:
         runs["no levers"].append(_timed(cmd + ["--no-levers"], env))
         runs["import floor"].append(_timed([sys.executable, "-c", FLOOR], env))
     rss_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    print(f"command      : {'VRAMTRACE_LEVER_CACHE=' + env['VRAMTRACE_LEVER_CACHE'] if not a.warm else ''} "
-          f"python -m vramtrace.cli {' '.join(cmd[3:])} [--no-levers]".replace("  ", " "))
+    prefix = "" if a.warm else "VRAMTRACE_LEVER_CACHE=off "
+    print(f"command      : {prefix}python -m vramtrace.cli {' '.join(cmd[3:])} [--no-levers]")
     print(f"reproduce    : python benchmarks/bench_main.py {' '.join(sys.argv[1:])}".rstrip())
     print(f"machine      : {os.cpu_count()} cores, load average {load_before:.2f} before, "
           f"{os.getloadavg()[0]:.2f} after; lever cache {'warm' if a.warm else 'off'}")
