@@ -207,3 +207,21 @@ def test_the_lever_cache_gives_the_outcomes_of_the_same_traces(monkeypatch, tmp_
     cfg["intermediate_size"] += 8  # the same file edited: new keys
     config.write_text(json.dumps(cfg))
     assert "cached" not in levers(2)
+
+
+def test_the_use_cache_false_peak_from_the_lever_cache(monkeypatch, tmp_path):
+    """The report's `use_cache_false_peak_bytes` (a second trace of every run whose KV cache is live at the peak)
+    is the same when a lever search cached that trace's outcome: a `--no-levers` run after a default run gives the
+    same report, and one made without the cache too."""
+    import vramtrace.tables
+
+    real, calls = vramtrace.tables.step_tables, []
+    monkeypatch.setattr(vramtrace.tables, "step_tables", lambda s, *a, **k: calls.append(s) or real(s, *a, **k))
+    spec = RunSpec(LLAMA, batch=4, seq=64, cuda_context_bytes=0)  # its KV cache is live at the peak
+    traced = analyze(spec, levers=False).to_dict()  # the cache is off (conftest)
+    assert traced["run"]["use_cache_false_peak_bytes"] > 0 and len(calls) == 2
+    monkeypatch.setenv("VRAMTRACE_LEVER_CACHE", str(tmp_path / "cache"))
+    analyze(replace(spec, gpu_memory_bytes=traced["peak_reserved_bytes"] - 1))  # the lever search fills the cache
+    calls.clear()
+    assert analyze(spec, levers=False).to_dict() == traced
+    assert [c.use_cache for c in calls] == [None]  # the main step traced, the use_cache false one found

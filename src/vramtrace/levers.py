@@ -157,15 +157,19 @@ def options_text(changes: dict) -> str:
 
 
 LEVER_CACHE_ENV = "VRAMTRACE_LEVER_CACHE"  # a directory, or "off"; default $XDG_CACHE_HOME/vramtrace/levers
+# RunSpec fields that change only the verdict, never a trace's `Outcome` (`tables.outcome` replays the allocator
+# without a capacity): left out of the cache's key, so that a run on another capacity finds the same traces
+_VERDICT_FIELDS = frozenset({"gpu_memory_bytes", "cuda_context_bytes", "memory_budget_bytes"})
 
 
 class LeverDiskCache:
     """The outcomes of lever traces on disk, for the next run of the same command (a user who reads the levers,
     then tries one, runs the same search again): one JSON file per traced spec, named by a digest of everything
-    that changes the trace: the RunSpec (its repr: every field), the resolved config dict and checkpoint header,
-    the versions of torch, transformers, peft and bitsandbytes (or their absence) and the bytes of every file of
-    the vramtrace package (a change to any rule starts new keys). So a cached outcome is the outcome of the same
-    trace: exact, not an estimate.
+    that changes the trace: the RunSpec (every field but those of the verdict, `_VERDICT_FIELDS`), the resolved
+    config dict and checkpoint header, the versions of torch, transformers, peft and bitsandbytes (or their
+    absence) and the bytes of every file of the vramtrace package (a change to any rule starts new keys). So a
+    cached outcome is the outcome of the same trace: exact, not an estimate. The report's use_cache false peak
+    reads it too (`vramtrace._use_cache_false_peak`).
 
     Only CUDA targets are cached (a CPU target's trace measures this machine's kernels), and never a spec that
     runs code the key does not hold: a custom module (`path/model.py:NAME`), a model passed in-process, a
@@ -193,6 +197,7 @@ class LeverDiskCache:
         return cls(base, resolved)
 
     def _key(self, spec: RunSpec) -> str | None:
+        import dataclasses
         import hashlib
         import importlib.metadata
         import json
@@ -215,7 +220,8 @@ class LeverDiskCache:
             h.update(json.dumps(self.resolved.config, sort_keys=True, default=str).encode())
             h.update(repr(self.resolved.checkpoint).encode())
             self._base_key = h.digest()
-        return hashlib.sha256(self._base_key + repr(spec).encode()).hexdigest()
+        fields = [(f.name, getattr(spec, f.name)) for f in dataclasses.fields(spec) if f.name not in _VERDICT_FIELDS]
+        return hashlib.sha256(self._base_key + repr(fields).encode()).hexdigest()
 
     def get(self, spec: RunSpec) -> Outcome | None:
         import json
