@@ -6,6 +6,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 # tests measure the CPU kernels: no result of an earlier run from the probe's disk cache (its own test sets one)
 os.environ["VRAMTRACE_CPU_PROBE_CACHE"] = "off"
+# and every lever traced (tests/test_levers.py turns the lever outcome cache on in a directory of its own)
+os.environ["VRAMTRACE_LEVER_CACHE"] = "off"
 sys.path.insert(0, str(Path(__file__).parent))
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "configs"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import sys
+from dataclasses import replace
 
 import pytest
 from rich.console import Console
@@ -120,3 +122,106 @@ def test_fit_lists_the_levers_when_nothing_fits():
     assert result.levers["base_bytes"] == peak1
     assert any(lv["fits"] for lv in result.levers["levers"])
     assert all(lv["family"] != "micro_batch" for lv in result.levers["levers"])  # batch 1 has no smaller
+
+
+def _lever_report(monkeypatch, capsys, tmp_path, *extra: str) -> tuple[int, dict, str]:
+    """The CLI's exit status, JSON report and stderr for the tiny GPT-2 run one byte over its peak."""
+    spec = RunSpec(GPT2, batch=2, seq=32, device="cpu")
+    peak = analyze(spec, levers=False).peak_allocated_bytes
+    out = tmp_path / "r.json"
+    monkeypatch.setenv("COLUMNS", "250")  # each table cell on one line
+    rc = main([GPT2, "--batch", "2", "--seq", "32", "--device", "cpu", "--gpu-memory", f"{peak - 1}B",
+               "--json", str(out), "--html", str(tmp_path / "r.html"), *extra])
+    text = capsys.readouterr()
+    return rc, json.loads(out.read_text()) if rc == 0 else {}, text.out + text.err
+
+
+def test_a_lever_whose_extra_is_missing_is_listed_with_the_extra(monkeypatch, capsys, tmp_path):
+    """peft and bitsandbytes absent (a None entry in sys.modules: `import` raises ImportError and
+    `importlib.util.find_spec` answers None, as for a package not installed): the report is kept, the levers that
+    need them are rows naming the extra, the others are traced."""
+    monkeypatch.setitem(sys.modules, "peft", None)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    rc, report, out = _lever_report(monkeypatch, capsys, tmp_path)
+    assert rc == 0, out
+    skipped = {sk["family"]: sk for sk in report["levers"]["skipped"]}
+    assert set(skipped) == {"lora", "qlora", "optimizer_8bit"}
+    assert skipped["lora"]["detail"] == "needs peft (pip install 'vramtrace[lora]')"
+    assert skipped["optimizer_8bit"]["detail"] == "needs bitsandbytes (pip install 'vramtrace[quant]')"
+    assert skipped["qlora"]["detail"] == "needs bitsandbytes and peft (pip install 'vramtrace[quant]')"
+    assert all(sk["reason"] == "needs_extra" for sk in skipped.values())
+    assert skipped["lora"]["options"] == "--lora-rank 16"
+    families = {lv["family"] for lv in report["levers"]["levers"]}
+    assert "checkpointing" in families and not families & set(skipped)
+    assert "What makes it fit" in out and "LoRA r=16: needs peft (pip install 'vramtrace[lora]')" in out
+    html = (tmp_path / "r.html").read_text()
+    assert "LoRA r=16: needs peft (pip install &#39;vramtrace[lora]&#39;)" in html
+
+
+def test_a_lever_whose_trace_fails_keeps_the_report(monkeypatch, capsys, tmp_path):
+    """Any exception while tracing one lever: its row says "could not be traced" and why, the other levers and
+    the report are kept; --debug adds the traceback on stderr."""
+    import vramtrace.tables
+
+    real = vramtrace.tables.step_tables
+
+    def failing(spec, *args, **kwargs):
+        if spec.lora_rank is not None:
+            raise RuntimeError("boom in the LoRA trace\nsecond line")
+        return real(spec, *args, **kwargs)
+
+    monkeypatch.setattr(vramtrace.tables, "step_tables", failing)
+    rc, report, out = _lever_report(monkeypatch, capsys, tmp_path)
+    assert rc == 0, out
+    skipped = {sk["family"]: sk for sk in report["levers"]["skipped"]}
+    assert skipped["lora"] == {"family": "lora", "title": "LoRA r=16", "options": "--lora-rank 16",
+                               "reason": "failed",
+                               "detail": "could not be traced: RuntimeError: boom in the LoRA trace"}
+    assert "qlora" in skipped  # QLoRA is LoRA too
+    assert "checkpointing" in {lv["family"] for lv in report["levers"]["levers"]}
+    assert "Traceback" not in out and "LoRA r=16: could not be traced: RuntimeError: boom" in out
+    rc, _, out = _lever_report(monkeypatch, capsys, tmp_path, "--debug")
+    assert rc == 0 and "Traceback" in out and "boom in the LoRA trace" in out
+
+
+def test_the_lever_cache_gives_the_outcomes_of_the_same_traces(monkeypatch, tmp_path):
+    """A second run of the same command finds every lever's outcome on disk: the same levers entry as the run that
+    traced them, with no trace; another spec (a batch) or the same config file edited misses."""
+    monkeypatch.setenv("VRAMTRACE_LEVER_CACHE", str(tmp_path / "cache"))
+    config = tmp_path / "config.json"
+    config.write_text(open(LLAMA).read())
+
+    def levers(batch: int) -> dict:
+        spec = RunSpec(str(config), batch=batch, seq=32, cuda_context_bytes=0)
+        capacity = analyze(spec, levers=False).peak_reserved_bytes - 1  # one byte short: the levers are searched
+        return analyze(replace(spec, gpu_memory_bytes=capacity)).levers
+
+    first = levers(2)
+    assert first["traces"] >= 3 and "cached" not in first and len(list((tmp_path / "cache").iterdir())) >= 3
+    second = levers(2)
+    assert second["traces"] == 0 and second["cached"] == first["traces"]
+    assert {k: v for k, v in second.items() if k not in ("traces", "cached")} == \
+        {k: v for k, v in first.items() if k != "traces"}
+    assert "cached" not in levers(3)
+    cfg = json.loads(config.read_text())
+    cfg["intermediate_size"] += 8  # the same file edited: new keys
+    config.write_text(json.dumps(cfg))
+    assert "cached" not in levers(2)
+
+
+def test_the_use_cache_false_peak_from_the_lever_cache(monkeypatch, tmp_path):
+    """The report's `use_cache_false_peak_bytes` (a second trace of every run whose KV cache is live at the peak)
+    is the same when a lever search cached that trace's outcome: a `--no-levers` run after a default run gives the
+    same report, and one made without the cache too."""
+    import vramtrace.tables
+
+    real, calls = vramtrace.tables.step_tables, []
+    monkeypatch.setattr(vramtrace.tables, "step_tables", lambda s, *a, **k: calls.append(s) or real(s, *a, **k))
+    spec = RunSpec(LLAMA, batch=4, seq=64, cuda_context_bytes=0)  # its KV cache is live at the peak
+    traced = analyze(spec, levers=False).to_dict()  # the cache is off (conftest)
+    assert traced["run"]["use_cache_false_peak_bytes"] > 0 and len(calls) == 2
+    monkeypatch.setenv("VRAMTRACE_LEVER_CACHE", str(tmp_path / "cache"))
+    analyze(replace(spec, gpu_memory_bytes=traced["peak_reserved_bytes"] - 1))  # the lever search fills the cache
+    calls.clear()
+    assert analyze(spec, levers=False).to_dict() == traced
+    assert [c.use_cache for c in calls] == [None]  # the main step traced, the use_cache false one found

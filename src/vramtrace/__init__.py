@@ -54,12 +54,15 @@ def analyze(spec: RunSpec | None = None, progress: Callable[[str], None] | None 
             if levers and report.fit is not None and not report.fit["fits"]:
                 from .levers import Evaluator, find_levers
 
-                from .tables import outcome
+                from .tables import Outcome, outcome
 
                 cuda = spec.device is Device.CUDA
                 ev = Evaluator(keep["resolved"], cuda, say, heap)
-                for traced_spec, (tables, num_layers) in keep["traces"].items():  # the traces made: not traced again
-                    ev.seed(traced_spec, outcome(tables, num_layers, cuda))
+                for traced_spec, traced in keep["traces"].items():  # the traces made: not traced again
+                    found = traced if isinstance(traced, Outcome) else outcome(*traced, cuda)
+                    ev.seed(traced_spec, found)
+                    if traced_spec != keep["spec"]:  # the use_cache false variant: for the next run's report too
+                        ev.disk.put(traced_spec, found)
                 budget = report.fit["capacity_bytes"] - report.fit.get("cuda_context_bytes", 0)
                 report = replace(report, levers=find_levers(keep["spec"], ev, budget))
         if spec.compile:
@@ -370,6 +373,27 @@ class _FrozenHeap:
             gc.unfreeze()
 
 
+def _use_cache_false_peak(spec: RunSpec, resolved, traces: dict) -> int:
+    """The steady step's peak allocated bytes of `spec` with use_cache false: the outcome an earlier lever search
+    cached on disk for that spec (`levers.LeverDiskCache`: the same trace's, keyed by everything that changes it)
+    when there, put in `traces` as an `Outcome`; else traced, its (StepTables, layers) put in `traces`."""
+    from dataclasses import replace
+
+    from .levers import LeverDiskCache
+    from .tables import step_tables
+    from .tracer.building import load_model
+
+    off = replace(spec, use_cache=False)
+    found = LeverDiskCache.from_environment(resolved).get(off)
+    if found is not None:
+        traces[off] = found
+        return found.peak_allocated_bytes
+    off_loaded = load_model(off, resolved)
+    off_tables = step_tables(off, off_loaded)
+    traces[off] = (off_tables, off_loaded.num_layers)
+    return off_tables.peaks()[0]
+
+
 def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
     with _FrozenHeap() as heap:
         return _analyze_one_frozen(spec, say, heap)
@@ -379,8 +403,9 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
                         use_cache_variant: bool = True):
     """The MemoryReport of `spec`. With `keep`, also fills keep['spec'] (the spec with its precision resolved),
     keep['resolved'] (the resolved config) and keep['traces'] ({spec: (StepTables, layers in its stack)} of the
-    traces made), for the lever search. `use_cache_variant`: when the config's KV cache is live at the peak, the
-    step is traced again with use_cache false (`run["use_cache_false_peak_bytes"]`)."""
+    traces made, or an `Outcome` found in the lever cache), for the lever search. `use_cache_variant`: when the
+    config's KV cache is live at the peak, the step is traced again with use_cache false
+    (`run["use_cache_false_peak_bytes"]`; `_use_cache_false_peak`)."""
     from dataclasses import replace
 
     from .tracer.checkpoint_headers import precision_for
@@ -430,11 +455,7 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
         # the config's KV cache is live at the peak: what --use-cache false saves, traced (not derived: without
         # the cache the attention's own key/value tensors live as long as its locals and saved tensors keep them)
         say("the same step with use_cache false")
-        off = replace(spec, use_cache=False)
-        off_loaded = load_model(off, resolved)
-        off_tables = step_tables(off, off_loaded)
-        cache_off_peak = off_tables.peaks()[0]
-        traces[off] = (off_tables, off_loaded.num_layers)
+        cache_off_peak = _use_cache_false_peak(spec, resolved, traces)
     gpu = spec.gpu_preset
     model_info = {
         "ref": resolved.ref, "config_source": resolved.source, "config_location": resolved.location,

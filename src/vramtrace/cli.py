@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 import traceback
@@ -244,8 +246,7 @@ def main_command(
         if validate_run:
             _validate(spec, json_path, quiet, err)
             return
-        with err.status("tracing", spinner="dots") as status:
-            say = lambda msg: status.update(f"tracing: {msg}")  # noqa: E731
+        with _progress(err, "tracing") as say:
             if compare_policies:
                 labels = list(COMPARED_POLICIES)
                 reports = compare_reports(spec, labels, progress=say)
@@ -269,6 +270,22 @@ def main_command(
         from .reports.trace_events import write_trace_events
 
         write_trace_events(report, trace_events_path)
+
+
+@contextlib.contextmanager
+def _progress(err: Console, what: str):
+    """A progress line on stderr while the work runs: a spinner, `what: ` the stage the library reports, and the
+    time elapsed; gone when done. Yields the `progress` callback. Shown only when stderr is a terminal (rich draws
+    nothing live otherwise), so logs and `--json -` output get no progress text."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    if not err.is_terminal:
+        yield lambda _msg: None
+        return
+    with Progress(SpinnerColumn("dots"), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
+                  transient=True) as progress:
+        task = progress.add_task(what, total=None)
+        yield lambda msg: progress.update(task, description=f"{what}: {msg}")
 
 
 def _bool_option(value: str | None, option: str) -> bool | None:
@@ -314,8 +331,8 @@ def _fit(spec, axis: str, headroom: str | None, json_path: str | None, quiet: bo
     from .units import parse_fraction
 
     share = parse_fraction(headroom, "--headroom") if headroom is not None else 0.0
-    with err.status("fit", spinner="dots") as status:
-        result = fit(spec, axis, headroom=share, progress=lambda msg: status.update(f"fit: {msg}"), levers=levers)
+    with _progress(err, "fit") as say:
+        result = fit(spec, axis, headroom=share, progress=say, levers=levers)
     target = spec.capacity[0] if spec.capacity is not None else "the CPU"
     _emit(spec, result, target, render_fit, json_path, quiet)
     if html_path is not None:
@@ -456,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv or os.environ.get("VRAMTRACE_DEBUG", "").strip().lower() in ("1", "true", "yes")
     if argv[:1] == ["validate"]:
         argv = argv[1:] + ["--validate"]
+    log_handler = _debug_log(debug)
     try:
         if argv[:1] == ["fit"]:
             argv = argv[1:] + ([] if {"-h", "--help"} & set(argv) else ["--fit", _fit_axis(argv[1:])])
@@ -484,7 +502,22 @@ def main(argv: list[str] | None = None) -> int:
         _error(e, debug, f"internal error {type(e).__name__}: {text} (rerun with --debug for the traceback, and "
                          "please report it)")
         return 1
+    finally:
+        if log_handler is not None:
+            logging.getLogger("vramtrace").removeHandler(log_handler)
     return 0
+
+
+def _debug_log(debug: bool):
+    """With --debug, the library's DEBUG records on stderr (e.g. the traceback of a lever whose trace failed, which
+    the report lists as "could not be traced"); returns the handler added, or None."""
+    if not debug:
+        return None
+    handler = logging.StreamHandler(sys.stderr)
+    log = logging.getLogger("vramtrace")
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    return handler
 
 
 if __name__ == "__main__":

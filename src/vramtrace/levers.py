@@ -23,21 +23,84 @@ the run fits; then the non-free levers the fit does not need are dropped (most e
 checkpointing and the micro-batch are relaxed to the cheapest setting that still fits. Every step of that is
 traced.
 
-The families are `FAMILIES`, in rank order. The bitsandbytes families (8-bit optimizer, QLoRA) are offered only
-where bitsandbytes is installed.
+The families are `FAMILIES`, in rank order. A lever whose trace needs an optional extra that is not installed
+(peft for LoRA, bitsandbytes for the 8-bit optimizer and QLoRA) is not traced: the report lists it under
+`skipped` with the extra that adds it. A family whose trace fails for any other reason is listed there too, as
+"could not be traced" with the error's first line; the other levers and the report are kept (the traceback goes to
+the `vramtrace.levers` logger at DEBUG level, which the CLI shows with --debug).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Callable
 
 from .planner import budget_peak, search_checkpointing
 from .errors import UsageError
-from .spec import Device, Mode, OptimizerImpl, OptimizerKind, OPTIMIZER_IMPLS, RunSpec, custom_ref
+from .spec import (BNB_OPTIMIZERS, IN_PROCESS_PREFIX, OPTIMIZER_IMPLS, Device, Mode, OptimizerImpl, OptimizerKind,
+                   RunSpec, custom_ref)
 from .tables import Outcome
 
 LORA_RANK = 16  # the LoRA lever's rank: peft's examples and HF's PEFT guides start at r=8..16
+# what a skipped family's row calls it
+FAMILY_TITLES = {"use_cache": "no KV cache", "optimizer_impl": "another optimizer implementation",
+                 "optimizer_8bit": "8-bit optimizer", "checkpointing": "checkpointing", "micro_batch": "micro-batches",
+                 "lora": f"LoRA r={LORA_RANK}", "qlora": "QLoRA", "fsdp": "FSDP2", "combination": "the combination"}
+
+
+class Extra(str, Enum):
+    """vramtrace's optional extras (pyproject.toml's [project.optional-dependencies]) that levers need, by the
+    package a trace imports: peft (`tracer/adapters.py`), bitsandbytes (`tracer/quantization.py`, the 8-bit
+    optimizers). The `quant` extra installs peft too."""
+
+    LORA = "peft"
+    QUANT = "bitsandbytes"
+
+    @property
+    def option(self) -> str:
+        return {"peft": "lora", "bitsandbytes": "quant"}[self.value]
+
+
+def missing_extras(spec: RunSpec) -> tuple[Extra, ...]:
+    """The extras `spec`'s trace needs that are not installed (`importlib.util.find_spec` finds no package):
+    peft for `lora_rank`, bitsandbytes for `quantization` and the bitsandbytes optimizers (`spec.BNB_OPTIMIZERS`)."""
+    import importlib.util
+
+    needed = []
+    if spec.quantization is not None or spec.optimizer in BNB_OPTIMIZERS:
+        needed.append(Extra.QUANT)
+    if spec.lora_rank is not None:
+        needed.append(Extra.LORA)
+    return tuple(e for e in needed if importlib.util.find_spec(e.value) is None)
+
+
+def needs_text(extras: tuple[Extra, ...]) -> str:
+    """"needs peft (pip install 'vramtrace[lora]')"; one install line covers them all (`quant` includes peft)."""
+    option = Extra.QUANT.option if Extra.QUANT in extras else Extra.LORA.option
+    return f"needs {' and '.join(e.value for e in extras)} (pip install 'vramtrace[{option}]')"
+
+
+class SkipReason(str, Enum):
+    """Why a lever is listed without a figure."""
+
+    NEEDS_EXTRA = "needs_extra"  # an optional extra is not installed
+    FAILED = "failed"  # its trace raised
+
+
+class NotTraced(Exception):
+    """A lever's trace that was not made (`reason`) or failed: `options` the command-line options that differ
+    from the run, `detail` one line for the user."""
+
+    def __init__(self, reason: SkipReason, options: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason, self.options, self.detail = reason, options, detail
+
+    def to_dict(self, family: str) -> dict:
+        """The JSON `levers.skipped` row: {'family', 'title', 'options', 'reason', 'detail'}."""
+        return {"family": family, "title": FAMILY_TITLES.get(family, family), "options": self.options,
+                "reason": self.reason.value, "detail": self.detail}
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +137,7 @@ def options_text(changes: dict) -> str:
     parts = []
     for name, value in changes.items():
         if name in _VALUE_OPTIONS:
-            parts.append(f"--{name.replace('_', '-')} {value}")
+            parts.append(f"--{name.replace('_', '-')} {value.value if isinstance(value, Enum) else value}")
         elif name == "use_cache":
             parts.append(f"--use-cache {str(value).lower()}")
         elif name == "grad_accum":
@@ -93,36 +156,162 @@ def options_text(changes: dict) -> str:
     return " ".join(p for p in parts if p)
 
 
+LEVER_CACHE_ENV = "VRAMTRACE_LEVER_CACHE"  # a directory, or "off"; default $XDG_CACHE_HOME/vramtrace/levers
+# RunSpec fields that change only the verdict, never a trace's `Outcome` (`tables.outcome` replays the allocator
+# without a capacity): left out of the cache's key, so that a run on another capacity finds the same traces
+_VERDICT_FIELDS = frozenset({"gpu_memory_bytes", "cuda_context_bytes", "memory_budget_bytes"})
+
+
+class LeverDiskCache:
+    """The outcomes of lever traces on disk, for the next run of the same command (a user who reads the levers,
+    then tries one, runs the same search again): one JSON file per traced spec, named by a digest of everything
+    that changes the trace: the RunSpec (every field but those of the verdict, `_VERDICT_FIELDS`), the resolved
+    config dict and checkpoint header, the versions of torch, transformers, peft and bitsandbytes (or their
+    absence) and the bytes of every file of the vramtrace package (a change to any rule starts new keys). So a
+    cached outcome is the outcome of the same trace: exact, not an estimate. The report's use_cache false peak
+    reads it too (`vramtrace._use_cache_false_peak`).
+
+    Only CUDA targets are cached (a CPU target's trace measures this machine's kernels), and never a spec that
+    runs code the key does not hold: a custom module (`path/model.py:NAME`), a model passed in-process, a
+    `--step` function, `--trust-remote-code`. Failures are not cached. Best effort: a file it cannot read or write
+    is a miss. Where: `path` (`VRAMTRACE_LEVER_CACHE`, default $XDG_CACHE_HOME/vramtrace/levers, else
+    ~/.cache/vramtrace/levers); off: `VRAMTRACE_LEVER_CACHE=off`; to clear it, delete the directory."""
+
+    def __init__(self, path, resolved) -> None:
+        self.path, self.resolved = path, resolved
+        self._base_key: bytes | None = None
+
+    @classmethod
+    def from_environment(cls, resolved) -> "LeverDiskCache":
+        import os
+        from pathlib import Path
+
+        where = os.environ.get(LEVER_CACHE_ENV, "")
+        if where.lower() == "off":
+            return cls(None, resolved)
+        try:
+            base = Path(where) if where else (
+                Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vramtrace" / "levers")
+        except RuntimeError:  # no home directory
+            return cls(None, resolved)
+        return cls(base, resolved)
+
+    def _key(self, spec: RunSpec) -> str | None:
+        import dataclasses
+        import hashlib
+        import importlib.metadata
+        import json
+        from pathlib import Path
+
+        if (self.path is None or spec.device is not Device.CUDA or custom_ref(spec.model) is not None
+                or spec.step is not None or spec.trust_remote_code or spec.model.startswith(IN_PROCESS_PREFIX)):
+            return None
+        if self._base_key is None:
+            h = hashlib.sha256()
+            for dist in ("torch", "transformers", "peft", "bitsandbytes"):
+                try:
+                    h.update(f"{dist}={importlib.metadata.version(dist)};".encode())
+                except importlib.metadata.PackageNotFoundError:
+                    h.update(f"{dist} absent;".encode())
+            package = Path(__file__).resolve().parent
+            for f in sorted(package.rglob("*")):
+                if f.is_file() and f.suffix in (".py", ".json", ".j2", ".js"):
+                    h.update(str(f.relative_to(package)).encode() + b"\0" + f.read_bytes())
+            h.update(json.dumps(self.resolved.config, sort_keys=True, default=str).encode())
+            h.update(repr(self.resolved.checkpoint).encode())
+            self._base_key = h.digest()
+        fields = [(f.name, getattr(spec, f.name)) for f in dataclasses.fields(spec) if f.name not in _VERDICT_FIELDS]
+        return hashlib.sha256(self._base_key + repr(fields).encode()).hexdigest()
+
+    def get(self, spec: RunSpec) -> Outcome | None:
+        import json
+
+        try:
+            key = self._key(spec)
+            if key is None:
+                return None
+            return Outcome(**json.loads((self.path / f"{key}.json").read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def put(self, spec: RunSpec, out: Outcome) -> None:
+        import dataclasses
+        import json
+        import os
+
+        try:
+            key = self._key(spec)
+            if key is None:
+                return
+            self.path.mkdir(parents=True, exist_ok=True)
+            tmp = self.path / f"{key}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(dataclasses.asdict(out)), encoding="utf-8")
+            os.replace(tmp, self.path / f"{key}.json")  # whole or not at all, for a process reading beside
+        except OSError:
+            pass
+
+
 class Evaluator:
     """Exact traces of variants of one run, by RunSpec, cached: `ev(spec) -> Outcome`. `spec`s are resolved
-    (precision set); `seed` adds outcomes already traced (the main run's)."""
+    (precision set); `seed` adds outcomes already traced (the main run's). A variant that needs an extra that is
+    not installed, or whose trace raises, raises `NotTraced` (every time it is asked for, traced once)."""
 
     def __init__(self, resolved, cuda: bool, say: Callable[[str], None], heap) -> None:
         self.resolved, self.cuda, self.say, self.heap = resolved, cuda, say, heap
-        self.cache: dict[RunSpec, Outcome] = {}
+        self.cache: dict[RunSpec, Outcome | NotTraced] = {}
         self.base: RunSpec | None = None  # the progress messages name the options that differ from it
         self.traces = 0
+        self.cached = 0  # outcomes found in the disk cache instead of traced
+        self.disk = LeverDiskCache.from_environment(resolved)
 
     def seed(self, spec: RunSpec, out: Outcome) -> None:
         self.cache[spec] = out
 
+    def options(self, spec: RunSpec) -> str:
+        """The command-line options by which `spec` differs from the base run."""
+        if self.base is None:
+            return ""
+        diff = {f: getattr(spec, f) for f in ("use_cache", "optimizer_impl", "checkpointing", "batch", "grad_accum",
+                                              "lora_rank", "fsdp", "optimizer", "quantization")
+                if getattr(spec, f) != getattr(self.base, f)}
+        if "batch" in diff or "grad_accum" in diff:
+            diff.update(batch=spec.batch, grad_accum=spec.grad_accum)
+        return options_text(diff)
+
     def __call__(self, spec: RunSpec) -> Outcome:
         if spec not in self.cache:
-            from .tables import outcome, step_tables
-            from .tracer.building import load_model
+            self.cache[spec] = self._trace(spec)
+        out = self.cache[spec]
+        if isinstance(out, NotTraced):
+            raise out
+        return out
 
-            if self.base is not None:
-                diff = {f: getattr(spec, f) for f in ("use_cache", "optimizer_impl", "checkpointing", "batch",
-                                                      "grad_accum", "lora_rank", "fsdp", "optimizer", "quantization")
-                        if getattr(spec, f) != getattr(self.base, f)}
-                if "batch" in diff or "grad_accum" in diff:
-                    diff.update(batch=spec.batch, grad_accum=spec.grad_accum)
-                self.say(f"what makes it fit: {options_text(diff)}")
+    def _trace(self, spec: RunSpec) -> Outcome | NotTraced:
+        from .tables import outcome, step_tables
+        from .tracer.building import load_model
+
+        options = self.options(spec)
+        missing = missing_extras(spec)
+        if missing:
+            return NotTraced(SkipReason.NEEDS_EXTRA, options, needs_text(missing))
+        found = self.disk.get(spec)
+        if found is not None:
+            self.cached += 1
+            return found
+        if self.base is not None:
+            self.say(f"what makes it fit, trace {self.traces + 1}: {options}")
+        try:
             loaded = load_model(spec, self.resolved)
-            self.cache[spec] = outcome(step_tables(spec, loaded), loaded.num_layers, self.cuda)
-            self.traces += 1
+            out = outcome(step_tables(spec, loaded), loaded.num_layers, self.cuda)
+        except Exception as e:  # noqa: BLE001 - any failure of one lever's trace must not lose the report
+            logging.getLogger(__name__).debug("the lever %s could not be traced", options, exc_info=True)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else "(no message)"
+            return NotTraced(SkipReason.FAILED, options, f"could not be traced: {type(e).__name__}: {first}")
+        finally:
             self.heap.refreeze()
-        return self.cache[spec]
+        self.traces += 1
+        self.disk.put(spec, out)
+        return out
 
 
 class _Search:
@@ -137,7 +326,10 @@ class _Search:
         return budget_peak(out) <= self.budget
 
     def lever(self, family: str, on: RunSpec, changes: dict, rank: tuple[int, float], cost: str) -> Lever:
-        out = self.ev(replace(on, **changes))
+        try:
+            out = self.ev(replace(on, **changes))
+        except NotTraced as e:  # named by the lever's own options
+            raise NotTraced(e.reason, options_text(changes), e.detail) from e
         return Lever(family, tuple(changes.items()), rank, cost, out, self.fits(out))
 
 
@@ -225,18 +417,12 @@ def _lora(s: _Search, on: RunSpec) -> list[Lever]:
                     "weights frozen")]
 
 
-def _bitsandbytes_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("bitsandbytes") is not None
-
-
 def _optimizer_8bit(s: _Search, on: RunSpec) -> list[Lever]:
     """bitsandbytes' 8-bit AdamW (`--optimizer adamw-8bit`, HF Trainer's `adamw_bnb_8bit`) for torch's Adam or
     AdamW: the same update with blockwise-quantized states (2 bytes per parameter instead of 8). Needs bitsandbytes
-    installed."""
+    installed (else `NotTraced`)."""
     if on.mode is not Mode.TRAIN or on.optimizer not in (OptimizerKind.ADAMW, OptimizerKind.ADAM) \
-            or on.world is not None or not _bitsandbytes_installed() or on.compile:  # not traced with --compile
+            or on.world is not None or on.compile:  # not traced with --compile
         return []
     return [s.lever("optimizer_8bit", on, {"optimizer": OptimizerKind.ADAMW_8BIT,
                                            "optimizer_impl": OptimizerImpl.DEFAULT}, (1, 1.0),
@@ -248,8 +434,7 @@ def _qlora(s: _Search, on: RunSpec) -> list[Lever]:
     """QLoRA: the base weights in 4-bit NF4 with double quantization and bf16 compute (the QLoRA paper's and
     peft's recipe), with LoRA (the run's rank, or `LORA_RANK`) on a transformers model. Needs bitsandbytes."""
     if on.mode is not Mode.TRAIN or on.quantization is not None or on.freeze or on.world is not None \
-            or on.step is not None or custom_ref(on.model) is not None or not _bitsandbytes_installed() \
-            or on.compile:  # --compile with quantization is not traced yet
+            or on.step is not None or custom_ref(on.model) is not None or on.compile:  # --compile with quantization is not traced yet
         return []
     changes = {"quantization": "nf4", "double_quant": True, "bnb_compute_dtype": "bf16"}
     if on.lora_rank is None:
@@ -291,15 +476,33 @@ def find_levers(spec: RunSpec, ev: Evaluator, budget_bytes: int) -> dict:
     """The levers of `spec` (resolved: precision set) against `budget_bytes` (on `planner.budget_peak`'s basis),
     as the report's JSON `levers` entry: {'budget_bytes', 'basis', 'base_bytes', 'levers': [ranked, each
     `Lever.to_dict`], 'combination': None or {'options', 'levers', 'peak_allocated_bytes', 'peak_reserved_bytes',
-    'compared_bytes', 'fits'}, 'traces'}. Levers that save nothing are left out."""
+    'compared_bytes', 'fits'}, 'traces'}, and 'skipped': [`NotTraced.to_dict`] when a family was not traced (an
+    extra missing) or its trace failed, 'cached': the outcomes found in the disk cache (`LeverDiskCache`) when
+    any. Levers that save nothing are left out."""
     s = _Search(spec, ev, budget_bytes)
     base_bytes = budget_peak(s.base)
-    found = [lv for _, family in FAMILIES for lv in family(s, spec) if budget_peak(lv.outcome) < base_bytes]
+    found: list[Lever] = []
+    skipped: list[dict] = []
+    for name, family in FAMILIES:
+        try:
+            found += [lv for lv in family(s, spec) if budget_peak(lv.outcome) < base_bytes]
+        except NotTraced as e:
+            skipped.append(e.to_dict(name))
     found.sort(key=lambda lv: (lv.rank, budget_peak(lv.outcome)))
-    combination = None if any(lv.fits for lv in found) else _combine(s, found)
-    return {"budget_bytes": budget_bytes, "base_bytes": base_bytes,
-            "basis": "peak reserved" if s.base.peak_reserved_bytes is not None else "peak allocated",
-            "levers": [lv.to_dict(base_bytes) for lv in found], "combination": combination, "traces": ev.traces}
+    combination = None
+    if not any(lv.fits for lv in found):
+        try:
+            combination = _combine(s, found)
+        except NotTraced as e:
+            skipped.append(e.to_dict("combination"))
+    out = {"budget_bytes": budget_bytes, "base_bytes": base_bytes,
+           "basis": "peak reserved" if s.base.peak_reserved_bytes is not None else "peak allocated",
+           "levers": [lv.to_dict(base_bytes) for lv in found], "combination": combination, "traces": ev.traces}
+    if skipped:  # only then: the reports of a run with every lever traced stay as they were
+        out["skipped"] = skipped
+    if ev.cached:
+        out["cached"] = ev.cached  # outcomes read from `LeverDiskCache`, each of the same trace made before
+    return out
 
 
 def _merged(levers) -> dict:

@@ -190,7 +190,10 @@ def _lever_rows(levers: dict | None) -> dict | None:
     """The levers (`vramtrace.levers.find_levers`) as table rows, this run's peak first and the combination last,
     each with its traced peak on the verdict's basis, what it saves, whether it fits and its bar's width (percent
     of the widest peak or the budget); `budget_at` is where the budget's mark goes, `cheapest` the first row
-    that fits (None when none does)."""
+    that fits (None when none does); `skipped` the levers not traced, each {'options', 'line'} (the extra that
+    would add it, or why its trace failed)."""
+    from .levers import skipped_line
+
     if not levers:
         return None
     base, budget = levers["base_bytes"], levers["budget_bytes"]
@@ -209,7 +212,8 @@ def _lever_rows(levers: dict | None) -> dict | None:
                  saves="" if r["base"] else format_bytes(base - r["bytes"]))
     cheapest = next((r for r in rows[1:] if r["fits"]), None)  # rows are ranked cheapest first
     return {"rows": rows, "budget": format_bytes(budget), "basis": levers["basis"],
-            "budget_at": f"{100 * budget / top:.2f}", "cheapest": cheapest}
+            "budget_at": f"{100 * budget / top:.2f}", "cheapest": cheapest,
+            "skipped": [{"options": sk["options"], "line": skipped_line(sk)} for sk in levers.get("skipped", ())]}
 
 
 def render_html(reports: list[MemoryReport], labels: list[str] | None = None) -> str:
