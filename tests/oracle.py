@@ -40,7 +40,9 @@ checkpointing, inputs, freeze, LoRA, quantization, image size, multiple-choice c
   `from_pretrained(dir, distributed_config=DistributedConfig(tp_size=N))`; with `fsdp_plan` 'transformers',
   `DistributedConfig(fsdp_size=M, tp_size=N)`: transformers' own FSDP plan, with TP when N > 1.
   FSDP's all-gather and reduce-scatter are gloo's own (their CPU temporaries counted), called so that their
-  buffers are freed on the rank's main thread (see `_GlooAllGather`).
+  buffers are freed on the rank's main thread (see `_GlooAllGather`). A free that a gloo worker thread makes
+  anyway (transformers' TP collectives) has no profiler event; a rank's measurement is kept only when clean (no
+  bytes lost: `_measure_clean`), else the steps run again.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import functools
 import gc
 import importlib
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -662,6 +665,12 @@ def measure_cpu_peak(spec, setup=None) -> int:
 def _measure_step(step: RealStep) -> int:
     """`measure_cpu_peak`'s measurement of a built step: storages alive before the warm-up, then the profiler's
     `[memory]` events from the warm-up's start, maximised from the marker (the measured step) on."""
+    _prepare(step)
+    return _peak(_profiled_steps(step))
+
+
+def _prepare(step: RealStep) -> None:
+    """What runs before the profiler starts, once per built step."""
     if step.quantized:
         # bitsandbytes' Linear4bit casts its bias to the compute dtype in its first forward by replacing the
         # parameter's data (bitsandbytes/nn/modules.py `Linear4bit.forward`): a storage alive before the profiler
@@ -673,27 +682,35 @@ def _measure_step(step: RealStep) -> int:
         # torch.compile compiles in the first step; its fake-tensor tracing under the profiler would record millions
         # of events. One step first: the optimizer state it creates is alive at start, counted below.
         step.run()
+
+
+def _profiled_steps(step: RealStep, mode=None) -> tuple[int, list[int], list[int]]:
+    """One profiled warm-up step and measured step: (bytes of the storages alive before the warm-up, the warm-up's
+    `[memory]` event sizes, the measured step's), in time order, split at the marker allocation."""
     start = storage_bytes(_local(t) for t in step.alive_at_start())
     with _quiet_fd2(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                              profile_memory=True) as prof:
+                                              profile_memory=True) as prof, mode or contextlib.nullcontext():
         step.run()  # warm-up: the optimizer creates its state
         marker = torch.empty(MARKER_BYTES, dtype=torch.uint8)  # a sentinel allocation in the same event stream
         del marker
         step.run()
     if step.compiled:
         torch._dynamo.reset()  # no compiled code of this case left for the process's later tests
-    cur, peak, measuring = 0, None, False
+    warm, measured, measuring = [], [], False
     for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns()):
         if e.nbytes() == MARKER_BYTES:
             measuring = True
-            continue
-        if measuring and e.nbytes() == -MARKER_BYTES:
-            continue
-        cur += e.nbytes()
-        if measuring:
-            peak = cur if peak is None else max(peak, cur)
-    return start + (cur if peak is None else peak)
+        elif not (measuring and e.nbytes() == -MARKER_BYTES):
+            (measured if measuring else warm).append(e.nbytes())
+    return start, warm, measured
+
+
+def _peak(profiled: tuple[int, list[int], list[int]]) -> int:
+    """The bytes alive at start plus the running sum of the events, maximised over the measured step's."""
+    start, warm, measured = profiled
+    running = list(itertools.accumulate(measured, initial=sum(warm)))  # the level at the marker, then each event's
+    return start + (max(running[1:]) if measured else running[0])
 
 
 def _local(t):
@@ -886,6 +903,44 @@ class _GlooReduceScatter:
         return None
 
 
+def _thread_ids() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+class _GlooThreadsSettle:
+    """While active (`sys.setprofile`, the rank's main thread only), each return from a `wait` (Work.wait,
+    c10d_functional's wait_tensor: the main thread resumes after a collective) waits while one of gloo's threads is
+    runnable (`R` in /proc/self/task/TID/stat): the worker that woke the caller still has its Work (which holds the
+    collective's tensors) to drop, and drops it before the main thread drops its own references, so that the last
+    reference, and the free, is the main thread's, as on an idle machine. Nothing of the step changes (no tensor,
+    no op); a thread runnable for over a second is waited for no longer, and what it then frees off the profiled
+    thread makes the measurement unclean (`_measure_clean`)."""
+
+    def __init__(self, threads: set[int]):
+        self.stats = [f"/proc/self/task/{tid}/stat" for tid in sorted(threads)]
+
+    def _runnable(self) -> bool:
+        for path in self.stats:
+            with contextlib.suppress(OSError), open(path) as f:
+                if f.read().rpartition(")")[2].split()[0] == "R":
+                    return True
+        return False
+
+    def _event(self, frame, event, arg) -> None:
+        if event == "c_return" and "wait" in getattr(arg, "__name__", ""):
+            import time
+
+            deadline = time.monotonic() + 1.0
+            while self._runnable() and time.monotonic() < deadline:
+                os.sched_yield()
+
+    def __enter__(self):
+        sys.setprofile(self._event)
+
+    def __exit__(self, *exc):
+        sys.setprofile(None)
+
+
 def _rank_main(rank: int, world: int, spec, init_file: str, out_dir: str) -> None:
     """One rank (a child process): build the case, wrap it, measure; its peak or its traceback goes to a file."""
     import traceback
@@ -905,8 +960,10 @@ def _rank_main(rank: int, world: int, spec, init_file: str, out_dir: str) -> Non
         # drops the Work before the main thread runs on.
         cpus = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cpus[rank % len(cpus)]})  # inherited by gloo's threads, made next
+        before = _thread_ids()
         with _quiet_fd2():  # gloo's connection lines
             dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        gloo_threads = _thread_ids() - before
         with contextlib.suppress(OSError, AttributeError):
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # this thread only: gloo's stay normal
         try:
@@ -927,7 +984,7 @@ def _rank_main(rank: int, world: int, spec, init_file: str, out_dir: str) -> Non
                 from torch.nn.parallel import DistributedDataParallel
 
                 step = RealStep(spec, wrap=DistributedDataParallel)
-            result["peak"] = _measure_step(step)
+            result["peak"] = _measure_step(step) if kind == "ddp" else _measure_clean(step, gloo_threads)
         finally:
             dist.destroy_process_group()
     except BaseException:
@@ -935,13 +992,39 @@ def _rank_main(rank: int, world: int, spec, init_file: str, out_dir: str) -> Non
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def measure_cpu_peak_ranks(spec, timeout: float = 600.0, repeats: int = 1) -> list[int]:
-    """The lowest of `repeats` measurements of each rank by `_measure_ranks`. transformers' TP collectives run on
-    gloo's worker thread, which can drop the last reference to a tensor there, at random: the profiler then loses
-    that free and the running sum drifts up for the rest of the run. A lost free can only raise a measurement, so
-    the lowest of several runs is the best one."""
-    runs = [_measure_ranks(spec, timeout) for _ in range(repeats)]
-    return [min(peaks) for peaks in zip(*runs)]
+def _measure_clean(step: RealStep, gloo_threads: set[int], attempts: int = 40) -> int:
+    """`_measure_step` repeated until a clean measurement, the same on every rank (they run the steps together).
+    A gloo worker thread that drops the last reference to a tensor (its Work, which holds the collective's tensors,
+    outlives the caller's wait when the worker is descheduled right after waking the caller, as a loaded machine
+    does) frees it outside the profiler: the allocator reports memory to the profiler of the thread that frees, and
+    gloo's worker runs under the caller's profiler state only while it runs the collective. That free has no event
+    at all, so the running sum stays up by the tensor's bytes for the rest of the run. A clean measurement has lost
+    none: the warm-up's events add up to the bytes of the storages it left alive (its optimizer state), and the
+    measured step's to zero (a steady state ends where it started). Each run settles gloo's threads after every
+    wait (`_GlooThreadsSettle`), which makes a lost free rare even on a loaded machine. Returns the first clean
+    run's peak; raises RuntimeError when none of `attempts` runs is clean."""
+    import torch.distributed as dist
+
+    _prepare(step)
+    peak, seen = None, []
+    for _ in range(attempts):
+        profiled = _profiled_steps(step, _GlooThreadsSettle(gloo_threads))
+        start, warm, measured = profiled
+        kept = storage_bytes(_local(t) for t in step.alive_at_start()) - start  # what the warm-up left alive
+        seen.append((sum(warm) - kept, sum(measured)))
+        if peak is None and seen[-1] == (0, 0):
+            peak = _peak(profiled)
+        done = torch.tensor([int(peak is not None)])
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)  # the ranks stop together
+        if done.item():
+            return peak
+    raise RuntimeError(f"oracle: no clean measurement in {attempts} runs of the step (bytes not returned by the "
+                       f"warm-up and by the measured step: {seen})")
+
+
+def measure_cpu_peak_ranks(spec, timeout: float = 600.0) -> list[int]:
+    """Peak bytes of each rank (index = rank) of the case run for real as a distributed job (`_measure_ranks`)."""
+    return _measure_ranks(spec, timeout)
 
 
 def _measure_ranks(spec, timeout: float) -> list[int]:

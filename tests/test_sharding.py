@@ -45,7 +45,7 @@ def test_tp_matches_real_gloo_ranks(model, precision):
     """`--tp 2` against transformers' own TP loaded by 2 gloo ranks (`from_pretrained(distributed_config=
     DistributedConfig(tp_size=2))`), rank by rank, within 0.5% (GPT-2 has no TP plan; Mistral and the other
     precisions are in benchmarks/bench_sharding_oracle.py)."""
-    real = measure_cpu_peak_ranks(RunSpec(model, batch=2, seq=16, device="cpu", precision=precision, tp=2), repeats=2)
+    real = measure_cpu_peak_ranks(RunSpec(model, batch=2, seq=16, device="cpu", precision=precision, tp=2))
     for rank, measured in enumerate(real):
         predicted = analyze(RunSpec(model, batch=2, seq=16, device="cpu", precision=precision, tp=2, rank=rank))
         assert abs(predicted.peak_allocated_bytes - measured) <= 0.005 * measured, (rank, predicted, measured)
@@ -56,7 +56,7 @@ def test_tp_inference_and_generation_match_real_gloo_ranks(mode, kw):
     """TP serves too: a forward over the prompt (the logits gathered from both ranks' vocabulary halves by the
     head's colwise_gather_output) and a generation with its KV cache of half the KV heads per rank."""
     spec = RunSpec(LLAMA, batch=2, seq=16, device="cpu", precision="bf16", mode=mode, tp=2, **kw)
-    real = measure_cpu_peak_ranks(spec, repeats=2)
+    real = measure_cpu_peak_ranks(spec)
     for rank, measured in enumerate(real):
         predicted = analyze(RunSpec(LLAMA, batch=2, seq=16, device="cpu", precision="bf16", mode=mode, tp=2,
                                     rank=rank, **kw)).peak_allocated_bytes
@@ -69,7 +69,7 @@ def test_transformers_fsdp_plan_on_a_2d_mesh_matches_real_gloo_ranks():
     route to a 2-D mesh; its FSDP plan keeps the final norm and lm_head unsharded after forward)."""
     kw = {"batch": 2, "seq": 16, "device": "cpu", "precision": "bf16-mixed", "fsdp": 2, "tp": 2,
           "fsdp_plan": "transformers"}
-    real = measure_cpu_peak_ranks(RunSpec(LLAMA, **kw), repeats=2)
+    real = measure_cpu_peak_ranks(RunSpec(LLAMA, **kw))
     report = analyze(RunSpec(LLAMA, **kw))
     assert set(report.run["fsdp"]["rank_peaks"]) == {"0-3"}  # every rank holds the same shapes here
     # On a CPU with native bf16 (avx512_bf16) this was 1.5% high until the probe ran a DTensor op's local op:
