@@ -143,7 +143,8 @@ GENERATION_QUESTIONS = Bridge(
      ("transformers.masking_utils", "_ignore_bidirectional_mask_sdpa"),
      (_WHISPER, "WhisperGenerationMixin.generate_with_fallback"),
      (_WHISPER, "WhisperGenerationMixin._retrieve_segment")), TRANSFORMERS_WRITTEN_FOR,
-    "model.generate() reads values: Tensor.__bool__ and Tensor.item of meta tensors, which meta cannot answer. "
+    "model.generate() reads values: Tensor.__bool__, Tensor.item and Tensor.tolist of meta tensors, which meta "
+    "cannot answer. "
     "While a generation is traced (`generating`), they are answered as the real run with the traced inputs "
     "(an unpadded prompt of token ids in [0, vocab), its attention mask all ones, greedy with min_new_tokens = "
     "max_new_tokens = N) answers them, by the function asking: generate's `has_right_padding = torch.any("
@@ -152,8 +153,8 @@ GENERATION_QUESTIONS = Bridge(
     "_ignore_bidirectional_mask_sdpa's `padding_mask.all()` True (the prompt has no padding); "
     "_get_logits_processor's "
     "`(encoder_input_ids < 0).any()` False; StopCheck's `bool(unfinished_sequences.max() == 0)` False until the "
-    "N-th token, then True (MaxLengthCriteria ends every row at once). Whisper's generate (short-form: one 30 s "
-    "segment, temperature 0, one pass of generate_with_fallback) asks two more: generate_with_fallback's "
+    "N-th token, then True (MaxLengthCriteria ends every row at once). Whisper's generate (short-form: one window of "
+    "the encoder's input, 30 s for Whisper's checkpoints, temperature 0, one pass of generate_with_fallback) asks two more: generate_with_fallback's "
     "`seek_sequence[-1] == pad_token_id` and `seek_sequence[-1] == eos_token_id` False (min_new_tokens = N masks "
     "the EOS token, which is the pad token in Whisper's configs), and _retrieve_segment's "
     "`seek_sequence.tolist()`, read only to find timestamp tokens (`token >= timestamp_begin`), a list of 0s: "
@@ -520,15 +521,15 @@ def _adafactor_scalars(stack: contextlib.ExitStack) -> None:
         stack.enter_context(_set(_adafactor, name, bridged(getattr(_adafactor, name))))
 
 
-def _zeros_list(shape: tuple[int, ...]) -> list | int:
-    """What `Tensor.tolist()` gives for an int tensor of 0s of `shape`, with no tensor allocated."""
-    return [_zeros_list(shape[1:]) for _ in range(shape[0])] if shape else 0
+def _filled_list(shape: tuple[int, ...], value: int) -> list | int:
+    """What `Tensor.tolist()` gives for an int tensor of `shape` filled with `value`, with no tensor allocated."""
+    return [_filled_list(shape[1:], value) for _ in range(shape[0])] if shape else value
 
 
 @contextlib.contextmanager
 def generating(new_tokens: int, stop_after: int | None = None) -> Iterator[None]:
-    """GENERATION_QUESTIONS while a `model.generate()` of `new_tokens` tokens is traced: Tensor.__bool__ and
-    Tensor.item of meta tensors answered by the transformers function asking (see the bridge's `why`); the
+    """GENERATION_QUESTIONS while a `model.generate()` of `new_tokens` tokens is traced: Tensor.__bool__,
+    Tensor.item and Tensor.tolist of meta tensors answered by the transformers function asking (see the bridge's `why`); the
     originals back on exit. `stop_after`: the stop check answers "every row finished" after that many tokens
     instead (a generation traced in part, `tracer/decoding.py`: the loop exits there as it does after the N-th
     token). Raises BridgeError (nothing patched) when a target is missing; while it runs, a
@@ -565,7 +566,7 @@ def generating(new_tokens: int, stop_after: int | None = None) -> Iterator[None]
         (code["StopCheck.__call__"], "__bool__"): stop_check,
         # Whisper: the last token is neither pad nor EOS; no token is a timestamp
         (code["generate_with_fallback"], "__bool__"): lambda: False,
-        (code["_retrieve_segment"], "tolist"): lambda: None,
+        (code["_retrieve_segment"], "tolist"): lambda: 0,  # token 0 at every place
     }
 
     def answering(name: str):
@@ -581,8 +582,8 @@ def generating(new_tokens: int, stop_after: int | None = None) -> Iterator[None]
                                  f"{caller.f_code.co_qualname} ({caller.f_code.co_filename}:{caller.f_lineno}), a "
                                  f"question bridge {GENERATION_QUESTIONS.name} does not answer")
             value = known()
-            if name == "tolist":  # Whisper's token list: token 0 at every place (see the bridge's `why`)
-                return _zeros_list(tuple(self.shape))
+            if name == "tolist":
+                return _filled_list(tuple(self.shape), int(value))
             return value if name == "__bool__" else int(value)
         return answer
 
