@@ -162,6 +162,22 @@ def test_whisper_generate_seq_is_its_decoder_prompt(tmp_path, capsys, seq, new_t
     assert err.startswith("Error: ") and needle in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("forced", [None, [[1, 5], [2, 6], [3, None]], [[1, 5], [2, 6], [3, 7]], [[2, 5]]])
+def test_whisper_prompt_is_the_one_a_real_generate_feeds_the_decoder(tmp_path, forced):
+    """`whisper_prompt_tokens` against the decoder_input_ids a real generate() gives the first forward."""
+    import torch
+    from transformers import AutoConfig, WhisperForConditionalGeneration
+
+    from vramtrace.tracer.building import whisper_prompt_tokens
+
+    config = AutoConfig.from_pretrained(_whisper(tmp_path, **SHORT_WINDOW, forced_decoder_ids=forced))
+    model = WhisperForConditionalGeneration(config).eval()
+    seen = []
+    model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["decoder_input_ids"].shape[-1]), with_kwargs=True)
+    model.generate(input_features=torch.randn(2, 80, 100), max_new_tokens=2, min_new_tokens=2, do_sample=False)
+    assert whisper_prompt_tokens(config) == seen[0]
+
+
 # -- wav2vec2-style input_values ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch,mode,precision", [
     ("Wav2Vec2ForCTC", "inference", "fp32"), ("Wav2Vec2Model", "train", "fp32"),
