@@ -288,8 +288,8 @@ def base_model_loss(out):
 def _media_batch(model, config, batch: int, seq: int | None, train: bool, image_size: int | None,
                  float_dtype: torch.dtype) -> dict | None:
     """Audio models' inputs and base models' (feature extraction), as their documentation feeds them; None for the
-    rest. Whisper: `input_features` from WhisperFeatureExtractor (its default 30 s window, random 1 s waveforms at
-    16 kHz), `labels` (train) or `decoder_input_ids` of `seq` tokens; wav2vec2: `input_values` (batch, seq
+    rest. Whisper: `input_features` from WhisperFeatureExtractor (the window the encoder takes, its default 30 s
+    for 1,500 source positions; random 1 s waveforms at 16 kHz), `labels` (train) or `decoder_input_ids` of `seq` tokens; wav2vec2: `input_values` (batch, seq
     samples); a base model's inputs carry no labels."""
     main = model.main_input_name
     base = is_base_model(model, config)
@@ -307,7 +307,10 @@ def _media_batch(model, config, batch: int, seq: int | None, train: bool, image_
     if main == "input_features":
         import numpy as np
 
-        extractor = transformers.WhisperFeatureExtractor(feature_size=config.num_mel_bins)
+        # the window the encoder takes: 2 frames per source position, 100 frames (hop 160 at 16 kHz) a second
+        # (30 s for Whisper's 1,500 positions, the extractor's default)
+        extractor = transformers.WhisperFeatureExtractor(feature_size=config.num_mel_bins,
+                                                         chunk_length=config.max_source_positions * 2 // 100)
         waves = [np.random.default_rng(i).standard_normal(16000).astype(np.float32) for i in range(batch)]
         features = extractor(waves, sampling_rate=16000, return_tensors="pt").input_features
         out["input_features"] = features.to(float_dtype)

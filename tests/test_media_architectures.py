@@ -1,7 +1,8 @@
 """Architectures users have today beyond text LMs (issue 38, section 4): Mamba2 (an SSM whose config holds
 Infinity), Whisper (speech seq2seq, input_features), wav2vec2 (input_values) and DINOv2 as the Hub ships it (a
 base model, no head). Each tiny config is written by transformers' own `XConfig(...).save_pretrained(dir)`, and
-each trace is checked against the same step run for real on the CPU (tests/oracle.py: public APIs only)."""
+each trace is checked against the same step run for real on the CPU (tests/oracle.py: public APIs only), Whisper's
+generate() included."""
 
 from __future__ import annotations
 
@@ -33,14 +34,14 @@ def _mamba2(tmp_path) -> str:
         architectures=["Mamba2ForCausalLM"], **TINY))
 
 
-def _whisper(tmp_path) -> str:
+def _whisper(tmp_path, **overrides) -> str:
     from transformers import WhisperConfig
 
-    return _save(tmp_path, "whisper", WhisperConfig(
-        d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-        encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256, num_mel_bins=80, max_source_positions=1500,
-        max_target_positions=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
-        architectures=["WhisperForConditionalGeneration"]))
+    fields = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                  encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256, num_mel_bins=80, max_source_positions=1500,
+                  max_target_positions=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+                  architectures=["WhisperForConditionalGeneration"])
+    return _save(tmp_path, "whisper", WhisperConfig(**{**fields, **overrides}))
 
 
 def _wav2vec2(tmp_path, arch: str, **extra) -> str:
@@ -60,10 +61,11 @@ def _dinov2(tmp_path) -> str:
         architectures=["Dinov2Model"], **TINY))
 
 
-def _matches_real(spec: RunSpec) -> None:
+def _matches_real(spec: RunSpec):
     report = analyze(spec)
     real = measure_cpu_peak(spec)
     assert abs(report.peak_allocated_bytes - real) <= 0.001 * real, (report.peak_allocated_bytes, real)
+    return report
 
 
 # -- Mamba2: a config with Infinity; CPU autocast inside einsum -----------------------------------------------------
@@ -129,6 +131,53 @@ def test_whisper_input_features_have_the_feature_extractors_shape(tmp_path):
     assert tuple(shapes["decoder_input_ids"]) == (2, 16)
 
 
+# Whisper's generate(input_features, max_new_tokens=N, min_new_tokens=N, do_sample=False): short-form, one window.
+# A 1 s window (50 source positions) keeps the encoder small, so that the decode steps' growing cache makes the
+# peak; pad = EOS as in Whisper's checkpoints (min_new_tokens masks both).
+SHORT_WINDOW = dict(max_source_positions=50, pad_token_id=2)
+
+
+@pytest.mark.parametrize("overrides,seq,new_tokens,extra", [
+    (SHORT_WINDOW, 1, 40, {}),  # the prompt is decoder_start_token_id; the peak in the last decode steps
+    ({}, 1, 4, {}),  # the 30 s window (3,000 frames); pad (0) is not EOS (2)
+    ({**SHORT_WINDOW, "forced_decoder_ids": [[1, 5], [2, 6], [3, None]], "suppress_tokens": [3, 4]}, 3, 8,
+     {"cache": "static", "precision": "bf16-mixed"}),  # a forced prompt, a suppress-tokens processor, StaticCache
+], ids=["decode-peak", "30s-window", "forced-prompt-static-bf16"])
+def test_whisper_generate_matches_a_real_cpu_generate(tmp_path, overrides, seq, new_tokens, extra):
+    spec = RunSpec(_whisper(tmp_path, **overrides), batch=2, seq=seq, mode="generate", new_tokens=new_tokens,
+                   device="cpu", **{"precision": "fp32", **extra})
+    report = _matches_real(spec)
+    if new_tokens == 40:  # the case checks the decode steps, not only the encoder
+        assert report.run["peak_in"].startswith("decode step")
+
+
+@pytest.mark.parametrize("seq,new_tokens,needle", [("4", "8", "pass --seq 1"),
+                                                   ("1", "128", "use --new-tokens 127 or fewer")])
+def test_whisper_generate_seq_is_its_decoder_prompt(tmp_path, capsys, seq, new_tokens, needle):
+    """Whisper's generate() builds its decoder prompt itself (decoder_start_token_id, forced_decoder_ids): --seq
+    must say that length, and the prompt plus the new tokens fit max_target_positions (128), else one line."""
+    assert main([_whisper(tmp_path), "--batch", "2", "--seq", seq, "--mode", "generate", "--new-tokens", new_tokens,
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("Error: ") and needle in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("forced", [None, [[1, 5], [2, 6], [3, None]], [[1, 5], [2, 6], [3, 7]], [[2, 5]]])
+def test_whisper_prompt_is_the_one_a_real_generate_feeds_the_decoder(tmp_path, forced):
+    """`whisper_prompt_tokens` against the decoder_input_ids a real generate() gives the first forward."""
+    import torch
+    from transformers import AutoConfig, WhisperForConditionalGeneration
+
+    from vramtrace.tracer.building import whisper_prompt_tokens
+
+    config = AutoConfig.from_pretrained(_whisper(tmp_path, **SHORT_WINDOW, forced_decoder_ids=forced))
+    model = WhisperForConditionalGeneration(config).eval()
+    seen = []
+    model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["decoder_input_ids"].shape[-1]), with_kwargs=True)
+    model.generate(input_features=torch.randn(2, 80, 100), max_new_tokens=2, min_new_tokens=2, do_sample=False)
+    assert whisper_prompt_tokens(config) == seen[0]
+
+
 # -- wav2vec2-style input_values ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch,mode,precision", [
     ("Wav2Vec2ForCTC", "inference", "fp32"), ("Wav2Vec2Model", "train", "fp32"),
@@ -156,14 +205,6 @@ def test_wav2vec2_training_it_cannot_trace_is_refused_in_one_line(tmp_path, caps
     assert main([path, "--batch", "2", "--seq", "4000", "--device", "cpu"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("Error: ") and needle in err and len(err.splitlines()) == 1
-
-
-def test_whisper_generate_is_refused_in_one_line(tmp_path, capsys):
-    """Whisper's generate() loop reads token values (generate_with_fallback): refused, not guessed."""
-    assert main([_whisper(tmp_path), "--batch", "2", "--seq", "4", "--mode", "generate", "--new-tokens", "4",
-                 "--device", "cpu"]) == 1
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("Error: ") and "generate_with_fallback" in err and len(err.splitlines()) == 1
 
 
 def test_audio_shorter_than_the_receptive_field_is_refused(tmp_path):

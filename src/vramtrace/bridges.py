@@ -133,14 +133,18 @@ ADAFACTOR_SCALARS = Bridge(
     ".item() meta cannot answer. The norms' ops run; while either function runs, Tensor.item of a meta tensor "
     "answers 1.0: the values only scale the update, never a size")
 
+_WHISPER = "transformers.models.whisper.generation_whisper"
 GENERATION_QUESTIONS = Bridge(
     "generation_questions", "transformers",
     (("transformers.generation.utils", "GenerationMixin.generate"),
      ("transformers.generation.utils", "GenerationMixin._prepare_special_tokens"),
      ("transformers.generation.utils", "GenerationMixin._get_logits_processor"),
      ("transformers.generation.utils", "StopCheck"),
-     ("transformers.masking_utils", "_ignore_bidirectional_mask_sdpa")), TRANSFORMERS_WRITTEN_FOR,
-    "model.generate() reads values: Tensor.__bool__ and Tensor.item of meta tensors, which meta cannot answer. "
+     ("transformers.masking_utils", "_ignore_bidirectional_mask_sdpa"),
+     (_WHISPER, "WhisperGenerationMixin.generate_with_fallback"),
+     (_WHISPER, "WhisperGenerationMixin._retrieve_segment")), TRANSFORMERS_WRITTEN_FOR,
+    "model.generate() reads values: Tensor.__bool__, Tensor.item and Tensor.tolist of meta tensors, which meta "
+    "cannot answer. "
     "While a generation is traced (`generating`), they are answered as the real run with the traced inputs "
     "(an unpadded prompt of token ids in [0, vocab), its attention mask all ones, greedy with min_new_tokens = "
     "max_new_tokens = N) answers them, by the function asking: generate's `has_right_padding = torch.any("
@@ -149,8 +153,14 @@ GENERATION_QUESTIONS = Bridge(
     "_ignore_bidirectional_mask_sdpa's `padding_mask.all()` True (the prompt has no padding); "
     "_get_logits_processor's "
     "`(encoder_input_ids < 0).any()` False; StopCheck's `bool(unfinished_sequences.max() == 0)` False until the "
-    "N-th token, then True (MaxLengthCriteria ends every row at once). A question from any other function is a "
-    "TraceError naming it")
+    "N-th token, then True (MaxLengthCriteria ends every row at once). Whisper's generate (short-form: one window of "
+    "the encoder's input, 30 s for Whisper's checkpoints, temperature 0, one pass of generate_with_fallback) asks two more: generate_with_fallback's "
+    "`seek_sequence[-1] == pad_token_id` and `seek_sequence[-1] == eos_token_id` False (min_new_tokens = N masks "
+    "the EOS token, which is the pad token in Whisper's configs), and _retrieve_segment's "
+    "`seek_sequence.tolist()`, read only to find timestamp tokens (`token >= timestamp_begin`), a list of 0s: "
+    "no timestamp token (return_timestamps is off; without the generation config's no_timestamps_token_id, "
+    "timestamp_begin is vocab_size + 1, past every token). A question from any other function is a TraceError "
+    "naming it")
 
 TENSOR_CHECKS = Bridge(
     "tensor_checks", "transformers",
@@ -592,10 +602,15 @@ def _adafactor_scalars(stack: contextlib.ExitStack) -> None:
         stack.enter_context(_set(_adafactor, name, bridged(getattr(_adafactor, name))))
 
 
+def _filled_list(shape: tuple[int, ...], value: int) -> list | int:
+    """What `Tensor.tolist()` gives for an int tensor of `shape` filled with `value`, with no tensor allocated."""
+    return [_filled_list(shape[1:], value) for _ in range(shape[0])] if shape else value
+
+
 @contextlib.contextmanager
 def generating(new_tokens: int, stop_after: int | None = None) -> Iterator[None]:
-    """GENERATION_QUESTIONS while a `model.generate()` of `new_tokens` tokens is traced: Tensor.__bool__ and
-    Tensor.item of meta tensors answered by the transformers function asking (see the bridge's `why`); the
+    """GENERATION_QUESTIONS while a `model.generate()` of `new_tokens` tokens is traced: Tensor.__bool__,
+    Tensor.item and Tensor.tolist of meta tensors answered by the transformers function asking (see the bridge's `why`); the
     originals back on exit. `stop_after`: the stop check answers "every row finished" after that many tokens
     instead (a generation traced in part, `tracer/decoding.py`: the loop exits there as it does after the N-th
     token). Raises BridgeError (nothing patched) when a target is missing; while it runs, a
@@ -615,6 +630,8 @@ def generating(new_tokens: int, stop_after: int | None = None) -> Iterator[None]
     if stop_call is None:
         raise _missing(GENERATION_QUESTIONS, mod + "StopCheck.__call__")
     code["StopCheck.__call__"] = stop_call.__code__
+    for name in ("generate_with_fallback", "_retrieve_segment"):  # staticmethods and methods alike
+        code[name] = inspect.unwrap(found[f"{_WHISPER}.WhisperGenerationMixin.{name}"]).__code__
     stops = [0]
 
     def stop_check() -> bool:
@@ -628,6 +645,9 @@ def generating(new_tokens: int, stop_after: int | None = None) -> Iterator[None]
         (code["GenerationMixin._get_logits_processor"], "__bool__"): lambda: False,
         (code["_ignore_bidirectional_mask_sdpa"], "__bool__"): lambda: True,  # the prompt's mask: all ones
         (code["StopCheck.__call__"], "__bool__"): stop_check,
+        # Whisper: the last token is neither pad nor EOS; no token is a timestamp
+        (code["generate_with_fallback"], "__bool__"): lambda: False,
+        (code["_retrieve_segment"], "tolist"): lambda: 0,  # token 0 at every place
     }
 
     def answering(name: str):
@@ -643,10 +663,13 @@ def generating(new_tokens: int, stop_after: int | None = None) -> Iterator[None]
                                  f"{caller.f_code.co_qualname} ({caller.f_code.co_filename}:{caller.f_lineno}), a "
                                  f"question bridge {GENERATION_QUESTIONS.name} does not answer")
             value = known()
+            if name == "tolist":
+                return _filled_list(tuple(self.shape), int(value))
             return value if name == "__bool__" else int(value)
         return answer
 
-    with _set(torch.Tensor, "__bool__", answering("__bool__")), _set(torch.Tensor, "item", answering("item")):
+    with (_set(torch.Tensor, "__bool__", answering("__bool__")), _set(torch.Tensor, "item", answering("item")),
+          _set(torch.Tensor, "tolist", answering("tolist"))):
         yield
 
 

@@ -414,6 +414,35 @@ def whisper_frames(config) -> int:
     return 2 * config.max_source_positions
 
 
+def whisper_prompt_tokens(config) -> int:
+    """The decoder prompt Whisper's generate() builds from a config (transformers/models/whisper/
+    generation_whisper.py `WhisperGenerationMixin._retrieve_init_tokens`, with the generation config transformers
+    derives from the config, which names no language, task or timestamp tokens): `decoder_start_token_id`, then
+    the config's `forced_decoder_ids` [[1, id], [2, id], ...] when they start at position 1, their None ids left
+    out. Raises UsageError for forced_decoder_ids that generate() rejects (positions not 1, 2, 3, ...)."""
+    forced = list(getattr(config, "forced_decoder_ids", None) or [])
+    if not forced or forced[0][0] != 1:  # generate() ignores forced ids that do not start at position 1
+        return 1
+    if [position for position, _ in forced] != list(range(1, len(forced) + 1)):
+        raise UsageError(f"the config's forced_decoder_ids {forced} do not follow Whisper's prompt pattern (positions "
+                         "1, 2, 3, ...), which generate() rejects; fix them in the config")
+    return 1 + sum(token is not None for _, token in forced)
+
+
+def _whisper_generate_check(spec: RunSpec, config) -> None:
+    """Raise UsageError unless --seq is the decoder prompt Whisper's generate() builds (`whisper_prompt_tokens`)
+    and the prompt plus --new-tokens fit the decoder's `max_target_positions` (generation_whisper.py
+    `_set_max_new_tokens_and_length` raises otherwise)."""
+    prompt = whisper_prompt_tokens(config)
+    if spec.seq != prompt:
+        raise UsageError(f"--seq of a Whisper generation is the decoder prompt its generate() builds from the config "
+                         f"(decoder_start_token_id and the forced_decoder_ids): {prompt} token(s); pass --seq {prompt}")
+    if prompt + spec.new_tokens > config.max_target_positions:
+        raise UsageError(f"--new-tokens {spec.new_tokens} after a decoder prompt of {prompt} exceeds the decoder's "
+                         f"max_target_positions ({config.max_target_positions}); use --new-tokens "
+                         f"{config.max_target_positions - prompt} or fewer")
+
+
 def encoder_frames(config, samples: int) -> int:
     """Frames a wav2vec2-style feature encoder makes of `samples` audio samples: each convolution maps n to
     (n - kernel) // stride + 1 (transformers/models/wav2vec2/modeling_wav2vec2.py
@@ -432,15 +461,17 @@ def media_inputs(spec: RunSpec, config, task: str, main_input: str, device: str,
 
     - input_features (Whisper): float (B, num_mel_bins, `whisper_frames`), as WhisperFeatureExtractor pads a clip;
       the decoder reads --seq tokens: `labels` int64 (B, S) to train (the model shifts them right into
-      decoder_input_ids), `decoder_input_ids` (B, S) for inference and feature extraction; --mode generate is
-      refused (TraceError: Whisper's generate() reads token values);
+      decoder_input_ids), `decoder_input_ids` (B, S) for inference and feature extraction; --mode generate passes
+      input_features alone (Whisper's generate builds the decoder prompt of `whisper_prompt_tokens`, which --seq
+      must equal; the token values it reads are answered by bridges.GENERATION_QUESTIONS);
     - input_values (wav2vec2): float (B, S), S = --seq audio samples; sequence classification trains with
       `sequence_labels`; CTC training is refused (no meta kernel for ctc_loss);
     - feature extraction of a pixel_values model: (B, C, H, W) as image classification; of an input_ids model:
       input_ids (B, S) (+ decoder_input_ids (B, S) for an encoder-decoder); no labels: the loss is `feature_loss`.
     Raises UsageError (no --seq where one is needed; a task these inputs have no labels for; --mode generate of a
-    model that does not generate; audio shorter than the feature encoder's receptive field), TraceError (what
-    cannot be traced yet: Whisper's generate(), SpecAugment, CTC training)."""
+    model that does not generate, or of Whisper with --seq other than its decoder prompt; audio shorter than the
+    feature encoder's receptive field), TraceError / UnsupportedOpError (what cannot be traced yet: SpecAugment,
+    CTC training)."""
     audio = main_input in ("input_features", "input_values")
     if not audio and task != Task.FEATURE_EXTRACTION.value:
         return None
@@ -461,11 +492,10 @@ def media_inputs(spec: RunSpec, config, task: str, main_input: str, device: str,
             raise UsageError(f"{config.model_type}: only Whisper-style input_features (num_mel_bins, "
                              "max_source_positions) are built")
         if spec.mode is Mode.GENERATE:
-            raise TraceError("--mode generate of a speech seq2seq model cannot be traced yet: Whisper's generate() "
-                             "(generation_whisper.py `generate_with_fallback`) reads token values, e.g. "
-                             "`seek_sequence[-1] == pad_token_id`, which meta tensors do not hold; trace --mode "
-                             "inference (one forward of --seq decoder tokens) or train")
+            _whisper_generate_check(spec, config)
         inputs["input_features"] = _floats((B, config.num_mel_bins, whisper_frames(config)), float_dtype, device)
+        if spec.mode is Mode.GENERATE:  # generate(input_features, ...): Whisper builds the decoder prompt itself
+            return inputs
     ids = _ints((B, spec.seq), config.vocab_size, device, getattr(config, "pad_token_id", None))  # (B, S)
     if main_input == "input_ids":
         inputs["input_ids"] = ids
