@@ -245,9 +245,11 @@ def _layer_signature(layer: torch.nn.Module) -> tuple:
 
 
 def layer_config(config):
-    """The config that holds the layer count: `config`, or its text config (transformers' `get_text_config()`)
-    when it has no num_hidden_layers of its own (Qwen2-VL, Gemma-3 multimodal)."""
-    if hasattr(config, "num_hidden_layers") or not hasattr(config, "get_text_config"):
+    """The config that holds the layer count: `config`, or a vision-language model's text config (transformers'
+    `get_text_config()`) when it has no num_hidden_layers of its own (Qwen2-VL, Gemma-3 multimodal: `vlm_family`).
+    Other composite configs (SigLIP, CLIP) are `config` itself: their text config's count is not the stack a
+    vision head runs."""
+    if hasattr(config, "num_hidden_layers") or vlm_family(config) is None:
         return config
     return config.get_text_config()
 
