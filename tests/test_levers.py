@@ -180,8 +180,13 @@ def test_a_lever_whose_trace_fails_keeps_the_report(monkeypatch, capsys, tmp_pat
     assert "qlora" in skipped  # QLoRA is LoRA too
     assert "checkpointing" in {lv["family"] for lv in report["levers"]["levers"]}
     assert "Traceback" not in out and "LoRA r=16: could not be traced: RuntimeError: boom" in out
+    import logging
+
+    log = logging.getLogger("vramtrace")
+    before = (log.level, list(log.handlers))
     rc, _, out = _lever_report(monkeypatch, capsys, tmp_path, "--debug")
     assert rc == 0 and "Traceback" in out and "boom in the LoRA trace" in out
+    assert (log.level, list(log.handlers)) == before  # --debug leaves the logger as it found it
 
 
 def test_the_lever_cache_gives_the_outcomes_of_the_same_traces(monkeypatch, tmp_path):

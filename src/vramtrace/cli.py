@@ -503,21 +503,24 @@ def main(argv: list[str] | None = None) -> int:
                          "please report it)")
         return 1
     finally:
-        if log_handler is not None:
-            logging.getLogger("vramtrace").removeHandler(log_handler)
+        if log_handler is not None:  # the logger as it was (main() is also called in-process)
+            handler, level = log_handler
+            logging.getLogger("vramtrace").removeHandler(handler)
+            logging.getLogger("vramtrace").setLevel(level)
     return 0
 
 
 def _debug_log(debug: bool):
     """With --debug, the library's DEBUG records on stderr (e.g. the traceback of a lever whose trace failed, which
-    the report lists as "could not be traced"); returns the handler added, or None."""
+    the report lists as "could not be traced"); returns (the handler added, the logger's level before), or None."""
     if not debug:
         return None
     handler = logging.StreamHandler(sys.stderr)
     log = logging.getLogger("vramtrace")
+    before = log.level
     log.addHandler(handler)
     log.setLevel(logging.DEBUG)
-    return handler
+    return handler, before
 
 
 if __name__ == "__main__":
