@@ -316,13 +316,8 @@ def step_inputs(spec: RunSpec, config, task: str, device: str, float_dtype: torc
     train = spec.mode is Mode.TRAIN
     real = device != "meta"
 
-    def ints(shape, high, pad=None):
-        if not real:
-            return torch.empty(shape, dtype=torch.int64, device="meta")
-        ids = torch.randint(0, high, shape, dtype=torch.int64, device=device)
-        if pad is not None and 0 <= pad < high and high > 1:  # no padding tokens: the trace assumes none
-            ids[ids == pad] = (pad + 1) % high
-        return ids
+    def ints(shape, high, pad=None):  # no padding tokens: the trace assumes none
+        return _ints(shape, high, device, pad)
 
     inputs: dict[str, Any] = {}
     if task in ("image-classification", "contrastive"):
