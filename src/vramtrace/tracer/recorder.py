@@ -99,9 +99,10 @@ class StepRecorder(TorchDispatchMode):
         self._lock = threading.Lock()
         self.module_stack: list[str] = []
         self.recomputing = 0  # > 0 while a checkpointed region's forward is re-run in the backward
-        # (func, args, kwargs, meta out) -> (bytes the target's kernel allocates and frees inside the op, the
-        # output laid out as the target's kernel lays it out) (kernels.CpuWorkspaceProbe)
-        self.workspace: Callable[[Any, tuple, dict, Any], tuple[int, Any]] | None = None
+        # (func, args, kwargs, meta out) -> (bytes the target's kernel allocates and frees inside the op, an int or a
+        # tuple of blocks in allocation order, and the output laid out as the target's kernel lays it out)
+        # (kernels.CpuWorkspaceProbe; on a CUDA target cuda_reductions.cuda_workspace_hook)
+        self.workspace: Callable[[Any, tuple, dict, Any], tuple[int | tuple[int, ...], Any]] | None = None
         self.strict = False  # an op without a meta kernel raises UnsupportedOpError (else: CPU fallback, listed)
         self.unresolved: list[str] = []
         self._finished_node = None  # the autograd node whose apply just finished: the engine accumulates its outputs
@@ -450,12 +451,16 @@ class StepRecorder(TorchDispatchMode):
                 sid = self.storage_id(t, op_index=index, op=name)
                 if sid >= n_before and sid not in new:
                     new.append(sid)
-        if ws > 0:  # a storage born and freed within the op: what the kernel holds while it runs
+        # storages born and freed within the op: what the kernel holds while it runs, one per block the hook
+        # gives (an int, or a tuple in allocation order: a CUDA reduction's staging buffer and semaphores)
+        for nbytes in ((ws,) if isinstance(ws, int) else ws):
+            if nbytes <= 0:
+                continue
             sid = len(self.storages)
             where, category = self.op_categories.get(name, ("", None))
-            self.storages.append(RecStorage(sid, ws, "uint8", (ws,), "meta", index, name, self.current_module(),
-                                            str(self.phase), category if where == "workspace" else None,
-                                            "kernel workspace"))
+            self.storages.append(RecStorage(sid, nbytes, "uint8", (nbytes,), "meta", index, name,
+                                            self.current_module(), str(self.phase),
+                                            category if where == "workspace" else None, "kernel workspace"))
             self.free_after[sid] = index
             new.append(sid)
         if self.offloading and new and (to_host or (not self._copying_to_device and ins and all(

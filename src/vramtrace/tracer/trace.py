@@ -253,10 +253,14 @@ def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: 
         rec.op_categories = FSDP_OP_CATEGORIES
     if spec.device is Device.CPU:
         rec.workspace = CpuWorkspaceProbe(autocast_dtype=lambda: policy.kernel_autocast_dtype)
-    elif spec.quantization is not None:
+    else:  # CUDA: the reductions' staging buffers, and bitsandbytes' kernels' workspaces
+        from ..analysis.cuda_reduce import ReduceDevice
+        from .cuda_reductions import cuda_workspace_hook
         from .quantization import cuda_workspace
 
-        rec.workspace = cuda_workspace
+        gpu = spec.gpu_preset
+        rec.workspace = cuda_workspace_hook(ReduceDevice(gpu.sm_count, gpu.max_threads_per_sm),
+                                            cuda_workspace if spec.quantization is not None else None)
 
     def wrap_region(function):
         """A checkpointed region's function: its re-run in the backward is marked as recompute and runs under
