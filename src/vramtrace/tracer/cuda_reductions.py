@@ -10,7 +10,8 @@ op's meta arguments into the iterator and kernel template arguments it needs. Ke
 * linalg_vector_norm / norm (`ReduceNormKernel.cu` `norm_kernel_cuda_impl`): arg_t the input's real accumulation
   type (float for half/bfloat16).
 * amax/amin (`ReduceMaxValuesKernel.cu`, `ReduceMinValuesKernel.cu`): arg_t the input's type.
-* max/min with indices (`ReduceMinMaxKernel.cu`, `MaxOps`): arg_t thrust::pair<scalar_t, int64_t> (16 B);
+* max/min with indices (`ReduceMinMaxKernel.cu`, `MaxOps`): arg_t thrust::pair<scalar_t, int64_t> (16 B); max()
+  and min() of all values (`ReduceAllOps.cpp`, max_all_stub) run the amax/amin kernel;
   argmax/argmin (`ReduceArgMaxKernel.cu`, `ArgMaxOps`): pair<acc_t, int64_t> (16 B), output int64.
 * var/std/var_mean/std_mean (`ReduceMomentsKernel.cu` `std_var_kernel_impl`): `WelfordData<acc_t, int32_t>` (mean,
   m2, n, nf: 16 B for a float accumulator, 32 B for double), vt0 2 ("reducing unrolling factor to 2 for welford
@@ -117,6 +118,10 @@ def reduction_workspace(func, args, kwargs, out, device: ReduceDevice) -> tuple[
     family = func._schema.name.split("::")[-1]
     if family not in REDUCTION_OPS or not args or not isinstance(args[0], torch.Tensor):
         return ()
+    if family in _INDEXED:  # max.other / min.other are elementwise; max() / min() reduce all values as amax does
+        if func._overloadname not in ("dim", "default"):  # (ReduceAllOps.cpp `max`: max_all_stub)
+            return ()
+        family = family if func._overloadname == "dim" else "a" + family
     x = args[0]
     outs = [t for t in torch.utils._pytree.tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     if not outs or x.numel() == 0 or x.is_complex() and family in _INDEXED | _ARG:
