@@ -125,6 +125,14 @@ def test_aten_ops_map_to_their_kernels():
     # max with indices: arg_t pair<float, int64_t>, 16 B: four times the sum's buffer
     values = torch.ops.aten.max.dim(grad, 0)
     assert reduction_workspace(torch.ops.aten.max.dim, (grad, 0), {}, values, H100) == (4 * 33_554_432, 8)
+    # var: WelfordData<float, int32_t> (16 B), vt0 2; argmax: pair<float, int64_t> into int64 outputs
+    assert reduction_workspace(torch.ops.aten.var.correction, (grad, [0]), {}, out, H100) == (4 * 33_554_432, 8)
+    index = torch.empty(256, dtype=torch.int64, device="meta")
+    assert reduction_workspace(torch.ops.aten.argmax.default, (grad, 0), {}, index, H100) == (4 * 33_554_432, 8)
+    # max() of all values is amax's kernel (the 2^24 full reduction above: 2112 B, 4 B); max(a, b) is elementwise
+    flat, scalar = torch.empty(1 << 24, device="meta"), torch.empty((), device="meta")
+    assert reduction_workspace(torch.ops.aten.max.default, (flat,), {}, scalar, H100) == (2112, 4)
+    assert reduction_workspace(torch.ops.aten.max.other, (flat, flat), {}, flat, H100) == ()
     # a last-dim reduction stays within thread blocks; a matmul is no reduction
     rows = torch.empty(16384, device="meta")
     assert reduction_workspace(sum_dim, (grad, [1]), {}, rows, H100) == ()
