@@ -113,9 +113,10 @@ def _in_dtype(family: str, x: torch.Tensor, out: torch.Tensor, named: dict) -> t
 def reduction_workspace(func, args, kwargs, out, device: ReduceDevice) -> tuple[int, ...]:
     """The blocks (bytes, in allocation order) a CUDA reduction op holds while it runs beyond its outputs; () for
     any other op, an empty input, or a reduction that stays within thread blocks."""
-    if func.namespace != "aten":
+    schema = getattr(func, "_schema", None)  # OpOverloads only
+    if schema is None or func.namespace != "aten":
         return ()
-    family = func._schema.name.split("::")[-1]
+    family = schema.name.split("::")[-1]
     if family not in REDUCTION_OPS or not args or not isinstance(args[0], torch.Tensor):
         return ()
     if family in _INDEXED:  # max.other / min.other are elementwise; max() / min() reduce all values as amax does
