@@ -37,3 +37,24 @@ def test_cross_entropy_under_cuda_autocast_keeps_the_inputs_dtype_then_an_fp32_c
     assert sorted((t.dtype, t.op) for t in live) == [("bfloat16", "aten._log_softmax.default"),
                                                     ("float32", "aten._to_copy.default"),
                                                     ("float32", "aten.nll_loss_backward.default")]
+
+
+def test_memory_efficient_attention_seed_and_offset_are_host_tensors_on_cuda(tmp_path):
+    # attention.cu `_efficient_attention_forward` makes the philox seed and offset on the CPU outside CUDA-graph
+    # capture (with or without dropout); the meta kernel makes them on the traced device (two 512 B blocks per
+    # call). The README's gpt2 fp32 row (8 x 1024, 12 heads of 64, attention dropout 0.1) allocates, per SDPA
+    # call of its forward, the output and the logsumexp and nothing else. One GPT-2 layer of those sizes here.
+    evidence = json.loads((EVIDENCE / "h100-gpt2-fp32-sdpa-forward.json").read_text())
+    b, h, s, d = (evidence[k] for k in ("batch", "heads", "tokens", "head_dim"))
+    per_call = sorted({a["bytes"] for a in evidence["allocations"]})
+    assert sorted(a["bytes"] for a in evidence["allocations"]) == sorted(per_call * evidence["layers"])
+    assert per_call == [b * h * s * 4, b * h * s * d * 4]  # logsumexp (B, H, S) fp32, output (B, H, S, D) fp32
+
+    cfg = json.loads((FIXTURES / "tiny-gpt2.json").read_text())
+    cfg.update(n_embd=h * d, n_head=h, n_layer=1, n_positions=s, attn_pdrop=evidence["attn_pdrop"])
+    path = tmp_path / "gpt2-layer.json"
+    path.write_text(json.dumps(cfg))
+    r = analyze(RunSpec(str(path), batch=b, seq=s, gpu="H100", precision="fp32"), levers=False)
+    assert r.model["sdpa_backends"] == {"efficient": 1}
+    made = sorted(t.bytes for t in r.tensors if t.op == "aten._scaled_dot_product_efficient_attention.default")
+    assert made == per_call

@@ -201,6 +201,8 @@ class KernelPolicyMode(TorchFunctionMode):
         # callback(out) for a tensor made from host data on the traced device (torch.tensor(x, device=...)): its
         # storage is allocated outside the dispatcher, so no dispatch mode sees it born
         self.on_host_data = None
+        # callback(t) for an op output the target's kernel makes in host memory (no device allocation)
+        self.on_host_output = None
         self.moe: MoeRoutingPolicy | None = None  # set while an experts module's eager forward runs
         self.unresolved: list[str] = []  # what the target's kernels do that the trace cannot size
 
@@ -324,8 +326,16 @@ class KernelPolicyMode(TorchFunctionMode):
             return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
                                                             scale=scale)[0]
         lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        return aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, lse, dropout_p, is_causal,
-                                                            scale=scale)[0]
+        out = aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, lse, dropout_p, is_causal,
+                                                           scale=scale)
+        if self.on_host_output is not None:
+            # its philox seed and offset are CPU tensors outside CUDA-graph capture, with or without dropout
+            # (aten/src/ATen/native/transformers/cuda/attention.cu `_efficient_attention_forward`: `device =
+            # in_capture_stream ? kCUDA : kCPU`); the meta kernel makes them on the traced device. The H100 runs
+            # of issue 39 allocate nothing for them (GPT-2 fp32, T5's self-attention)
+            for t in out[2:4]:
+                self.on_host_output(t)
+        return out[0]
 
     def _moe_op(self, func, args, kwargs):
         """An MoE data-dependent op answered by the routing policy, or NotImplemented."""
