@@ -201,6 +201,8 @@ class KernelPolicyMode(TorchFunctionMode):
         # callback(out) for a tensor made from host data on the traced device (torch.tensor(x, device=...)): its
         # storage is allocated outside the dispatcher, so no dispatch mode sees it born
         self.on_host_data = None
+        # callback(t) for an op output the target's kernel makes in host memory (no device allocation)
+        self.on_host_output = None
         self.moe: MoeRoutingPolicy | None = None  # set while an experts module's eager forward runs
         self.unresolved: list[str] = []  # what the target's kernels do that the trace cannot size
 
@@ -324,8 +326,16 @@ class KernelPolicyMode(TorchFunctionMode):
             return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
                                                             scale=scale)[0]
         lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        return aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, lse, dropout_p, is_causal,
-                                                            scale=scale)[0]
+        out = aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, lse, dropout_p, is_causal,
+                                                           scale=scale)
+        if self.on_host_output is not None:
+            # its philox seed and offset are CPU tensors outside CUDA-graph capture, with or without dropout
+            # (aten/src/ATen/native/transformers/cuda/attention.cu `_efficient_attention_forward`: `device =
+            # in_capture_stream ? kCUDA : kCPU`); the meta kernel makes them on the traced device. The H100 runs
+            # of issue 39 allocate nothing for them (GPT-2 fp32, T5's self-attention)
+            for t in out[2:4]:
+                self.on_host_output(t)
+        return out[0]
 
     def _moe_op(self, func, args, kwargs):
         """An MoE data-dependent op answered by the routing policy, or NotImplemented."""
@@ -393,12 +403,22 @@ class KernelPolicyMode(TorchFunctionMode):
 
     def _cuda_cross_entropy(self, input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                             reduction="mean", label_smoothing=0.0):
-        # cross_entropy_loss is composite: log_softmax (fp32_set_opt_dtype) then nll_loss (fp32).
+        """cross_entropy under CUDA autocast. `cross_entropy_loss` is CompositeImplicitAutograd and on no autocast
+        list, so autocast acts on the ops it calls (aten/src/ATen/native/LossNLL.cpp `cross_entropy_loss_symint`):
+        `at::log_softmax(self, class_dim, self.scalar_type())` passes the input's own dtype, which the
+        fp32_set_opt_dtype policy keeps (autocast_mode.h `set_opt_dtype`: an explicit dtype is respected), so the
+        log-probabilities are in the input's dtype (SoftMax.cpp `log_softmax`: `toType` to the same dtype is no
+        copy); then `nll_loss` (fp32 policy) casts them to fp32, a copy autograd saves. On a bf16 (N, V) input: a
+        bf16 (N, V) and an fp32 (N, V) tensor live into the backward, whose nll_loss_backward gradient is fp32
+        (N, V) and the cast's backward and _log_softmax_backward_data's are bf16 (H100 snapshot of t5-base, 8 x
+        512 tokens: 263,192,576 + 526,385,152 + 526,385,152 B live at the peak). Label smoothing and probability
+        targets take the input cast to fp32 (not mirrored op by op)."""
         if label_smoothing > 0 or input.dim() == 0 or target.is_floating_point():
             return F.cross_entropy(self._cast(input, torch.float32), target, weight, size_average, ignore_index,
                                    reduce, reduction, label_smoothing)
-        lsm = torch.log_softmax(input, 1 if input.dim() > 1 else 0, dtype=torch.float32)
-        return F.nll_loss(lsm, target, weight, size_average, ignore_index, reduce, reduction)
+        lsm = torch.log_softmax(input, 1 if input.dim() > 1 else 0, dtype=input.dtype)
+        return F.nll_loss(self._cast(lsm, torch.float32), target, self._cast(weight, torch.float32), size_average,
+                          ignore_index, reduce, reduction)
 
 
 @contextlib.contextmanager

@@ -271,8 +271,8 @@ class StepRecorder(TorchDispatchMode):
             self.storages[sid].device = MANAGED_DEVICE
 
     def offload(self, t: torch.Tensor) -> None:
-        """t's storage lives in host memory (FSDP2's CPU offload: a sharded parameter): device 'host', which a CUDA
-        target does not count. Once `offloading` is set, the recorder also puts in host memory what an op makes
+        """t's storage lives in host memory (FSDP2's CPU offload: a sharded parameter; an output a CUDA kernel makes
+        on the host, kernels.py `on_host_output`): device 'host', which a CUDA target does not count. Once `offloading` is set, the recorder also puts in host memory what an op makes
         from host storages only (the optimizer step and its state, gradient accumulation, on the CPU), and the
         output of a copy to the CPU (`aten._to_copy` with device cpu: FSDP2's gradient offload)."""
         sid = self._live.get(storage_of(t)._cdata)

@@ -322,6 +322,7 @@ def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: 
     policy.on_output = (lambda out: tag_autograd_nodes(out, rec.current_module(), rec.watch_node)
                         if rec.phase is Phase.FORWARD else None)
     policy.on_host_data = rec.host_data
+    policy.on_host_output = rec.offload
     policy.on_weight_cast = lambda w, copy: rec.set_category(copy, Category.AUTOCAST_WEIGHTS,
                                                              f"{weight_names.get(id(w), '?')} (autocast copy)")
     ctx = StepContext(model, args, inputs, loaded.loss, optimizer,
