@@ -264,7 +264,8 @@ def _render_verdict(report: MemoryReport, console: Console) -> None:
         console.print(Text(f"Fits on {f['gpu']} ({format_bytes(f['capacity_bytes'])}):{total} with "
                            f"{format_bytes(f['headroom_bytes'])} spare", style="bold green"))
         if f.get("alloc_retries"):
-            console.print(Text(f"only by releasing the allocator's cache {f['alloc_retries']} times per step "
+            n = f["alloc_retries"]
+            console.print(Text(f"only by releasing the allocator's cache {'once' if n == 1 else f'{n} times'} per step "
                                f"(num_alloc_retries: a device sync and cudaFree each; the unbounded replay would "
                                f"reserve {format_bytes(report.peak_reserved_bytes)})", style="yellow"))
     else:
