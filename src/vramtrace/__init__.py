@@ -287,6 +287,18 @@ def step_summary(spec: RunSpec, loop_peaks: dict[str, int], use_cache_false_peak
     return out
 
 
+def cuda_context_summary(spec: RunSpec) -> dict:
+    """The report's `run` entries of the CUDA context a CUDA target's verdict assumes: {'cuda_version' (the CUDA
+    major of the target's torch build), 'cuda_context_bytes', 'cuda_context_source' (`--cuda-context`, or the
+    default for the GPU's family and CUDA version with its source, `analysis/device.py::cuda_context_default`)};
+    {} on the CPU target."""
+    if spec.device is not Device.CUDA:
+        return {}
+    figure = spec.cuda_context_figure
+    return {"cuda_version": spec.cuda_major, "cuda_context_bytes": figure.nbytes,
+            "cuda_context_source": figure.source}
+
+
 def _ranks_text(ranks: tuple[int, ...]) -> str:
     """'3' or '0-6' (consecutive ranks, as rank_classes groups them) or '1, 5'."""
     if len(ranks) > 1 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
@@ -490,6 +502,7 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
         "adapters": adapters_summary(spec), "image_size": loaded.image_size,
         **({"images": loaded.images} if loaded.images else {}), **moe_summary(spec, loaded.model),
         "compile": spec.compile, "compile_mode": spec.compile_mode if spec.compile else None,
+        **cuda_context_summary(spec),
     }
     if spec.mode is Mode.GENERATE:
         from .analysis.summary import generation_summary
@@ -508,6 +521,7 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
         model=model_info, run=run_info, params=loaded.params, ops=traced.ops, storages=table,
         steady=steady, first=main.timeline(step=0), graph_optimal=main.timeline(optimal=True),
         gpu=({"name": spec.capacity[0], "memory_bytes": spec.capacity[1], "cuda": spec.device is Device.CUDA,
-              "cuda_context_bytes": spec.cuda_context, "alloc_conf": spec.alloc_conf}
+              "cuda_context_bytes": spec.cuda_context, "alloc_conf": spec.alloc_conf,
+              "cuda_context_source": cuda_context_summary(spec).get("cuda_context_source", "")}
              if spec.capacity is not None else None),
         unresolved=traced.unresolved)

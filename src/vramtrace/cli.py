@@ -68,7 +68,11 @@ def main_command(
                             + " (usable totals as torch.cuda.mem_get_info reports them)"),
     cuda_context: Optional[str] = typer.Option(None, "--cuda-context", help="the CUDA context's memory outside "
                                                "PyTorch's allocator, e.g. 600MiB (nvidia-smi used minus "
-                                               "torch.cuda.memory_reserved()) [default: 500MiB]"),
+                                               "torch.cuda.memory_reserved()) [default: by GPU family and "
+                                               "--cuda-version, 769MiB on an H100 with CUDA 13]"),
+    cuda_version: Optional[int] = typer.Option(None, "--cuda-version", help="12 | 13: the CUDA major version of "
+                                               "the target's torch build, for the default CUDA context [default: 13, "
+                                               "torch 2.13's PyPI wheel; 12 below sm75]"),
     alloc_conf: str = typer.Option("", "--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF of the target, e.g. "
                                    "expandable_segments:True or max_split_size_mb:512"),
     checkpointing: Optional[str] = typer.Option(
@@ -231,7 +235,7 @@ def main_command(
                        use_cache=_bool_option(use_cache, "--use-cache"),
                        gpu_memory_bytes=parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory is not None else None,
                        cuda_context_bytes=(parse_bytes(cuda_context, "--cuda-context")
-                                           if cuda_context is not None else None),
+                                           if cuda_context is not None else None), cuda_version=cuda_version,
                        alloc_conf=alloc_conf, new_tokens=new_tokens, cache=cache, kv_dtype=kv_dtype,
                        fsdp=fsdp, reshard_after_forward=_bool_option(reshard_after_forward, "--reshard-after-forward"),
                        rank=rank, ddp=ddp, tp=tp, fsdp_plan=fsdp_plan, cpu_offload=cpu_offload,

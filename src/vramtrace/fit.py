@@ -16,9 +16,13 @@ either disagrees with the interpolation (a kernel whose choice or workspace chan
 traced structures differ, or a storage is not polynomial, the search falls back to bisection by exact traces and
 says so. Every point of the curve is marked exact or interpolated.
 
-"Fits" is the verdict of the main report: on a CUDA target the peak reserved by the caching-allocator model
-(cuBLAS workspaces included) plus the CUDA context, on the CPU target the peak allocated, at most
-`capacity × (1 - headroom)`; `budget_bytes` is that less the CUDA context, compared with the reserved bytes.
+"Fits" is the verdict of the main report. On a CUDA target: the caching-allocator replay of the first and steady
+steps with `budget_bytes` for cudaMalloc (`capacity × (1 - headroom)` less the CUDA context) runs without an
+out-of-memory, releasing its cache and retrying where cudaMalloc fails as PyTorch does (`analysis/pressure.py`);
+peak allocated above the budget is a certain failure, checked first. On the CPU target: peak allocated at most the
+budget. The search bisects the largest size whose peak allocated fits (monotone: `allocated_bound`, an upper
+bound on the answer), then walks down from there to the largest size the replay fits (fragmentation makes the
+replay's verdict not monotone in the size); each answer shows the replay's headroom and cache releases per step.
 """
 
 from __future__ import annotations
@@ -40,17 +44,23 @@ class FitPoint:
 
     x: int
     peak_allocated_bytes: int
-    peak_reserved_bytes: int | None
+    peak_reserved_bytes: int | None  # the unbounded replay's (CUDA target)
     fits: bool
     exact: bool
+    # the replay under the budget (CUDA target, when the allocated bytes fit): its peak reserved bytes and the cache
+    # releases (cudaMalloc retries) its steady step needs
+    reserved_at_capacity: int | None = None
+    alloc_retries: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class FitResult:
     """The answer of `fit`. `axis` 'batch' or 'seq', `fixed` the other size; `best` the largest size that fits
     (None: not even the smallest), `next` the size one past it (None when `best` is the axis's limit);
-    `budget_bytes` = capacity × (1 - headroom) - the CUDA context; `method` says how the answer was found;
-    `traces` counts the exact traces it took."""
+    `budget_bytes` = capacity × (1 - headroom) - the CUDA context (what cudaMalloc may take); `method` says how
+    the answer was found; `traces` counts the exact traces it took; `allocated_bound` the largest size whose peak
+    allocated fits the budget (an upper bound on `best`; None for the FSDP axis); `cuda_context_bytes` and
+    `cuda_context_source` the context assumed and why (0 and '' on the CPU target)."""
 
     axis: str
     fixed: int | None
@@ -64,16 +74,51 @@ class FitResult:
     method: str
     traces: int
     levers: dict | None = None  # nothing fits: what makes the smallest size fit (vramtrace.levers.find_levers)
+    allocated_bound: int | None = None
+    cuda_context_bytes: int = 0
+    cuda_context_source: str = ""
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        """The budget the answer's replay never reserved (CUDA target), else the budget less its peak allocated."""
+        if self.best is None:
+            return None
+        used = self.best.reserved_at_capacity
+        return self.budget_bytes - (used if used is not None else self.best.peak_allocated_bytes)
 
     def to_dict(self) -> dict:
         def point(p: FitPoint | None):
             return None if p is None else {"x": p.x, "peak_allocated_bytes": p.peak_allocated_bytes,
                                            "peak_reserved_bytes": p.peak_reserved_bytes, "fits": p.fits,
-                                           "exact": p.exact}
+                                           "exact": p.exact, "reserved_at_capacity_bytes": p.reserved_at_capacity,
+                                           "alloc_retries": p.alloc_retries}
         return {"axis": self.axis, "fixed": self.fixed, "limit": self.limit, "capacity_bytes": self.capacity_bytes,
-                "budget_bytes": self.budget_bytes, "basis": self.basis, "best": point(self.best),
-                "next": point(self.next), "curve": [point(p) for p in self.curve], "method": self.method,
-                "traces": self.traces, "levers": self.levers}
+                "budget_bytes": self.budget_bytes, "cuda_context_bytes": self.cuda_context_bytes,
+                "cuda_context_source": self.cuda_context_source, "basis": self.basis, "best": point(self.best),
+                "next": point(self.next), "headroom_bytes": self.headroom_bytes,
+                "allocated_bound": self.allocated_bound, "curve": [point(p) for p in self.curve],
+                "method": self.method, "traces": self.traces, "levers": self.levers}
+
+
+def evaluate(tables, x: int, cuda: bool, budget: int, exact: bool, rows: tuple | None = None) -> FitPoint:
+    """The point at size `x` of an exact trace `tables` (`tables.StepTables`), over `rows` (its storage table with
+    other sizes, interpolated) when given: peak allocated; on a CUDA target the unbounded replay's peak reserved
+    and, when the allocated bytes fit `budget`, the replay under `budget` (`pressure.replay_at_capacity`), whose
+    verdict is the point's. Bytes are ints."""
+    from .analysis.allocator import replay_steps
+    from .analysis.pressure import replay_at_capacity
+
+    steady = tables.timeline(rows)
+    allocated = steady.peak_bytes
+    if not cuda:
+        return FitPoint(x, allocated, None, allocated <= budget, exact)
+    first = tables.timeline(rows, 0)
+    unbounded = replay_steps(first, steady, conf=tables.alloc_conf)
+    if allocated > budget:  # certain failure: the replay could not hold even the live bytes
+        return FitPoint(x, allocated, unbounded.peak_reserved_bytes, False, exact)
+    v = replay_at_capacity(first, steady, budget, tables.alloc_conf, unbounded)
+    return FitPoint(x, allocated, unbounded.peak_reserved_bytes, v.fits, exact, v.peak_reserved_bytes,
+                    v.alloc_retries)
 
 
 class _Curve:
@@ -181,8 +226,97 @@ def fit(spec: RunSpec, axis: str, capacity_bytes: int | None = None, headroom: f
         return _fit(spec, axis, capacity_bytes, budget, cuda, say, heap, levers)
 
 
+WALK = 16  # sizes the search walks down from the allocated bound before it bisects on the replay's verdict
+
+
+class _Search:
+    """The state of one `fit` search along `axis`: the exact traces made (`exact`, `tables`), the curve
+    interpolating them (None: exact traces only) and the interpolated points computed."""
+
+    def __init__(self, spec: RunSpec, resolved, axis: str, cuda: bool, budget: int, say, heap):
+        self.spec, self.resolved, self.axis, self.cuda, self.budget = spec, resolved, axis, cuda, budget
+        self.say, self.heap = say, heap
+        self.exact: dict[int, FitPoint] = {}
+        self.tables: dict[int, object] = {}
+        self.num_layers: dict[int, int] = {}
+        self.curve: _Curve | None = None
+        self.nodes: tuple[int, ...] = ()
+        self._points: dict[int, FitPoint] = {}
+        self._allocated: dict[int, int] = {}
+
+    def sized(self, x: int) -> RunSpec:
+        return replace(self.spec, batch=x) if self.axis == "batch" else replace(self.spec, seq=x)
+
+    def trace(self, x: int) -> FitPoint:
+        from .tables import step_tables
+        from .tracer.building import load_model
+
+        if x not in self.exact:
+            self.say(f"exact trace at {self.axis} {x}")
+            loaded = load_model(self.sized(x), self.resolved)
+            t = step_tables(self.sized(x), loaded)
+            self.heap.refreeze()
+            self.num_layers[x], self.tables[x] = loaded.num_layers, t
+            self.exact[x] = evaluate(t, x, self.cuda, self.budget, True)
+        return self.exact[x]
+
+    def traced_only(self, x: int, exact_only: bool) -> bool:
+        # below the nodes (batch 1: size-1 dimensions make other views) and without a curve: traced
+        return exact_only or self.curve is None or x in self.exact or x < self.nodes[0]
+
+    def rows(self, x: int) -> tuple:
+        r = self.curve.rows_at(x)
+        if r is None:
+            raise _NotPolynomial(x)
+        return r
+
+    def allocated(self, x: int, exact_only: bool = False) -> int:
+        if self.traced_only(x, exact_only):
+            return self.trace(x).peak_allocated_bytes
+        if x not in self._allocated:
+            self._allocated[x] = self.tables[self.nodes[0]].timeline(self.rows(x)).peak_bytes
+        return self._allocated[x]
+
+    def point(self, x: int, exact_only: bool = False) -> FitPoint:
+        if self.traced_only(x, exact_only):
+            return self.trace(x)
+        if x not in self._points:
+            self._points[x] = evaluate(self.tables[self.nodes[0]], x, self.cuda, self.budget, False, self.rows(x))
+        return self._points[x]
+
+    def best_size(self, limit: int, exact_only: bool) -> tuple[int, int]:
+        """(the largest size that fits, the largest whose peak allocated fits the budget). The second is bisected
+        (peak allocated grows with the size) and bounds the first; on a CUDA target the search walks down from
+        it while the replay under the budget runs out of memory, then bisects below (WALK sizes on)."""
+        bound = _largest(lambda x: self.allocated(x, exact_only) <= self.budget, min(self.nodes[0], limit), limit)
+        best, walked = bound, 0
+        while self.cuda and best >= 1 and not self.point(best, exact_only).fits and walked < WALK:
+            best, walked = best - 1, walked + 1
+        if best >= 1 and not self.point(best, exact_only).fits:
+            best = _largest(lambda x: self.point(x, exact_only).fits, 1, best - 1)
+        return best, bound
+
+
+def _largest(fits: Callable[[int], bool], start: int, limit: int) -> int:
+    """The largest x in [1, limit] with fits(x) (assumed monotone), 0 when none: from `start`, galloping up, then
+    bisection."""
+    if limit < 1:
+        return 0
+    start = min(start, limit)
+    if fits(start):
+        lo, hi = start, start * 2
+        while hi <= limit and fits(hi):
+            lo, hi = hi, hi * 2
+        hi = min(hi, limit + 1)
+    else:
+        lo, hi = 0, start
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, heap, levers: bool) -> FitResult:
-    from .tables import step_tables
     from .tracer.building import load_model
     from .tracer.checkpoint_headers import precision_for
     from .tracer.loading import resolve_config
@@ -191,150 +325,94 @@ def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, 
     spec = replace(spec, precision=precision_for(spec, resolved)[0])
     if axis == "fsdp":
         return _fit_ranks(spec, resolved, capacity, budget, cuda, say, heap)
-    exact: dict[int, FitPoint] = {}
-    tables: dict[int, object] = {}
-    num_layers: dict[int, int] = {}
+    s = _Search(spec, resolved, axis, cuda, budget, say, heap)
     limit = MAX_BATCH
-
-    def sized(x: int) -> RunSpec:
-        return replace(spec, batch=x) if axis == "batch" else replace(spec, seq=x)
-
-    def trace(x: int) -> FitPoint:
-        if x not in exact:
-            say(f"exact trace at {axis} {x}")
-            loaded = load_model(sized(x), resolved)
-            t = step_tables(sized(x), loaded)
-            heap.refreeze()
-            num_layers[x] = loaded.num_layers
-            alloc, reserved = t.peaks(cuda=cuda)
-            tables[x] = t
-            exact[x] = FitPoint(x, alloc, reserved, (reserved if cuda else alloc) <= budget, True)
-        return exact[x]
-
     if axis == "seq":
-        model = load_model(sized(SEQ_STEP), resolved)  # the model's longest sequence bounds the search
+        model = load_model(s.sized(SEQ_STEP), resolved)  # the model's longest sequence bounds the search
         limit = getattr(getattr(model.model, "config", None), "max_position_embeddings", None) or 1 << 20
         h = min(SEQ_STEP, max(1, limit // 4))
-        nodes, degree = (h, 2 * h, 3 * h, 4 * h), 2
+        s.nodes, degree = (h, 2 * h, 3 * h, 4 * h), 2
     else:
-        nodes, degree = BATCH_NODES, 1
-    for x in nodes:
-        trace(x)
-    curve: _Curve | None = None
-    why = ""
-    if not all(_aligned(tables[nodes[0]], tables[x]) for x in nodes[1:]):
-        why = f"the recordings at {axis} {', '.join(map(str, nodes))} differ in structure"
-    else:
-        curve = _Curve(nodes, [tables[x] for x in nodes], degree)
-        for x in nodes[degree + 1:]:
-            if not _equal(curve.bytes_at(x), tables[x]):
-                why = f"a storage's bytes are not a degree-{degree} polynomial of the {axis} (checked at {x})"
-                curve = None
-                break
-    rows_cache: dict[int, tuple] = {}
-    allocated_cache: dict[int, int] = {}
-    reserved_cache: dict[int, int] = {}
-
-    def rows(x: int) -> tuple:
-        if x not in rows_cache:
-            r = curve.rows_at(x)
-            if r is None:
-                raise _NotPolynomial(x)
-            rows_cache[x] = r
-        return rows_cache[x]
-
-    def traced_only(x: int, exact_only: bool) -> bool:
-        # below the nodes (batch 1: size-1 dimensions make other views) and without a curve: traced
-        return exact_only or curve is None or x in exact or x < nodes[0]
-
-    def allocated(x: int, exact_only: bool = False) -> int:
-        if traced_only(x, exact_only):
-            return trace(x).peak_allocated_bytes
-        if x not in allocated_cache:
-            allocated_cache[x] = tables[nodes[0]].timeline(rows(x)).peak_bytes
-        return allocated_cache[x]
-
-    def reserved(x: int, exact_only: bool = False) -> int | None:
-        if not cuda:
-            return None
-        if traced_only(x, exact_only):
-            return trace(x).peak_reserved_bytes
-        if x not in reserved_cache:
-            reserved_cache[x] = tables[nodes[0]].peaks(rows(x), cuda=True)[1]
-        return reserved_cache[x]
-
-    def point(x: int, exact_only: bool = False) -> FitPoint:
-        if traced_only(x, exact_only):
-            return trace(x)
-        a, r = allocated(x), reserved(x)
-        return FitPoint(x, a, r, (r if cuda else a) <= budget, False)
-
-    def largest(fits: Callable[[int], bool]) -> int:
-        """The largest x in [1, limit] with fits(x) (peak allocated grows with the size), 0 when none: from the
-        first node, galloping up, then bisection."""
-        start = min(nodes[0], limit)
-        if fits(start):
-            lo, hi = start, start * 2
-            while hi <= limit and fits(hi):
-                lo, hi = hi, hi * 2
-            hi = min(hi, limit + 1)
-        else:
-            lo, hi = 0, start
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
-
-    def best_size(exact_only: bool) -> int:
-        """The largest size whose peak allocated fits (monotone, so bisected); on a CUDA target, then down from
-        there to the largest whose peak reserved fits: the caching allocator's segments make reserved bytes
-        non-monotone in the size, and no larger size can fit, since reserved >= allocated."""
-        best = largest(lambda x: allocated(x, exact_only) <= budget)
-        while cuda and best >= 1 and reserved(best, exact_only) > budget:
-            best -= 1
-        return best
-
-    method = ""
-    if curve is not None:
+        s.nodes, degree = BATCH_NODES, 1
+    for x in s.nodes:
+        s.trace(x)
+    why = _make_curve(s, axis, degree)
+    method, best, bound = "", 0, 0
+    if s.curve is not None:
         try:
-            best = best_size(False)
+            best, bound = s.best_size(limit, False)
             checks = [x for x in (best, best + 1) if 1 <= x <= limit]
-            for x in checks:
-                interp = point(x) if x not in exact else None
-                got = trace(x)
-                if interp is not None and (interp.peak_allocated_bytes, interp.peak_reserved_bytes) != (
-                        got.peak_allocated_bytes, got.peak_reserved_bytes):
-                    why = (f"the interpolation disagrees with the exact trace at {axis} {x} "
-                           f"({interp.peak_allocated_bytes:,} vs {got.peak_allocated_bytes:,} bytes allocated)")
-                    break
-            else:
-                method = (f"interpolated from exact traces at {axis} {', '.join(map(str, nodes))} (degree {degree}); "
-                          f"checked by exact traces at {', '.join(map(str, checks))}")
+            why = _check(s, checks)
+            if not why:
+                method = (f"interpolated from exact traces at {axis} {', '.join(map(str, s.nodes))} (degree "
+                          f"{degree}); checked by exact traces at {', '.join(map(str, checks))}")
         except _NotPolynomial as e:
             why = f"a storage's bytes are not an integer at {axis} {e.x}: not polynomial"
     if not method:
         say(f"bisection by exact traces ({why})")
-        best = best_size(True)
+        best, bound = s.best_size(limit, True)
         method = f"bisection by exact traces ({why})"
-    best_point = trace(best) if best >= 1 else None
-    next_point = trace(best + 1) if best + 1 <= limit else None
-    if method.startswith("interpolated"):  # the curve at the nodes, powers of two and around the answer
-        shown = sorted({*nodes, *exact, *(x for x in _powers(best + 1) if x >= nodes[0]), best + 1} - {0})
-        curve_points = tuple(point(x) for x in shown if x <= limit)
+    return _result(s, spec, capacity, limit, best, bound, method, levers)
+
+
+def _make_curve(s: _Search, axis: str, degree: int) -> str:
+    """Set `s.curve` from the node traces when they share one structure and their sizes are polynomial of
+    `degree`; else leave it None and say why."""
+    nodes = s.nodes
+    if not all(_aligned(s.tables[nodes[0]], s.tables[x]) for x in nodes[1:]):
+        return f"the recordings at {axis} {', '.join(map(str, nodes))} differ in structure"
+    curve = _Curve(nodes, [s.tables[x] for x in nodes], degree)
+    for x in nodes[degree + 1:]:
+        if not _equal(curve.bytes_at(x), s.tables[x]):
+            return f"a storage's bytes are not a degree-{degree} polynomial of the {axis} (checked at {x})"
+    s.curve = curve
+    return ""
+
+
+def _check(s: _Search, checks: list[int]) -> str:
+    """'' when the interpolated points at `checks` equal exact traces there (peaks and verdict), else why not."""
+    for x in checks:
+        interp = s.point(x) if x not in s.exact else None
+        got = s.trace(x)
+        if interp is not None and replace(interp, exact=True) != got:
+            return (f"the interpolation disagrees with the exact trace at {s.axis} {x} "
+                    f"({interp.peak_allocated_bytes:,} vs {got.peak_allocated_bytes:,} bytes allocated)")
+    return ""
+
+
+def _result(s: _Search, spec: RunSpec, capacity: int, limit: int, best: int, bound: int, method: str,
+            levers: bool) -> FitResult:
+    """The FitResult of a finished search: the answer and the size past it traced, the curve shown (the nodes,
+    the exact traces, powers of two and the sizes around the answer), the levers when nothing fits."""
+    best_point = s.trace(best) if best >= 1 else None
+    next_point = s.trace(best + 1) if best + 1 <= limit else None
+    if method.startswith("interpolated"):
+        shown = sorted({*s.nodes, *s.exact, *(x for x in _powers(best + 1) if x >= s.nodes[0]), best + 1} - {0})
+        curve_points = tuple(s.point(x) for x in shown if x <= limit)
     else:
-        curve_points = tuple(exact[x] for x in sorted(exact))
-    basis = (f"peak reserved (caching-allocator model, cuBLAS workspaces included) + the CUDA context "
-             f"({spec.cuda_context:,} bytes)" if cuda else "peak allocated (CPU target)")
+        curve_points = tuple(s.exact[x] for x in sorted(s.exact))
     found = None
     if best_point is None and next_point is not None and levers:
         from .levers import Evaluator, find_levers
         from .tables import outcome
 
-        ev = Evaluator(resolved, cuda, say, heap)
-        ev.seed(sized(next_point.x), outcome(tables[next_point.x], num_layers[next_point.x], cuda))
-        found = find_levers(sized(next_point.x), ev, budget)
-    return FitResult(axis, spec.seq if axis == "batch" else spec.batch, limit, capacity, budget, basis, best_point,
-                     next_point, curve_points, method, len(exact), found)
+        ev = Evaluator(s.resolved, s.cuda, s.say, s.heap)
+        ev.seed(s.sized(next_point.x), outcome(s.tables[next_point.x], s.num_layers[next_point.x], s.cuda))
+        found = find_levers(s.sized(next_point.x), ev, s.budget)
+    ctx = spec.cuda_context_figure if s.cuda else None
+    return FitResult(s.axis, spec.seq if s.axis == "batch" else spec.batch, limit, capacity, s.budget,
+                     _basis(spec, s.cuda), best_point, next_point, curve_points, method, len(s.exact), found,
+                     bound, ctx.nbytes if ctx else 0, ctx.source if ctx else "")
+
+
+def _basis(spec: RunSpec, cuda: bool, ranks: bool = False) -> str:
+    """What "fits" means for `spec` (the text shown under the answer)."""
+    rank = ", rank 0" if ranks else ""
+    if not cuda:
+        return f"peak allocated (CPU target){rank}"
+    return (f"the caching-allocator replay (cuBLAS workspaces included) of the first and steady steps with the "
+            f"budget for cudaMalloc, the capacity less the CUDA context ({spec.cuda_context:,} bytes), releasing the "
+            f"cache and retrying as PyTorch does: no out-of-memory{rank}")
 
 
 MAX_RANKS = 1024  # the largest FSDP world size `fit` tries
@@ -369,18 +447,17 @@ def _fit_ranks(spec: RunSpec, resolved, capacity: int, budget: int, cuda: bool, 
             sized = replace(spec, fsdp=n if n > 1 else None)
             t = step_tables(sized, load_model(sized, resolved))
             heap.refreeze()
-            alloc, reserved = t.peaks(cuda=cuda)
-            exact[n] = FitPoint(n, alloc, reserved, (reserved if cuda else alloc) <= budget, True)
+            exact[n] = evaluate(t, n, cuda, budget, True)
         return exact[n]
 
     best = fewest_ranks(lambda n: trace(n).fits)
     below = None if best == 1 else (best // 2 if best else MAX_RANKS)
-    basis = (f"peak reserved (caching-allocator model, cuBLAS workspaces included) + the CUDA context "
-             f"({spec.cuda_context:,} bytes), rank 0" if cuda else "peak allocated (CPU target), rank 0")
-    return FitResult("fsdp", spec.batch, MAX_RANKS, capacity, budget, basis,
+    ctx = spec.cuda_context_figure if cuda else None
+    return FitResult("fsdp", spec.batch, MAX_RANKS, capacity, budget, _basis(spec, cuda, ranks=True),
                      trace(best) if best else None, trace(below) if below else None,
                      tuple(exact[n] for n in sorted(exact)),
-                     "bisection over powers of two by exact traces (FSDP2 on each layer and the root)", len(exact))
+                     "bisection over powers of two by exact traces (FSDP2 on each layer and the root)", len(exact),
+                     cuda_context_bytes=ctx.nbytes if ctx else 0, cuda_context_source=ctx.source if ctx else "")
 
 
 def _powers(n: int) -> list[int]:

@@ -6,7 +6,7 @@ import enum
 import re
 from dataclasses import dataclass
 
-from .analysis.device import DEFAULT_CUDA_CONTEXT_BYTES, AllocConf
+from .analysis.device import AllocConf, CudaContext, cuda_context_default, default_cuda_major
 from .errors import UsageError
 
 
@@ -554,8 +554,10 @@ class RunSpec:
         loop, accumulation, clipping and GradScaler options.
     gpu_memory_bytes: the device's capacity in bytes (`--gpu-memory`), replacing the `gpu` preset's; on the CPU
         target, a capacity the peak allocated is checked against (None: no verdict on the CPU).
-    cuda_context_bytes: the CUDA context's bytes outside the allocator (`--cuda-context`); None: the documented
-        default (`analysis/device.py::DEFAULT_CUDA_CONTEXT_BYTES`). CUDA target only.
+    cuda_context_bytes: the CUDA context's bytes outside the allocator (`--cuda-context`); None: the figure for the
+        GPU's family and CUDA version (`analysis/device.py::cuda_context_default`). CUDA target only.
+    cuda_version: the CUDA major version of the target's torch build (`--cuda-version`, 12 or 13); None: PyPI's
+        torch 2.13 wheel, CUDA 13 (12 on a GPU below sm75, `device.default_cuda_major`). CUDA target only.
     alloc_conf: PYTORCH_CUDA_ALLOC_CONF as the target sets it (`--alloc-conf`, `analysis/device.py::AllocConf`).
     serve_requests: R, for `vramtrace serve`'s trace of a paged-attention server's profile run: an inference
         forward of batch 1 × seq tokens packed as R requests, logits only at each request's last token, then the
@@ -618,6 +620,7 @@ class RunSpec:
     step: str | None = None
     gpu_memory_bytes: int | None = None
     cuda_context_bytes: int | None = None
+    cuda_version: int | None = None
     alloc_conf: AllocConf | str = ""
     new_tokens: int | None = None
     cache: CacheKind = CacheKind.DYNAMIC
@@ -700,15 +703,26 @@ class RunSpec:
             raise UsageError(f"--gpu-memory must be a positive size, e.g. 48GiB, got {self.gpu_memory_bytes!r}")
         object.__setattr__(self, "alloc_conf", AllocConf.parse(self.alloc_conf)
                            if not isinstance(self.alloc_conf, AllocConf) else self.alloc_conf)
-        if self.device is not Device.CUDA and (self.cuda_context_bytes is not None or str(self.alloc_conf)):
-            raise UsageError("--cuda-context and --alloc-conf describe a CUDA device; drop them for --device cpu")
+        if self.device is not Device.CUDA and (self.cuda_context_bytes is not None or str(self.alloc_conf)
+                                               or self.cuda_version is not None):
+            raise UsageError("--cuda-context, --cuda-version and --alloc-conf describe a CUDA device; drop them for "
+                             "--device cpu")
         if self.cuda_context_bytes is not None and (isinstance(self.cuda_context_bytes, bool)
                                                     or not isinstance(self.cuda_context_bytes, int)
                                                     or self.cuda_context_bytes < 0):
-            raise UsageError(f"--cuda-context must be a size, e.g. 500MiB, got {self.cuda_context_bytes!r}")
+            raise UsageError(f"--cuda-context must be a size, e.g. 800MiB, got {self.cuda_context_bytes!r}")
+        self._check_cuda_version()
         if self.memory_budget_bytes is not None and ckpt.kind != "auto":
             raise UsageError("--memory-budget applies to --checkpointing auto only; add --checkpointing auto or "
                              "drop --memory-budget")
+
+    def _check_cuda_version(self) -> None:
+        """Raise UsageError for a CUDA version other than 12 or 13, or CUDA 13 on a GPU it has no kernels for."""
+        if self.cuda_version is not None and (isinstance(self.cuda_version, bool)
+                                              or not isinstance(self.cuda_version, int)):
+            raise UsageError(f"--cuda-version must be 12 or 13, got {self.cuda_version!r}")
+        if self.device is Device.CUDA:
+            cuda_context_default(self.gpu_preset.sm, self.cuda_major)
 
     def _check_custom_options(self) -> None:
         """Raise UsageError for a transformers-only option given with a custom module (`custom_ref`)."""
@@ -888,11 +902,28 @@ class RunSpec:
         return parse_gpu(self.gpu)
 
     @property
+    def cuda_major(self) -> int:
+        """The CUDA major version of the target's torch build: `cuda_version`, else the default for its GPU."""
+        return self.cuda_version if self.cuda_version is not None else default_cuda_major(self.gpu_preset.sm)
+
+    @property
+    def cuda_context_figure(self) -> CudaContext:
+        """The CUDA context the verdict assumes and why: `--cuda-context` when given, else the figure for the GPU's
+        family and CUDA version (`device.cuda_context_default`). Raises UsageError (a CUDA version with no kernels
+        for the GPU). CUDA target only."""
+        if self.cuda_context_bytes is not None:
+            return CudaContext(self.cuda_context_bytes, "--cuda-context")
+        preset, major = self.gpu_preset, self.cuda_major
+        found = cuda_context_default(preset.sm, major)
+        return CudaContext(found.nbytes, f"default for {preset.name} (sm{preset.sm}) with CUDA {major}"
+                           f"{'' if self.cuda_version is not None else ' (torch 2.13 PyPI wheel)'}: {found.source}")
+
+    @property
     def cuda_context(self) -> int:
         """Bytes of the CUDA context on the target (0 on the CPU target)."""
         if self.device is not Device.CUDA:
             return 0
-        return DEFAULT_CUDA_CONTEXT_BYTES if self.cuda_context_bytes is None else self.cuda_context_bytes
+        return self.cuda_context_figure.nbytes
 
     @property
     def capacity(self) -> tuple[str, int] | None:

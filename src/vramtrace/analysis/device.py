@@ -18,12 +18,69 @@ MiB = 2**20
 # else ":4096:2:16:8" = 4096 KiB * 2 + 16 KiB * 8.
 CUBLAS_WORKSPACE_32MIB = 4096 * 8 * 1024
 CUBLAS_WORKSPACE_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8  # 8,519,680 B
-# The CUDA context, the loaded kernel modules and cuBLAS/cuDNN handles, outside PyTorch's allocator. Published
-# figures with lazy module loading (CUDA >= 11.7, torch >= 1.13 default): 274 MiB after one tensor (pytorch#86509),
-# "~300MB" (pytorch#107667), "around 400MB" (pytorch#109888); it grows as kernels load. 500 MiB is the default,
-# above those; `--cuda-context` sets the figure measured on the user's machine (nvidia-smi used minus
-# torch.cuda.memory_reserved()). NCCL's buffers (0.5-1.5 GiB per communicator) are not included.
-DEFAULT_CUDA_CONTEXT_BYTES = 500 * MiB
+# The CUDA context: the driver's state, the loaded kernel modules and the cuBLAS/cuDNN handles, outside PyTorch's
+# allocator. It grows as kernels load (lazy module loading, CUDA >= 11.7), so the figure that matters is the one
+# after a step has run. Per (compute capability major, CUDA major): `CUDA_CONTEXT_TABLE`, `cuda_context_default`.
+# NCCL's buffers (0.5-1.5 GiB per communicator) are not included.
+CUDA_MAJORS = (12, 13)
+# `pip install torch` (PyPI) gives torch 2.13's CUDA 13.0 build: STABLE_CUDA_VERSIONS is 13.0 at the 2.13 go-live
+# (pytorch/test-infra#8261, 2026-07-08), "the PyPI-published wheel (currently 13.0)" (pytorch/pytorch#190355); the
+# PyPI default moved 12.8 -> 13.0 with torch 2.11 (pytorch/pytorch#177975, #172663).
+DEFAULT_CUDA_MAJOR = 13
+# CUDA 13 builds target compute capability 7.5 and later (pytorch/pytorch#172663: Turing 7.5 to Blackwell 12.0), so
+# a V100 (sm70) runs torch's CUDA 12.6 wheels (download.pytorch.org/whl/cu126)
+CUDA13_MIN_SM = 75
+
+
+@dataclass(frozen=True, slots=True)
+class CudaContext:
+    """A CUDA context figure: `nbytes` (int) and where it comes from (`source`, one line)."""
+
+    nbytes: int
+    source: str
+
+
+# The one measured after a training step on a known machine: H100 80GB HBM3 (sm90), driver 580.159.04, torch
+# 2.11.0+cu130, cudaMemGetInfo's used minus memory_reserved(): 694.8-806.2 MB (663-769 MiB) across 20 processes,
+# 804,061,184 B at the fit boundary (vramtrace issue 39's evidence; tests/fixtures/gpu_evidence/fit_boundary.json).
+_MEASURED_SM90_CUDA13 = 769 * MiB
+_H100_SOURCE = ("measured after a training step on an H100 (sm90), CUDA 13.0, driver 580, torch 2.11: 663-769 MiB "
+                "across 20 processes (the largest taken)")
+# Published figures for the other families are bare contexts (no step run, few kernels loaded), all below it:
+# 426 MiB after mem_get_info on an RTX 6000 Ada (sm89) with torch 2.10.0+cu130 (unslothai/unsloth-zoo#1053), 256 MiB
+# on an RTX 3090 (sm86) with torch 2.7.1+cu128 (invoke-ai/InvokeAI#9413), 274 MiB after one tensor (pytorch#86509),
+# "~300MB" and "around 400MB" with lazy loading (pytorch#107667, #109888). None after a training step: assumed the
+# H100 measurement, the largest known, so that a verdict of "fits" does not rest on a smaller guess.
+_ASSUMED = ("assumed: no figure measured after a training step for sm{major}x with CUDA {cuda}; the H100/CUDA 13 "
+            "measurement (769 MiB) is taken, above the published bare contexts ({bare})")
+_BARE = {7: "none published", 8: "256 MiB RTX 3090 sm86 cu128, 426 MiB RTX 6000 Ada sm89 cu130",
+         9: "274-400 MiB, pytorch#86509, #107667, #109888", 10: "none published"}
+CUDA_CONTEXT_TABLE: dict[tuple[int, int], CudaContext] = {
+    (major, cuda): CudaContext(_MEASURED_SM90_CUDA13, _H100_SOURCE if (major, cuda) == (9, 13) else
+                               _ASSUMED.format(major=major, cuda=cuda, bare=_BARE[major]))
+    for major in (7, 8, 9, 10) for cuda in CUDA_MAJORS
+}
+DEFAULT_CUDA_CONTEXT_BYTES = CUDA_CONTEXT_TABLE[(9, DEFAULT_CUDA_MAJOR)].nbytes  # the default target's (H100-80GB)
+
+
+def default_cuda_major(sm: int) -> int:
+    """The CUDA major version of the torch wheel a GPU of compute capability `sm` (× 10) runs by default:
+    `DEFAULT_CUDA_MAJOR` (PyPI's torch 2.13), 12 below `CUDA13_MIN_SM` (no CUDA 13 build has its kernels)."""
+    return DEFAULT_CUDA_MAJOR if sm >= CUDA13_MIN_SM else 12
+
+
+def cuda_context_default(sm: int, cuda_major: int) -> CudaContext:
+    """The CUDA context assumed for a GPU of compute capability `sm` (× 10, e.g. 90) under CUDA `cuda_major` (12 or
+    13): `CUDA_CONTEXT_TABLE` by the capability's major (Blackwell 12.x, sm120, reads the sm10x row). Raises
+    UsageError for another CUDA major and for CUDA 13 below sm75 (`CUDA13_MIN_SM`)."""
+    if cuda_major not in CUDA_MAJORS:
+        raise UsageError(f"--cuda-version must be one of {', '.join(map(str, CUDA_MAJORS))}, got {cuda_major!r}")
+    if cuda_major == 13 and sm < CUDA13_MIN_SM:
+        raise UsageError(f"CUDA 13 has no kernels for sm{sm} (torch's CUDA 13 wheels start at sm75): use "
+                         "--cuda-version 12")
+    return CUDA_CONTEXT_TABLE[(min(max(sm // 10, 7), 10), cuda_major)]
+
+
 # GEMM ops that take a cuBLAS (or cuBLASLt, which shares its workspace in torch 2.12+) workspace
 GEMM_OPS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.addbmm", "aten.addmv", "aten.mv",
                       "aten._scaled_mm", "aten._addmm_activation"})

@@ -167,21 +167,43 @@ def _phase_marks(tl: Timeline, ops: tuple, generate: bool) -> tuple[PhaseMark, .
     return tuple(marks)
 
 
-def _oom(first: Timeline, steady: Timeline, capacity: int, conf, storages) -> dict:
-    """The allocator replayed with `capacity` bytes for cudaMalloc (the device less the CUDA context), through the
-    release-and-retry path of CUDACachingAllocator.cpp `malloc`: {'oom': a message naming the allocation that
-    fails, as PyTorch's OutOfMemoryError does, or ''; 'alloc_retries': the cache releases on the way}."""
-    est = replay_steps(first, steady, capacity_bytes=capacity, conf=conf)
+def _cuda_fit(first: Timeline, steady: Timeline, gpu: dict, est, storages) -> dict:
+    """The verdict on a CUDA target: the allocator replayed with the device's capacity less the CUDA context
+    (`pressure.replay_at_capacity`, CUDACachingAllocator.cpp `malloc`'s release-and-retry path); it fits iff
+    neither step runs out of memory. `est` is the unbounded replay. headroom_bytes: the capacity the replay never
+    reserved when it fits, else minus what the unbounded replay needs beyond the device."""
+    from .pressure import replay_at_capacity
+
+    context = gpu.get("cuda_context_bytes", 0)
+    verdict = replay_at_capacity(first, steady, gpu["memory_bytes"] - context, gpu.get("alloc_conf"), est)
+    reserved = verdict.peak_reserved_bytes if verdict.fits else est.peak_reserved_bytes
+    fit = {"gpu": gpu["name"], "capacity_bytes": gpu["memory_bytes"], "cuda_context_bytes": context,
+           "cuda_context_source": gpu.get("cuda_context_source", ""),
+           "device_total_bytes": reserved + context,
+           "headroom_bytes": verdict.headroom_bytes if verdict.fits
+           else gpu["memory_bytes"] - context - est.peak_reserved_bytes,
+           "fits": verdict.fits, "peak_reserved_bytes_at_capacity": verdict.peak_reserved_bytes,
+           "alloc_retries": verdict.alloc_retries, "first_step_alloc_retries": verdict.first_step_alloc_retries,
+           "oom": _oom(verdict.estimate, storages),
+           "basis": f"the caching-allocator replay of the first and steady steps with the device's capacity less "
+                    f"the CUDA context ({format_bytes(context)}) for cudaMalloc, releasing the cache and retrying "
+                    f"as CUDACachingAllocator.cpp malloc does: fits iff no allocation runs out of memory"}
+    return fit
+
+
+def _oom(est, storages) -> str:
+    """A message naming the allocation that finds no memory in the bounded replay `est`, as PyTorch's
+    OutOfMemoryError does, or ''."""
     if est.oom_sid is None:
-        return {"oom": "", "alloc_retries": est.alloc_retries}
+        return ""
     s = next(x for x in storages if x.sid == est.oom_sid)
     reserved, allocated = est.oom_state
     what = s.name or f"{s.op} in {s.module or '(root)'}"
     where = "at the start of" if s.op_index < 0 else f"in the {s.phase} of"
-    return {"oom": f"CUDA out of memory. Tried to allocate {format_bytes(round_block(s.nbytes, 512))} ({what}, "
-                   f"{s.dtype}{list(s.shape)}, {where} the {est.oom_step} step). Of the allocated memory "
-                   f"{format_bytes(allocated)} is allocated by PyTorch, and {format_bytes(reserved - allocated)} is "
-                   "reserved by PyTorch but unallocated.", "alloc_retries": est.alloc_retries}
+    return (f"CUDA out of memory. Tried to allocate {format_bytes(round_block(s.nbytes, 512))} ({what}, "
+            f"{s.dtype}{list(s.shape)}, {where} the {est.oom_step} step). Of the allocated memory "
+            f"{format_bytes(allocated)} is allocated by PyTorch, and {format_bytes(reserved - allocated)} is "
+            "reserved by PyTorch but unallocated.")
 
 
 def generation_summary(ops: tuple, storages: tuple, steady: Timeline, batch: int, prompt: int,
@@ -259,7 +281,7 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
     step_flops, recompute_flops = flops(ops, steady)
     fit = reserved = allocator = None
     if gpu is not None and gpu.get("cuda", True):
-        conf, context = gpu.get("alloc_conf"), gpu.get("cuda_context_bytes", 0)
+        conf = gpu.get("alloc_conf")
         est = replay_steps(first, steady, conf=conf, curve=True)
         reserved = est.peak_reserved_bytes
         allocator = {"model": "c10/cuda/CUDACachingAllocator.cpp " + (
@@ -273,14 +295,7 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
         if conf is not None and conf.garbage_collection_threshold is not None:
             allocator["note"] = ("garbage_collection_threshold acts only under a per-process memory fraction below "
                                  "1 (CUDACachingAllocator.cpp garbage_collect_cached_blocks): no effect modelled")
-        total = reserved + context
-        headroom = gpu["memory_bytes"] - total
-        fit = {"gpu": gpu["name"], "capacity_bytes": gpu["memory_bytes"], "cuda_context_bytes": context,
-               "device_total_bytes": total, "headroom_bytes": headroom, "fits": headroom >= 0,
-               "basis": f"device total: peak reserved (caching-allocator model, cuBLAS workspaces included) + "
-                        f"CUDA context {format_bytes(context)}"}
-        if headroom < 0:
-            fit.update(_oom(first, steady, gpu["memory_bytes"] - context, conf, storages))
+        fit = _cuda_fit(first, steady, gpu, est, storages)
     elif gpu is not None:
         headroom = gpu["memory_bytes"] - steady.peak_bytes
         fit = {"gpu": gpu["name"], "capacity_bytes": gpu["memory_bytes"], "headroom_bytes": headroom,

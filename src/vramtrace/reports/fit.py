@@ -23,29 +23,36 @@ def render_fit(result, console: Console, model: str, target: str) -> None:
     if r.axis == "fsdp":
         _render_ranks(r, console, basis)
     elif r.best is None:
-        first = r.next
-        console.print(f"[bold red]Does not fit even at {_AXIS[r.axis]} {first.x}[/]: peak {basis} "
-                      f"{format_bytes(_peak(first))} (over by {format_bytes(_peak(first) - r.budget_bytes)})")
+        console.print(f"[bold red]Does not fit even at {_AXIS[r.axis]} {r.next.x}[/]: {_why_not(r, r.next)}")
     else:
-        console.print(f"Largest {_AXIS[r.axis]} that fits: [bold magenta]{r.best.x}[/] (peak {basis} "
-                      f"{format_bytes(_peak(r.best))}, allocated {format_bytes(r.best.peak_allocated_bytes)})")
+        console.print(f"Largest {_AXIS[r.axis]} that fits: [bold magenta]{r.best.x}[/] ({_why(r, r.best)})")
         if r.next is None:
             console.print(f"{_AXIS[r.axis].capitalize()} {r.best.x} is the model's limit (max_position_embeddings)")
         else:
-            console.print(f"{_AXIS[r.axis].capitalize()} {r.next.x} does not fit: peak {basis} "
-                          f"{format_bytes(_peak(r.next))} (over by {format_bytes(_peak(r.next) - r.budget_bytes)})")
+            console.print(f"{_AXIS[r.axis].capitalize()} {r.next.x} does not fit: {_why_not(r, r.next)}")
+    if r.allocated_bound is not None and r.best is not None and basis == "reserved" \
+            and r.allocated_bound > r.best.x:
+        console.print(f"[dim]peak allocated alone fits up to {_AXIS[r.axis]} {r.allocated_bound:,}: no larger size "
+                      f"can run; between the two a real run fits only where the allocator's layout is kinder than "
+                      f"the replay's[/]")
+    if r.cuda_context_source:
+        console.print(f"[dim]CUDA context {format_bytes(r.cuda_context_bytes)}: {escape(r.cuda_context_source)}[/]")
     console.print(f"[dim]fits: {escape(r.basis)}; {escape(r.method)}; {r.traces} exact traces[/]")
     table = Table(title=f"Peak over the {_AXIS[r.axis]}", title_justify="left")
     table.add_column(r.axis, justify="right")
     table.add_column("peak allocated", justify="right")
     if basis == "reserved":
         table.add_column("peak reserved", justify="right")
+    if basis == "reserved":
+        table.add_column("under the budget", justify="right")
     table.add_column("fits")
     table.add_column("how")
     for p in r.curve:
         cells = [f"{p.x:,}", format_bytes(p.peak_allocated_bytes)]
         if basis == "reserved":
             cells.append(format_bytes(p.peak_reserved_bytes))
+            cells.append("" if p.reserved_at_capacity is None else format_bytes(p.reserved_at_capacity) + (
+                f", {p.alloc_retries} release{'s' if p.alloc_retries != 1 else ''}" if p.alloc_retries else ""))
         cells += ["yes" if p.fits else "[red]no[/]", "traced" if p.exact else "interpolated"]
         table.add_row(*cells)
     console.print(table)
@@ -55,17 +62,37 @@ def render_fit(result, console: Console, model: str, target: str) -> None:
         render_levers(r.levers, console)
 
 
+def _why(r, p) -> str:
+    """Why point `p` fits: on a CUDA target the replay under the budget (its peak reserved, the headroom it leaves,
+    the cache releases a step needs), else the peak allocated."""
+    if p.reserved_at_capacity is None:
+        return f"peak allocated {format_bytes(p.peak_allocated_bytes)}"
+    releases = (f"; {p.alloc_retries} cache release{'s' if p.alloc_retries != 1 else ''} per step "
+                f"(cudaMalloc retries)" if p.alloc_retries else "")
+    return (f"peak reserved {format_bytes(p.reserved_at_capacity)} of the {format_bytes(r.budget_bytes)} budget, "
+            f"{format_bytes(r.budget_bytes - p.reserved_at_capacity)} headroom, allocated "
+            f"{format_bytes(p.peak_allocated_bytes)}{releases}")
+
+
+def _why_not(r, p) -> str:
+    """Why point `p` does not fit: peak allocated over the budget, or the replay under it runs out of memory."""
+    if p.peak_reserved_bytes is None or p.peak_allocated_bytes > r.budget_bytes:
+        return (f"peak allocated {format_bytes(p.peak_allocated_bytes)} (over by "
+                f"{format_bytes(p.peak_allocated_bytes - r.budget_bytes)})")
+    return (f"the allocator replay under the {format_bytes(r.budget_bytes)} budget runs out of memory (peak "
+            f"allocated {format_bytes(p.peak_allocated_bytes)}; unbounded it would reserve "
+            f"{format_bytes(p.peak_reserved_bytes)})")
+
+
 def _render_ranks(r, console: Console, basis: str) -> None:
     """The fewest FSDP ranks that fit, and the next power of two down that does not."""
     if r.best is None:
-        console.print(f"[bold red]Does not fit even on {r.next.x} GPUs with FSDP2[/]: peak {basis} per rank "
-                      f"{format_bytes(_peak(r.next))} (over by {format_bytes(_peak(r.next) - r.budget_bytes)})")
+        console.print(f"[bold red]Does not fit even on {r.next.x} GPUs with FSDP2[/]: per rank, "
+                      f"{_why_not(r, r.next)}")
         return
-    console.print(f"Fewest GPUs that fit (FSDP2, --fsdp): [bold magenta]{r.best.x}[/] (peak {basis} per rank "
-                  f"{format_bytes(_peak(r.best))}, allocated {format_bytes(r.best.peak_allocated_bytes)})")
+    console.print(f"Fewest GPUs that fit (FSDP2, --fsdp): [bold magenta]{r.best.x}[/] (per rank, {_why(r, r.best)})")
     if r.next is not None:
-        console.print(f"{r.next.x} GPUs do not fit: peak {basis} per rank {format_bytes(_peak(r.next))} (over by "
-                      f"{format_bytes(_peak(r.next) - r.budget_bytes)})")
+        console.print(f"{r.next.x} GPUs do not fit: per rank, {_why_not(r, r.next)}")
 
 
 def _peak(p) -> int:

@@ -238,28 +238,45 @@ def render(report: MemoryReport, console: Console) -> None:
     _render_checkpointing(report, console)
 
     if report.fit is not None:
-        f = report.fit
-        total = (f" device total {format_bytes(f['device_total_bytes'])} (reserved "
-                 f"{format_bytes(report.peak_reserved_bytes)} + CUDA context {format_bytes(f['cuda_context_bytes'])})"
-                 if "device_total_bytes" in f else "")
-        if f["fits"]:
-            msg = Text(f"Fits on {f['gpu']} ({format_bytes(f['capacity_bytes'])}):{total} with "
-                       f"{format_bytes(f['headroom_bytes'])} spare", style="bold green")
-        else:
-            msg = Text(f"Does not fit on {f['gpu']} ({format_bytes(f['capacity_bytes'])}):{total} over by "
-                       f"{format_bytes(-f['headroom_bytes'])}", style="bold red")
-        console.print(msg)
-        if f.get("oom"):
-            console.print(Text(f"replayed with the device's capacity: {f['oom']}", style="red"))
-        elif not f["fits"] and "oom" in f:
-            console.print(Text(f"replayed with the device's capacity it runs, but only by releasing the allocator's "
-                               f"cache {f['alloc_retries']} times per step (cudaMalloc retries: slow, fragile)",
-                               style="yellow"))
-        console.print(Text(f"basis: {f['basis']}", style="dim"))
+        _render_verdict(report, console)
     if report.levers is not None:
         from .levers import render_levers
 
         render_levers(report.levers, console)
+
+
+def _render_verdict(report: MemoryReport, console: Console) -> None:
+    """Fits or not, the device total and its headroom; on a CUDA target, the allocator replay under the capacity
+    (cache releases per step, or the allocation that runs out of memory) and the CUDA context assumed, with why."""
+    f = report.fit
+    if "device_total_bytes" not in f:  # the CPU target given a capacity
+        word = "Fits" if f["fits"] else "Does not fit"
+        amount = f"with {format_bytes(f['headroom_bytes'])} spare" if f["fits"] else \
+            f"over by {format_bytes(-f['headroom_bytes'])}"
+        console.print(Text(f"{word} on {f['gpu']} ({format_bytes(f['capacity_bytes'])}): {amount}",
+                           style="bold green" if f["fits"] else "bold red"))
+        console.print(Text(f"basis: {f['basis']}", style="dim"))
+        return
+    reserved = f["device_total_bytes"] - f["cuda_context_bytes"]
+    total = (f" device total {format_bytes(f['device_total_bytes'])} (reserved {format_bytes(reserved)} + CUDA "
+             f"context {format_bytes(f['cuda_context_bytes'])})")
+    if f["fits"]:
+        console.print(Text(f"Fits on {f['gpu']} ({format_bytes(f['capacity_bytes'])}):{total} with "
+                           f"{format_bytes(f['headroom_bytes'])} spare", style="bold green"))
+        if f.get("alloc_retries"):
+            n = f["alloc_retries"]
+            console.print(Text(f"only by releasing the allocator's cache {'once' if n == 1 else f'{n} times'} per step "
+                               f"(num_alloc_retries: a device sync and cudaFree each; the unbounded replay would "
+                               f"reserve {format_bytes(report.peak_reserved_bytes)})", style="yellow"))
+    else:
+        console.print(Text(f"Does not fit on {f['gpu']} ({format_bytes(f['capacity_bytes'])}):{total} over by "
+                           f"{format_bytes(max(-f['headroom_bytes'], 0))}", style="bold red"))
+        if f.get("oom"):
+            console.print(Text(f"replayed with the device's capacity: {f['oom']}", style="red"))
+    if f.get("cuda_context_source"):
+        console.print(Text(f"CUDA context {format_bytes(f['cuda_context_bytes'])}: {f['cuda_context_source']}",
+                           style="dim"))
+    console.print(Text(f"basis: {f['basis']}", style="dim"))
 
 
 GROUP_ROWS = 8  # rows of the by-layer table
