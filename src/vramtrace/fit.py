@@ -250,8 +250,11 @@ def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, 
     def allocated(x: int, exact_only: bool = False) -> int:
         if traced_only(x, exact_only):
             return trace(x).peak_allocated_bytes
-        if x not in allocated_cache:
-            allocated_cache[x] = tables[nodes[0]].timeline(rows(x)).peak_bytes
+        if x not in allocated_cache:  # on a CUDA target the allocator replay's, as an exact point's
+            if cuda:
+                allocated_cache[x], reserved_cache[x] = tables[nodes[0]].peaks(rows(x), cuda=True)
+            else:
+                allocated_cache[x] = tables[nodes[0]].timeline(rows(x)).peak_bytes
         return allocated_cache[x]
 
     def reserved(x: int, exact_only: bool = False) -> int | None:

@@ -229,18 +229,60 @@ def flops(ops: tuple, steady: Timeline) -> tuple[int, int]:
             sum(o.flops for o in steady_ops if o.recompute))
 
 
+def _cuda_summary(first: Timeline, steady: Timeline, gpu: dict[str, Any], storages) -> tuple:
+    """The caching-allocator replay of a CUDA target's first and steady steps (`replay_steps`): (its
+    `ReservedEstimate`, the report's `allocator` entry, its `fit` entry: the verdict on peak reserved plus the
+    CUDA context)."""
+    conf, context = gpu.get("alloc_conf"), gpu.get("cuda_context_bytes", 0)
+    est = replay_steps(first, steady, conf=conf, curve=True)
+    reserved = est.peak_reserved_bytes
+    allocator = {"model": "c10/cuda/CUDACachingAllocator.cpp " + (
+                     f"with PYTORCH_CUDA_ALLOC_CONF={conf}" if conf is not None and str(conf) else
+                     "defaults (512 B blocks, 2 MiB small and 20 MiB large segments, best fit, splitting)"),
+                 "segments": est.segments, "peak_reserved_bytes": reserved,
+                 # memory_allocated() counts a whole block when it does not split off a remainder <= 1 MiB
+                 "peak_allocated_bytes": est.peak_allocated_bytes,
+                 "unsplit_remainder_bytes_at_peak": est.peak_remainder_bytes,
+                 "rounded_requests_peak_bytes": steady.peak_bytes,  # the timeline's peak: no remainders
+                 # the steady step's reserved bytes where they change: [[graph step, bytes], ...]
+                 "reserved_steps": [list(p) for p in est.reserved_steps]}
+    if conf is not None and conf.garbage_collection_threshold is not None:
+        allocator["note"] = ("garbage_collection_threshold acts only under a per-process memory fraction below "
+                             "1 (CUDACachingAllocator.cpp garbage_collect_cached_blocks): no effect modelled")
+    total = reserved + context
+    headroom = gpu["memory_bytes"] - total
+    fit = {"gpu": gpu["name"], "capacity_bytes": gpu["memory_bytes"], "cuda_context_bytes": context,
+           "device_total_bytes": total, "headroom_bytes": headroom, "fits": headroom >= 0,
+           "basis": f"device total: peak reserved (caching-allocator model, cuBLAS workspaces included) + "
+                    f"CUDA context {format_bytes(context)}"}
+    if headroom < 0:
+        fit.update(_oom(first, steady, gpu["memory_bytes"] - context, conf, storages))
+    return est, allocator, fit
+
+
 def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: tuple, storages: tuple,
               steady: Timeline, first: Timeline, graph_optimal: Timeline, gpu: dict[str, Any] | None,
               top_n: int = 10, unresolved: tuple[str, ...] = ()) -> MemoryReport:
     """Build the MemoryReport from the steady-state, first-step and graph-optimal timelines. With a `gpu`
     (a CUDA target) the two steps are replayed through the caching-allocator model for peak reserved bytes,
-    and the fit verdict is on reserved memory.
+    the fit verdict is on reserved memory, and peak allocated (first step and steady) is the replay's, as
+    `max_memory_allocated()` counts it: at the replay's peak the breakdown holds the blocks' unsplit remainders
+    as `Category.ALLOCATOR_REMAINDER`.
 
     `ops`/`storages` are the recorder's OpInfo/StorageInfo rows; `gpu` is {'name', 'memory_bytes', 'cuda'} or None
     (no verdict); with 'cuda' False (the CPU target given a capacity) the verdict is on peak allocated bytes.
     """
     by_sid = {s.sid: s for s in storages}
-    peak = steady.peak_step
+    peak, peak_bytes, first_peak, remainder = steady.peak_step, steady.peak_bytes, first.peak_bytes, 0
+    fit = reserved = allocator = None
+    if gpu is not None and gpu.get("cuda", True):
+        est, allocator, fit = _cuda_summary(first, steady, gpu, storages)
+        reserved, peak, peak_bytes = est.peak_reserved_bytes, est.peak_step, est.peak_allocated_bytes
+        first_peak, remainder = est.first_peak_allocated_bytes, est.peak_remainder_bytes
+    elif gpu is not None:
+        headroom = gpu["memory_bytes"] - steady.peak_bytes
+        fit = {"gpu": gpu["name"], "capacity_bytes": gpu["memory_bytes"], "headroom_bytes": headroom,
+               "fits": headroom >= 0, "basis": "peak allocated (CPU target)"}
     peak_op = ops[steady.steps[peak]]
     rows = []
     for lt in steady.lifetimes:
@@ -251,44 +293,17 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
     breakdown = {c.value: 0 for c in Category}
     for r in live:
         breakdown[r.category] += r.bytes
+    breakdown[Category.ALLOCATOR_REMAINDER.value] = remainder
     top = tuple(sorted(live, key=lambda r: (-r.bytes, r.id))[:top_n])
     forward = [i for i, ph in enumerate(steady.phases) if ph == "forward"]
     end_fwd = forward[-1] if forward else -1
     activation = sum(lt.bytes for lt in steady.lifetimes
                      if lt.category is Category.ACTIVATION and lt.birth <= end_fwd < lt.death)
     step_flops, recompute_flops = flops(ops, steady)
-    fit = reserved = allocator = None
-    if gpu is not None and gpu.get("cuda", True):
-        conf, context = gpu.get("alloc_conf"), gpu.get("cuda_context_bytes", 0)
-        est = replay_steps(first, steady, conf=conf, curve=True)
-        reserved = est.peak_reserved_bytes
-        allocator = {"model": "c10/cuda/CUDACachingAllocator.cpp " + (
-                         f"with PYTORCH_CUDA_ALLOC_CONF={conf}" if conf is not None and str(conf) else
-                         "defaults (512 B blocks, 2 MiB small and 20 MiB large segments, best fit, splitting)"),
-                     "segments": est.segments, "peak_reserved_bytes": reserved,
-                     # the allocator counts a whole block when it does not split off a remainder <= 1 MiB
-                     "peak_allocated_bytes": est.peak_allocated_bytes,
-                     # the steady step's reserved bytes where they change: [[graph step, bytes], ...]
-                     "reserved_steps": [list(p) for p in est.reserved_steps]}
-        if conf is not None and conf.garbage_collection_threshold is not None:
-            allocator["note"] = ("garbage_collection_threshold acts only under a per-process memory fraction below "
-                                 "1 (CUDACachingAllocator.cpp garbage_collect_cached_blocks): no effect modelled")
-        total = reserved + context
-        headroom = gpu["memory_bytes"] - total
-        fit = {"gpu": gpu["name"], "capacity_bytes": gpu["memory_bytes"], "cuda_context_bytes": context,
-               "device_total_bytes": total, "headroom_bytes": headroom, "fits": headroom >= 0,
-               "basis": f"device total: peak reserved (caching-allocator model, cuBLAS workspaces included) + "
-                        f"CUDA context {format_bytes(context)}"}
-        if headroom < 0:
-            fit.update(_oom(first, steady, gpu["memory_bytes"] - context, conf, storages))
-    elif gpu is not None:
-        headroom = gpu["memory_bytes"] - steady.peak_bytes
-        fit = {"gpu": gpu["name"], "capacity_bytes": gpu["memory_bytes"], "headroom_bytes": headroom,
-               "fits": headroom >= 0, "basis": "peak allocated (CPU target)"}
     return MemoryReport(
         model=model, run=run, params=params,
-        peak_allocated_bytes=steady.peak_bytes,
-        first_step_peak_allocated_bytes=first.peak_bytes,
+        peak_allocated_bytes=peak_bytes,
+        first_step_peak_allocated_bytes=first_peak,
         graph_optimal_peak_bytes=graph_optimal.peak_bytes,
         peak_step=peak, peak_phase=str(peak_op.phase), peak_op=peak_op.name, peak_module=peak_op.module,
         peak_micro_step=peak_op.micro,
