@@ -98,10 +98,10 @@ def cublas_workspaces(ops, table: tuple[StorageInfo, ...], sm: int, steps: int =
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """What a lever search needs of one exact trace (a full `MemoryReport` is not built): the steady step's peak
-    allocated bytes (on a CUDA target the allocator replay's, `StepTables.peaks`), the caching-allocator model's peak reserved bytes (CUDA target, else None), the KV cache
-    bytes live at the peak, the forward + backward and the recompute FLOPs, the phase of the peak, and the
-    number of layers in the model's checkpointable stack. The attribute names are the report's, so
-    `planner.budget_peak` reads either."""
+    allocated bytes (on a CUDA target the allocator replay's, as `StepTables.peaks`), the caching-allocator model's
+    peak reserved bytes (CUDA target, else None), the KV cache bytes live at the peak, the forward + backward and
+    the recompute FLOPs, the phase of the peak, and the number of layers in the model's checkpointable stack. The
+    attribute names are the report's, so `planner.budget_peak` reads either."""
 
     peak_allocated_bytes: int
     peak_reserved_bytes: int | None

@@ -103,6 +103,34 @@ class CachingAllocatorModel:
     _live: dict = field(default_factory=dict)  # key -> block
     _next_addr: int = 1 << 40
 
+    @classmethod
+    def from_segments(cls, segments, **kw) -> "CachingAllocatorModel":
+        """The allocator holding `segments`, as a memory snapshot lists them (`torch.cuda.memory._snapshot()`
+        'segments': address, total_size, segment_type 'small' or 'large', blocks in address order); each block
+        given as (size, allocated?, ...). An allocated block's key is its address. Peaks start at the current
+        state."""
+        sim = cls(**kw)
+        for seg in segments:
+            addr, prev, small = seg["address"], None, seg["segment_type"] == "small"
+            sim.reserved_bytes += seg["total_size"]
+            sim.num_segments += 1
+            for size, allocated, *_ in seg["blocks"]:
+                block = _Block(addr, size, small, allocated, prev)
+                if prev is not None:
+                    prev.next = block
+                if allocated:
+                    sim._live[addr] = block
+                    sim.allocated_bytes += size
+                else:
+                    sim._insert(block)
+                prev, addr = block, addr + size
+        sim.reset_peaks()
+        return sim
+
+    def address(self, key) -> int:
+        """The address of `key`'s block."""
+        return self._live[key].addr
+
     def reset_peaks(self) -> None:
         """As `torch.cuda.reset_peak_memory_stats()`."""
         self.peak_allocated_bytes, self.peak_reserved_bytes = self.allocated_bytes, self.reserved_bytes
@@ -302,8 +330,10 @@ class ReservedEstimate:
 def replay_steps(first, steady, capacity_bytes: int | None = None, conf=None, curve: bool = False) -> ReservedEstimate:
     """Replay a first step then a steady-state step (two `liveness.Timeline`s of the same recording, CUDA block
     rounding applied) through `CachingAllocatorModel` (`ExpandableSegmentsModel` when `conf`, a
-    `device.AllocConf`, says expandable_segments; its max_split_size applies), as a training loop runs them; the
-    peaks are the steady step's (`reset_peak_memory_stats()` between the steps, as the measurement does). With
+    `device.AllocConf`, says expandable_segments; its max_split_size applies), as a training loop runs them. Peak
+    allocated (unsplit block remainders included, `peak_step` where it is first reached) is the steady step's
+    (`reset_peak_memory_stats()` between the steps, as the measurement does), peak reserved the run's
+    (`max_memory_reserved()` from the first step on: the same unless the steady step released the cache). With
     `capacity_bytes`, an allocation that finds no memory stops the replay: `oom`, `oom_sid` and `oom_step` name it.
     The order of events is `ReplaySchedule`'s. With `curve`, `reserved_steps` holds the steady step's reserved
     bytes per graph step (change points)."""
@@ -375,13 +405,13 @@ class ReplaySchedule:
                 step += 1
             return step
 
-        first_peak, peak_event = 0, -1
+        first_peak, first_reserved, peak_event = 0, 0, -1
         try:
             for n, (tag, events) in enumerate(self.steps):
                 if tag == "steady":
                     for key in [k for k in live if k[0] == "first"]:
                         sim.free(key)
-                    first_peak = sim.peak_allocated_bytes
+                    first_peak, first_reserved = sim.peak_allocated_bytes, sim.peak_reserved_bytes
                     sim.reset_peaks()
                 ends = self.ends[n] if curve and tag == "steady" else ()
                 step = record(ends, 0, 0)
@@ -399,8 +429,10 @@ class ReplaySchedule:
         except AllocatorOOM as e:
             oom, failed = str(e), e
         steady_ends = self.ends[-1] if self.ends else ()
-        return ReservedEstimate(sim.peak_reserved_bytes, sim.peak_allocated_bytes, sim.num_segments,
-                                sim.num_alloc_retries, oom, failed.key[1] if failed else None, tag if failed else "",
+        # max_memory_reserved() over the run: the first step's too, above the steady step's after a cache release
+        reserved = max(first_reserved, sim.peak_reserved_bytes)
+        return ReservedEstimate(reserved, sim.peak_allocated_bytes, sim.num_segments, sim.num_alloc_retries, oom,
+                                failed.key[1] if failed else None, tag if failed else "",
                                 (failed.reserved_bytes, failed.allocated_bytes) if failed else (0, 0), tuple(points),
                                 min(bisect.bisect_right(steady_ends, peak_event), max(len(steady_ends) - 1, 0)),
                                 sim.peak_remainder_bytes, first_peak)

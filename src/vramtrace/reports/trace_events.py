@@ -9,8 +9,9 @@ key of its args, named "<name> <key>"; duration events must nest).
 Time is synthetic: the timeline's steps (one op each) have no duration, so one step is 1 µs of trace time, and
 "ts" is the step index (an int, in µs, as the format counts it). One process (pid 1) holds:
 - the counter "allocated by category": args {category: bytes live while the step runs}, one series per category
-  the report holds (on a CUDA target "allocator_remainder", the blocks' unsplit remainders, at the peak step) (Perfetto: one track each, "allocated by category activation", ...; chrome://tracing stacks
-  them), and the counter "total allocated" (args {"bytes": ...}), whose maximum is `peak_allocated_bytes`;
+  the report holds, on a CUDA target also "allocator_remainder" (the blocks' unsplit remainders, at the peak step)
+  (Perfetto: one track each, "allocated by category activation", ...; chrome://tracing stacks them), and the
+  counter "total allocated" (args {"bytes": ...}), whose maximum is `peak_allocated_bytes`;
 - thread "phases": one complete slice ("ph": "X") per run of steps in the same phase (forward, backward, ...);
 - thread "ops": one complete slice per step, 1 µs long, named by its op, args module, phase, allocated_bytes;
 - a process-scoped instant event ("ph": "i") "peak allocated" at the peak step.
