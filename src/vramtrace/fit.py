@@ -233,7 +233,7 @@ def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, 
                 break
     rows_cache: dict[int, tuple] = {}
     allocated_cache: dict[int, int] = {}
-    reserved_cache: dict[int, int] = {}
+    replay_cache: dict[int, tuple[int, int | None]] = {}
 
     def rows(x: int) -> tuple:
         if x not in rows_cache:
@@ -248,28 +248,30 @@ def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, 
         return exact_only or curve is None or x in exact or x < nodes[0]
 
     def allocated(x: int, exact_only: bool = False) -> int:
+        """The search's peak allocated: the liveness sum, on a CUDA target a lower bound of the replay's."""
         if traced_only(x, exact_only):
             return trace(x).peak_allocated_bytes
-        if x not in allocated_cache:  # on a CUDA target the allocator replay's, as an exact point's
-            if cuda:
-                allocated_cache[x], reserved_cache[x] = tables[nodes[0]].peaks(rows(x), cuda=True)
-            else:
-                allocated_cache[x] = tables[nodes[0]].timeline(rows(x)).peak_bytes
+        if x not in allocated_cache:
+            allocated_cache[x] = tables[nodes[0]].timeline(rows(x)).peak_bytes
         return allocated_cache[x]
+
+    def replayed(x: int) -> tuple[int, int | None]:
+        """(peak allocated, peak reserved) of an interpolated point on a CUDA target: the allocator replay's."""
+        if x not in replay_cache:
+            replay_cache[x] = tables[nodes[0]].peaks(rows(x), cuda=True)
+        return replay_cache[x]
 
     def reserved(x: int, exact_only: bool = False) -> int | None:
         if not cuda:
             return None
         if traced_only(x, exact_only):
             return trace(x).peak_reserved_bytes
-        if x not in reserved_cache:
-            reserved_cache[x] = tables[nodes[0]].peaks(rows(x), cuda=True)[1]
-        return reserved_cache[x]
+        return replayed(x)[1]
 
     def point(x: int, exact_only: bool = False) -> FitPoint:
         if traced_only(x, exact_only):
             return trace(x)
-        a, r = allocated(x), reserved(x)
+        a, r = replayed(x) if cuda else (allocated(x), None)  # as an exact point's (`StepTables.peaks`)
         return FitPoint(x, a, r, (r if cuda else a) <= budget, False)
 
     def largest(fits: Callable[[int], bool]) -> int:
