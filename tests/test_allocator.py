@@ -228,3 +228,26 @@ def test_cublas_workspaces_are_born_at_their_threads_first_gemm():
         assert all(str(o.phase) != s.phase for o in earlier)  # no GEMM of that thread before it
     steady = {lt.sid: lt for lt in tables.timeline().lifetimes}
     assert all(steady[s.sid].at_start and steady[s.sid].outlives_step for s in rows)
+
+
+def test_a_reports_peak_allocated_holds_the_unsplit_remainders(tmp_path):
+    """A CUDA target's peak allocated is the replay's: with a vocabulary of 47,200 × 64 fp32 (12,083,200 B, the
+    embedding, its gradient and AdamW states, and the logits of 2 × 32 tokens), each such request gets a 12 MiB
+    segment (`get_allocation_size`: 2 MiB rounding) whose 499,712 B rest, at most kSmallSize, is not split off
+    (`should_split`) and counts as allocated. The breakdown, the JSON and the trace events say so."""
+    from vramtrace import RunSpec, analyze
+    from vramtrace.reports.trace_events import trace_events_of
+
+    cfg = json.loads((FIXTURES / "tiny-gpt2.json").read_text())
+    path = tmp_path / "gpt2-47200.json"
+    path.write_text(json.dumps({**cfg, "vocab_size": 47_200}))
+    r = analyze(RunSpec(str(path), batch=2, seq=32, gpu="H100-80GB"), levers=False)
+    rest = r.breakdown_at_peak[Category.ALLOCATOR_REMAINDER.value]
+    assert rest > 0 and rest % 499_712 == 0 and rest == r.allocator["unsplit_remainder_bytes_at_peak"]
+    assert sum(r.breakdown_at_peak.values()) == r.peak_allocated_bytes == r.allocator["peak_allocated_bytes"]
+    live = sum(t.bytes for t in r.tensors if t.birth <= r.peak_step <= t.death)
+    assert r.peak_allocated_bytes == live + rest >= r.allocator["rounded_requests_peak_bytes"]
+    totals = [e["args"]["bytes"] for e in trace_events_of(r)["traceEvents"] if e.get("name") == "total allocated"]
+    assert max(totals) == r.peak_allocated_bytes
+    cpu = analyze(RunSpec(str(path), batch=2, seq=32, device="cpu"), levers=False)
+    assert cpu.breakdown_at_peak[Category.ALLOCATOR_REMAINDER.value] == 0

@@ -89,9 +89,9 @@ def cublas_workspaces(ops, table: tuple[StorageInfo, ...], sm: int, steps: int =
     rows = []
     for i, thread in enumerate(first_gemms(ops, range(len(ops)))):
         op = births.get(thread)
-        where = (-1, "cuBLAS workspace", "", "start") if op is None else (op.index, op.name, op.module, str(op.phase))
-        rows.append(StorageInfo(sid + i, nbytes, "uint8", (nbytes,), "meta", Category.CUBLAS_WORKSPACE, *where,
-                                f"cuBLAS workspace ({thread} thread)", None, -1))
+        born, phase = (-1, "start") if op is None else (op.index, str(op.phase))  # a thread's, not a module's
+        rows.append(StorageInfo(sid + i, nbytes, "uint8", (nbytes,), "meta", Category.CUBLAS_WORKSPACE, born,
+                                "cuBLAS workspace", "", phase, f"cuBLAS workspace ({thread} thread)", None, -1))
     return tuple(rows)
 
 
