@@ -147,9 +147,14 @@ class MemoryReport:
         return d
 
 
-def _phase_marks(tl: Timeline, ops: tuple, generate: bool) -> tuple[PhaseMark, ...]:
+def _phase_marks(tl: Timeline, ops: tuple, generate: bool, remainder: tuple[int, int] = (0, 0)
+                 ) -> tuple[PhaseMark, ...]:
     """The waterfall: the start, then each phase's peak and its end. A generation's phases are its prefill (the
-    model's first forward, micro-step 0, with what generate does before it) and its decode steps (the rest)."""
+    model's first forward, micro-step 0, with what generate does before it) and its decode steps (the rest).
+    `remainder`: (step, bytes) a CUDA target's unsplit block remainders add at the peak step."""
+    live = list(tl.live_bytes)
+    if remainder[1]:
+        live[remainder[0]] += remainder[1]
     marks = [PhaseMark("start of step", tl.start_bytes, 0)]
     by_phase: dict[str, list[int]] = {}
     for i, ph in enumerate(tl.phases):
@@ -160,9 +165,9 @@ def _phase_marks(tl: Timeline, ops: tuple, generate: bool) -> tuple[PhaseMark, .
               "optimizer": "optimizer step", "zero_grad": "zero_grad", "step": "your step function",
               "prefill": "prefill", "decode": "decode steps"}
     for ph, idx in by_phase.items():
-        peak_i = max(idx, key=lambda i: tl.live_bytes[i])
+        peak_i = max(idx, key=lambda i: live[i])
         if ph != "zero_grad":
-            marks.append(PhaseMark(f"peak in {labels[ph]}", tl.live_bytes[peak_i], peak_i))
+            marks.append(PhaseMark(f"peak in {labels[ph]}", live[peak_i], peak_i))
         marks.append(PhaseMark(f"after {labels[ph]}", tl.after_bytes[idx[-1]], idx[-1]))
     return tuple(marks)
 
@@ -307,7 +312,7 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
         graph_optimal_peak_bytes=graph_optimal.peak_bytes,
         peak_step=peak, peak_phase=str(peak_op.phase), peak_op=peak_op.name, peak_module=peak_op.module,
         peak_micro_step=peak_op.micro,
-        breakdown_at_peak=breakdown, phases=_phase_marks(steady, ops, run.get("mode") == "generate"),
+        breakdown_at_peak=breakdown, phases=_phase_marks(steady, ops, run.get("mode") == "generate", (peak, remainder)),
         top_tensors=top, tensors=tuple(rows),
         num_steps=len(steady.steps), fit=fit, activation_bytes=activation, step_flops=step_flops,
         recompute_flops=recompute_flops, peak_reserved_bytes=reserved, allocator=allocator,
