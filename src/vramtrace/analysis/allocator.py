@@ -27,9 +27,10 @@ least 512 B is split off (`should_split`); pages stay mapped until `empty_cache(
 free tail as large as it can grow (`get_free_block`, `expandable_size`): the tail is taken only when no other free
 block of the pool fits.
 
-Not modelled: streams other than the default one, garbage-collection threshold (it acts only under a per-process
-memory fraction below 1), CUDA graphs' private pools, the addresses cudaMalloc really returns, and, with
-expandable segments, the unmapping of free pages on the retry after a failed allocation (the model fails there
+Not modelled: with max_split_size, `release_available_cached_blocks` (freeing oversize cached blocks before all
+of them); what the real run allocates before its first step (the model built on the GPU); streams other than
+the default one, garbage-collection threshold (it acts only under a per-process memory fraction below 1), CUDA
+graphs' private pools, the addresses cudaMalloc really returns, and, with expandable segments, the unmapping of free pages on the retry after a failed allocation (the model fails there
 instead: an over-estimate, never an under-estimate).
 """
 
