@@ -102,7 +102,7 @@ class FitResult:
 
 def evaluate(tables, x: int, cuda: bool, budget: int, exact: bool, rows: tuple | None = None) -> FitPoint:
     """The point at size `x` of an exact trace `tables` (`tables.StepTables`), over `rows` (its storage table with
-    other sizes, interpolated) when given: peak allocated; on a CUDA target the unbounded replay's peak reserved
+    other sizes, interpolated) when given: peak allocated (on a CUDA target the allocator replay's); on a CUDA target the unbounded replay's peak reserved
     and, when the allocated bytes fit `budget`, the replay under `budget` (`pressure.replay_at_capacity`), whose
     verdict is the point's. Bytes are ints."""
     from .analysis.allocator import replay_steps
@@ -115,9 +115,11 @@ def evaluate(tables, x: int, cuda: bool, budget: int, exact: bool, rows: tuple |
     first = tables.timeline(rows, 0)
     unbounded = replay_steps(first, steady, conf=tables.alloc_conf)
     if allocated > budget:  # certain failure: the replay could not hold even the live bytes
-        return FitPoint(x, allocated, unbounded.peak_reserved_bytes, False, exact)
+        return FitPoint(x, unbounded.peak_allocated_bytes, unbounded.peak_reserved_bytes, False, exact)
     v = replay_at_capacity(first, steady, budget, tables.alloc_conf, unbounded)
-    return FitPoint(x, allocated, unbounded.peak_reserved_bytes, v.fits, exact, v.peak_reserved_bytes,
+    # peak allocated as memory_allocated() counts it (unsplit block remainders included): the replay's under the
+    # budget, whose cache releases may place blocks otherwise than the unbounded one
+    return FitPoint(x, v.peak_allocated_bytes, unbounded.peak_reserved_bytes, v.fits, exact, v.peak_reserved_bytes,
                     v.alloc_retries)
 
 

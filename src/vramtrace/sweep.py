@@ -140,7 +140,8 @@ def _sweep(spec, batches, seqs, budget, say, heap) -> SweepResult:
     def peak_of(b: int, sizes) -> tuple[int, int | None]:
         """(peak allocated, peak reserved on a CUDA target when the allocated bytes fit, else None) of the
         recording of batch b with `sizes` as its storages' bytes: the liveness sum of `StepTables.peaks`
-        vectorised, and the same allocator replay (`ReplaySchedule`) without rebuilding the timelines."""
+        vectorised, and the same allocator replay (`ReplaySchedule`) without rebuilding the timelines; on a CUDA
+        target when they fit, peak allocated is the replay's (unsplit block remainders included)."""
         key = 1 if b == 1 else 2
         if key not in structure:
             t = exact[(1, s_nodes[0])] if key == 1 else base
@@ -163,7 +164,8 @@ def _sweep(spec, batches, seqs, budget, say, heap) -> SweepResult:
         alloc = int(np.cumsum(diff)[:-1].max())
         if not cuda or (budget is not None and alloc > budget):
             return alloc, None
-        return alloc, schedule.replay(sizes[replay_rows].tolist(), conf=base.alloc_conf).peak_reserved_bytes
+        est = schedule.replay(sizes[replay_rows].tolist(), conf=base.alloc_conf)
+        return est.peak_allocated_bytes, est.peak_reserved_bytes  # as `StepTables.peaks` on a CUDA target
 
     points = []
     for b in batches:

@@ -46,12 +46,13 @@ class StepTables:
     def peaks(self, rows: tuple[StorageInfo, ...] | None = None, cuda: bool = False) -> tuple[int, int | None]:
         """(peak allocated bytes of the steady step, peak reserved bytes by the caching-allocator model on a CUDA
         target else None) over `rows` (default: this table; rows of the same recording with other sizes, as
-        `fit` interpolates them)."""
+        `fit` interpolates them). On a CUDA target both come from the allocator replay (`replay_steps`): peak
+        allocated as `max_memory_allocated()` counts it, unsplit block remainders included."""
         steady = self.timeline(rows)
         if not cuda:
             return steady.peak_bytes, None
-        reserved = replay_steps(self.timeline(rows, 0), steady, conf=self.alloc_conf).peak_reserved_bytes
-        return steady.peak_bytes, reserved
+        est = replay_steps(self.timeline(rows, 0), steady, conf=self.alloc_conf)
+        return est.peak_allocated_bytes, est.peak_reserved_bytes
 
 
 def step_tables(spec: RunSpec, loaded, progress: Callable[[str], None] | None = None) -> StepTables:
@@ -69,29 +70,38 @@ def step_tables(spec: RunSpec, loaded, progress: Callable[[str], None] | None = 
     table = storage_table(traced.ops, traced.storages, traced.marks, loop)
     if spec.device is not Device.CUDA:
         return StepTables(traced, table, loop, 1)
-    return StepTables(traced, table + cublas_workspaces(traced.ops, table, spec.gpu_preset.sm), loop,
+    return StepTables(traced, table + cublas_workspaces(traced.ops, table, spec.gpu_preset.sm, traced.steps), loop,
                       CUDA_MIN_BLOCK_BYTES, spec.alloc_conf)
 
 
-def cublas_workspaces(ops, table: tuple[StorageInfo, ...], sm: int) -> tuple[StorageInfo, ...]:
+def cublas_workspaces(ops, table: tuple[StorageInfo, ...], sm: int, steps: int = 1) -> tuple[StorageInfo, ...]:
     """One row per thread that runs GEMMs in the recording (`analysis/device.py::gemm_threads`), each the cuBLAS
-    workspace of a GPU of compute capability `sm` (`cublas_workspace_bytes`), alive from the start (it is allocated
-    at the first step's first GEMM on that thread and never freed), with storage ids after the table's."""
-    from .analysis.device import cublas_workspace_bytes, gemm_threads
+    workspace of a GPU of compute capability `sm` (`cublas_workspace_bytes`), never freed, with storage ids after
+    the table's. It is allocated through the caching allocator at the first GEMM its thread runs
+    (aten/src/ATen/cuda/CublasHandlePool.cpp `getCurrentCUDABlasHandle`: the workspace of a new (handle, stream)
+    is made on first use), so in a recording of `steps` >= 2 steps it is born at that op of the first step, where
+    the allocator may place it in a cached free block (the H100 snapshots of BERT, GPT-2 and T5 hold it inside a
+    larger segment); a recording of one step (inference, a generation) has it from the start."""
+    from .analysis.device import cublas_workspace_bytes, first_gemms
 
     nbytes, sid = cublas_workspace_bytes(sm), max((s.sid for s in table), default=0) + 1
-    return tuple(StorageInfo(sid + i, nbytes, "uint8", (nbytes,), "meta", Category.CUBLAS_WORKSPACE, -1,
-                             "cuBLAS workspace", "", "start", f"cuBLAS workspace ({thread} thread)", None, -1)
-                 for i, thread in enumerate(gemm_threads(ops, range(len(ops)))))
+    births = first_gemms(ops, [o.index for o in ops if o.step == 0]) if steps > 1 else {}
+    rows = []
+    for i, thread in enumerate(first_gemms(ops, range(len(ops)))):
+        op = births.get(thread)
+        born, phase = (-1, "start") if op is None else (op.index, str(op.phase))  # a thread's, not a module's
+        rows.append(StorageInfo(sid + i, nbytes, "uint8", (nbytes,), "meta", Category.CUBLAS_WORKSPACE, born,
+                                "cuBLAS workspace", "", phase, f"cuBLAS workspace ({thread} thread)", None, -1))
+    return tuple(rows)
 
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """What a lever search needs of one exact trace (a full `MemoryReport` is not built): the steady step's peak
-    allocated bytes, the caching-allocator model's peak reserved bytes (CUDA target, else None), the KV cache
-    bytes live at the peak, the forward + backward and the recompute FLOPs, the phase of the peak, and the
-    number of layers in the model's checkpointable stack. The attribute names are the report's, so
-    `planner.budget_peak` reads either."""
+    allocated bytes (on a CUDA target the allocator replay's, as `StepTables.peaks`), the caching-allocator model's
+    peak reserved bytes (CUDA target, else None), the KV cache bytes live at the peak, the forward + backward and
+    the recompute FLOPs, the phase of the peak, and the number of layers in the model's checkpointable stack. The
+    attribute names are the report's, so `planner.budget_peak` reads either."""
 
     peak_allocated_bytes: int
     peak_reserved_bytes: int | None
@@ -111,10 +121,11 @@ def outcome(tables: StepTables, num_layers: int, cuda: bool) -> Outcome:
     from .analysis.summary import flops
 
     steady = tables.timeline()
-    reserved = (replay_steps(tables.timeline(step=0), steady, conf=tables.alloc_conf).peak_reserved_bytes
-                if cuda else None)
-    at = steady.peak_step
+    allocated, reserved, at = steady.peak_bytes, None, steady.peak_step
+    if cuda:  # the allocator replay's peak (unsplit block remainders included) and its step
+        est = replay_steps(tables.timeline(step=0), steady, conf=tables.alloc_conf)
+        allocated, reserved, at = est.peak_allocated_bytes, est.peak_reserved_bytes, est.peak_step
     kv = sum(lt.bytes for lt in steady.lifetimes if lt.category is Category.KV_CACHE and lt.birth <= at <= lt.death)
     step_flops, recompute_flops = flops(tables.traced.ops, steady)
     phase = str(tables.traced.ops[steady.steps[at]].phase) if steady.steps else ""
-    return Outcome(steady.peak_bytes, reserved, kv, step_flops, recompute_flops, phase, num_layers)
+    return Outcome(allocated, reserved, kv, step_flops, recompute_flops, phase, num_layers)

@@ -12,7 +12,10 @@ Mirrors `c10/cuda/CUDACachingAllocator.cpp` (DeviceCachingAllocator), default co
   with `max_split_size`, blocks at least that large are not used for smaller requests, and a large request
   takes an oversize block only if it wastes less than kLargeBuffer.
 - `should_split`: the found block is split when the rest is at least 512 B (small pool) or more than 1 MiB
-  (large pool, and the request below `max_split_size`); the request takes the block's front.
+  (large pool, and the request below `max_split_size`); the request takes the block's front. Unsplit, the
+  request holds the whole block, and `memory_allocated()` counts it whole (`alloc_found_block`: `allocated_bytes`
+  grows by `block->size`, not by the request): the model keeps these unsplit remainders apart
+  (`remainder_bytes`), so that a report can show them as their own line.
 - `free_block` / `try_merge_blocks`: a freed block merges with free neighbours of its segment.
 - `malloc`: when no cached block fits and cudaMalloc fails (the device is full), `release_cached_blocks`
   frees every fully free segment and the allocation is retried once; then it is an OOM.
@@ -20,11 +23,14 @@ Mirrors `c10/cuda/CUDACachingAllocator.cpp` (DeviceCachingAllocator), default co
 With `expandable_segments:True` (`ExpandableSegmentsModel`, from the same file's ExpandableSegment and Note
 [Expandable Segments]): each pool is one segment that grows by mapping pages (2 MiB for the small pool, 20 MiB
 for the large one) after its free tail, only the bytes missing, rounded up to whole pages; any remainder of at
-least 512 B is split off (`should_split`); pages stay mapped until `empty_cache()`.
+least 512 B is split off (`should_split`); pages stay mapped until `empty_cache()`. Best fit counts the segment's
+free tail as large as it can grow (`get_free_block`, `expandable_size`): the tail is taken only when no other free
+block of the pool fits.
 
-Not modelled: streams other than the default one, garbage-collection threshold (it acts only under a per-process
-memory fraction below 1), CUDA graphs' private pools, the addresses cudaMalloc really returns, and, with
-expandable segments, the unmapping of free pages on the retry after a failed allocation (the model fails there
+Not modelled: with max_split_size, `release_available_cached_blocks` (freeing oversize cached blocks before all
+of them); what the real run allocates before its first step (the model built on the GPU); streams other than
+the default one, garbage-collection threshold (it acts only under a per-process memory fraction below 1), CUDA
+graphs' private pools, the addresses cudaMalloc really returns, and, with expandable segments, the unmapping of free pages on the retry after a failed allocation (the model fails there
 instead: an over-estimate, never an under-estimate).
 """
 
@@ -91,13 +97,45 @@ class CachingAllocatorModel:
     peak_reserved_bytes: int = 0
     num_segments: int = 0
     num_alloc_retries: int = 0
+    remainder_bytes: int = 0  # of allocated_bytes: unsplit block remainders (block size less the rounded request)
+    peak_remainder_bytes: int = 0  # remainder_bytes when allocated_bytes last reached its peak
+    _rest: dict = field(default_factory=dict)  # key -> its block's unsplit remainder
     _pools: dict = field(default_factory=lambda: {True: [], False: []})  # small? -> sorted [(size, addr, block)]
     _live: dict = field(default_factory=dict)  # key -> block
     _next_addr: int = 1 << 40
 
+    @classmethod
+    def from_segments(cls, segments, **kw) -> "CachingAllocatorModel":
+        """The allocator holding `segments`, as a memory snapshot lists them (`torch.cuda.memory._snapshot()`
+        'segments': address, total_size, segment_type 'small' or 'large', blocks in address order); each block
+        given as (size, allocated?, ...). An allocated block's key is its address. Peaks start at the current
+        state."""
+        sim = cls(**kw)
+        for seg in segments:
+            addr, prev, small = seg["address"], None, seg["segment_type"] == "small"
+            sim.reserved_bytes += seg["total_size"]
+            sim.num_segments += 1
+            for size, allocated, *_ in seg["blocks"]:
+                block = _Block(addr, size, small, allocated, prev)
+                if prev is not None:
+                    prev.next = block
+                if allocated:
+                    sim._live[addr] = block
+                    sim.allocated_bytes += size
+                else:
+                    sim._insert(block)
+                prev, addr = block, addr + size
+        sim.reset_peaks()
+        return sim
+
+    def address(self, key) -> int:
+        """The address of `key`'s block."""
+        return self._live[key].addr
+
     def reset_peaks(self) -> None:
         """As `torch.cuda.reset_peak_memory_stats()`."""
         self.peak_allocated_bytes, self.peak_reserved_bytes = self.allocated_bytes, self.reserved_bytes
+        self.peak_remainder_bytes = self.remainder_bytes
 
     def malloc(self, key, nbytes: int) -> None:
         """Allocate `nbytes` for `key`. Raises AllocatorOOM."""
@@ -111,7 +149,11 @@ class CachingAllocatorModel:
         block.allocated = True
         self._live[key] = block
         self.allocated_bytes += block.size
-        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        if block.size > size:
+            self._rest[key] = block.size - size
+            self.remainder_bytes += block.size - size
+        if self.allocated_bytes > self.peak_allocated_bytes:
+            self.peak_allocated_bytes, self.peak_remainder_bytes = self.allocated_bytes, self.remainder_bytes
 
     def _new_block(self, key, nbytes: int, small: bool, size: int) -> _Block:
         """A new segment (cudaMalloc of `get_allocation_size`), after releasing the cache once when the device is
@@ -141,6 +183,7 @@ class CachingAllocatorModel:
         block = self._live.pop(key)
         block.allocated = False
         self.allocated_bytes -= block.size
+        self.remainder_bytes -= self._rest.pop(key, 0)
         for other in (block.prev, block.next):
             if other is not None and not other.allocated:
                 self._remove(other)
@@ -165,7 +208,7 @@ class CachingAllocatorModel:
 
     def _find(self, small: bool, size: int) -> _Block | None:
         pool = self._pools[small]
-        i = bisect.bisect_left(pool, (size, -1))
+        i = self._best(pool, size)
         if i == len(pool):
             return None
         block = pool[i][2]
@@ -174,6 +217,11 @@ class CachingAllocatorModel:
             return None
         del pool[i]
         return block
+
+    def _best(self, pool: list, size: int) -> int:
+        """`get_free_block`'s `lower_bound`: the index in `pool` of the smallest free block of at least `size`
+        bytes (ties: lowest address), len(pool) when none."""
+        return bisect.bisect_left(pool, (size, -1))
 
     def _should_split(self, block: _Block, size: int) -> bool:
         remaining = block.size - size
@@ -212,6 +260,15 @@ class ExpandableSegmentsModel(CachingAllocatorModel):
 
     def _should_split(self, block: _Block, size: int) -> bool:
         return block.size - size >= K_MIN_BLOCK_SIZE  # should_split with expandable segments
+
+    def _best(self, pool: list, size: int) -> int:
+        """`get_free_block` with expandable segments: best fit, where the segment's free tail counts as the size it
+        can expand to (`expandable_size`: its size plus the unmapped address space after it, 1.125 × the device's
+        memory), so a request takes the next larger free block when there is one, the tail only when none fits."""
+        i = bisect.bisect_left(pool, (size, -1))
+        if i + 1 < len(pool) and pool[i][2] is self._tail[pool[i][2].small]:
+            i += 1
+        return i
 
     def _split(self, block: _Block, size: int) -> _Block:
         rest = super()._split(block, size)
@@ -254,7 +311,9 @@ class ReservedEstimate:
     """The caching-allocator replay of a steady-state step. Bytes are ints."""
 
     peak_reserved_bytes: int
-    peak_allocated_bytes: int  # the replay's own peak allocated: equals the timeline's (a self-check)
+    # the steady step's peak of memory_allocated(): blocks as handed out, unsplit remainders included; the
+    # timeline's peak (sum of rounded requests) or more
+    peak_allocated_bytes: int
     segments: int  # cudaMalloc segments held at the end of the step
     alloc_retries: int  # cudaMalloc failures that released the cache and retried
     oom: str  # '' or the request that found no memory
@@ -264,13 +323,18 @@ class ReservedEstimate:
     # with `curve`: the steady step's reserved bytes after each graph step's events, change points only:
     # ((step, bytes), ...), the first at step 0; reserved at step s is the last entry at or before s
     reserved_steps: tuple[tuple[int, int], ...] = ()
+    peak_step: int = 0  # the steady step's graph step where peak_allocated_bytes is first reached
+    peak_remainder_bytes: int = 0  # of peak_allocated_bytes: unsplit block remainders (`should_split`)
+    first_peak_allocated_bytes: int = 0  # the first step's peak of memory_allocated()
 
 
 def replay_steps(first, steady, capacity_bytes: int | None = None, conf=None, curve: bool = False) -> ReservedEstimate:
     """Replay a first step then a steady-state step (two `liveness.Timeline`s of the same recording, CUDA block
     rounding applied) through `CachingAllocatorModel` (`ExpandableSegmentsModel` when `conf`, a
-    `device.AllocConf`, says expandable_segments; its max_split_size applies), as a training loop runs them; the
-    peaks are the steady step's (`reset_peak_memory_stats()` between the steps, as the measurement does). With
+    `device.AllocConf`, says expandable_segments; its max_split_size applies), as a training loop runs them. Peak
+    allocated (unsplit block remainders included, `peak_step` where it is first reached) is the steady step's
+    (`reset_peak_memory_stats()` between the steps, as the measurement does), peak reserved the run's
+    (`max_memory_reserved()` from the first step on: the same unless the steady step released the cache). With
     `capacity_bytes`, an allocation that finds no memory stops the replay: `oom`, `oom_sid` and `oom_step` name it.
     The order of events is `ReplaySchedule`'s. With `curve`, `reserved_steps` holds the steady step's reserved
     bytes per graph step (change points)."""
@@ -342,24 +406,34 @@ class ReplaySchedule:
                 step += 1
             return step
 
+        first_peak, first_reserved, peak_event = 0, 0, -1
         try:
             for n, (tag, events) in enumerate(self.steps):
                 if tag == "steady":
                     for key in [k for k in live if k[0] == "first"]:
                         sim.free(key)
+                    first_peak, first_reserved = sim.peak_allocated_bytes, sim.peak_reserved_bytes
                     sim.reset_peaks()
                 ends = self.ends[n] if curve and tag == "steady" else ()
                 step = record(ends, 0, 0)
                 for j, (is_malloc, key, i) in enumerate(events):
                     if is_malloc:
                         if key not in live and nbytes[i]:
+                            peak = sim.peak_allocated_bytes
                             sim.malloc(key, nbytes[i])
+                            if tag == "steady" and sim.peak_allocated_bytes > peak:
+                                peak_event = j
                     elif key in live:
                         sim.free(key)
                     if ends:
                         step = record(ends, step, j + 1)
         except AllocatorOOM as e:
             oom, failed = str(e), e
-        return ReservedEstimate(sim.peak_reserved_bytes, sim.peak_allocated_bytes, sim.num_segments,
-                                sim.num_alloc_retries, oom, failed.key[1] if failed else None, tag if failed else "",
-                                (failed.reserved_bytes, failed.allocated_bytes) if failed else (0, 0), tuple(points))
+        steady_ends = self.ends[-1] if self.ends else ()
+        # max_memory_reserved() over the run: the first step's too, above the steady step's after a cache release
+        reserved = max(first_reserved, sim.peak_reserved_bytes)
+        return ReservedEstimate(reserved, sim.peak_allocated_bytes, sim.num_segments, sim.num_alloc_retries, oom,
+                                failed.key[1] if failed else None, tag if failed else "",
+                                (failed.reserved_bytes, failed.allocated_bytes) if failed else (0, 0), tuple(points),
+                                min(bisect.bisect_right(steady_ends, peak_event), max(len(steady_ends) - 1, 0)),
+                                sim.peak_remainder_bytes, first_peak)

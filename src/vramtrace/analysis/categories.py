@@ -40,12 +40,17 @@ class Category(str, enum.Enum):
     # memory (cudaMallocManaged, bitsandbytes/functional.py `get_paged`), outside PyTorch's caching allocator: not
     # in allocated or reserved bytes (tracer/recorder.py `managed`)
     PAGED_OPTIMIZER_STATE = "paged_optimizer_state"
+    # a CUDA target's caching allocator: the bytes by which blocks handed out whole exceed their rounded requests,
+    # a large-pool block's rest of at most 1 MiB not split off (c10/cuda/CUDACachingAllocator.cpp `should_split`,
+    # `alloc_found_block` counts `block->size` in memory_allocated()); not a storage, a line of the breakdown
+    ALLOCATOR_REMAINDER = "allocator_remainder"
 
 
 # Categories only some steps have (a report leaves them out of its table when they hold nothing): a sharded
 # step's, a quantized model's.
 OPTIONAL = frozenset({Category.UNSHARDED_PARAMETERS, Category.COLLECTIVE_BUFFERS, Category.QUANTIZED_WEIGHTS,
-                      Category.QUANT_CONSTANTS, Category.DEQUANTIZED_WEIGHTS, Category.PAGED_OPTIMIZER_STATE})
+                      Category.QUANT_CONSTANTS, Category.DEQUANTIZED_WEIGHTS, Category.PAGED_OPTIMIZER_STATE,
+                      Category.ALLOCATOR_REMAINDER})
 
 
 # Categories whose storages must outlive the step even under last-use freeing (graph-optimal figure).

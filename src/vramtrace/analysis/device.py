@@ -101,17 +101,21 @@ def cublas_workspace_bytes(sm: int) -> int:
     return CUBLAS_WORKSPACE_32MIB if sm // 10 in (9, 10, 12) else CUBLAS_WORKSPACE_DEFAULT
 
 
-def gemm_threads(ops, steps) -> tuple[str, ...]:
-    """The threads that run GEMMs in the ops at `steps`: 'forward' (the caller's thread: forward, optimizer, a
-    --step function's own code) and 'backward' (autograd's device thread, recompute included), in that order."""
-    threads = []
+def first_gemms(ops, steps) -> dict[str, object]:
+    """The first GEMM op each thread runs in the ops at `steps`, by thread: 'forward' (the caller's thread:
+    forward, optimizer, a --step function's own code) and 'backward' (autograd's device thread, recompute
+    included), in that order."""
+    found: dict[str, object] = {}
     for i in steps:
         op = ops[i]
         if op.name.rsplit(".", 1)[0] in GEMM_OPS or op.name in GEMM_OPS:
-            t = "backward" if str(op.phase) == "backward" else "forward"
-            if t not in threads:
-                threads.append(t)
-    return tuple(sorted(threads, key=("forward", "backward").index))
+            found.setdefault("backward" if str(op.phase) == "backward" else "forward", op)
+    return {t: found[t] for t in ("forward", "backward") if t in found}
+
+
+def gemm_threads(ops, steps) -> tuple[str, ...]:
+    """The threads that run GEMMs in the ops at `steps` (`first_gemms`), 'forward' before 'backward'."""
+    return tuple(first_gemms(ops, steps))
 
 
 @dataclass(frozen=True, slots=True)

@@ -147,9 +147,14 @@ class MemoryReport:
         return d
 
 
-def _phase_marks(tl: Timeline, ops: tuple, generate: bool) -> tuple[PhaseMark, ...]:
+def _phase_marks(tl: Timeline, ops: tuple, generate: bool, remainder: tuple[int, int] = (0, 0)
+                 ) -> tuple[PhaseMark, ...]:
     """The waterfall: the start, then each phase's peak and its end. A generation's phases are its prefill (the
-    model's first forward, micro-step 0, with what generate does before it) and its decode steps (the rest)."""
+    model's first forward, micro-step 0, with what generate does before it) and its decode steps (the rest).
+    `remainder`: (step, bytes) a CUDA target's unsplit block remainders add at the peak step."""
+    live = list(tl.live_bytes)
+    if remainder[1]:
+        live[remainder[0]] += remainder[1]
     marks = [PhaseMark("start of step", tl.start_bytes, 0)]
     by_phase: dict[str, list[int]] = {}
     for i, ph in enumerate(tl.phases):
@@ -160,9 +165,9 @@ def _phase_marks(tl: Timeline, ops: tuple, generate: bool) -> tuple[PhaseMark, .
               "optimizer": "optimizer step", "zero_grad": "zero_grad", "step": "your step function",
               "prefill": "prefill", "decode": "decode steps"}
     for ph, idx in by_phase.items():
-        peak_i = max(idx, key=lambda i: tl.live_bytes[i])
+        peak_i = max(idx, key=lambda i: live[i])
         if ph != "zero_grad":
-            marks.append(PhaseMark(f"peak in {labels[ph]}", tl.live_bytes[peak_i], peak_i))
+            marks.append(PhaseMark(f"peak in {labels[ph]}", live[peak_i], peak_i))
         marks.append(PhaseMark(f"after {labels[ph]}", tl.after_bytes[idx[-1]], idx[-1]))
     return tuple(marks)
 
@@ -251,18 +256,53 @@ def flops(ops: tuple, steady: Timeline) -> tuple[int, int]:
             sum(o.flops for o in steady_ops if o.recompute))
 
 
+def _cuda_summary(first: Timeline, steady: Timeline, gpu: dict[str, Any], storages) -> tuple:
+    """The caching-allocator replay of a CUDA target's first and steady steps (`replay_steps`): (its
+    `ReservedEstimate`, the report's `allocator` entry, its `fit` entry: the verdict of the replay under the
+    device's capacity, `_cuda_fit`)."""
+    conf = gpu.get("alloc_conf")
+    est = replay_steps(first, steady, conf=conf, curve=True)
+    reserved = est.peak_reserved_bytes
+    allocator = {"model": "c10/cuda/CUDACachingAllocator.cpp " + (
+                     f"with PYTORCH_CUDA_ALLOC_CONF={conf}" if conf is not None and str(conf) else
+                     "defaults (512 B blocks, 2 MiB small and 20 MiB large segments, best fit, splitting)"),
+                 "segments": est.segments, "peak_reserved_bytes": reserved,
+                 # memory_allocated() counts a whole block when it does not split off a remainder <= 1 MiB
+                 "peak_allocated_bytes": est.peak_allocated_bytes,
+                 "unsplit_remainder_bytes_at_peak": est.peak_remainder_bytes,
+                 "rounded_requests_peak_bytes": steady.peak_bytes,  # the timeline's peak: no remainders
+                 # the steady step's reserved bytes where they change: [[graph step, bytes], ...]
+                 "reserved_steps": [list(p) for p in est.reserved_steps]}
+    if conf is not None and conf.garbage_collection_threshold is not None:
+        allocator["note"] = ("garbage_collection_threshold acts only under a per-process memory fraction below "
+                             "1 (CUDACachingAllocator.cpp garbage_collect_cached_blocks): no effect modelled")
+    fit = _cuda_fit(first, steady, gpu, est, storages)
+    return est, allocator, fit
+
+
 def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: tuple, storages: tuple,
               steady: Timeline, first: Timeline, graph_optimal: Timeline, gpu: dict[str, Any] | None,
               top_n: int = 10, unresolved: tuple[str, ...] = ()) -> MemoryReport:
     """Build the MemoryReport from the steady-state, first-step and graph-optimal timelines. With a `gpu`
     (a CUDA target) the two steps are replayed through the caching-allocator model for peak reserved bytes,
-    and the fit verdict is on reserved memory.
+    the fit verdict is on reserved memory, and peak allocated (first step and steady) is the replay's, as
+    `max_memory_allocated()` counts it: at the replay's peak the breakdown holds the blocks' unsplit remainders
+    as `Category.ALLOCATOR_REMAINDER`.
 
     `ops`/`storages` are the recorder's OpInfo/StorageInfo rows; `gpu` is {'name', 'memory_bytes', 'cuda'} or None
     (no verdict); with 'cuda' False (the CPU target given a capacity) the verdict is on peak allocated bytes.
     """
     by_sid = {s.sid: s for s in storages}
-    peak = steady.peak_step
+    peak, peak_bytes, first_peak, remainder = steady.peak_step, steady.peak_bytes, first.peak_bytes, 0
+    fit = reserved = allocator = None
+    if gpu is not None and gpu.get("cuda", True):
+        est, allocator, fit = _cuda_summary(first, steady, gpu, storages)
+        reserved, peak, peak_bytes = est.peak_reserved_bytes, est.peak_step, est.peak_allocated_bytes
+        first_peak, remainder = est.first_peak_allocated_bytes, est.peak_remainder_bytes
+    elif gpu is not None:
+        headroom = gpu["memory_bytes"] - steady.peak_bytes
+        fit = {"gpu": gpu["name"], "capacity_bytes": gpu["memory_bytes"], "headroom_bytes": headroom,
+               "fits": headroom >= 0, "basis": "peak allocated (CPU target)"}
     peak_op = ops[steady.steps[peak]]
     rows = []
     for lt in steady.lifetimes:
@@ -273,41 +313,21 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
     breakdown = {c.value: 0 for c in Category}
     for r in live:
         breakdown[r.category] += r.bytes
+    breakdown[Category.ALLOCATOR_REMAINDER.value] = remainder
     top = tuple(sorted(live, key=lambda r: (-r.bytes, r.id))[:top_n])
     forward = [i for i, ph in enumerate(steady.phases) if ph == "forward"]
     end_fwd = forward[-1] if forward else -1
     activation = sum(lt.bytes for lt in steady.lifetimes
                      if lt.category is Category.ACTIVATION and lt.birth <= end_fwd < lt.death)
     step_flops, recompute_flops = flops(ops, steady)
-    fit = reserved = allocator = None
-    if gpu is not None and gpu.get("cuda", True):
-        conf = gpu.get("alloc_conf")
-        est = replay_steps(first, steady, conf=conf, curve=True)
-        reserved = est.peak_reserved_bytes
-        allocator = {"model": "c10/cuda/CUDACachingAllocator.cpp " + (
-                         f"with PYTORCH_CUDA_ALLOC_CONF={conf}" if conf is not None and str(conf) else
-                         "defaults (512 B blocks, 2 MiB small and 20 MiB large segments, best fit, splitting)"),
-                     "segments": est.segments, "peak_reserved_bytes": reserved,
-                     # the allocator counts a whole block when it does not split off a remainder <= 1 MiB
-                     "peak_allocated_bytes": est.peak_allocated_bytes,
-                     # the steady step's reserved bytes where they change: [[graph step, bytes], ...]
-                     "reserved_steps": [list(p) for p in est.reserved_steps]}
-        if conf is not None and conf.garbage_collection_threshold is not None:
-            allocator["note"] = ("garbage_collection_threshold acts only under a per-process memory fraction below "
-                                 "1 (CUDACachingAllocator.cpp garbage_collect_cached_blocks): no effect modelled")
-        fit = _cuda_fit(first, steady, gpu, est, storages)
-    elif gpu is not None:
-        headroom = gpu["memory_bytes"] - steady.peak_bytes
-        fit = {"gpu": gpu["name"], "capacity_bytes": gpu["memory_bytes"], "headroom_bytes": headroom,
-               "fits": headroom >= 0, "basis": "peak allocated (CPU target)"}
     return MemoryReport(
         model=model, run=run, params=params,
-        peak_allocated_bytes=steady.peak_bytes,
-        first_step_peak_allocated_bytes=first.peak_bytes,
+        peak_allocated_bytes=peak_bytes,
+        first_step_peak_allocated_bytes=first_peak,
         graph_optimal_peak_bytes=graph_optimal.peak_bytes,
         peak_step=peak, peak_phase=str(peak_op.phase), peak_op=peak_op.name, peak_module=peak_op.module,
         peak_micro_step=peak_op.micro,
-        breakdown_at_peak=breakdown, phases=_phase_marks(steady, ops, run.get("mode") == "generate"),
+        breakdown_at_peak=breakdown, phases=_phase_marks(steady, ops, run.get("mode") == "generate", (peak, remainder)),
         top_tensors=top, tensors=tuple(rows),
         num_steps=len(steady.steps), fit=fit, activation_bytes=activation, step_flops=step_flops,
         recompute_flops=recompute_flops, peak_reserved_bytes=reserved, allocator=allocator,

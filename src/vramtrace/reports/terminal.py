@@ -23,6 +23,7 @@ _CATEGORY_LABELS = {
     "collective_buffers": "collective buffers (FSDP/DDP)", "quantized_weights": "quantized weights (bitsandbytes)",
     "quantization_constants": "quantization constants", "dequantized_weights": "dequantized weight temporaries",
     "paged_optimizer_state": "paged optimizer state (CUDA managed memory)",
+    "allocator_remainder": "allocator: unsplit block remainders",
 }
 def sharding_line(r: dict) -> str:
     """'FSDP2 over 8 ranks (reshard after forward), per rank: rank 0 shown (ranks 0-6 3.10 GiB, 7 2.90 GiB);

@@ -9,8 +9,9 @@ key of its args, named "<name> <key>"; duration events must nest).
 Time is synthetic: the timeline's steps (one op each) have no duration, so one step is 1 µs of trace time, and
 "ts" is the step index (an int, in µs, as the format counts it). One process (pid 1) holds:
 - the counter "allocated by category": args {category: bytes live while the step runs}, one series per category
-  the report holds (Perfetto: one track each, "allocated by category activation", ...; chrome://tracing stacks
-  them), and the counter "total allocated" (args {"bytes": ...}), whose maximum is `peak_allocated_bytes`;
+  the report holds, on a CUDA target also "allocator_remainder" (the blocks' unsplit remainders, at the peak step)
+  (Perfetto: one track each, "allocated by category activation", ...; chrome://tracing stacks them), and the
+  counter "total allocated" (args {"bytes": ...}), whose maximum is `peak_allocated_bytes`;
 - thread "phases": one complete slice ("ph": "X") per run of steps in the same phase (forward, backward, ...);
 - thread "ops": one complete slice per step, 1 µs long, named by its op, args module, phase, allocated_bytes;
 - a process-scoped instant event ("ph": "i") "peak allocated" at the peak step.
@@ -39,6 +40,8 @@ TOTAL = "total allocated"
 def _categories(report: MemoryReport) -> list[str]:
     """The categories the report's storages have: Category's order first (bottom of the stack), then any other."""
     present = {t.category for t in report.tensors}
+    if report.breakdown_at_peak.get(Category.ALLOCATOR_REMAINDER.value):
+        present.add(Category.ALLOCATOR_REMAINDER.value)
     known = [c.value for c in Category if c.value in present]
     return known + sorted(present - set(known))
 
@@ -48,15 +51,22 @@ def _changes(report: MemoryReport) -> dict[int, dict[str, int]]:
     steps birth <= step <= death. Raises ValueError for a storage outside the report's steps."""
     n = report.num_steps
     changes: dict[int, dict[str, int]] = {}
+
+    def add(birth: int, death: int, category: str, nbytes: int) -> None:
+        at = changes.setdefault(birth, {})
+        at[category] = at.get(category, 0) + nbytes
+        if death + 1 < n:
+            at = changes.setdefault(death + 1, {})
+            at[category] = at.get(category, 0) - nbytes
+
     for t in report.tensors:
         if not 0 <= t.birth <= t.death < n:
             raise ValueError(f"storage {t.id} ({t.name or t.op}) lives on steps {t.birth}..{t.death}, outside "
                              f"the report's 0..{n - 1}")
-        at = changes.setdefault(t.birth, {})
-        at[t.category] = at.get(t.category, 0) + t.bytes
-        if t.death + 1 < n:
-            at = changes.setdefault(t.death + 1, {})
-            at[t.category] = at.get(t.category, 0) - t.bytes
+        add(t.birth, t.death, t.category, t.bytes)
+    remainder = report.breakdown_at_peak.get(Category.ALLOCATOR_REMAINDER.value, 0)
+    if remainder:  # a CUDA target's unsplit block remainders (no storage): known at the peak step only
+        add(report.peak_step, report.peak_step, Category.ALLOCATOR_REMAINDER.value, remainder)
     return changes
 
 
