@@ -117,9 +117,9 @@ def evaluate(tables, x: int, cuda: bool, budget: int, exact: bool, rows: tuple |
     if allocated > budget:  # certain failure: the replay could not hold even the live bytes
         return FitPoint(x, unbounded.peak_allocated_bytes, unbounded.peak_reserved_bytes, False, exact)
     v = replay_at_capacity(first, steady, budget, tables.alloc_conf, unbounded)
-    # peak allocated as memory_allocated() counts it (unsplit block remainders included): the replay's under the
-    # budget, whose cache releases may place blocks otherwise than the unbounded one
-    return FitPoint(x, v.peak_allocated_bytes, unbounded.peak_reserved_bytes, v.fits, exact, v.peak_reserved_bytes,
+    # peak allocated as memory_allocated() counts it (unsplit block remainders included): the unbounded replay's,
+    # as the report's
+    return FitPoint(x, unbounded.peak_allocated_bytes, unbounded.peak_reserved_bytes, v.fits, exact, v.peak_reserved_bytes,
                     v.alloc_retries)
 
 
