@@ -136,9 +136,10 @@ TINY = {
 
 
 def dry_case(case: Case) -> Case:
-    """The case at a tiny size for the CPU: batch 2, seq 32 (MHANet 64), 4 new tokens, the tiny config's layers."""
+    """The case at a tiny size for the CPU: batch 2, seq 32 (MHANet 64), 4 new tokens, the tiny config's layers;
+    no PYTORCH_CUDA_ALLOC_CONF (vramtrace refuses --alloc-conf for --device cpu)."""
     seq = None if case.seq is None else 64 if case.model == "mha" else 32
-    return dataclasses.replace(case, batch=2, seq=seq, layers=None, new_tokens=case.new_tokens and 4)
+    return dataclasses.replace(case, batch=2, seq=seq, layers=None, new_tokens=case.new_tokens and 4, alloc_conf=None)
 
 
 def config_file(case: Case, dry: bool, tmp: Path) -> str:

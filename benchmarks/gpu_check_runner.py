@@ -11,8 +11,10 @@ module file's class; `torch.optim.AdamW` (torch's default implementation: foreac
 or bitsandbytes' `bnb.optim.AdamW(optim_bits=8)`; peft's `get_peft_model(model, LoraConfig(r=R))`; transformers'
 `gradient_checkpointing_enable(use_reentrant=False)`; the literal loop
 `with torch.autocast(...): loss = model(**batch).loss; loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)`
-(loss / N and one optimizer step per N micro-batches with gradient accumulation; `torch.amp.GradScaler` for
-fp16-mixed); `model.generate(...)` for generation.
+with the forward and backward in a function of their own, as HF Trainer's `training_step` (the loss is freed before
+`opt.step()`, the loop vramtrace's default `--loop trainer` models); loss / N and one optimizer step per N
+micro-batches with gradient accumulation; `torch.amp.GradScaler` for fp16-mixed; `model.generate(...)` for
+generation (greedy, `max_new_tokens = min_new_tokens = N`, `disable_compile=True`).
 
 Measurement on CUDA (the protocol of the H100 evidence): two warm-up steps, `torch.cuda.reset_peak_memory_stats()`,
 one measured step; peak allocated = `max_memory_allocated()` of the measured step, peak reserved =
@@ -150,13 +152,16 @@ def make_step(spec: dict, device: torch.device):
     scaler = torch.amp.GradScaler(device.type) if spec["precision"] == "fp16-mixed" else None
     n = spec.get("grad_accum", 1)
 
+    def micro_step() -> None:  # HF Trainer's training_step: the loss dies when it returns, before opt.step()
+        with autocast():
+            loss = model(**batch).mean() if custom else model(**batch).loss
+        if n > 1:
+            loss = loss / n
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+
     def train_step() -> None:
         for _ in range(n):
-            with autocast():
-                loss = model(**batch).mean() if custom else model(**batch).loss
-            if n > 1:
-                loss = loss / n
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+            micro_step()
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
