@@ -23,7 +23,7 @@ H100_PCIE = ReduceDevice(114, 2048)
 FP32_SUM = ReduceKernel(arg_bytes=4, scalar_bytes=4, out_bytes=4)
 BF16_SUM = ReduceKernel(arg_bytes=4, scalar_bytes=2, out_bytes=2, vt0=4, input_vec_size=8,
                         can_accumulate_in_output=False)
-MHA = Path(__file__).parent / "fixtures" / "gpu_evidence" / "mha_model.py"
+MHA = Path(__file__).parents[1] / "benchmarks" / "gpu_evidence" / "mha_model.py"  # the one copy (gpu_check runs it too)
 
 
 def test_bias_gradient_of_mhanet_is_the_evidence_pair():
