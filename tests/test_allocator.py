@@ -18,7 +18,8 @@ EVIDENCE = Path(__file__).parent / "fixtures" / "gpu_evidence"
 # of the rows `gpt2 --batch 8 --seq 1024 --precision fp32`, `bert-base-uncased --task sequence-classification
 # --batch 32 --seq 512 --precision fp16-mixed` and `mha_model.py:MHANet --batch 8 --seq 2048 --precision fp32`
 REAL = {"gpt2": (15_777_756_672, 16_523_460_608), "bert": (8_231_135_744, 8_633_974_784),
-        "mha": (777_609_728, 973_078_528)}
+        "mha": (777_609_728, 973_078_528), "vit": (8_883_683_840, 9_181_331_456),
+        "t5": (9_809_859_584, 10_225_713_152)}
 
 
 def timeline(lifetimes: list[Lifetime], steps: int) -> Timeline:
