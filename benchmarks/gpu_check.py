@@ -5,6 +5,7 @@ Reproduce (a machine with one idle CUDA GPU, torch with CUDA, transformers; peft
     python benchmarks/gpu_check.py --cases llama-train,fit --out x.md  # a selection (--list names them)
     python benchmarks/gpu_check.py --dry-run --out dry.md              # the CPU: tiny configs, the same code paths
     python benchmarks/gpu_check.py --predict-only --out pred.md        # the CPU: only the GPU cases' predictions
+    python benchmarks/gpu_check.py --predict-only --recorded            # the same, against the recorded H100 run
 
 Each case runs for real in a fresh process (benchmarks/gpu_check_runner.py: its own CUDA context and allocator,
 public APIs only, nothing from vramtrace) with the H100 evidence's protocol (two warm-up steps,
@@ -41,6 +42,8 @@ RUNNER = ROOT / "benchmarks" / "gpu_check_runner.py"
 BUNDLED = ROOT / "src" / "vramtrace" / "tracer" / "configs"
 FIXTURES = ROOT / "fixtures" / "configs"
 MHA = f"{ROOT / 'benchmarks' / 'gpu_evidence' / 'mha_model.py'}:MHANet"
+# the figures a real H100 measured for the cases it did not match to 512 B, the fit boundary's runs and its context
+RECORDED = ROOT / "benchmarks" / "gpu_evidence" / "h100-2026-11-26.json"
 DRY_CAPACITY_BYTES = 8 * 2**20  # the dry fit's capacity: tiny Llama fp32 at seq 32 fits about 11 samples
 NA = "n/a (CPU)"
 
@@ -291,6 +294,7 @@ class Plan:
     target: tuple[str, ...]
     tmp: Path
     deadline: float
+    recorded: dict | None = None  # --recorded: RECORDED's content, the "real" side of --predict-only
 
     @property
     def device(self) -> str:
@@ -331,7 +335,8 @@ def run_cases(cases: list[Case], plan: Plan, pool: cf.Executor, want_fit: bool) 
         pending.append((sized, model, args, pool.submit(predict, args, plan.tmp / f"{case.name}.pred.json",
                                                         plan.deadline)))
     if want_fit and (plan.dry or plan.predict_only):
-        fit = _submit_fit(plan, pool, None)
+        context = plan.recorded["fit"]["context"] if plan.recorded else None
+        fit = _submit_fit(plan, pool, context, "the recorded H100 run's" if plan.recorded else "")
     rows = []
     for i, (case, model, args, future) in enumerate(pending):
         if not plan.has_time(case.est_s):
@@ -339,7 +344,7 @@ def run_cases(cases: list[Case], plan: Plan, pool: cf.Executor, want_fit: bool) 
                 later[3].cancel()
                 skipped.append(f"{later[0].name}: time budget (--max-minutes): not run")
             break
-        real = ({"outcome": Outcome.NOT_RUN.value} if plan.predict_only
+        real = (recorded_run(plan.recorded, case.name) if plan.predict_only
                 else run_real(case, model, plan.device, plan.tmp, plan.deadline))
         rows.append((case, args, future, real))
         measured = real.get("context")
@@ -349,6 +354,26 @@ def run_cases(cases: list[Case], plan: Plan, pool: cf.Executor, want_fit: bool) 
     if want_fit and not fit:
         fit = _submit_fit(plan, pool, None)
     return [(c, a, f.result() if not f.cancelled() else {"error": "not run"}, r) for c, a, f, r in rows], skipped, fit
+
+
+def recorded_run(recorded: dict | None, key: str | int) -> dict:
+    """The "real" side of a --predict-only case (`key`: a case name) or fit run (`key`: a batch) from the recorded
+    H100 run (`RECORDED`), or "not run" when there is none (or no --recorded)."""
+    if recorded is None:
+        return {"outcome": Outcome.NOT_RUN.value}
+    if isinstance(key, int):
+        runs = recorded["fit"]["runs"]
+        if str(key) not in runs:
+            return {"outcome": Outcome.NOT_RUN.value}
+        if runs[str(key)] is None:
+            return {"outcome": Outcome.OOM.value, "message": "recorded"}
+        allocated, reserved, used = runs[str(key)]
+        return {"outcome": Outcome.RAN.value, "allocated": allocated, "reserved": reserved, "device_used": used}
+    if key not in recorded["cases"]:
+        return {"outcome": Outcome.NOT_RUN.value, "message": "matched to 512 B on the recorded run, figure not kept"}
+    allocated, reserved = recorded["cases"][key]
+    return {"outcome": Outcome.RAN.value, "allocated": allocated, "reserved": reserved, "context": None,
+            "cublas_workspace": None, "device_name": recorded["device_name"]}
 
 
 def _submit_fit(plan: Plan, pool: cf.Executor, context: int | None, source: str = "") -> dict:
@@ -368,7 +393,7 @@ def fit_boundary(plan: Plan, fit: dict) -> dict:
         if not plan.has_time(FIT_EST_S // 3):
             out["runs"].append((batch, {"outcome": Outcome.SKIPPED.value, "message": "time budget (--max-minutes)"}))
         elif plan.predict_only:
-            out["runs"].append((batch, {"outcome": Outcome.NOT_RUN.value}))
+            out["runs"].append((batch, recorded_run(plan.recorded, batch)))
         else:
             sized = dataclasses.replace(fit["case"], batch=batch)
             out["runs"].append((batch, run_real(sized, fit["model"], plan.device, plan.tmp, plan.deadline,
@@ -486,6 +511,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--list", action="store_true", help="list the cases with their estimated H100 seconds and exit")
     ap.add_argument("--dry-run", action="store_true", help="the CPU: tiny configs, profiler truth, --device cpu")
     ap.add_argument("--predict-only", action="store_true", help="only the predictions of the GPU cases (no GPU)")
+    ap.add_argument("--recorded", action="store_true",
+                    help="with --predict-only: compare with the recorded H100 run (benchmarks/gpu_evidence/)")
     ap.add_argument("--max-minutes", type=float, default=8.0, help="time budget; later cases are skipped (default 8)")
     ap.add_argument("--jobs", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 4)),
                     help="predictions run at once beside the real runs (default: CPU cores / 4, at most 4)")
@@ -494,6 +521,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.dry_run and args.predict_only:
         ap.error("--dry-run and --predict-only exclude each other")
+    if args.recorded and not args.predict_only:
+        ap.error("--recorded goes with --predict-only")
     if args.jobs < 1 or args.max_minutes <= 0:
         ap.error("--jobs must be at least 1 and --max-minutes above 0")
     return args
@@ -516,6 +545,7 @@ def header(args: argparse.Namespace, probe: dict | None, target_line: str) -> li
     git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     rev = git.stdout.strip() or "unknown"
     title = ("# gpu_check: DRY RUN on the CPU (tiny configs; not GPU figures)" if args.dry_run else
+             "# gpu_check: vramtrace predictions against the recorded H100 run" if args.recorded else
              "# gpu_check: vramtrace predictions only (no real run)" if args.predict_only else
              "# gpu_check: vramtrace predictions against real runs")
     lines = [title, "", f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, vramtrace at {rev}; "
@@ -523,6 +553,8 @@ def header(args: argparse.Namespace, probe: dict | None, target_line: str) -> li
     if args.dry_run:
         lines.append("Truth on the CPU: the bytes alive at step start plus torch.profiler's allocator events "
                      "(two warm-up steps, then the measured one); the CPU has no reserved, context or cuBLAS figure.")
+    if args.recorded:
+        lines.append(f"Real side: {json.loads(RECORDED.read_text())['source']}. Error = predicted - real.")
     if probe:
         lines.append(f"Device: {probe['name']} ({probe['capability']}), cudaMemGetInfo total {probe['total']:,} B, "
                      f"used by the probe's process {probe['used_at_start']:,} B; torch {probe['torch']} (CUDA "
@@ -567,7 +599,8 @@ def main(argv: list[str] | None = None) -> int:
                       "--dry-run to exercise the harness on the CPU, or --predict-only", file=sys.stderr)
                 return 1
         target, target_line = target_args(probe, args)
-        plan = Plan(args.dry_run, args.predict_only, tuple(target), tmp, t0 + 60 * args.max_minutes)
+        recorded = json.loads(RECORDED.read_text()) if args.recorded else None
+        plan = Plan(args.dry_run, args.predict_only, tuple(target), tmp, t0 + 60 * args.max_minutes, recorded)
         with cf.ThreadPoolExecutor(args.jobs) as pool:
             rows, skipped, fit = run_cases(cases, plan, pool, want_fit)
             fit_done = fit_boundary(plan, fit) if fit else None

@@ -127,3 +127,19 @@ def test_unknown_case_is_a_usage_error():
     p = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--cases", "llama-train,nope"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and p.stderr.startswith("Error: unknown case nope; known: ")
+
+
+def test_the_recorded_h100_run_is_the_evidence_and_names_every_case():
+    """--predict-only --recorded: the real side is the recorded H100 run. Its cases are gpu_check's (a renamed
+    case would silently lose its figure), its figures are the evidence README's table (two rows checked here, as
+    printed there), and the fit boundary's runs say which batches ran and which ran out of memory."""
+    gc = _gpu_check()
+    import json
+    recorded = json.loads(gc.RECORDED.read_text())
+    assert set(recorded["cases"]) <= {c.name for c in gc.CASES}
+    bert = gc.recorded_run(recorded, "bert-seqcls")
+    assert (bert["outcome"], bert["allocated"], bert["reserved"]) == ("ran", 8_231_135_744, 8_633_974_784)
+    assert gc.recorded_run(recorded, "llama-train")["outcome"] == "not run"  # matched to 512 B, figure not kept
+    assert gc.recorded_run(recorded, 23)["allocated"] == 78_544_239_616
+    assert gc.recorded_run(recorded, 24)["outcome"] == "oom"
+    assert gc.recorded_run(None, "bert-seqcls")["outcome"] == "not run"
