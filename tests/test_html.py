@@ -15,8 +15,6 @@ import os
 import pickle
 import re
 import shutil
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -80,17 +78,17 @@ def test_snapshot_is_read_by_pytorch_memory_viz(report, tmp_path):
     assert peak == report.peak_allocated_bytes
 
 
-def test_saved_json_rerenders_without_tracing(tmp_path):
+def test_saved_json_rerenders_without_tracing(tmp_path, capsys):
+    """The CLI in this process (`cli.main`, what the console script calls; tests/test_cli.py runs the script)."""
+    from vramtrace.cli import main
+
     out, html, again = tmp_path / "r.json", tmp_path / "a.html", tmp_path / "b.html"
-    cli = [sys.executable, "-m", "vramtrace.cli"]
-    p = subprocess.run(cli + [str(FIXTURES / "tiny-gpt2.json"), "--batch", "2", "--seq", "16", "--json", str(out),
-                              "--html", str(html), "-q"], capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
-    p = subprocess.run(cli + [str(out), "--html", str(again), "-q"], capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
+    assert main([str(FIXTURES / "tiny-gpt2.json"), "--batch", "2", "--seq", "16", "--json", str(out),
+                 "--html", str(html), "-q"]) == 0, capsys.readouterr().err
+    assert main([str(out), "--html", str(again), "-q"]) == 0, capsys.readouterr().err
     assert embedded_data(html.read_text()) == embedded_data(again.read_text())
-    p = subprocess.run(cli + [str(out), str(out), "--html", str(again), "-q"], capture_output=True, text=True)
-    assert p.returncode == 0 and len(embedded_data(again.read_text())["reports"]) == 2
+    assert main([str(out), str(out), "--html", str(again), "-q"]) == 0, capsys.readouterr().err
+    assert len(embedded_data(again.read_text())["reports"]) == 2
 
 
 LLAMA = "meta-llama/Llama-2-7b"
