@@ -1,14 +1,11 @@
 """What a new user meets in the first hour (issue 38): a failed run writes no report file, a composite config's
 trace line, errors that name what was passed, and the optimizer names of HF Trainer and bitsandbytes."""
 
-from types import SimpleNamespace
-
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, run_cli
 from oracle import measure_cpu_peak
 from vramtrace import RunSpec, analyze
-from vramtrace.cli import main
 from vramtrace.errors import UsageError
 
 TINY = str(FIXTURES / "tiny-llama-gqa.json")
@@ -16,21 +13,13 @@ CUSTOM = FIXTURES.parent / "custom"
 CONVNET = f"{CUSTOM}/convnet.py:ConvNet"
 
 
-def run(capsys, *args):
-    """The CLI in this process (`main`, as the console script calls it; tests/test_cli.py runs the script itself):
-    its exit status and what it printed."""
-    status = main([str(a) for a in args])
-    printed = capsys.readouterr()
-    return SimpleNamespace(returncode=status, stdout=printed.out, stderr=printed.err)
-
-
 @pytest.mark.parametrize("option,name", [("--json", "r.json"), ("--html", "r.html"),
                                          ("--snapshot", "r.pickle"), ("--trace-events", "t.json")])
 def test_a_failed_run_creates_no_output_file(tmp_path, capsys, option, name):
     """The run fails while tracing (the custom module's forward raises, exit 1): no file is left behind."""
     out = tmp_path / name
-    p = run(capsys, f"{CUSTOM}/raises.py:KeyNet", "--input", "x=float32[B,16]", "--batch", "2", "--device", "cpu",
-            option, str(out))
+    p = run_cli(capsys, f"{CUSTOM}/raises.py:KeyNet", "--input", "x=float32[B,16]", "--batch", "2", "--device",
+                "cpu", option, str(out))
     assert p.returncode == 1 and p.stderr.startswith("Error: "), p.stderr
     assert not out.exists()
 
@@ -38,15 +27,16 @@ def test_a_failed_run_creates_no_output_file(tmp_path, capsys, option, name):
 def test_a_failed_run_leaves_an_existing_output_file_untouched(tmp_path, capsys):
     out = tmp_path / "r.json"
     out.write_text('{"kept": true}')
-    p = run(capsys, TINY, "--batch", "2", "--seq", "8", "--device", "cpu", "--freeze", "nothing.*", "--json", str(out))
+    p = run_cli(capsys, TINY, "--batch", "2", "--seq", "8", "--device", "cpu", "--freeze", "nothing.*", "--json",
+                str(out))
     assert p.returncode != 0 and "matches no parameter" in p.stderr, p.stderr
     assert out.read_text() == '{"kept": true}'
 
 
 def test_a_successful_run_still_writes(tmp_path, capsys):
     out = tmp_path / "r.json"
-    p = run(capsys, TINY, "--batch", "1", "--seq", "8", "--mode", "inference", "--device", "cpu", "--quiet",
-            "--json", str(out))
+    p = run_cli(capsys, TINY, "--batch", "1", "--seq", "8", "--mode", "inference", "--device", "cpu", "--quiet",
+                "--json", str(out))
     assert p.returncode == 0, p.stderr
     assert out.read_text().startswith("{")
 
@@ -69,15 +59,15 @@ def test_a_composite_config_says_every_layer_traced_without_none(tmp_path):
     (["--use-cache", "false"], "a custom module has no KV-cache option: drop --use-cache"),
 ])
 def test_custom_module_refuses_transformers_options(capsys, args, message):
-    p = run(capsys, CONVNET, "--input", "x=float32[B,3,8,8]", "--batch", "2", "--device", "cpu", *args)
+    p = run_cli(capsys, CONVNET, "--input", "x=float32[B,3,8,8]", "--batch", "2", "--device", "cpu", *args)
     assert p.returncode == 2, p.stderr
     assert message in p.stderr and "--step" not in p.stderr, p.stderr
     assert p.stderr.count("\n") == 1
 
 
 def test_fsdp_with_step_names_step(capsys):
-    p = run(capsys, TINY, "--batch", "2", "--seq", "8", "--device", "cpu", "--fsdp", "2",
-            "--step", f"{FIXTURES.parent}/steps/aux_ema.py:train_step")
+    p = run_cli(capsys, TINY, "--batch", "2", "--seq", "8", "--device", "cpu", "--fsdp", "2",
+                "--step", f"{FIXTURES.parent}/steps/aux_ema.py:train_step")
     assert p.returncode == 2 and "drop --step or --fsdp" in p.stderr, p.stderr
 
 

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, run_cli
 from vramtrace import RunSpec, analyze
 from vramtrace.reports.html import render_html
 from vramtrace.reports.snapshot import snapshot_of
@@ -79,16 +79,14 @@ def test_snapshot_is_read_by_pytorch_memory_viz(report, tmp_path):
 
 
 def test_saved_json_rerenders_without_tracing(tmp_path, capsys):
-    """The CLI in this process (`cli.main`, what the console script calls; tests/test_cli.py runs the script)."""
-    from vramtrace.cli import main
-
     out, html, again = tmp_path / "r.json", tmp_path / "a.html", tmp_path / "b.html"
-    assert main([str(FIXTURES / "tiny-gpt2.json"), "--batch", "2", "--seq", "16", "--json", str(out),
-                 "--html", str(html), "-q"]) == 0, capsys.readouterr().err
-    assert main([str(out), "--html", str(again), "-q"]) == 0, capsys.readouterr().err
+    p = run_cli(capsys, FIXTURES / "tiny-gpt2.json", "--batch", "2", "--seq", "16", "--json", out, "--html", html, "-q")
+    assert p.returncode == 0, p.stderr
+    p = run_cli(capsys, out, "--html", again, "-q")
+    assert p.returncode == 0, p.stderr
     assert embedded_data(html.read_text()) == embedded_data(again.read_text())
-    assert main([str(out), str(out), "--html", str(again), "-q"]) == 0, capsys.readouterr().err
-    assert len(embedded_data(again.read_text())["reports"]) == 2
+    p = run_cli(capsys, out, out, "--html", again, "-q")
+    assert p.returncode == 0 and len(embedded_data(again.read_text())["reports"]) == 2
 
 
 LLAMA = "meta-llama/Llama-2-7b"
