@@ -2,6 +2,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 # tests measure the CPU kernels: no result of an earlier run from the probe's disk cache (its own test sets one)
@@ -20,3 +21,13 @@ def deep_config(tmp_path, config: str, layers: int) -> str:
     path = tmp_path / f"{config}-{layers}l.json"
     path.write_text(json.dumps(cfg))
     return str(path)
+
+
+def run_cli(capsys, *args) -> SimpleNamespace:
+    """The CLI in this process (`cli.main`, what the console script calls; tests/test_cli.py also runs the script
+    itself): its exit status and what it printed, as `returncode`, `stdout`, `stderr`."""
+    from vramtrace.cli import main
+
+    status = main([str(a) for a in args])
+    printed = capsys.readouterr()
+    return SimpleNamespace(returncode=status, stdout=printed.out, stderr=printed.err)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, run_cli
 
 TINY = str(FIXTURES / "tiny-llama-gqa.json")
 
@@ -16,9 +16,9 @@ def run(*args, env=None):
                           timeout=300, env=env)
 
 
-def test_report_and_json(tmp_path):
+def test_report_and_json(tmp_path, capsys):
     out = tmp_path / "r.json"
-    p = run(TINY, "--batch", "2", "--seq", "16", "--json", str(out))
+    p = run_cli(capsys, TINY, "--batch", "2", "--seq", "16", "--json", str(out))
     assert p.returncode == 0, p.stderr
     assert "Peak allocated" in p.stdout and "Step waterfall" in p.stdout
     d = json.loads(out.read_text())
@@ -75,25 +75,25 @@ def test_usage_error_from_a_real_process():
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
 
-def test_model_errors(tmp_path):
+def test_model_errors(tmp_path, capsys):
     bad = tmp_path / "config.json"
     bad.write_text("{oops")
     for ref, needle in ((str(bad), "not valid JSON"), ("./missing/config.json", "does not exist"),
                         ("some-org/surely-not-cached-model-xyz", "local")):
-        p = run(ref, "--batch", "1", "--seq", "8")
+        p = run_cli(capsys, ref, "--batch", "1", "--seq", "8")
         assert p.returncode == 1 and p.stderr.startswith("Error: ") and needle in p.stderr, p.stderr
         assert "Traceback" not in p.stderr
 
 
-def test_compare_and_checkpointing_json(tmp_path):
+def test_compare_and_checkpointing_json(tmp_path, capsys):
     out = tmp_path / "c.json"
-    p = run(TINY, "--batch", "2", "--seq", "32", "--compare", "--json", str(out))
+    p = run_cli(capsys, TINY, "--batch", "2", "--seq", "32", "--compare", "--json", str(out))
     assert p.returncode == 0, p.stderr
     assert "Checkpointing compared" in p.stdout
     rows = json.loads(out.read_text())["comparison"]
     assert [r["policy"] for r in rows] == ["none", "layers", "selective"]
     assert rows[0]["recompute_flops"] == 0 < rows[1]["recompute_flops"]
-    p = run(TINY, "--batch", "2", "--seq", "32", "--checkpointing", "layers", "--json", "-")
+    p = run_cli(capsys, TINY, "--batch", "2", "--seq", "32", "--checkpointing", "layers", "--json", "-")
     d = json.loads(p.stdout)
     assert d["checkpointing"]["policy"] == "layers"
     # the same policy analysed on its own and in --compare; the recompute re-runs (part of) the forward only,

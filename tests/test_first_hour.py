@@ -1,12 +1,9 @@
 """What a new user meets in the first hour (issue 38): a failed run writes no report file, a composite config's
 trace line, errors that name what was passed, and the optimizer names of HF Trainer and bitsandbytes."""
 
-import subprocess
-import sys
-
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, run_cli
 from oracle import measure_cpu_peak
 from vramtrace import RunSpec, analyze
 from vramtrace.errors import UsageError
@@ -16,33 +13,30 @@ CUSTOM = FIXTURES.parent / "custom"
 CONVNET = f"{CUSTOM}/convnet.py:ConvNet"
 
 
-def run(*args):
-    return subprocess.run([sys.executable, "-m", "vramtrace.cli", *args], capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.parametrize("option,name", [("--json", "r.json"), ("--html", "r.html"),
                                          ("--snapshot", "r.pickle"), ("--trace-events", "t.json")])
-def test_a_failed_run_creates_no_output_file(tmp_path, option, name):
+def test_a_failed_run_creates_no_output_file(tmp_path, capsys, option, name):
     """The run fails while tracing (the custom module's forward raises, exit 1): no file is left behind."""
     out = tmp_path / name
-    p = run(f"{CUSTOM}/raises.py:KeyNet", "--input", "x=float32[B,16]", "--batch", "2", "--device", "cpu",
-            option, str(out))
+    p = run_cli(capsys, f"{CUSTOM}/raises.py:KeyNet", "--input", "x=float32[B,16]", "--batch", "2", "--device",
+                "cpu", option, str(out))
     assert p.returncode == 1 and p.stderr.startswith("Error: "), p.stderr
     assert not out.exists()
 
 
-def test_a_failed_run_leaves_an_existing_output_file_untouched(tmp_path):
+def test_a_failed_run_leaves_an_existing_output_file_untouched(tmp_path, capsys):
     out = tmp_path / "r.json"
     out.write_text('{"kept": true}')
-    p = run(TINY, "--batch", "2", "--seq", "8", "--device", "cpu", "--freeze", "nothing.*", "--json", str(out))
+    p = run_cli(capsys, TINY, "--batch", "2", "--seq", "8", "--device", "cpu", "--freeze", "nothing.*", "--json",
+                str(out))
     assert p.returncode != 0 and "matches no parameter" in p.stderr, p.stderr
     assert out.read_text() == '{"kept": true}'
 
 
-def test_a_successful_run_still_writes(tmp_path):
+def test_a_successful_run_still_writes(tmp_path, capsys):
     out = tmp_path / "r.json"
-    p = run(TINY, "--batch", "1", "--seq", "8", "--mode", "inference", "--device", "cpu", "--quiet",
-            "--json", str(out))
+    p = run_cli(capsys, TINY, "--batch", "1", "--seq", "8", "--mode", "inference", "--device", "cpu", "--quiet",
+                "--json", str(out))
     assert p.returncode == 0, p.stderr
     assert out.read_text().startswith("{")
 
@@ -64,16 +58,16 @@ def test_a_composite_config_says_every_layer_traced_without_none(tmp_path):
     (["--fsdp", "2"], "a custom module"),
     (["--use-cache", "false"], "a custom module has no KV-cache option: drop --use-cache"),
 ])
-def test_custom_module_refuses_transformers_options(args, message):
-    p = run(CONVNET, "--input", "x=float32[B,3,8,8]", "--batch", "2", "--device", "cpu", *args)
+def test_custom_module_refuses_transformers_options(capsys, args, message):
+    p = run_cli(capsys, CONVNET, "--input", "x=float32[B,3,8,8]", "--batch", "2", "--device", "cpu", *args)
     assert p.returncode == 2, p.stderr
     assert message in p.stderr and "--step" not in p.stderr, p.stderr
     assert p.stderr.count("\n") == 1
 
 
-def test_fsdp_with_step_names_step():
-    p = run(TINY, "--batch", "2", "--seq", "8", "--device", "cpu", "--fsdp", "2",
-            "--step", f"{FIXTURES.parent}/steps/aux_ema.py:train_step")
+def test_fsdp_with_step_names_step(capsys):
+    p = run_cli(capsys, TINY, "--batch", "2", "--seq", "8", "--device", "cpu", "--fsdp", "2",
+                "--step", f"{FIXTURES.parent}/steps/aux_ema.py:train_step")
     assert p.returncode == 2 and "drop --step or --fsdp" in p.stderr, p.stderr
 
 

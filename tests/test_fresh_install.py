@@ -39,8 +39,11 @@ def test_main_job_without_extras(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.update(HF_HUB_OFFLINE="1", COLUMNS="250", PIP_DISABLE_PIP_VERSION_CHECK="1")
     python = bindir / "python"
-    _run([python, "-m", "pip", "install", "-q", f"torch=={torch.__version__.split('+')[0]}"], env)
-    _run([python, "-m", "pip", "install", "-q", src], env)
+    # --no-compile: pip does not byte-compile every installed module ahead of time (most of torch's and transformers'
+    # install CPU time); Python compiles the modules the job imports when it imports them
+    pip = [python, "-m", "pip", "install", "-q", "--no-compile"]
+    _run([*pip, f"torch=={torch.__version__.split('+')[0]}"], env)
+    _run([*pip, src], env)
     absent = _run([python, "-c", "import importlib.util as u; print(u.find_spec('peft'), u.find_spec('bitsandbytes'))"],
                   env)
     assert absent.stdout.split() == ["None", "None"]  # the environment really has no extras

@@ -15,13 +15,11 @@ import os
 import pickle
 import re
 import shutil
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, run_cli
 from vramtrace import RunSpec, analyze
 from vramtrace.reports.html import render_html
 from vramtrace.reports.snapshot import snapshot_of
@@ -80,16 +78,14 @@ def test_snapshot_is_read_by_pytorch_memory_viz(report, tmp_path):
     assert peak == report.peak_allocated_bytes
 
 
-def test_saved_json_rerenders_without_tracing(tmp_path):
+def test_saved_json_rerenders_without_tracing(tmp_path, capsys):
     out, html, again = tmp_path / "r.json", tmp_path / "a.html", tmp_path / "b.html"
-    cli = [sys.executable, "-m", "vramtrace.cli"]
-    p = subprocess.run(cli + [str(FIXTURES / "tiny-gpt2.json"), "--batch", "2", "--seq", "16", "--json", str(out),
-                              "--html", str(html), "-q"], capture_output=True, text=True)
+    p = run_cli(capsys, FIXTURES / "tiny-gpt2.json", "--batch", "2", "--seq", "16", "--json", out, "--html", html, "-q")
     assert p.returncode == 0, p.stderr
-    p = subprocess.run(cli + [str(out), "--html", str(again), "-q"], capture_output=True, text=True)
+    p = run_cli(capsys, out, "--html", again, "-q")
     assert p.returncode == 0, p.stderr
     assert embedded_data(html.read_text()) == embedded_data(again.read_text())
-    p = subprocess.run(cli + [str(out), str(out), "--html", str(again), "-q"], capture_output=True, text=True)
+    p = run_cli(capsys, out, out, "--html", again, "-q")
     assert p.returncode == 0 and len(embedded_data(again.read_text())["reports"]) == 2
 
 
