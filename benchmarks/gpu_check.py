@@ -6,6 +6,14 @@ Reproduce (a machine with one idle CUDA GPU, torch with CUDA, transformers; peft
     python benchmarks/gpu_check.py --dry-run --out dry.md              # the CPU: tiny configs, the same code paths
     python benchmarks/gpu_check.py --predict-only --out pred.md        # the CPU: only the GPU cases' predictions
     python benchmarks/gpu_check.py --predict-only --recorded            # the same, against the recorded H100 run
+    python benchmarks/gpu_check.py --real-only --record h100.json      # the GPU: real runs only, as a record
+    python benchmarks/gpu_check.py --predict-only --recorded h100.json # predictions against that record
+
+`--real-only` is for a GPU machine whose Python cannot run vramtrace (another torch than the one vramtrace is
+tested with): it runs the cases and the fit batches (`--fit-batches`, default the recorded boundary's 21..25) for
+real, writes what they measured to `--record` after each run, and `--snapshot NAMES` records the allocator's
+history of those runs (case names, or fit batches as `fit-B`) as `torch.cuda.memory._snapshot()` pickles
+(gzip) in `--snapshot-dir`; the predictions are then made on any machine with `--predict-only --recorded FILE`.
 
 Each case runs for real in a fresh process (benchmarks/gpu_check_runner.py: its own CUDA context and allocator,
 public APIs only, nothing from vramtrace) with the H100 evidence's protocol (two warm-up steps,
@@ -42,8 +50,8 @@ RUNNER = ROOT / "benchmarks" / "gpu_check_runner.py"
 BUNDLED = ROOT / "src" / "vramtrace" / "tracer" / "configs"
 FIXTURES = ROOT / "fixtures" / "configs"
 MHA = f"{ROOT / 'benchmarks' / 'gpu_evidence' / 'mha_model.py'}:MHANet"
-# the figures a real H100 measured for the cases it did not match to 512 B, the fit boundary's runs and its context
-RECORDED = ROOT / "benchmarks" / "gpu_evidence" / "h100-2026-11-26.json"
+# what a real H100 measured for every case and the fit boundary's batches (`--real-only --record`, 2026-11-26)
+RECORDED = ROOT / "benchmarks" / "gpu_evidence" / "h100-2026-11-26-gpu_check.json"
 DRY_CAPACITY_BYTES = 8 * 2**20  # the dry fit's capacity: tiny Llama fp32 at seq 32 fits about 11 samples
 NA = "n/a (CPU)"
 
@@ -255,11 +263,13 @@ def predict(cli_args: list[str], out: Path, deadline: float) -> dict:
     return {**json.loads(out.read_text()), "seconds": time.monotonic() - t0}
 
 
-def run_real(case: Case, model: str, device: str, tmp: Path, deadline: float, tag: str = "") -> dict:
+def run_real(case: Case, model: str, device: str, tmp: Path, deadline: float, tag: str = "",
+             extra: dict | None = None) -> dict:
     """The case run for real by gpu_check_runner.py in a fresh process: its result (outcome "ran" with the
-    figures, "oom"), or outcome "failed" with the runner's last stderr line."""
+    figures, "oom"), or outcome "failed" with the runner's last stderr line. `extra`: more runner spec keys
+    ("snapshot")."""
     spec_path, result = tmp / f"{case.name}{tag}.spec.json", tmp / f"{case.name}{tag}.result.json"
-    spec_path.write_text(json.dumps(runner_spec(case, model, device)))
+    spec_path.write_text(json.dumps({**runner_spec(case, model, device), **(extra or {})}))
     left = min(600.0, deadline - time.monotonic())
     try:
         p = subprocess.run([sys.executable, str(RUNNER), str(spec_path), str(result)], env=_env(case.alloc_conf),
@@ -371,7 +381,10 @@ def recorded_run(recorded: dict | None, key: str | int) -> dict:
         return {"outcome": Outcome.RAN.value, "allocated": allocated, "reserved": reserved, "device_used": used}
     if key not in recorded["cases"]:
         return {"outcome": Outcome.NOT_RUN.value, "message": "matched to 512 B on the recorded run, figure not kept"}
-    allocated, reserved = recorded["cases"][key]
+    entry = recorded["cases"][key]
+    if isinstance(entry, dict):  # a --real-only record: the runner's result as it came
+        return {"device_name": recorded["device_name"], **entry}
+    allocated, reserved = entry
     return {"outcome": Outcome.RAN.value, "allocated": allocated, "reserved": reserved, "context": None,
             "cublas_workspace": None, "device_name": recorded["device_name"]}
 
@@ -398,6 +411,55 @@ def fit_boundary(plan: Plan, fit: dict) -> dict:
             sized = dataclasses.replace(fit["case"], batch=batch)
             out["runs"].append((batch, run_real(sized, fit["model"], plan.device, plan.tmp, plan.deadline,
                                                 f"-b{batch}")))
+    return out
+
+
+def record_real(cases: list[Case], plan: Plan, fit_batches: list[int], snapshots: set[str], record: Path,
+                snapshot_dir: Path | None, probe: dict) -> dict:
+    """--real-only: the fit batches first (the runs nearest the capacity), then the cases, each run for real in a
+    fresh process; the record (RECORDED's format, cases as the runner's results) is rewritten to `record` after
+    every run, so that a run cut short still leaves what it measured. The fit's context is the one the first
+    measured case reports (the fit runs' own `device_used` - `reserved`)."""
+    versions = ", ".join(f"{k} {v}" for k, v in probe.get("extras", {}).items() if v)
+    out = {"source": f"gpu_check --real-only on {probe['name']} ({probe['capability']}), torch {probe['torch']} "
+                     f"(CUDA {probe['cuda_version']}), transformers {probe['transformers']}"
+                     + (f", {versions}" if versions else "") + "; the runner's protocol (benchmarks/"
+                     "gpu_check_runner.py)",
+           "device_name": f"{probe['name']} (recorded {time.strftime('%Y-%m-%d', time.gmtime())}, torch "
+                          f"{probe['torch']})",
+           "total": probe["total"], "cases": {}, "fit": {"context": None, "runs": {}}}
+
+    def spec_extra(name: str) -> dict:
+        if name not in snapshots or snapshot_dir is None:
+            return {}
+        stacks = not name.startswith("llama-gen")  # generation: ~10^5 events; no stacks keeps the file small
+        return {"snapshot": {"path": str(snapshot_dir / f"{name}.pickle.gz"), "stacks": stacks}}
+
+    fit_case = plan.sized(FIT)
+    fit_model = config_file(fit_case, plan.dry, plan.tmp)
+    for batch in fit_batches:
+        if not plan.has_time(FIT_EST_S // 3):
+            break
+        sized = dataclasses.replace(fit_case, batch=batch)
+        real = run_real(sized, fit_model, plan.device, plan.tmp, plan.deadline, f"-b{batch}",
+                        spec_extra(f"fit-{batch}"))
+        print(f"fit batch {batch}: {json.dumps(real)}", flush=True)
+        ran = real.get("outcome") == Outcome.RAN.value
+        out["fit"]["runs"][str(batch)] = [real["allocated"], real["reserved"], real["device_used"]] if ran else None
+        if ran and out["fit"]["context"] is None:
+            out["fit"]["context"] = real["context"]
+        record.write_text(json.dumps(out, indent=1))
+    for case in cases:
+        why = missing_extra(case)
+        if why or not plan.has_time(case.est_s):
+            print(f"{case.name}: {why or 'time budget (--max-minutes): not run'}", flush=True)
+            continue
+        real = run_real(case, config_file(case, plan.dry, plan.tmp), plan.device, plan.tmp, plan.deadline,
+                        extra=spec_extra(case.name))
+        real.pop("vramtrace_modules", None)
+        print(f"{case.name}: {json.dumps(real)}", flush=True)
+        out["cases"][case.name] = real
+        record.write_text(json.dumps(out, indent=1))
     return out
 
 
@@ -511,8 +573,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--list", action="store_true", help="list the cases with their estimated H100 seconds and exit")
     ap.add_argument("--dry-run", action="store_true", help="the CPU: tiny configs, profiler truth, --device cpu")
     ap.add_argument("--predict-only", action="store_true", help="only the predictions of the GPU cases (no GPU)")
-    ap.add_argument("--recorded", action="store_true",
-                    help="with --predict-only: compare with the recorded H100 run (benchmarks/gpu_evidence/)")
+    ap.add_argument("--recorded", nargs="?", const=str(RECORDED), metavar="FILE",
+                    help="with --predict-only: compare with a recorded run (default: the H100 record in "
+                         "benchmarks/gpu_evidence/; FILE: a --real-only --record file)")
+    ap.add_argument("--real-only", action="store_true",
+                    help="the GPU: real runs only (no vramtrace here), written to --record")
+    ap.add_argument("--record", metavar="FILE", help="with --real-only: where the record is written")
+    ap.add_argument("--fit-batches", default="21,22,23,24,25",
+                    help="with --real-only: the fit config's batches run for real (default 21,22,23,24,25)")
+    ap.add_argument("--snapshot", default="", metavar="NAMES",
+                    help="with --real-only: comma-separated runs (case names, fit-B) whose allocator history is "
+                         "saved to --snapshot-dir")
+    ap.add_argument("--snapshot-dir", metavar="DIR", help="where --snapshot writes NAME.pickle.gz")
     ap.add_argument("--max-minutes", type=float, default=8.0, help="time budget; later cases are skipped (default 8)")
     ap.add_argument("--jobs", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 4)),
                     help="predictions run at once beside the real runs (default: CPU cores / 4, at most 4)")
@@ -523,6 +595,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--dry-run and --predict-only exclude each other")
     if args.recorded and not args.predict_only:
         ap.error("--recorded goes with --predict-only")
+    if args.real_only and (args.dry_run or args.predict_only or not args.record):
+        ap.error("--real-only needs --record FILE and excludes --dry-run and --predict-only")
+    if args.snapshot and not (args.real_only and args.snapshot_dir):
+        ap.error("--snapshot goes with --real-only and --snapshot-dir")
     if args.jobs < 1 or args.max_minutes <= 0:
         ap.error("--jobs must be at least 1 and --max-minutes above 0")
     return args
@@ -554,7 +630,8 @@ def header(args: argparse.Namespace, probe: dict | None, target_line: str) -> li
         lines.append("Truth on the CPU: the bytes alive at step start plus torch.profiler's allocator events "
                      "(two warm-up steps, then the measured one); the CPU has no reserved, context or cuBLAS figure.")
     if args.recorded:
-        lines.append(f"Real side: {json.loads(RECORDED.read_text())['source']}. Error = predicted - real.")
+        lines.append(f"Real side: {json.loads(Path(args.recorded).read_text())['source']}. Error = predicted - "
+                     f"real.")
     if probe:
         lines.append(f"Device: {probe['name']} ({probe['capability']}), cudaMemGetInfo total {probe['total']:,} B, "
                      f"used by the probe's process {probe['used_at_start']:,} B; torch {probe['torch']} (CUDA "
@@ -598,8 +675,18 @@ def main(argv: list[str] | None = None) -> int:
                 print("Error: no CUDA device (torch.cuda.is_available() is False in the runner's process); use "
                       "--dry-run to exercise the harness on the CPU, or --predict-only", file=sys.stderr)
                 return 1
+        if args.real_only:
+            snap_dir = Path(args.snapshot_dir) if args.snapshot_dir else None
+            if snap_dir:
+                snap_dir.mkdir(parents=True, exist_ok=True)
+            plan = Plan(False, False, (), tmp, t0 + 60 * args.max_minutes)
+            batches = [int(b) for b in args.fit_batches.split(",") if b.strip()] if want_fit else []
+            record_real(cases, plan, batches, {n.strip() for n in args.snapshot.split(",") if n.strip()},
+                        Path(args.record), snap_dir, probe)
+            print(f"record written to {args.record} in {time.monotonic() - t0:.0f} s")
+            return 0
         target, target_line = target_args(probe, args)
-        recorded = json.loads(RECORDED.read_text()) if args.recorded else None
+        recorded = json.loads(Path(args.recorded).read_text()) if args.recorded else None
         plan = Plan(args.dry_run, args.predict_only, tuple(target), tmp, t0 + 60 * args.max_minutes, recorded)
         with cf.ThreadPoolExecutor(args.jobs) as pool:
             rows, skipped, fit = run_cases(cases, plan, pool, want_fit)

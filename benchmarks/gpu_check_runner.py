@@ -32,6 +32,7 @@ cuBLAS figure on the CPU.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import importlib.util
 import itertools
 import json
@@ -228,23 +229,60 @@ def measure_cpu(step, alive) -> dict:
             "total": None}
 
 
+@contextlib.contextmanager
+def recording(snapshot: dict | None):
+    """With `snapshot` ({"path": P, "stacks": bool}) on CUDA: the allocator's history recorded from here (before the
+    model is built) to the end of the run, written to P as a gzip of `torch.cuda.memory._snapshot()`'s pickle, for
+    PyTorch's memory_viz or a replay of `device_traces[0]`; the allocations' python stacks (5 innermost frames)
+    with stacks, none without (`_record_memory_history(context=None)`). Written on an out-of-memory error too."""
+    if not snapshot:
+        yield
+        return
+    import gzip
+    import pickle
+
+    torch.cuda.init()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, context="alloc" if snapshot["stacks"] else None,
+                                             stacks="python")
+    try:
+        yield
+    finally:
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        for entry in [*(e for trace in snap["device_traces"] for e in trace),
+                      *(b for seg in snap["segments"] for b in seg["blocks"])]:
+            if entry.get("frames"):
+                entry["frames"] = entry["frames"][:5]
+        with gzip.open(snapshot["path"], "wb") as f:
+            pickle.dump(snap, f)
+
+
 def run_case(spec: dict) -> dict:
     """The case run and measured on its device; an out-of-memory error is the outcome "oom"."""
     device = torch.device(spec["device"])
     t0 = time.perf_counter()
     try:
-        step, alive = make_step(spec, device)
-        figures = measure_cuda(step) if device.type == "cuda" else measure_cpu(step, alive)
+        with recording(spec.get("snapshot") if device.type == "cuda" else None):
+            step, alive = make_step(spec, device)
+            figures = measure_cuda(step) if device.type == "cuda" else measure_cpu(step, alive)
     except torch.OutOfMemoryError as e:
         return {"outcome": "oom", "message": str(e).splitlines()[0][:300], "seconds": time.perf_counter() - t0}
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run)"
     return {"outcome": "ran", "device_name": name, "seconds": time.perf_counter() - t0, **figures}
 
 
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def probe() -> dict:
     """The device, read in a process of its own so that gpu_check's own process never creates a CUDA context."""
     info = {"cuda": torch.cuda.is_available(), "torch": torch.__version__, "cuda_version": torch.version.cuda,
-            "transformers": transformers.__version__}
+            "transformers": transformers.__version__,
+            "extras": {m: _version(m) for m in ("peft", "bitsandbytes")}}
     if info["cuda"]:
         free, total = torch.cuda.mem_get_info()
         major, minor = torch.cuda.get_device_capability()
