@@ -194,6 +194,42 @@ def test_a_real_h100_step_replays_exactly(name):
     assert sim.peak_allocated_bytes - peak_requests == rest_at_start + sim.peak_remainder_bytes
 
 
+# the fit boundary's runs (gpu_check --real-only on an H100 80GB HBM3, benchmarks/gpu_evidence/
+# h100-2026-11-26-gpu_check.json): batch -> (max_memory_reserved() over the run, segments cudaFree'd by cache
+# releases, as the snapshot's segment_free events count them); the capacity cudaMalloc had: the device's total less
+# the CUDA context the runs measured
+FIT_RUNS = {21: (81_319_165_952, 0), 22: (82_497_765_376, 3), 23: (82_443_239_424, 0)}
+FIT_CAPACITY = 85_017_493_504 - 804_061_184
+
+
+@pytest.mark.parametrize("batch", sorted(FIT_RUNS))
+def test_the_fit_boundarys_real_runs_replay_exactly_under_the_capacity(batch):
+    """The whole real run near capacity (Llama-2-7b dims, 4 layers, bf16-mixed AdamW, seq 2048: model build, three
+    steps; its allocator history from the start, extracted by extract.py) replayed from an empty allocator with the
+    real capacity (each new segment at the address cudaMalloc gave): every block at the real address, cudaMalloc
+    failing where the real one did and the cache released (`release_cached_blocks`) as often, the segments held at
+    the end the real ones; the peak reserved is the run's. Batch 22 needed a release (3 segments freed); 23, whose
+    sizes fall otherwise, fit without one."""
+    data = json.loads(gzip.open(EVIDENCE / f"h100-fit-{batch}.json.gz", "rt").read())
+    sim = CachingAllocatorModel(capacity_bytes=FIT_CAPACITY)
+    for action, addr, size in data["trace"]:
+        if action == "segment_alloc":
+            # cudaMalloc's address (the model places a new segment just below `_next_addr`): best fit breaks
+            # ties between equal blocks by address
+            sim._next_addr = addr + size
+        elif action == "alloc":
+            sim.malloc(addr, size)
+            assert sim.address(addr) == addr
+        elif action == "free_completed":
+            sim.free(addr)
+    reserved, released = FIT_RUNS[batch]
+    assert sim.peak_reserved_bytes == reserved
+    assert sim.num_alloc_retries == (1 if released else 0)
+    assert sum(1 for a, *_ in data["trace"] if a == "segment_free") == released
+    assert sim.reserved_bytes == sum(s["total_size"] for s in data["segments"])  # the snapshot's last segments
+    assert sim.num_segments == len(data["segments"])
+
+
 def test_peak_reserved_is_the_runs_when_the_cache_was_released():
     """The measurement's truth is max_memory_reserved() over the whole run (shared/gpu-evidence/README.md: "first
     steps included"); a first step that released the cache (`release_cached_blocks` after a failed cudaMalloc)

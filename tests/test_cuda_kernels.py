@@ -58,3 +58,38 @@ def test_memory_efficient_attention_seed_and_offset_are_host_tensors_on_cuda(tmp
     assert r.model["sdpa_backends"] == {"efficient": 1}
     made = sorted(t.bytes for t in r.tensors if t.op == "aten._scaled_dot_product_efficient_attention.default")
     assert made == per_call
+
+
+def test_autocast_casts_a_linears_weight_before_its_input_as_the_h100_did():
+    # autocast_mode.h `WrapFunction_::call` casts every argument in one call's argument list
+    # (`(*F)(cached_cast(to_type, args, device_type)...)`), which GCC evaluates last argument first: the weight's
+    # bf16 copy is allocated before the input's. The fit boundary's real run (batch 21: Llama-2-7b dims, bf16-mixed)
+    # shows it at the first q_proj: 4096 x 4096 bf16, then 21 x 2048 x 4096 bf16 (the input), then the output.
+    import gzip
+
+    trace = json.loads(gzip.open(EVIDENCE / "h100-fit-21.json.gz", "rt").read())["trace"]
+    allocs = [size for action, _, size in trace if action == "alloc"]
+    first = allocs.index(4096 * 4096 * 2)
+    assert allocs[first:first + 3] == [4096 * 4096 * 2, 21 * 2048 * 4096 * 2, 21 * 2048 * 4096 * 2]
+
+    r = analyze(RunSpec(str(FIXTURES / "tiny-llama-gqa.json"), batch=2, seq=32, gpu="H100", precision="bf16-mixed"),
+                levers=False)
+    casts = sorted((t.birth, t.category) for t in r.tensors
+                   if t.module == "model.layers.0.self_attn.q_proj" and t.op == "aten._to_copy.default"
+                   and t.phase == "forward")
+    assert [c for _, c in casts] == ["autocast_weights", "activation"]
+
+
+def test_storages_freed_after_one_op_are_replayed_in_the_order_they_died():
+    # The caching allocator sees the frees in the order the step drops the last references (Python's decrefs), not
+    # in the order the storages were born. At the fit boundary's first rotary embedding the real run freed the
+    # key's two fp32 products (born last) before the query's and key's projections (born first).
+    from vramtrace.analysis.allocator import ReplaySchedule
+    from vramtrace.analysis.liveness import Lifetime, Timeline
+
+    lts = (Lifetime(1, 4 << 20, 0, 1, "temporary", free_rank=2), Lifetime(2, 4 << 20, 0, 1, "temporary", free_rank=3),
+           Lifetime(3, 8 << 20, 0, 1, "temporary", free_rank=0), Lifetime(4, 8 << 20, 0, 1, "temporary", free_rank=1))
+    tl = Timeline((0, 1), ("forward", "forward"), lts, (24 << 20, 24 << 20), (24 << 20, 0), 0, 24 << 20, 0)
+    events = dict(ReplaySchedule.of(tl, tl).steps)["first"]
+    frees = [key[1] for malloc, key, _ in events if not malloc]
+    assert frees == [3, 4, 1, 2]

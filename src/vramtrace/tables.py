@@ -81,17 +81,25 @@ def cublas_workspaces(ops, table: tuple[StorageInfo, ...], sm: int, steps: int =
     (aten/src/ATen/cuda/CublasHandlePool.cpp `getCurrentCUDABlasHandle`: the workspace of a new (handle, stream)
     is made on first use), so in a recording of `steps` >= 2 steps it is born at that op of the first step, where
     the allocator may place it in a cached free block (the H100 snapshots of BERT, GPT-2 and T5 hold it inside a
-    larger segment); a recording of one step (inference, a generation) has it from the start."""
-    from .analysis.device import cublas_workspace_bytes, first_gemms
+    larger segment); a recording of one step (inference, a generation) has it from the start. The same for each
+    thread's cuBLASLt workspace (`cublaslt_workspace_bytes`), born at its first addmm with a bias
+    (`first_lt_gemms`), after the cuBLAS ones."""
+    from .analysis.device import cublas_workspace_bytes, cublaslt_workspace_bytes, first_gemms, first_lt_gemms
 
-    nbytes, sid = cublas_workspace_bytes(sm), max((s.sid for s in table), default=0) + 1
-    births = first_gemms(ops, [o.index for o in ops if o.step == 0]) if steps > 1 else {}
+    sid = max((s.sid for s in table), default=0) + 1
+    first_step = [o.index for o in ops if o.step == 0]
+    by_sid = {s.sid: s for s in table}
     rows = []
-    for i, thread in enumerate(first_gemms(ops, range(len(ops)))):
-        op = births.get(thread)
-        born, phase = (-1, "start") if op is None else (op.index, str(op.phase))  # a thread's, not a module's
-        rows.append(StorageInfo(sid + i, nbytes, "uint8", (nbytes,), "meta", Category.CUBLAS_WORKSPACE, born,
-                                "cuBLAS workspace", "", phase, f"cuBLAS workspace ({thread} thread)", None, -1))
+    for label, nbytes, find in (("cuBLAS", cublas_workspace_bytes(sm), lambda at: first_gemms(ops, at)),
+                                ("cuBLASLt", cublaslt_workspace_bytes(sm),
+                                 lambda at: first_lt_gemms(ops, at, by_sid))):
+        births = find(first_step) if steps > 1 else {}
+        for thread in find(range(len(ops))):
+            op = births.get(thread)
+            born, phase = (-1, "start") if op is None else (op.index, str(op.phase))  # a thread's, not a module's
+            rows.append(StorageInfo(sid + len(rows), nbytes, "uint8", (nbytes,), "meta", Category.CUBLAS_WORKSPACE,
+                                    born, f"{label} workspace", "", phase, f"{label} workspace ({thread} thread)",
+                                    None, -1))
     return tuple(rows)
 
 

@@ -81,7 +81,7 @@ def cuda_context_default(sm: int, cuda_major: int) -> CudaContext:
     return CUDA_CONTEXT_TABLE[(min(max(sm // 10, 7), 10), cuda_major)]
 
 
-# GEMM ops that take a cuBLAS (or cuBLASLt, which shares its workspace in torch 2.12+) workspace
+# GEMM ops that take a cuBLAS workspace
 GEMM_OPS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.addbmm", "aten.addmv", "aten.mv",
                       "aten._scaled_mm", "aten._addmm_activation"})
 
@@ -96,9 +96,40 @@ def cublas_workspace_bytes(sm: int) -> int:
     the first GEMM of each (handle, stream), and freed only by torch._C._cuda_clearCublasWorkspaces() or at exit.
     Handles are per thread (DeviceThreadHandlePool), and autograd runs CUDA backward on its own device thread
     (torch/csrc/autograd/engine.cpp), so a training step holds two: the forward's and the backward's. cuBLASLt
-    (addmm with a bias) reuses the same workspace in torch 2.12+ (TORCH_CUBLASLT_UNIFIED_WORKSPACE, on by default
-    on CUDA builds), so it adds nothing."""
+    has a workspace of its own (`cublaslt_workspace_bytes`)."""
     return CUBLAS_WORKSPACE_32MIB if sm // 10 in (9, 10, 12) else CUBLAS_WORKSPACE_DEFAULT
+
+
+CUBLASLT_WORKSPACE_KIB = 1024  # CublasHandlePool.cpp `parseCUDABlasLtWorkspaceSize`: CUBLASLT_WORKSPACE_SIZE unset
+# cuBLASLt's addmm with a bias (aten/src/ATen/native/cuda/Blas.cpp `isInputCompliesAddmmCudaLt`)
+LT_GEMM_OPS = frozenset({"aten.addmm", "aten._addmm_activation"})
+LT_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
+
+
+def cublaslt_workspace_bytes(sm: int) -> int:
+    """The cuBLASLt workspace of one (handle, stream), in bytes: CUBLASLT_WORKSPACE_SIZE's default, 1024 KiB, no
+    more than the cuBLAS workspace (CublasHandlePool.cpp `getCUDABlasLtWorkspaceSize`). `getCUDABlasLtWorkspace`
+    allocates it through the caching allocator on the first cuBLASLt GEMM of each (handle, stream) unless
+    TORCH_CUBLASLT_UNIFIED_WORKSPACE=1 (it then lends the cuBLAS workspace), and clearCublasWorkspaces frees it
+    with the others. The H100 of issue 39 (torch 2.11) measured it: 1,048,576 B allocated by MHANet's first
+    Linear with a bias, freed by `_cuda_clearCublasWorkspaces()` (benchmarks/gpu_check.py --snapshot)."""
+    return min(CUBLASLT_WORKSPACE_KIB * 1024, cublas_workspace_bytes(sm))
+
+
+def first_lt_gemms(ops, steps, rows: dict) -> dict[str, object]:
+    """The first cuBLASLt GEMM each thread runs in the ops at `steps` (by thread, as `first_gemms`): an addmm whose
+    first argument is a 1-D bias (a storage of `rows`, sid -> StorageInfo, with one dimension) of a dtype cuBLASLt
+    takes (Blas.cpp `isInputCompliesAddmmCudaLt`: beta 1, 1-D bias, float/half/bf16/double; F.linear and
+    transformers' Conv1D call it so)."""
+    found: dict[str, object] = {}
+    for i in steps:
+        op = ops[i]
+        if op.name.rsplit(".", 1)[0] not in LT_GEMM_OPS or not op.reads:
+            continue
+        bias = rows.get(op.reads[0])
+        if bias is not None and len(bias.shape) == 1 and bias.dtype in LT_DTYPES:
+            found.setdefault("backward" if str(op.phase) == "backward" else "forward", op)
+    return {t: found[t] for t in ("forward", "backward") if t in found}
 
 
 def first_gemms(ops, steps) -> dict[str, object]:

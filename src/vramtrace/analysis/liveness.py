@@ -53,6 +53,7 @@ class Lifetime:
     category: Category
     outlives_step: bool = False  # not freed before the step ends (parameters, optimizer state, ...)
     at_start: bool = False  # alive before the first op (not allocated by it)
+    free_rank: int = 0  # its place among the storages freed after the same op (storages.StorageInfo.free_rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +142,7 @@ def build_timeline(ops: Iterable[_Op], storages: Iterable[_Storage], step: int,
             death = min(death, max(to_pos(s.last_use), birth))
         start += b if existed else 0
         outlives = (s.free_after is None or s.free_after > last_op) and death == end
-        lifetimes.append(Lifetime(s.sid, b, birth, death, s.category, outlives, existed))
+        lifetimes.append(Lifetime(s.sid, b, birth, death, s.category, outlives, existed, getattr(s, "free_rank", 0)))
 
     diff = [0] * (n + 1)
     diff_after = [0] * (n + 1)

@@ -27,7 +27,8 @@ LOOPS = ("trainer", "function", "script")
 @dataclass(frozen=True, slots=True)
 class StorageInfo:
     """One storage. `op_index` -1: alive at step start. `free_after`: index of the last op completed when eager
-    frees it, None if it outlives the recording. `last_use`: last op reading or writing it (-1: none)."""
+    frees it, None if it outlives the recording. `last_use`: last op reading or writing it (-1: none). `free_rank`:
+    its place among the storages freed after the same op, in the order they died (0: first)."""
 
     sid: int
     nbytes: int
@@ -42,6 +43,7 @@ class StorageInfo:
     name: str
     free_after: int | None
     last_use: int
+    free_rank: int = 0
 
 
 class _Op(Protocol):
@@ -87,13 +89,14 @@ def storage_table(ops: Iterable[_Op], storages: Iterable, marks: Iterable[_Marks
     by_micro = {m.micro: m for m in marks}
     last_use: dict[int, int] = {}
     free_after: dict[int, int] = {}
+    free_rank: dict[int, int] = {}
     for o in ops:
         for sid in o.reads:
             last_use[sid] = o.index
         for sid in o.allocates:
             last_use[sid] = o.index
-        for sid in o.frees:
-            free_after[sid] = o.index
+        for rank, sid in enumerate(o.frees):
+            free_after[sid], free_rank[sid] = o.index, rank
     rows = []
     for s in storages:
         free = free_after.get(s.sid)
@@ -115,7 +118,8 @@ def storage_table(ops: Iterable[_Op], storages: Iterable, marks: Iterable[_Marks
         rows.append(StorageInfo(
             sid=s.sid, nbytes=s.nbytes, dtype=s.dtype, shape=s.shape, device=s.device, category=Category(cat),
             op_index=s.op_index, op=s.op, module=s.module, phase=s.phase if s.op_index >= 0 else "start",
-            name=s.name, free_after=free, last_use=last_use.get(s.sid, -1)))
+            name=s.name, free_after=free, last_use=last_use.get(s.sid, -1),
+            free_rank=free_rank.get(s.sid, 0) if free == free_after.get(s.sid) else 0))
     return tuple(rows)
 
 

@@ -92,6 +92,11 @@ CPU_AUTOCAST_COMPOSITE = frozenset("einsum tensordot inner linalg_multi_dot chai
 
 _SDP_MATH, _SDP_FLASH, _SDP_EFFICIENT = 0, 1, 2  # at::SDPBackend (sdp_utils_cpp.h)
 
+# The order in which a CUDA kernel allocates its outputs where it is not the meta kernel's (StepRecorder.output_order):
+# aten/src/ATen/native/cuda/Dropout.cu `dropout_cuda` makes the bool mask, then the output (`mask = at::empty_like`,
+# then `ret = at::empty_like`); the H100 snapshots of issue 39 show each dropout's mask allocated first.
+CUDA_OUTPUT_ORDER: dict[str, tuple[int, ...]] = {"aten.native_dropout.default": (1, 0)}
+
 
 def _op_name(func) -> str:
     name = getattr(func, "__name__", "")
@@ -265,11 +270,18 @@ class KernelPolicyMode(TorchFunctionMode):
         return out
 
     def _map(self, fn, args, kwargs):
+        """`fn` applied to every argument, the last first: autocast's wrappers cast them in one call's argument
+        list (autocast_mode.h `WrapFunction_`: `(*F)(cached_cast(to_type, args, device_type)...)`), which GCC
+        evaluates right to left, so a Linear's bias is cast, then its weight, then its input (the H100 snapshots
+        of issue 39 allocate them in that order); a list argument is cast front to back (`cached_cast` of a
+        TensorList loops over it). The order decides the caching allocator's best fit, not the bytes."""
         def m(a):
             if isinstance(a, (list, tuple)):
                 return type(a)(m(x) for x in a)
             return fn(a)
-        return tuple(m(a) for a in args), {k: m(v) for k, v in kwargs.items()}
+        new_kwargs = {k: m(kwargs[k]) for k in reversed(list(kwargs))}
+        new_args = [m(a) for a in reversed(args)][::-1]
+        return tuple(new_args), {k: new_kwargs[k] for k in kwargs}
 
     def _apply_autocast(self, func, name, args, kwargs):
         policy = self.table.get(name)
@@ -297,10 +309,10 @@ class KernelPolicyMode(TorchFunctionMode):
 
     # -- SDPA -----------------------------------------------------------------------------------------------
     def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if self.autocast_active:
-            query, key, value = (self._cast(t, self.autocast_dtype) for t in (query, key, value))
+        if self.autocast_active:  # the last argument first (`_map`)
             if attn_mask is not None and attn_mask.is_floating_point():
                 attn_mask = self._cast(attn_mask, self.autocast_dtype)
+            value, key, query = (self._cast(t, self.autocast_dtype) for t in (value, key, query))
         if self.device is Device.CUDA:
             backend = cuda_sdpa_backend(self.sm, query, key, value, attn_mask, dropout_p, enable_gqa)
         else:

@@ -115,6 +115,10 @@ class StepRecorder(TorchDispatchMode):
         # op name -> its kernel for meta inputs, in place of the registered one (the int8 ops of bitsandbytes, whose
         # fake kernels need a FakeTensorMode for a data-dependent size: quantization.INT8_META_KERNELS)
         self.meta_kernels: dict[str, Callable] = {}
+        # op name -> the order in which the target's kernel allocates its tensor outputs (indices into the flattened
+        # outputs; the meta kernel's order where absent): the caching allocator's best fit depends on it
+        # (kernels.CUDA_OUTPUT_ORDER)
+        self.output_order: dict[str, tuple[int, ...]] = {}
         # FSDP2's CPU offload (`offload`): storages in host memory, the ops that make them; > 0 inside a host-to-device
         # copy (`device_copy`)
         self.offloading = False
@@ -326,8 +330,8 @@ class StepRecorder(TorchDispatchMode):
         for sid, index in self.free_after.items():
             frees.setdefault(index, []).append(sid)
         for index, sids in frees.items():
-            if index >= 0:
-                self.ops[index].frees = tuple(sorted(sids))
+            if index >= 0:  # in the order the storages died (the finalizers' order), as the allocator frees them
+                self.ops[index].frees = tuple(sids)
 
     # -- module attribution ---------------------------------------------------------------------------------
     def current_module(self) -> str:
@@ -446,11 +450,14 @@ class StepRecorder(TorchDispatchMode):
                 ins.append(self.storage_id(t, op_index=index, op=name))
         new = []
         n_before = len(self.storages)
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                sid = self.storage_id(t, op_index=index, op=name)
-                if sid >= n_before and sid not in new:
-                    new.append(sid)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        order = self.output_order.get(name)
+        if order is not None and sorted(order) == list(range(len(outs))):
+            outs = [outs[i] for i in order]
+        for t in outs:
+            sid = self.storage_id(t, op_index=index, op=name)
+            if sid >= n_before and sid not in new:
+                new.append(sid)
         # storages born and freed within the op: what the kernel holds while it runs, one per block the hook
         # gives (an int, or a tuple in allocation order: a CUDA reduction's staging buffer and semaphores)
         for nbytes in ((ws,) if isinstance(ws, int) else ws):

@@ -27,7 +27,7 @@ from ..spec import Device, Mode, Precision, RunSpec, ZeroGrad
 from .building import LoadedModel, quiet_transformers_logs
 from .checkpointing import apply_checkpointing, layer_stack
 from .hooks import module_hooks, moe_routing
-from .kernels import CpuWorkspaceProbe, KernelPolicyMode, cpu_environment, rank_threads
+from .kernels import CUDA_OUTPUT_ORDER, CpuWorkspaceProbe, KernelPolicyMode, cpu_environment, rank_threads
 from .optim import make_optimizer
 from .records import MicroMarks, OpInfo, Phase, RecStorage
 from .recorder import StepRecorder, keeping_args, tag_autograd_nodes
@@ -251,6 +251,8 @@ def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: 
     rec.strict = spec.strict
     if spec.fsdp is not None:
         rec.op_categories = FSDP_OP_CATEGORIES
+    if spec.device is Device.CUDA:
+        rec.output_order = CUDA_OUTPUT_ORDER
     if spec.device is Device.CPU:
         rec.workspace = CpuWorkspaceProbe(autocast_dtype=lambda: policy.kernel_autocast_dtype)
     else:  # CUDA: the reductions' staging buffers, and bitsandbytes' kernels' workspaces
