@@ -77,11 +77,12 @@ RUNS: tuple[Run, ...] = (
          "docs/usage/generation.md"),
     _run("docs-inference-mistral", "mistralai/Mistral-7B-v0.1 --mode inference --batch 2 --seq 1024 --no-levers",
          "docs/usage/models.md (inference)"),
-    _run("docs-tp2-llama31-8b", "meta-llama/Llama-3.1-8B --batch 1 --seq 2048 --tp 2 --no-levers",
-         "docs/usage/sharding.md"),
-    _run("docs-mixtral-moe", "mistralai/Mixtral-8x7B-v0.1 --batch 1 --seq 512 --lora-rank 8 --no-levers",
-         "docs/usage/adapters.md (MoE, LoRA)"),
-    _run("docs-cpu-gpt2", "gpt2 --batch 2 --seq 128 --device cpu", "docs/usage/adapters.md (CPU workspaces)"),
+    _run("docs-tp2-llama31-8b", "meta-llama/Llama-3.1-8B --batch 1 --seq 2048 --tp 2 --optimizer-impl for-loop "
+         "--no-levers", "docs/usage/sharding.md"),
+    _run("docs-mixtral-moe", "mistralai/Mixtral-8x7B-v0.1 --batch 1 --seq 512 --lora-rank 8 "
+         "--lora-targets q_proj,v_proj --no-levers", "docs/usage/adapters.md (MoE, LoRA)"),
+    _run("docs-cpu-gpt2", "gpt2 --batch 1 --seq 64 --device cpu --no-levers",
+         "docs/usage/adapters.md (CPU workspaces)"),
     # the tiny fixtures: one feature each, a few seconds each (--quick)
     _run("tiny-gpt2-train", f"{TINY}/tiny-gpt2.json --batch 2 --seq 32", "tiny: default train", quick=True),
     _run("tiny-gpt2-no-levers", f"{TINY}/tiny-gpt2.json --batch 2 --seq 32 --gpu T4 --no-levers",
@@ -166,8 +167,9 @@ def trace(run: Run, out: Path, isolate: bool) -> int:
     only when it fails: printed then)."""
     argv = [*run.args, "--json", str(out), "-q"]
     if isolate:
+        path = os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
         done = subprocess.run([sys.executable, "-m", "vramtrace.cli", *argv], cwd=ROOT, capture_output=True,
-                              text=True, env={**os.environ, **ENVIRONMENT})
+                              text=True, env={**os.environ, **ENVIRONMENT, "PYTHONPATH": path})
         if done.returncode:
             print(done.stdout + done.stderr, file=sys.stderr)
         return done.returncode
@@ -273,9 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{run.name:<28} {'quick ' if run.quick else ''}vramtrace {' '.join(run.args)}   # {run.source}")
         return 0
     os.environ.update(ENVIRONMENT)  # before vramtrace is imported: its caches read these
-    # this checkout's vramtrace, whatever is installed (`--subprocess`: through PYTHONPATH)
-    sys.path.insert(0, str(ROOT / "src"))
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    if str(ROOT / "src") not in sys.path:  # this checkout's vramtrace, whatever is installed
+        sys.path.insert(0, str(ROOT / "src"))
     if options.write:
         return write(runs, options.write, options.subprocess)
     return check(runs, options.check, options.subprocess)
