@@ -5,7 +5,7 @@ structure (issue 40) changes no report byte.
     python scripts/report_baseline.py --write DIR            # every run's report as DIR/NAME.json
     python scripts/report_baseline.py --check DIR            # run them again; exit 1 when any report differs
     python scripts/report_baseline.py --check DIR --quick    # only the tiny-config runs (seconds each)
-    python scripts/report_baseline.py --check DIR --runs readme-llama2-7b,fit-llama2-7b-l40s
+    python scripts/report_baseline.py --check DIR --runs readme-llama2-7b,readme-fit-l40s
 
 Each run is the CLI's own argument list plus `--json DIR/NAME.json -q`, run in this process (`vramtrace.cli.main`,
 as tests/conftest.py's `run_cli`; `--subprocess`: each in a fresh `python -m vramtrace.cli`) from the repository
@@ -212,6 +212,8 @@ def write(runs: list[Run], folder: Path, isolate: bool) -> int:
         status = trace(run, out, isolate)
         if status == 0:
             out.write_bytes(report_bytes(out))
+        else:  # no baseline of an earlier write left to be checked against as if it were this one's
+            out.unlink(missing_ok=True)
         print(f"{run.name}: {'written' if status == 0 else f'FAILED (exit {status})'} "
               f"({time.perf_counter() - start:.1f} s)", flush=True)
         failed += status != 0
@@ -244,9 +246,10 @@ def compare(run: Run, folder: Path, isolate: bool) -> tuple[bool, list[str]]:
 def check(runs: list[Run], folder: Path, isolate: bool) -> int:
     """Compare every run with its baseline in `folder`; 1 when any differs or failed."""
     recorded = folder / "_environment.json"
-    if recorded.is_file() and json.loads(recorded.read_text()) != environment():
-        print(f"warning: the baseline was written under {recorded.read_text().strip()}, this run is under "
-              f"{json.dumps(environment())}: CPU figures may differ", file=sys.stderr)
+    written = json.loads(recorded.read_text()) if recorded.is_file() else None
+    if written is not None and written != environment():
+        print(f"warning: the baseline was written under {json.dumps(written)}, this run is under "
+              f"{json.dumps(environment())}: the CPU targets' figures may differ", file=sys.stderr)
     differing = 0
     for run in runs:
         start = time.perf_counter()
