@@ -32,9 +32,9 @@ from typing import Callable
 
 from .errors import UsageError
 from .spec import Device, RunSpec
+from .search import MAX_RANKS, SEQ_STEP, Curve, aligned, fewest_ranks, largest, same_bytes
 
 BATCH_NODES = (2, 3, 4)  # not 1: at batch 1 some reshapes are views, at 2 and more copies
-SEQ_STEP = 64  # the sequence nodes are SEQ_STEP * (1, 2, 3, 4), smaller when the model is shorter
 MAX_BATCH = 1 << 20  # the search's upper end for the batch axis
 
 
@@ -123,79 +123,6 @@ def evaluate(tables, x: int, cuda: bool, budget: int, exact: bool, rows: tuple |
                     v.alloc_retries)
 
 
-class _Curve:
-    """Each storage's bytes as a polynomial of the size, from exact traces at equally spaced nodes (Newton's
-    forward differences in integers): `degree` + 1 nodes determine it, the others check it."""
-
-    def __init__(self, nodes: tuple[int, ...], tables: list, degree: int):
-        import numpy as np
-
-        self.base = tables[0]
-        self.x0, self.h, self.degree = nodes[0], nodes[1] - nodes[0], degree
-        row = np.array([[r.nbytes for r in t.table] for t in tables[:degree + 1]], dtype=np.int64)
-        diffs = []  # (Δ^0, ..., Δ^degree) of each storage's bytes at the first degree + 1 nodes
-        for _ in range(degree + 1):
-            diffs.append(row[0])
-            row = row[1:] - row[:-1]
-        self.diffs = np.stack(diffs, axis=1)  # (storages, degree + 1)
-        self._bound = [int(v) for v in np.abs(self.diffs).max(axis=0, initial=0)]
-
-    def bytes_at(self, x: int):
-        """Every storage's bytes at size x (an int64 numpy array in the base table's order), or None when one of
-        them is not an integer there (not polynomial).
-
-        y(x) = Σ_k Δ^k y0 · Π_{j<k} (x - x0 - j·h) / (h^k · k!), all over the common denominator
-        D = h^degree · degree!, so that the sum is exact in integers (in int64 when it cannot overflow, else in
-        Python's ints)."""
-        import numpy as np
-
-        deg, h = self.degree, self.h
-        factorials = [1]
-        for k in range(1, deg + 1):
-            factorials.append(factorials[-1] * k)
-        denominator = h ** deg * factorials[deg]
-        terms, prod = [], 1
-        for k in range(deg + 1):
-            terms.append(prod * h ** (deg - k) * (factorials[deg] // factorials[k]))
-            prod *= x - self.x0 - k * h
-        if sum(b * abs(t) for b, t in zip(self._bound, terms)) < 1 << 62:
-            n = self.diffs @ np.array(terms, dtype=np.int64)
-        else:
-            n = np.array([sum(int(d) * t for d, t in zip(row, terms)) for row in self.diffs.tolist()], dtype=object)
-        if (n % denominator).any():
-            return None
-        return (n // denominator).astype(np.int64)
-
-    def rows_at(self, x: int):
-        """The base table with each storage's bytes at size x (shapes are the base trace's: not reported)."""
-        sizes = self.bytes_at(x)
-        if sizes is None:
-            return None
-        return tuple(r if r.nbytes == n else replace(r, nbytes=n) for r, n in zip(self.base.table, sizes.tolist()))
-
-
-def _equal(sizes, tables) -> bool:
-    """Whether interpolated `sizes` (None: not polynomial) are the bytes of the exact trace `tables`."""
-    return sizes is not None and sizes.tolist() == [r.nbytes for r in tables.table]
-
-
-def _aligned(a, b) -> bool:
-    """Whether two exact traces record the same structure: the same ops (names, phases, reads, allocations,
-    frees) and the same storages (all but their bytes and shapes)."""
-    ta, tb = a.traced, b.traced
-    if len(ta.ops) != len(tb.ops) or len(a.table) != len(b.table) or ta.steps != tb.steps:
-        return False
-    for x, y in zip(ta.ops, tb.ops):
-        if (x.name, x.phase, x.reads, x.allocates, x.frees, x.step) != (y.name, y.phase, y.reads, y.allocates,
-                                                                        y.frees, y.step):
-            return False
-    for r, s in zip(a.table, b.table):
-        if (r.sid, r.dtype, r.device, r.category, r.op_index, r.op, r.free_after, r.last_use) != (
-                s.sid, s.dtype, s.device, s.category, s.op_index, s.op, s.free_after, s.last_use):
-            return False
-    return True
-
-
 def fit(spec: RunSpec, axis: str, capacity_bytes: int | None = None, headroom: float = 0.0,
         progress: Callable[[str], None] | None = None, levers: bool = True) -> FitResult:
     """The largest batch (`axis` 'batch', at `spec.seq`) or the longest sequence (`axis` 'seq', at
@@ -241,7 +168,7 @@ class _Search:
         self.exact: dict[int, FitPoint] = {}
         self.tables: dict[int, object] = {}
         self.num_layers: dict[int, int] = {}
-        self.curve: _Curve | None = None
+        self.curve: Curve | None = None
         self.nodes: tuple[int, ...] = ()
         self._points: dict[int, FitPoint] = {}
         self._allocated: dict[int, int] = {}
@@ -290,32 +217,13 @@ class _Search:
         """(the largest size that fits, the largest whose peak allocated fits the budget). The second is bisected
         (peak allocated grows with the size) and bounds the first; on a CUDA target the search walks down from
         it while the replay under the budget runs out of memory, then bisects below (WALK sizes on)."""
-        bound = _largest(lambda x: self.allocated(x, exact_only) <= self.budget, min(self.nodes[0], limit), limit)
+        bound = largest(lambda x: self.allocated(x, exact_only) <= self.budget, min(self.nodes[0], limit), limit)
         best, walked = bound, 0
         while self.cuda and best >= 1 and not self.point(best, exact_only).fits and walked < WALK:
             best, walked = best - 1, walked + 1
         if best >= 1 and not self.point(best, exact_only).fits:
-            best = _largest(lambda x: self.point(x, exact_only).fits, 1, best - 1)
+            best = largest(lambda x: self.point(x, exact_only).fits, 1, best - 1)
         return best, bound
-
-
-def _largest(fits: Callable[[int], bool], start: int, limit: int) -> int:
-    """The largest x in [1, limit] with fits(x) (assumed monotone), 0 when none: from `start`, galloping up, then
-    bisection."""
-    if limit < 1:
-        return 0
-    start = min(start, limit)
-    if fits(start):
-        lo, hi = start, start * 2
-        while hi <= limit and fits(hi):
-            lo, hi = hi, hi * 2
-        hi = min(hi, limit + 1)
-    else:
-        lo, hi = 0, start
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
 
 
 def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, heap, levers: bool) -> FitResult:
@@ -361,11 +269,11 @@ def _make_curve(s: _Search, axis: str, degree: int) -> str:
     """Set `s.curve` from the node traces when they share one structure and their sizes are polynomial of
     `degree`; else leave it None and say why."""
     nodes = s.nodes
-    if not all(_aligned(s.tables[nodes[0]], s.tables[x]) for x in nodes[1:]):
+    if not all(aligned(s.tables[nodes[0]], s.tables[x]) for x in nodes[1:]):
         return f"the recordings at {axis} {', '.join(map(str, nodes))} differ in structure"
-    curve = _Curve(nodes, [s.tables[x] for x in nodes], degree)
+    curve = Curve(nodes, [s.tables[x] for x in nodes], degree)
     for x in nodes[degree + 1:]:
-        if not _equal(curve.bytes_at(x), s.tables[x]):
+        if not same_bytes(curve.bytes_at(x), s.tables[x]):
             return f"a storage's bytes are not a degree-{degree} polynomial of the {axis} (checked at {x})"
     s.curve = curve
     return ""
@@ -415,23 +323,6 @@ def _basis(spec: RunSpec, cuda: bool, ranks: bool = False) -> str:
     return (f"the caching-allocator replay (cuBLAS workspaces included) of the first and steady steps with the "
             f"budget for cudaMalloc, the capacity less the CUDA context ({spec.cuda_context:,} bytes), releasing the "
             f"cache and retrying as PyTorch does: no out-of-memory{rank}")
-
-
-MAX_RANKS = 1024  # the largest FSDP world size `fit` tries
-
-
-def fewest_ranks(fits: Callable[[int], bool], smallest: int = 1) -> int | None:
-    """The smallest power of two N in [smallest, MAX_RANKS] with `fits(N)`, bisected (the per-rank peak falls
-    with N), or None when even MAX_RANKS does not fit. `fits` is called on the bisection's points only."""
-    sizes = [1 << k for k in range(smallest.bit_length() - 1, MAX_RANKS.bit_length())]
-    lo, hi, best = 0, len(sizes) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if fits(sizes[mid]):
-            best, hi = sizes[mid], mid - 1
-        else:
-            lo = mid + 1
-    return best
 
 
 def _fit_ranks(spec: RunSpec, resolved, capacity: int, budget: int, cuda: bool, say, heap) -> FitResult:

@@ -38,6 +38,7 @@ from enum import Enum
 from typing import Callable
 
 from .planner import budget_peak, search_checkpointing
+from .search import MAX_RANKS, fewest_ranks
 from .errors import UsageError
 from .spec import (BNB_OPTIMIZERS, IN_PROCESS_PREFIX, OPTIMIZER_IMPLS, Device, Mode, OptimizerImpl, OptimizerKind,
                    RunSpec, custom_ref)
@@ -447,11 +448,9 @@ def _qlora(s: _Search, on: RunSpec) -> list[Lever]:
 
 
 def _sharding(s: _Search, on: RunSpec) -> list[Lever]:
-    """FSDP2 over N GPUs (`--fsdp N`, the per-rank batch kept): the smallest power of two 2 <= N <= `fit.MAX_RANKS`
-    that fits (`fit.fewest_ranks`), or MAX_RANKS when none does. Each N is traced at rank 0, whose
-    shards are the largest (ceil(dim0 / N) rows of every parameter, `sharding.rank_classes`)."""
-    from .fit import MAX_RANKS, fewest_ranks
-
+    """FSDP2 over N GPUs (`--fsdp N`, the per-rank batch kept): the smallest power of two
+    2 <= N <= `search.MAX_RANKS` that fits (`search.fewest_ranks`), or MAX_RANKS when none does. Each N is traced
+    at rank 0, whose shards are the largest (ceil(dim0 / N) rows of every parameter, `sharding.rank_classes`)."""
     distributed = on.world is not None or on.quantization is not None  # bitsandbytes weights are not sharded yet
     if on.mode is not Mode.TRAIN or distributed or on.step is not None or custom_ref(on.model) is not None \
             or on.compile or not s.ev(on).num_layers:  # --compile with --fsdp is not traced yet

@@ -2,7 +2,7 @@
 
 The same construction as `fit` (`vramtrace/fit.py`), in two sizes at once. Exact traces at batch 2, 3 and sequence
 h, 2h, 3h (h = 64, or less for short models) give each storage's bytes as a parabola in the sequence at batch 2
-and at batch 3 (`fit._Curve`); between them it is linear in the batch. Checked by an exact trace at (4, 4h). A grid
+and at batch 3 (`search.Curve`); between them it is linear in the batch. Checked by an exact trace at (4, 4h). A grid
 point's peak allocated is the liveness sum of the interpolated bytes (block-rounded) over the recording's
 lifetimes, vectorised with numpy in int64 (exact: no float). Batch 1 has its own recording (a reshape that is a
 view at batch 1 copies at 2 and more), so its own parabola from exact traces at batch 1 and the same sequences,
@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from .errors import UsageError
+from .search import SEQ_STEP, Curve, aligned, same_bytes
 from .spec import Device, RunSpec
 
 MAX_POINTS = 10_000
@@ -80,7 +81,6 @@ def _sweep(spec, batches, seqs, budget, say, heap) -> SweepResult:
     import numpy as np
 
     from .analysis.allocator import ReplaySchedule
-    from .fit import SEQ_STEP, _aligned, _Curve, _equal
     from .tables import step_tables
     from .tracer.building import load_model
     from .tracer.checkpoint_headers import precision_for
@@ -117,14 +117,14 @@ def _sweep(spec, batches, seqs, budget, say, heap) -> SweepResult:
         trace(b, s)
     base = exact[nodes[0]]
     why = ""
-    if not all(_aligned(base, exact[n]) for n in nodes[1:]):
+    if not all(aligned(base, exact[n]) for n in nodes[1:]):
         why = "the recordings at the nodes differ in structure"
-    curves = {} if why else {b: _Curve(s_nodes, [exact[(b, s)] for s in s_nodes], 2) for b in (2, 3)}
+    curves = {} if why else {b: Curve(s_nodes, [exact[(b, s)] for s in s_nodes], 2) for b in (2, 3)}
     if not why and 1 in batches:  # batch 1 has its own structure: its own parabola in the sequence
         ones = [trace(1, s) for s in (*s_nodes, 4 * h)]
-        if all(_aligned(ones[0], t) for t in ones[1:]):
-            curve = _Curve(s_nodes, ones[:3], 2)
-            if _equal(curve.bytes_at(4 * h), ones[3]):
+        if all(aligned(ones[0], t) for t in ones[1:]):
+            curve = Curve(s_nodes, ones[:3], 2)
+            if same_bytes(curve.bytes_at(4 * h), ones[3]):
                 curves[1] = curve
 
     def interpolated(b: int, s: int):
@@ -133,7 +133,7 @@ def _sweep(spec, batches, seqs, budget, say, heap) -> SweepResult:
         y2, y3 = curves[2].bytes_at(s), curves[3].bytes_at(s)
         return None if y2 is None or y3 is None else y2 + (b - 2) * (y3 - y2)
 
-    if not why and not _equal(interpolated(4, 4 * h), exact[(4, 4 * h)]):
+    if not why and not same_bytes(interpolated(4, 4 * h), exact[(4, 4 * h)]):
         why = "a storage's bytes are not linear in the batch and quadratic in the sequence (checked at (4, 4h))"
     structure: dict[int, tuple] = {}  # 1 (batch 1's recording) or 2 (the others'): lifetimes as arrays
 
