@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ._version import __version__
 from .errors import VramtraceError
 from .spec import KBIT_TRAINING_CHECKPOINTING, Device, Mode, RunSpec
 
-__version__ = "0.1.0"
 __all__ = ["analyze", "compare", "compare_reports", "with_comparison", "RunSpec", "VramtraceError", "__version__"]
 
 
