@@ -336,11 +336,11 @@ def test_budget_is_compared_on_the_fit_basis(reserved, basis):
 def test_validate_cuda_without_a_gpu_refuses_before_tracing(monkeypatch):
     import torch
 
-    import vramtrace
+    import vramtrace.pipeline
     from vramtrace import validate as validate_mod
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    monkeypatch.setattr(vramtrace, "analyze", lambda *a, **k: pytest.fail("traced before refusing"))
+    monkeypatch.setattr(vramtrace.pipeline, "analyze", lambda *a, **k: pytest.fail("traced before refusing"))
     with pytest.raises(UsageError, match="needs a CUDA GPU"):
         validate_mod.validate(RunSpec(TINY, batch=1, seq=8, device="cuda"))

@@ -22,12 +22,10 @@ SRC = Path(__file__).resolve().parent.parent / "src" / PACKAGE
 
 # Each entry: the modules of one circle (as the graph finds it today), and the issue-40 step that removes it.
 KNOWN_CIRCLES: tuple[tuple[frozenset[str], str], ...] = (
-    (frozenset({"vramtrace", "vramtrace.analysis.summary", "vramtrace.levers", "vramtrace.planner",
-                "vramtrace.reports.html", "vramtrace.reports.json_report", "vramtrace.reports.terminal",
-                "vramtrace.tables"}),
-     "issue 40, pipeline + typed report: `analyze` and the *_summary builders move out of __init__ into "
-     "pipeline.py (planner and reports/html import back into the root), and the report imports no renderer "
-     "(MemoryReport.print/to_json/to_html in analysis/summary.py)"),
+    (frozenset({"vramtrace.analysis.summary", "vramtrace.reports.html", "vramtrace.reports.json_report",
+                "vramtrace.reports.terminal"}),
+     "issue 40, typed report: the report imports no renderer (MemoryReport.print/to_json/to_html in "
+     "analysis/summary.py import the renderers, which import MemoryReport back)"),
     (frozenset({"vramtrace.bridges", "vramtrace.tracer.kernels", "vramtrace.tracer.recorder"}),
      "issue 40, trace/bridges split: bridges.py names KernelPolicyMode and StepRecorder (TYPE_CHECKING imports) "
      "while tracer/kernels.py imports bridges; the callbacks assigned onto the policy after construction "

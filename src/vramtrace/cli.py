@@ -181,7 +181,7 @@ def main_command(
     `vramtrace models` lists the bundled ids.
     """
     del debug  # read by main() from the arguments, so that it also covers errors raised while parsing them
-    from . import COMPARED_POLICIES, analyze, compare_reports, with_comparison
+    from .pipeline import COMPARED_POLICIES, analyze, compare_reports, with_comparison
     from .reports.json_report import check_writable, read_json_report, write_json
     from .reports.terminal import render
     from .spec import RunSpec

@@ -131,7 +131,7 @@ def fit(spec: RunSpec, axis: str, capacity_bytes: int | None = None, headroom: f
     [0, 1)). When not even the smallest size fits and `levers` is true, the result's `levers` says what makes it
     fit (`vramtrace.levers`). Raises UsageError (bad axis, capacity or headroom; the CPU target without a
     capacity), and what `analyze` raises."""
-    from . import _FrozenHeap
+    from .pipeline import _FrozenHeap
 
     say = progress or (lambda _m: None)
     if axis not in ("batch", "seq", "fsdp"):

@@ -170,7 +170,7 @@ class LeverDiskCache:
     config dict and checkpoint header, the versions of torch, transformers, peft and bitsandbytes (or their
     absence) and the bytes of every file of the vramtrace package (a change to any rule starts new keys). So a
     cached outcome is the outcome of the same trace: exact, not an estimate. The report's use_cache false peak
-    reads it too (`vramtrace._use_cache_false_peak`).
+    reads it too (`vramtrace.pipeline._use_cache_false_peak`).
 
     Only CUDA targets are cached (a CPU target's trace measures this machine's kernels), and never a spec that
     runs code the key does not hold: a custom module (`path/model.py:NAME`), a model passed in-process, a

@@ -39,7 +39,7 @@ def plan_checkpointing(spec: RunSpec, analyze_one: Callable, say: Callable[[str]
     """The MemoryReport of the chosen plan, with `checkpointing['plan']` describing the search (bytes compared
     with `spec.memory_budget_bytes` by `budget_peak`). When no plan fits, the floor's report with an empty
     snippet."""
-    from . import checkpointing_summary
+    from .summaries import checkpointing_summary
     from .tracer.checkpointing import paste_snippet
 
     budget = spec.memory_budget_bytes

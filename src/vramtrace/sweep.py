@@ -67,7 +67,7 @@ def sweep(spec: RunSpec, batches: tuple[int, ...], seqs: tuple[int, ...], headro
           progress: Callable[[str], None] | None = None) -> SweepResult:
     """The peak of `spec` at every (batch, seq) of `batches` × `seqs`, checked against `spec.capacity` less
     `headroom` and the CUDA context when there is one. Raises UsageError, and what `analyze` raises."""
-    from . import _FrozenHeap
+    from .pipeline import _FrozenHeap
 
     say = progress or (lambda _m: None)
     budget = None

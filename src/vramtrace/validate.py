@@ -169,7 +169,7 @@ def validate(spec: RunSpec, progress: Callable[[str], None] | None = None) -> di
     Raises UsageError when the target device is not here (checked first, before tracing), for a distributed step,
     or when the prediction does not fit the free memory (before allocating anything); TraceError when the real step
     fails."""
-    from . import analyze
+    from .pipeline import analyze
     from .units import format_bytes
 
     _require_local(spec.device)

@@ -73,7 +73,7 @@ class MemoryReport:
     unresolved: tuple[str, ...] = ()
     peak_micro_step: int = 0  # gradient accumulation: the micro-step (0-based) of the peak
     levers: dict[str, Any] | None = None  # when it does not fit: what makes it fit (vramtrace.levers.find_levers)
-    compiled: dict[str, Any] | None = None  # --compile: the compiled step against eager (vramtrace.compile_summary)
+    compiled: dict[str, Any] | None = None  # --compile: the compiled step against eager (vramtrace.summaries.compile_summary)
     eager: "MemoryReport | None" = None  # --compile: the same step traced eagerly (not in the JSON; the HTML draws it)
     schema_version: int = SCHEMA_VERSION
 

@@ -130,7 +130,7 @@ def render_fit_html(result, model: str, target: str) -> str:
     import jinja2
     from importlib import resources
 
-    from .. import __version__
+    from .._version import __version__
 
     r = result
     reserved = r.curve and r.curve[0].peak_reserved_bytes is not None

@@ -218,7 +218,7 @@ def _lever_rows(levers: dict | None) -> dict | None:
 
 def render_html(reports: list[MemoryReport], labels: list[str] | None = None) -> str:
     """The HTML page for one report, or several side by side on one scale (a comparison)."""
-    from .. import __version__
+    from .._version import __version__
 
     labels = labels or [f"{r.run['checkpointing']}" if len(reports) > 1 else r.model["ref"] for r in reports]
     data = {"categories": [c.value for c in CATEGORY_COLORS], "colors": list(CATEGORY_COLORS.values()),

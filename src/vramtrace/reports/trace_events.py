@@ -94,7 +94,7 @@ def _metadata(report: MemoryReport) -> list[dict[str, Any]]:
 
 def _other_data(report: MemoryReport) -> dict[str, Any]:
     """Flat scalars about the trace (the format's "otherData"; Perfetto shows "metadata" as json_metadata.*)."""
-    from .. import __version__
+    from .._version import __version__
 
     run = report.run
     data: dict[str, Any] = {

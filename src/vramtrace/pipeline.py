@@ -1,0 +1,354 @@
+"""The orchestration of `vramtrace.analyze`: resolve the config, build the model on meta, trace the step (every
+rank class of a distributed one, the use_cache false variant, the eager side of a compiled step), analyse it and
+assemble the MemoryReport; the checkpointing baseline and planner, the lever search, the policy comparison."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .spec import KBIT_TRAINING_CHECKPOINTING, Device, Mode, RunSpec
+from .summaries import (adapters_summary, checkpointing_summary, compile_summary, cuda_context_summary, moe_summary,
+                        ranks_text, sharding_summary, step_summary, target_warnings)
+
+
+def analyze(spec: RunSpec | None = None, progress: Callable[[str], None] | None = None, levers: bool = True, *,
+            model=None, inputs=None, loss: Callable | None = None, **options):
+    """Resolve, build on meta, trace and analyse the step of `spec`. Returns a MemoryReport.
+
+    Without a spec: `analyze(model=..., **options)` with `RunSpec`'s fields as keywords (batch=8, seq=2048,
+    device="cpu", checkpointing="layers", ...). `model` is a model reference (a Hub or bundled id, a config path,
+    "path/model.py:NAME") or an `nn.Module` built on the meta device, traced as a custom module: `inputs` its
+    forward's arguments (a dict of keyword arguments, a tuple of positional ones or one tensor: meta tensors or
+    shape specs such as "int64[B,S]:0..32000") and `loss(output, *inputs)` its training loss (default:
+    `output.loss`, else the mean of the first output tensor); the module is deep-copied, never changed.
+
+    With a checkpointing policy the step is also analysed without it, and the report's `checkpointing` holds
+    the baseline (peak and activation bytes without the policy) and a note when the policy costs memory.
+    `auto` runs the planner (`vramtrace.planner`). When the step does not fit the target GPU and `levers` is
+    true, the report's `levers` lists what makes it fit, each lever traced (`vramtrace.levers`). Raises
+    ModelLoadError (bad model reference or config), TraceError (the step could not run on meta), UsageError (bad
+    spec values).
+    """
+    from dataclasses import replace
+
+    if spec is None or model is not None:
+        return _analyze_model(spec, progress, levers, model, inputs, loss, options)
+    if options or inputs is not None or loss is not None:
+        from .errors import UsageError
+
+        raise UsageError("analyze(spec) takes no other run options: put them in the RunSpec, or call "
+                         "analyze(model=..., batch=..., ...) without a spec")
+    say = progress or (lambda _m: None)
+    ckpt = spec.checkpointing
+    if ckpt.kind == "auto":
+        from .planner import plan_checkpointing
+
+        return plan_checkpointing(spec, _analyze_one, say)
+    with _eager_beside(spec) as eager_job:
+        with _FrozenHeap() as heap:
+            keep: dict = {}
+            report = _analyze_one_frozen(spec, say, heap, keep)
+            if levers and report.fit is not None and not report.fit["fits"]:
+                from .levers import Evaluator, find_levers
+
+                from .tables import Outcome, outcome
+
+                cuda = spec.device is Device.CUDA
+                ev = Evaluator(keep["resolved"], cuda, say, heap)
+                for traced_spec, traced in keep["traces"].items():  # the traces made: not traced again
+                    found = traced if isinstance(traced, Outcome) else outcome(*traced, cuda)
+                    ev.seed(traced_spec, found)
+                    if traced_spec != keep["spec"]:  # the use_cache false variant: for the next run's report too
+                        ev.disk.put(traced_spec, found)
+                budget = report.fit["capacity_bytes"] - report.fit.get("cuda_context_bytes", 0)
+                report = replace(report, levers=find_levers(keep["spec"], ev, budget))
+        if spec.compile:
+            eager = _eager_report(spec, eager_job, say)
+            report = replace(report, eager=eager,
+                             compiled=compile_summary(report, keep["traces"][keep["spec"]][0].traced.compiled, eager))
+    if ckpt.kind == "none":
+        return report
+    from .tracer.checkpointing import paste_snippet  # imports torch: after the config is resolved
+
+    say("the same step without checkpointing")
+    base = _analyze_one(replace(spec, checkpointing="none"), say)
+    return replace(report, checkpointing=checkpointing_summary(report, base, paste_snippet(ckpt)))
+
+
+def _analyze_model(spec, progress, levers, model, inputs, loss, options):
+    """`analyze(model=..., **options)`: the RunSpec from keywords; an nn.Module is registered for the duration
+    (`tracer.custom.in_process_module`) and the report names its class. Raises UsageError."""
+    from dataclasses import replace
+
+    from .errors import UsageError
+
+    if spec is not None:
+        raise UsageError("pass either a RunSpec or model=..., not both")
+    if model is None:
+        raise UsageError("analyze() needs a RunSpec or model=: a model reference string or an nn.Module")
+    if isinstance(model, str):
+        if inputs is not None or loss is not None:
+            raise UsageError("inputs= and loss= go with an nn.Module; for a reference use RunSpec's inputs "
+                             "(shape specs) or a file's example_inputs()/loss()")
+        return analyze(_spec_from(model, options), progress, levers)
+    from .tracer.custom import in_process_module
+
+    with in_process_module(model, inputs, loss) as ref:
+        report = analyze(_spec_from(ref, options), progress, levers)
+    return replace(report, model={**report.model, "ref": f"{type(model).__name__} (nn.Module passed to analyze)"})
+
+
+def _spec_from(model: str, options: dict) -> RunSpec:
+    try:
+        return RunSpec(model, **{"seq": None, **options})  # seq: needed by text models only
+    except TypeError as e:
+        from .errors import UsageError
+
+        raise UsageError(f"analyze(): {e}; the options are RunSpec's fields") from None
+
+
+def _eager_beside(spec: RunSpec):
+    """A context: for a `--compile` spec on a machine with two or more cores, the `SecondProcess` computing the
+    eager step's report (`_analyze_eager`) while this process traces the compiled one; else None. A model passed
+    as an nn.Module lives in this process only, so its eager step is traced here."""
+    import contextlib
+    import pickle
+
+    from .second_process import SecondProcess, cores
+    from .spec import IN_PROCESS_PREFIX
+
+    if not spec.compile or cores() < 2 or spec.model.startswith(IN_PROCESS_PREFIX):
+        return contextlib.nullcontext()
+    try:
+        return SecondProcess(_analyze_eager, spec)
+    except (OSError, ValueError, pickle.PicklingError):  # no process can be started here (ValueError: no pass_fds
+        return contextlib.nullcontext()  # off POSIX), or the spec holds an object of this process only: traced here
+
+
+def _analyze_eager(spec: RunSpec):
+    """The MemoryReport of `spec`'s step without torch.compile (the `compiled` comparison's eager side). Only its
+    timeline and figures are shown (`compile_summary`, the HTML report's second page), so the step is not traced a
+    second time with `--use-cache false` (`run["use_cache_false_peak_bytes"]` is left out)."""
+    from dataclasses import replace
+
+    with _FrozenHeap() as heap:
+        return _analyze_one_frozen(replace(spec, compile=False), lambda _msg: None, heap, use_cache_variant=False)
+
+
+def _eager_report(spec: RunSpec, job, say: Callable[[str], None]):
+    """`_analyze_eager(spec)`: the second process's answer when `job` runs it, else traced here (also when the
+    second process ended without an answer)."""
+    if job is not None:
+        say("the same step without torch.compile (in a second process)")
+        try:
+            return job.result()
+        except ChildProcessError:
+            pass
+    say("the same step without torch.compile")
+    return _analyze_eager(spec)
+
+
+COMPARED_POLICIES = ("none", "layers", "selective")
+
+
+def compare_reports(spec: RunSpec, policies=COMPARED_POLICIES, progress: Callable[[str], None] | None = None) -> list:
+    """`spec` analysed under each checkpointing policy: one MemoryReport per policy, in order."""
+    from dataclasses import replace
+
+    say = progress or (lambda _m: None)
+    reports = []
+    for policy in policies:
+        say(f"checkpointing {policy}")
+        reports.append(_analyze_one(replace(spec, checkpointing=policy, memory_budget_bytes=None), say))
+    return reports
+
+
+def with_comparison(reports: list, policies) -> object:
+    """The first report with `comparison` rows (policy, peak_allocated_bytes, activation_bytes, recompute_flops,
+    recompute_overhead), one per report."""
+    from dataclasses import replace
+
+    rows = [{"policy": str(p), "peak_allocated_bytes": r.peak_allocated_bytes, "activation_bytes": r.activation_bytes,
+             "recompute_flops": r.recompute_flops,
+             "recompute_overhead": r.recompute_overhead}
+            for p, r in zip(policies, reports)]
+    return replace(reports[0], comparison=tuple(rows))
+
+
+def compare(spec: RunSpec, policies=COMPARED_POLICIES, progress: Callable[[str], None] | None = None):
+    """`spec` analysed under each checkpointing policy: the first policy's report with `comparison` rows."""
+    return with_comparison(compare_reports(spec, policies, progress), policies)
+
+
+class _FrozenHeap:
+    """While open, the objects that existed at `__enter__` and at each `refreeze()` are moved out of the cyclic
+    garbage collector's reach (`gc.freeze`); on exit they are put back (`gc.unfreeze`). When the caller had frozen
+    objects itself it does nothing, so the collector's state is left as it was.
+
+    A trace makes and drops hundreds of thousands of small objects, so the collector runs full (generation 2)
+    collections, each walking every object torch and transformers hold (~0.3 s for Llama-2-7b's analysis). Frozen,
+    those are not walked; the objects the trace makes are collected as before (some storages are held by
+    reference cycles, e.g. selective checkpointing's caches, and die when the collector runs, as in the real
+    step: pausing the collector instead kept them alive and over-predicted those runs by up to 11%)."""
+
+    def __enter__(self):
+        import gc
+
+        self.owner = gc.get_freeze_count() == 0
+        self.refreeze()
+        return self
+
+    def refreeze(self) -> None:
+        """Freeze what exists now as well (call after torch and transformers have been imported)."""
+        import gc
+
+        if self.owner:
+            gc.freeze()
+
+    def __exit__(self, *exc) -> None:
+        import gc
+
+        if self.owner:
+            gc.unfreeze()
+
+
+def _use_cache_false_peak(spec: RunSpec, resolved, traces: dict) -> int:
+    """The steady step's peak allocated bytes of `spec` with use_cache false: the outcome an earlier lever search
+    cached on disk for that spec (`levers.LeverDiskCache`: the same trace's, keyed by everything that changes it)
+    when there, put in `traces` as an `Outcome`; else traced, its (StepTables, layers) put in `traces`."""
+    from dataclasses import replace
+
+    from .levers import LeverDiskCache
+    from .tables import step_tables
+    from .tracer.building import load_model
+
+    off = replace(spec, use_cache=False)
+    found = LeverDiskCache.from_environment(resolved).get(off)
+    if found is not None:
+        traces[off] = found
+        return found.peak_allocated_bytes
+    off_loaded = load_model(off, resolved)
+    off_tables = step_tables(off, off_loaded)
+    traces[off] = (off_tables, off_loaded.num_layers)
+    return off_tables.peaks()[0]
+
+
+def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
+    with _FrozenHeap() as heap:
+        return _analyze_one_frozen(spec, say, heap)
+
+
+def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _FrozenHeap, keep: dict | None = None,
+                        use_cache_variant: bool = True):
+    """The MemoryReport of `spec`. With `keep`, also fills keep['spec'] (the spec with its precision resolved),
+    keep['resolved'] (the resolved config) and keep['traces'] ({spec: (StepTables, layers in its stack)} of the
+    traces made, or an `Outcome` found in the lever cache), for the lever search. `use_cache_variant`: when the
+    config's KV cache is live at the peak, the step is traced again with use_cache false
+    (`run["use_cache_false_peak_bytes"]`; `_use_cache_false_peak`)."""
+    from dataclasses import replace
+
+    from .tracer.checkpoint_headers import precision_for
+    from .tracer.loading import resolve_config
+
+    say("resolving config")  # before torch is imported: a bad model reference answers at once
+    resolved = resolve_config(spec.model)
+    precision, precision_source = precision_for(spec, resolved)
+    spec = replace(spec, precision=precision)
+
+    from .analysis.storages import loop_peaks as loops_peaks
+    from .analysis.summary import summarize
+    from .spec import Device
+    from .tables import step_tables
+    from .tracer.building import load_model
+
+    say("building model on meta")
+    loaded = load_model(spec, resolved)
+    heap.refreeze()  # torch, transformers and the model are built: out of the collector's way
+    rank_peaks = {}
+    if spec.world is not None and spec.ddp is None and spec.rank is None:
+        # every distinct rank class traced; the largest reported
+        from .tracer.sharding import rank_classes
+
+        classes = rank_classes(loaded.model, spec)
+        tables = {}
+        for ranks in classes:
+            say(f"rank {ranks[0]} (for ranks {ranks_text(ranks)})")
+            tables[ranks] = step_tables(replace(spec, rank=ranks[0]), loaded, progress=say)
+            rank_peaks[ranks_text(ranks)] = tables[ranks].peaks()[0]
+        worst = max(classes, key=lambda g: (rank_peaks[ranks_text(g)], -g[0]))
+        spec, main = replace(spec, rank=worst[0]), tables[worst]
+    else:
+        main = step_tables(spec, loaded, progress=say)
+    say("liveness analysis")
+    traced, table, loop, block = main.traced, main.table, main.loop, main.block
+    steady = main.timeline()
+    loop_peaks = {}
+    if spec.mode is Mode.TRAIN and spec.step is None:
+        loop_peaks = loops_peaks(steady, traced.ops, traced.storages, traced.marks, loop, traced.counted_devices, block)
+    cache_off_peak = None
+    traces = {spec: (main, loaded.num_layers)}
+    if keep is not None:
+        keep.update(spec=spec, resolved=resolved, traces=traces)
+    if use_cache_variant and spec.mode is Mode.TRAIN and spec.use_cache is None and any(
+            lt.category == "kv_cache" and lt.birth <= steady.peak_step <= lt.death for lt in steady.lifetimes):
+        # the config's KV cache is live at the peak: what --use-cache false saves, traced (not derived: without
+        # the cache the attention's own key/value tensors live as long as its locals and saved tensors keep them)
+        say("the same step with use_cache false")
+        cache_off_peak = _use_cache_false_peak(spec, resolved, traces)
+    gpu = spec.gpu_preset
+    model_info = {
+        "ref": resolved.ref, "config_source": resolved.source, "config_location": resolved.location,
+        "architecture": loaded.architecture, "model_type": loaded.model_type, "task": loaded.task,
+        "params": loaded.params, "trainable_params": loaded.trainable_params,
+        "param_dtype": str(loaded.param_dtype).removeprefix("torch."),
+        "compute_dtype": str(loaded.compute_dtype or loaded.param_dtype).removeprefix("torch."),
+        "attn_implementation": loaded.attn_implementation,
+        "sdpa_backends": dict(traced.sdpa_backends),
+    }
+    if resolved.checkpoint is not None:
+        from .tracer.checkpoint_headers import cross_check
+
+        model_info["checkpoint"] = cross_check(resolved.checkpoint, loaded.params)
+    host_peak = None
+    if spec.cpu_offload:  # FSDP2's CPUOffloadPolicy: what lives in host memory, outside the GPU's figures
+        from .analysis.liveness import build_timeline
+        from .tracer.recorder import HOST_DEVICE
+
+        host_peak = build_timeline(traced.ops, table, traced.steps - 1, (HOST_DEVICE,)).peak_bytes
+    run_info = {
+        "mode": spec.mode.value, "precision": loaded.precision.value, "precision_source": precision_source,
+        "optimizer": spec.optimizer.value,
+        "optimizer_impl": spec.optimizer_impl.value, "device": spec.device.value, "gpu": gpu.name,
+        "batch": spec.batch, "seq": spec.seq, "checkpointing": str(spec.checkpointing),
+        "checkpointing_source": "prepare_model_for_kbit_training's default" if spec.quantization is not None
+        and spec.lora_rank is not None and str(spec.checkpointing) == KBIT_TRAINING_CHECKPOINTING else "",
+        "num_layers": loaded.num_layers, "layer_stack": loaded.layer_stack_path,
+        "allocator_block_bytes": block, "num_ops": len(traced.ops), "trace": traced.trace_note,
+        "inputs": [f"{n}={d}{list(s)}" for n, d, s in loaded.input_summary()] if loaded.task == "custom" else [],
+        **step_summary(spec, loop_peaks, cache_off_peak), **sharding_summary(spec, rank_peaks, host_peak),
+        "adapters": adapters_summary(spec), "image_size": loaded.image_size,
+        **({"images": loaded.images} if loaded.images else {}), **moe_summary(spec, loaded.model),
+        "compile": spec.compile, "compile_mode": spec.compile_mode if spec.compile else None,
+        **cuda_context_summary(spec),
+    }
+    if spec.mode is Mode.GENERATE:
+        from .analysis.summary import generation_summary
+
+        run_info.update(generation_summary(traced.ops, table, steady, spec.batch, spec.seq, spec.new_tokens,
+                                            loaded.task == "seq2seq-lm"))
+    paged = sum(st.nbytes for st in traced.storages if st.category == "paged_optimizer_state")
+    if paged:  # CUDA managed memory (a paged bitsandbytes optimizer): outside the allocated and reserved bytes
+        run_info["paged_optimizer_state_bytes"] = paged
+    if traced.cpu_environment:
+        run_info["cpu_kernels"] = dict(traced.cpu_environment)
+    warnings = target_warnings(spec, loaded.precision.value)
+    if warnings:
+        run_info["warnings"] = warnings
+    return summarize(
+        model=model_info, run=run_info, params=loaded.params, ops=traced.ops, storages=table,
+        steady=steady, first=main.timeline(step=0), graph_optimal=main.timeline(optimal=True),
+        gpu=({"name": spec.capacity[0], "memory_bytes": spec.capacity[1], "cuda": spec.device is Device.CUDA,
+              "cuda_context_bytes": spec.cuda_context, "alloc_conf": spec.alloc_conf,
+              "cuda_context_source": cuda_context_summary(spec).get("cuda_context_source", "")}
+             if spec.capacity is not None else None),
+        unresolved=traced.unresolved)
