@@ -121,25 +121,25 @@ def first_lt_gemms(ops, steps, rows: dict) -> dict[str, object]:
     first argument is a 1-D bias (a storage of `rows`, sid -> StorageInfo, with one dimension) of a dtype cuBLASLt
     takes (Blas.cpp `isInputCompliesAddmmCudaLt`: beta 1, 1-D bias, float/half/bf16/double; F.linear and
     transformers' Conv1D call it so)."""
-    found: dict[str, object] = {}
-    for i in steps:
-        op = ops[i]
-        if op.name.rsplit(".", 1)[0] not in LT_GEMM_OPS or not op.reads:
-            continue
-        bias = rows.get(op.reads[0])
-        if bias is not None and len(bias.shape) == 1 and bias.dtype in LT_DTYPES:
-            found.setdefault("backward" if str(op.phase) == "backward" else "forward", op)
-    return {t: found[t] for t in ("forward", "backward") if t in found}
+    def lt(op) -> bool:
+        bias = rows.get(op.reads[0]) if op.name.rsplit(".", 1)[0] in LT_GEMM_OPS and op.reads else None
+        return bias is not None and len(bias.shape) == 1 and bias.dtype in LT_DTYPES
+    return _first_per_thread(ops, steps, lt)
 
 
 def first_gemms(ops, steps) -> dict[str, object]:
     """The first GEMM op each thread runs in the ops at `steps`, by thread: 'forward' (the caller's thread:
     forward, optimizer, a --step function's own code) and 'backward' (autograd's device thread, recompute
     included), in that order."""
+    return _first_per_thread(ops, steps, lambda op: op.name.rsplit(".", 1)[0] in GEMM_OPS or op.name in GEMM_OPS)
+
+
+def _first_per_thread(ops, steps, wanted) -> dict[str, object]:
+    """The first op of `steps` with `wanted(op)` per thread ('forward', then 'backward': see `first_gemms`)."""
     found: dict[str, object] = {}
     for i in steps:
         op = ops[i]
-        if op.name.rsplit(".", 1)[0] in GEMM_OPS or op.name in GEMM_OPS:
+        if wanted(op):
             found.setdefault("backward" if str(op.phase) == "backward" else "forward", op)
     return {t: found[t] for t in ("forward", "backward") if t in found}
 
