@@ -5,6 +5,7 @@ that removes one fails here), a missing target is a one-line BridgeError naming 
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 
 import pytest
@@ -56,6 +57,21 @@ def test_every_target_exists_in_the_installed_versions(bridge):
     for module, attribute in bridge.targets:
         owner, name = _owner_and_name(module, attribute)
         assert getattr(owner, name) is not None, (module, attribute)
+
+
+@pytest.mark.parametrize("protocol,made", [
+    (bridges.KernelPolicy, lambda: KernelPolicyMode(Device.CUDA, 90, torch.bfloat16)),
+    (bridges.StepRecording, StepRecorder)], ids=["KernelPolicy", "StepRecording"])
+def test_the_policy_and_the_recorder_offer_what_the_bridges_ask_of_them(protocol, made):
+    obj = made()
+    members = {n for n in vars(protocol) if not n.startswith("_")} | set(protocol.__annotations__)
+    assert members
+    for name in members:
+        assert hasattr(obj, name), f"{type(obj).__name__} has no {name} ({protocol.__name__})"
+        wanted = vars(protocol).get(name)
+        if inspect.isfunction(wanted):
+            got = inspect.signature(getattr(obj, name)).parameters
+            assert list(got) == list(inspect.signature(wanted).parameters)[1:], name
 
 
 def test_every_target_is_patched_while_installed_and_restored_after_an_error():

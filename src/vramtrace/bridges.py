@@ -21,15 +21,50 @@ import contextlib
 import importlib
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sized
 
 import torch
 
 from .errors import BridgeError
 
 if TYPE_CHECKING:
-    from .tracer.kernels import KernelPolicyMode
-    from .tracer.recorder import StepRecorder
+    from .spec import Device
+
+
+class KernelPolicy(Protocol):
+    """What the bridges read of the trace's kernel policy (tracer/kernels.py `KernelPolicyMode`): the target
+    device and whether the emulated autocast is on now."""
+
+    device: Device
+
+    @property
+    def autocast_active(self) -> bool: ...
+
+    def autocast_disabled(self) -> contextlib.AbstractContextManager[None]:
+        """The emulated autocast off while open (the real `maybe_autocast(..., enabled=False)`)."""
+
+
+class StepRecording(Protocol):
+    """What the bridges tell the trace's recorder (tracer/recorder.py `StepRecorder`) of the allocations they
+    see outside the dispatcher."""
+
+    ops: Sized  # the ops recorded so far; a storage born now is born at op len(ops)
+
+    def storage_id(self, t: torch.Tensor, *, op_index: int, op: str, category: str | None = None,
+                   name: str = "") -> int:
+        """t's storage registered (born at `op_index`, made by `op`) if it is new; its record id."""
+
+    def storage_resized(self, t: torch.Tensor) -> None:
+        """t's storage was resized in place (UntypedStorage.resize_)."""
+
+    def device_copy(self) -> contextlib.AbstractContextManager[None]:
+        """While open, what an op makes from host storages is on the device (a host-to-device copy)."""
+
+    def set_category(self, t: torch.Tensor, category: str, name: str = "") -> None:
+        """t's storage gets `category` and a name."""
+
+    def managed(self, t: torch.Tensor, category: str) -> None:
+        """t's storage is memory outside the caching allocator (CUDA managed memory), of `category`."""
 
 # The versions the bridges were written and tested against. Targets were also checked present in the
 # released wheels of transformers 5.17.0, 5.18.0, 5.20.0, 5.21.0 and 5.22.0 (absent in 5.0.0: no `fast_all`,
@@ -335,7 +370,7 @@ def _set(owner, attribute: str, value) -> Iterator[None]:
             delattr(owner, attribute)
 
 
-def _host_rng_state(stack: contextlib.ExitStack, rec: StepRecorder) -> None:
+def _host_rng_state(stack: contextlib.ExitStack, rec: StepRecording) -> None:
     """A `torch.get_rng_state()` state (5,056 B for the CPU generator) is born at the next op: torch.utils.
     checkpoint stashes one per checkpointed region until the recompute, torch.random.fork_rng one during it."""
     original = torch.get_rng_state
@@ -348,7 +383,7 @@ def _host_rng_state(stack: contextlib.ExitStack, rec: StepRecorder) -> None:
     stack.enter_context(_set(torch, "get_rng_state", recorded))
 
 
-def _maybe_autocast(stack: contextlib.ExitStack, policy: KernelPolicyMode) -> None:
+def _maybe_autocast(stack: contextlib.ExitStack, policy: KernelPolicy) -> None:
     """Modeling files import `maybe_autocast` by name: replace it in every transformers module holding it."""
     from transformers.utils import generic
 
@@ -487,7 +522,7 @@ def _fast_path_forwards() -> set:
     return codes
 
 
-def _mha_fast_path(stack: contextlib.ExitStack, policy: KernelPolicyMode) -> None:
+def _mha_fast_path(stack: contextlib.ExitStack, policy: KernelPolicy) -> None:
     from torch.utils import backend_registration
 
     from .spec import Device
@@ -674,7 +709,7 @@ def generating(new_tokens: int, stop_after: int | None = None) -> Iterator[None]
 
 
 @contextlib.contextmanager
-def fsdp_on_meta(rec: StepRecorder | None = None) -> Iterator[None]:
+def fsdp_on_meta(rec: StepRecording | None = None) -> Iterator[None]:
     """FSDP_ON_META while FSDP2 is applied (`rec` None) or a sharded step is recorded by `rec`: the originals back
     on exit. Raises BridgeError, with nothing patched, when a target is missing."""
     found = resolve(FSDP_ON_META)
@@ -760,7 +795,7 @@ def ddp_on_meta(ddp) -> None:
 
 
 @contextlib.contextmanager
-def installed(policy: KernelPolicyMode, rec: StepRecorder) -> Iterator[None]:
+def installed(policy: KernelPolicy, rec: StepRecording) -> Iterator[None]:
     """Every bridge patched in while a step is recorded by `rec` under `policy`; every target restored on exit,
     also when the step raises. Raises BridgeError, with nothing patched, when a target is missing."""
     apply: dict[Bridge, Callable[[contextlib.ExitStack], None]] = {
@@ -792,7 +827,7 @@ def installed(policy: KernelPolicyMode, rec: StepRecorder) -> Iterator[None]:
         yield
 
 
-def _bnb_optimizer_state(stack: contextlib.ExitStack, policy: KernelPolicyMode, rec: StepRecorder) -> None:
+def _bnb_optimizer_state(stack: contextlib.ExitStack, policy: KernelPolicy, rec: StepRecording) -> None:
     from .analysis.categories import Category
     from .spec import Device
 
@@ -821,7 +856,7 @@ def _bnb_optimizer_state(stack: contextlib.ExitStack, policy: KernelPolicyMode, 
                              "_get_state_double_buffer", double_buffer))
 
 
-def _int8_matmul_device(stack: contextlib.ExitStack, policy: KernelPolicyMode) -> None:
+def _int8_matmul_device(stack: contextlib.ExitStack, policy: KernelPolicy) -> None:
     import logging
 
     from .spec import Device
