@@ -1,10 +1,11 @@
-"""Every patch vramtrace makes to transformers or torch internals, in one place.
+"""Every patch vramtrace makes to transformers or torch internals, and every private name it reads, in one place.
 
 A trace runs real transformers and torch code on meta tensors. A few places in that code ask a question meta
 tensors cannot answer (a `.item()`), or take a path the target device would not take. Each bridge below
 replaces one such symbol while a step is recorded (`installed`) and puts the original back on exit, also when
 the step raises. Each declares what it patches (`targets`: module and attribute) and the library versions it
-was written for (`written_for`).
+was written for (`written_for`). A bridge of kind READ patches nothing: it declares private names the tracer reads
+(a reference count, a cache to clear, Inductor's internals), checked the same way before they are used.
 
 When a target is missing (an upgrade renamed or removed it), the bridge does not quietly do nothing: the
 trace stops with a `BridgeError` naming the target and the installed version, before anything is patched.
@@ -18,7 +19,10 @@ upgrade removes one) and that a missing target raises.
 from __future__ import annotations
 
 import contextlib
+import dis
+import enum
 import importlib
+import inspect
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sized
@@ -73,10 +77,19 @@ TRANSFORMERS_WRITTEN_FOR = "transformers 5.23"
 TORCH_WRITTEN_FOR = "torch 2.13"
 
 
+class BridgeKind(enum.Enum):
+    """What a bridge does with its targets."""
+
+    PATCH = "patch"  # replaces them while they are needed, and puts the originals back
+    READ = "read"  # only reads them (calls a private function, takes a private value): nothing is replaced
+
+
 @dataclass(frozen=True, slots=True)
 class Bridge:
-    """One patch. `targets`: ('module', 'attribute') pairs it replaces ('Class.method' for a method);
-    `when_absent`: '' (a missing target is a BridgeError) or why the bridge is not needed without it."""
+    """One patch, or one private read (`kind`). `targets`: ('module', 'attribute') pairs it replaces or reads
+    ('Class.method' for a method); `when_absent`: '' (a missing target is a BridgeError) or why the bridge is not
+    needed without it; `assigns`: instance attributes a READ bridge reads on the objects its first target's code
+    makes them on (`self.<name> = ...`), checked in that code."""
 
     name: str
     library: str  # 'transformers' | 'torch' | 'bitsandbytes'
@@ -84,6 +97,8 @@ class Bridge:
     written_for: str
     why: str
     when_absent: str = ""
+    kind: BridgeKind = BridgeKind.PATCH
+    assigns: tuple[str, ...] = ()
 
 
 HOST_RNG_STATE = Bridge(
@@ -291,19 +306,62 @@ INDUCTOR_GRAPHS = Bridge(
      (_INDUCTOR + "graph", "GraphLowering"), (_INDUCTOR + "output_code", "OutputCode"),
      (_INDUCTOR + "fx_passes.post_grad", "view_to_reshape"),
      (_INDUCTOR + "graph", "GraphLowering.codegen"), (_INDUCTOR + "codecache", "FxGraphCache.prepare_key"),
-     ("torch._C._dynamo.eval_frame", "reset_code")), TORCH_WRITTEN_FOR,
-    "not a patch: the private names tracer/compiled.py `compiled_twin` calls to run Inductor's own compile_fx "
-    "with its per-graph compile replaced (`inner_compile`), lower each graph and generate its code as "
+     ("torch._C._dynamo.eval_frame", "reset_code"), ("torch._inductor", "config"),
+     ("torch._inductor", "list_mode_options"), ("torch._functorch", "config"), (_INDUCTOR + "debug", "DebugContext"),
+     (_INDUCTOR + "virtualized", "V"), (_INDUCTOR + "decomposition", "select_decomp_table"),
+     *((_INDUCTOR + "utils", name) for name in ("shape_env_from_inputs", "get_dtype_size")),
+     *((_INDUCTOR + "ir", name) for name in ("MultiOutput", "MultiOutputLayout", "NoneLayout", "ExternKernel",
+                                             "TensorBox", "StorageBox", "ReinterpretView")),
+     *(("torch._dynamo.convert_frame", name) for name in ("input_codes", "output_codes", "compile_lock")),
+     ("torch._guards", "TracingContext.try_get")), TORCH_WRITTEN_FOR,
+    "the private names tracer/compiled.py `compiled_twin` calls to run Inductor's own compile_fx "
+    "with its per-graph compile replaced (`inner_compile`) under torch.compile's mode options with the FX-graph and "
+    "AOTAutograd caches off, lower each graph and generate its code as "
     "`_InProcessFxCompile.codegen_and_compile` does (nothing compiled; the wrapper's `call` is read for its "
-    "allocations; `LoweredGraphCache` keys it by Inductor's own FX-graph cache key), and drop dynamo's cache "
-    "entries of what it compiled; checked before a capture starts")
+    "allocations, its buffers' IR classes for their layouts; `LoweredGraphCache` keys it by Inductor's own FX-graph "
+    "cache key), report the outputs' strides to AOTAutograd's tracing context, and drop dynamo's cache entries of "
+    "what it compiled (convert_frame's code trackers); checked before a capture starts", kind=BridgeKind.READ)
+
+ACCUMULATION_USE_COUNTS = Bridge(
+    "accumulation_use_counts", "torch",
+    (("torch._C", "TensorBase._use_count"), ("torch._C", "_storage_Use_Count"), ("torch._C", "StorageBase._cdata")),
+    TORCH_WRITTEN_FOR,
+    "tracer/recorder.py `_accumulates_in_place` asks what the autograd engine asks before adding a second gradient "
+    "into an input buffer in place (torch/csrc/autograd/input_buffer.cpp `can_accumulate_inplace`: the buffer "
+    "holds the only reference to the tensor and to its storage), through the reference counts `Tensor._use_count()` "
+    "and `torch._C._storage_Use_Count(storage._cdata)`. Seen from the top of __torch_dispatch__ they carry the "
+    "dispatch call's own references: the engine holds the last one when the tensor has 4 (the buffer, the "
+    "dispatcher's argument, the Python argument, the engine's own copy: recorder.py `ACCUMULATE_USE_COUNT`) and "
+    "the storage 2 (the buffer's tensor and the storage object `untyped_storage()` makes to ask), as "
+    "tests/test_recorder_accumulation.py calibrates against real runs without a dispatch mode; checked before a "
+    "step is recorded", kind=BridgeKind.READ)
+GRAD_SCALER_STATE = Bridge(
+    "grad_scaler_state", "torch", (("torch.amp.grad_scaler", "GradScaler._lazy_init_scale_growth_tracker"),),
+    TORCH_WRITTEN_FOR,
+    "fp16-mixed's GradScaler keeps its scale and growth tracker, (), float32 and int32 tensors made on the loss's "
+    "device at the first `scale()`, in the private `_scale` and `_growth_tracker` (torch/amp/grad_scaler.py "
+    "`_lazy_init_scale_growth_tracker`); the public `get_scale()` and `state_dict()` read their values (`.item()`), "
+    "which meta cannot answer. The trace reads the tensors (`grad_scaler_state`) to categorise them; checked "
+    "before a step is recorded", kind=BridgeKind.READ, assigns=("_scale", "_growth_tracker"))
+_DTENSOR = "torch.distributed.tensor."
+DTENSOR_PLAN_CACHES = Bridge(
+    "dtensor_plan_caches", "torch",
+    ((_DTENSOR + "debug", "_clear_sharding_prop_cache"), (_DTENSOR + "_redistribute", "clear_redistribute_planner_cache"),
+     (_DTENSOR + "_redistribute", "_gen_transform_infos.cache_clear")), TORCH_WRITTEN_FOR,
+    "DTensor caches its sharding decisions and redistribution plans (torch/distributed/tensor/debug/__init__.py "
+    "`_clear_sharding_prop_cache`, _redistribute.py `clear_redistribute_planner_cache` and the lru_cache of "
+    "`_gen_transform_infos`) under keys that compare meshes by layout, not by process group: tracer/sharding.py "
+    "`fake_rank` clears them after destroying its fake group (`clear_dtensor_caches`), so a later trace is not "
+    "handed that group's name; checked before the group is made", kind=BridgeKind.READ)
 
 BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_CHECK, PADDING_MASK_CHECK,
                                PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION, MHA_FAST_PATH,
                                FUNCTIONAL_TORCH_FUNCTION_CHECK, GRAD_SCALER_FOUND_INF, CLIP_GRAD_FOREACH,
                                FUSED_OPTIMIZER_DEVICES, ADAFACTOR_SCALARS, GENERATION_QUESTIONS, FSDP_ON_META,
                                DDP_ON_META, BNB_OPTIMIZER_STATE, INT8_MATMUL_DEVICE, INDUCTOR_GRAPHS, TENSOR_CHECKS,
-                               QWEN_VL_POSITIONS)
+                               QWEN_VL_POSITIONS, ACCUMULATION_USE_COUNTS, GRAD_SCALER_STATE, DTENSOR_PLAN_CACHES)
+# the private reads a recorded step makes, checked with the patches before anything is patched (`installed`)
+STEP_READS: tuple[Bridge, ...] = (ACCUMULATION_USE_COUNTS, GRAD_SCALER_STATE)
 
 
 def _installed_version(library: str) -> str:
@@ -345,7 +403,28 @@ def resolve(bridge: Bridge) -> dict[str, object] | None:
             if bridge.when_absent:
                 return None
             raise _missing(bridge, f"{module}.{attribute}") from None
+    if bridge.assigns:
+        module, attribute = bridge.targets[0]
+        code = inspect.unwrap(found[f"{module}.{attribute}"]).__code__
+        stored = {i.argval for i in dis.get_instructions(code) if i.opname == "STORE_ATTR"}
+        for name in bridge.assigns:
+            if name not in stored:
+                raise _missing(bridge, f"the assignment of self.{name} in {module}.{attribute}")
     return found
+
+
+def grad_scaler_state(scaler: torch.amp.GradScaler) -> tuple[torch.Tensor, ...]:
+    """GRAD_SCALER_STATE: `scaler`'s scale and growth tracker tensors (made at its first `scale()`). Raises
+    BridgeError when torch no longer makes them there."""
+    resolve(GRAD_SCALER_STATE)
+    return tuple(getattr(scaler, name) for name in GRAD_SCALER_STATE.assigns)
+
+
+def clear_dtensor_caches() -> None:
+    """DTENSOR_PLAN_CACHES: DTensor's sharding and redistribution caches emptied. Raises BridgeError when one of
+    them is gone."""
+    for clear in resolve(DTENSOR_PLAN_CACHES).values():
+        clear()
 
 
 def status() -> list[tuple[str, str]]:
@@ -447,8 +526,6 @@ def _padding_warning(stack: contextlib.ExitStack) -> None:
 
 def _tensor_checks(stack: contextlib.ExitStack) -> None:
     """TENSOR_CHECKS: torch._check_tensor_all_with holds for a meta condition asked by torch_compilable_check."""
-    import inspect
-
     from transformers.utils import import_utils
 
     asking = inspect.unwrap(import_utils.torch_compilable_check).__code__
@@ -650,8 +727,6 @@ def generating(new_tokens: int, stop_after: int | None = None) -> Iterator[None]
     instead (a generation traced in part, `tracer/decoding.py`: the loop exits there as it does after the N-th
     token). Raises BridgeError (nothing patched) when a target is missing; while it runs, a
     question from another function raises TraceError."""
-    import inspect
-
     from .errors import TraceError
 
     found = resolve(GENERATION_QUESTIONS)
@@ -816,6 +891,8 @@ def installed(policy: KernelPolicy, rec: StepRecording) -> Iterator[None]:
         QWEN_VL_POSITIONS: _qwen_vl_positions,
     }
     resolve(FUNCTIONAL_TORCH_FUNCTION_CHECK)  # patched per call (skip_next_torch_function_check); checked here
+    for read in STEP_READS:
+        resolve(read)
     if "bitsandbytes" not in sys.modules:  # no bitsandbytes layer or optimizer was made (its import costs seconds)
         del apply[BNB_OPTIMIZER_STATE], apply[INT8_MATMUL_DEVICE]
     if not any(m in sys.modules for m, _ in QWEN_VL_POSITIONS.targets):  # no Qwen-VL model was built

@@ -67,27 +67,20 @@ def fake_rank(world: int, rank: int) -> Iterator[None]:
     TraceError when a process group is already initialized (the caller's own: it is left alone)."""
     import torch.distributed as dist
 
+    from .. import bridges
+
     if dist.is_initialized():
         raise TraceError("a torch.distributed process group is already initialized in this process; a sharded "
                          "trace starts its own fake one: call vramtrace outside the distributed job")
+    bridges.resolve(bridges.DTENSOR_PLAN_CACHES)  # emptied on exit: checked before the group is made
     dist.init_process_group("fake", rank=rank, world_size=world)
     try:
         yield
     finally:
         dist.destroy_process_group()
-        _forget_meshes()
-
-
-def _forget_meshes() -> None:
-    """Clear DTensor's caches of sharding decisions and redistribution plans: their keys compare meshes by layout,
-    not by process group, so an entry made on a destroyed fake group would hand a later trace that group's name
-    (torch/distributed/tensor/debug/__init__.py `_clear_sharding_prop_cache`, _redistribute.py
-    `clear_redistribute_planner_cache`, the `_gen_transform_infos` lru_cache)."""
-    from torch.distributed.tensor import _redistribute, debug
-
-    debug._clear_sharding_prop_cache()
-    _redistribute.clear_redistribute_planner_cache()
-    _redistribute._gen_transform_infos.cache_clear()
+        # DTensor's caches of sharding decisions and redistribution plans compare meshes by layout, not by process
+        # group: an entry made on the destroyed fake group would hand a later trace that group's name
+        bridges.clear_dtensor_caches()
 
 
 def mixed_precision_policy(precision: Precision):

@@ -362,7 +362,7 @@ def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: 
             else:
                 run_inference(ctx, obs)
             if ctx.scaler is not None:
-                for t in (ctx.scaler._scale, ctx.scaler._growth_tracker):
+                for t in bridges.grad_scaler_state(ctx.scaler):
                     rec.set_category(t, Category.KEPT, "GradScaler state")
     except VramtraceError:
         raise
