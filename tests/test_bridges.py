@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from conftest import FIXTURES
-from vramtrace import RunSpec, analyze, bridges
+from vramtrace import RunSpec, analyze, bridges, feature_bridges
 from vramtrace.cli import main
 from vramtrace.errors import BridgeError, VramtraceError
 from vramtrace.spec import Device
@@ -100,7 +100,7 @@ def test_every_target_is_patched_while_installed_and_restored_after_an_error():
 def test_fsdp_on_meta_patches_every_target_and_restores_them_after_an_error():
     before = _targets()
     with pytest.raises(KeyError, match="inside"):
-        with bridges.fsdp_on_meta(StepRecorder()):
+        with feature_bridges.fsdp_on_meta(StepRecorder()):
             during = _targets()
             raise KeyError("inside")
     assert all(during[t] is not before[t] for t in bridges.FSDP_ON_META.targets)
@@ -137,11 +137,11 @@ def test_a_missing_target_is_a_bridge_error_and_nothing_is_patched(monkeypatch, 
             layer_stack(torch.nn.Sequential())
     elif bridge is bridges.GENERATION_QUESTIONS:  # installed around a traced model.generate()
         with pytest.raises(BridgeError, match=name):
-            with bridges.generating(3):
+            with feature_bridges.generating(3):
                 pytest.fail("generating() went on without its target")
     elif bridge is bridges.DDP_ON_META:  # applied to one DDP object
         with pytest.raises(BridgeError, match=name):
-            bridges.ddp_on_meta(object())
+            feature_bridges.ddp_on_meta(object())
     elif bridge is bridges.INDUCTOR_GRAPHS:  # checked before a torch.compile graph capture
         from vramtrace.tracer.compiled import capture
 
@@ -155,7 +155,7 @@ def test_a_missing_target_is_a_bridge_error_and_nothing_is_patched(monkeypatch, 
                 pytest.fail("fake_rank() went on without its target")
     elif bridge is bridges.FSDP_ON_META:  # installed around fully_shard and a sharded step
         with pytest.raises(BridgeError, match=name):
-            with bridges.fsdp_on_meta(StepRecorder()):
+            with feature_bridges.fsdp_on_meta(StepRecorder()):
                 pytest.fail("fsdp_on_meta() went on without its target")
     else:
         with pytest.raises(BridgeError, match=name):
@@ -193,10 +193,10 @@ def test_checkpoint_functions_are_routed_or_the_error_names_the_attribute():
     spec = RunSpec(TINY_GPT2, batch=1, seq=8)
     model = load_model(spec, resolve_config(spec.model)).model
     with pytest.raises(BridgeError, match="_gradient_checkpointing_func on GPT2LMHeadModel's modules"):
-        bridges.route_checkpoint_functions(model, lambda *a, **k: None)  # checkpointing not enabled
+        feature_bridges.route_checkpoint_functions(model, lambda *a, **k: None)  # checkpointing not enabled
     model.activation_checkpointing_enable({"use_reentrant": False})
     marker = lambda *a, **k: None  # noqa: E731
-    n = bridges.route_checkpoint_functions(model, marker)
+    n = feature_bridges.route_checkpoint_functions(model, marker)
     layers = [m for m in model.modules() if getattr(m, "_gradient_checkpointing_func", None) is marker]
     assert n == len(layers) >= model.config.n_layer
 
@@ -221,12 +221,12 @@ def test_a_patched_inherited_method_is_removed_again_not_copied_onto_the_class()
 def test_the_grad_scaler_state_is_its_scale_and_growth_tracker_or_a_bridge_error(monkeypatch):
     scaler = torch.amp.GradScaler("cpu")
     scaled = scaler.scale(torch.ones(()))
-    scale, tracker = bridges.grad_scaler_state(scaler)
+    scale, tracker = feature_bridges.grad_scaler_state(scaler)
     assert scaled.item() == scale.item() == 2.0 ** 16 and tracker.dtype == torch.int32 and tracker.item() == 0
     monkeypatch.setattr(torch.amp.GradScaler, "_lazy_init_scale_growth_tracker", lambda self, dev: None)
     with pytest.raises(BridgeError, match=r"the assignment of self\._scale in torch\.amp\.grad_scaler\.GradScaler\."
                                           "_lazy_init_scale_growth_tracker is missing in torch"):
-        bridges.grad_scaler_state(scaler)
+        feature_bridges.grad_scaler_state(scaler)
     with pytest.raises(BridgeError, match="self._scale"):
         with _installed():
             pytest.fail("installed() went on without the scaler's state")
