@@ -5,6 +5,7 @@ that removes one fails here), a missing target is a one-line BridgeError naming 
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 import transformers
 
 from conftest import FIXTURES
-from vramtrace import RunSpec, analyze, bridges
+from vramtrace import RunSpec, analyze, bridges, feature_bridges
 from vramtrace.cli import main
 from vramtrace.errors import BridgeError, VramtraceError
 from vramtrace.spec import Device
@@ -21,6 +22,7 @@ from vramtrace.tracer.recorder import StepRecorder
 
 TINY_GPT2 = str(FIXTURES / "tiny-gpt2.json")
 RAISING = [b for b in bridges.BRIDGES if not b.when_absent]
+IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE (Include/object.h): a type whose attributes cannot be deleted
 
 
 def _owner_and_name(module: str, attribute: str):
@@ -33,7 +35,8 @@ def _owner_and_name(module: str, attribute: str):
 
 def _targets() -> dict[tuple[str, str], object]:
     """(module, attribute) -> current object, for every target, plus every transformers module's
-    `maybe_autocast` binding (the bridge replaces those too)."""
+    `maybe_autocast` binding (the bridge replaces those too). A target that is a bound method (an lru_cache's
+    `cache_clear`) is a new object at each lookup: compare them with ==."""
     out = {}
     for b in bridges.BRIDGES:
         for module, attribute in b.targets:
@@ -58,6 +61,21 @@ def test_every_target_exists_in_the_installed_versions(bridge):
         assert getattr(owner, name) is not None, (module, attribute)
 
 
+@pytest.mark.parametrize("protocol,made", [
+    (bridges.KernelPolicy, lambda: KernelPolicyMode(Device.CUDA, 90, torch.bfloat16)),
+    (bridges.StepRecording, StepRecorder)], ids=["KernelPolicy", "StepRecording"])
+def test_the_policy_and_the_recorder_offer_what_the_bridges_ask_of_them(protocol, made):
+    obj = made()
+    members = {n for n in vars(protocol) if not n.startswith("_")} | set(protocol.__annotations__)
+    assert members
+    for name in members:
+        assert hasattr(obj, name), f"{type(obj).__name__} has no {name} ({protocol.__name__})"
+        wanted = vars(protocol).get(name)
+        if inspect.isfunction(wanted):
+            got = inspect.signature(getattr(obj, name)).parameters
+            assert list(got) == list(inspect.signature(wanted).parameters)[1:], name
+
+
 def test_every_target_is_patched_while_installed_and_restored_after_an_error():
     before = _targets()
     with pytest.raises(KeyError, match="inside the step"):
@@ -68,26 +86,26 @@ def test_every_target_is_patched_while_installed_and_restored_after_an_error():
     for b in bridges.BRIDGES:
         # patched on the model instance (see test below), or per call from the kernel policy
         # (generation_questions: patched while a generation is traced, tests/test_generate.py; fsdp_on_meta:
-        # while FSDP2 is applied and a sharded step traced, the test below; ddp_on_meta: on one DDP object;
-        # inductor_graphs: names read, never patched)
-        if b not in (bridges.CHECKPOINT_FUNCTION, bridges.FUNCTIONAL_TORCH_FUNCTION_CHECK,
-                     bridges.GENERATION_QUESTIONS, bridges.FSDP_ON_META, bridges.DDP_ON_META,
-                     bridges.INDUCTOR_GRAPHS):
+        # while FSDP2 is applied and a sharded step traced, the test below; ddp_on_meta: on one DDP object);
+        # a READ bridge's names are read, never patched
+        if b.kind is bridges.BridgeKind.PATCH and b not in (
+                bridges.CHECKPOINT_FUNCTION, bridges.FUNCTIONAL_TORCH_FUNCTION_CHECK, bridges.GENERATION_QUESTIONS,
+                bridges.FSDP_ON_META, bridges.DDP_ON_META):
             assert (b.targets[0]) in patched, b.name
     assert all(k in patched for k in before if k[1] == "maybe_autocast")  # every module's binding
     after = _targets()
-    assert all(after[k] is before[k] for k in before), [k for k in before if after[k] is not before[k]]
+    assert all(after[k] == before[k] for k in before), [k for k in before if after[k] != before[k]]
 
 
 def test_fsdp_on_meta_patches_every_target_and_restores_them_after_an_error():
     before = _targets()
     with pytest.raises(KeyError, match="inside"):
-        with bridges.fsdp_on_meta(StepRecorder()):
+        with feature_bridges.fsdp_on_meta(StepRecorder()):
             during = _targets()
             raise KeyError("inside")
     assert all(during[t] is not before[t] for t in bridges.FSDP_ON_META.targets)
     after = _targets()
-    assert all(after[k] is before[k] for k in before)
+    assert all(after[k] == before[k] for k in before)
 
 
 @pytest.mark.parametrize("bridge,target", [(b, t) for b in RAISING for t in b.targets],
@@ -96,7 +114,16 @@ def test_a_missing_target_is_a_bridge_error_and_nothing_is_patched(monkeypatch, 
     module, attribute = target
     owner, name = _owner_and_name(module, attribute)
     before = _targets()
-    monkeypatch.delattr(owner, name)
+    if name in getattr(owner, "__dict__", {}) and not (isinstance(owner, type) and owner.__flags__ & IMMUTABLE_TYPE):
+        monkeypatch.delattr(owner, name)
+    else:  # of a C type (torch._C.StorageBase._cdata), or an lru_cache's method: gone as _lookup sees it
+        lookup = bridges._lookup
+
+        def without_target(m: str, a: str):
+            if (m, a) == target:
+                raise LookupError(a)
+            return lookup(m, a)
+        monkeypatch.setattr(bridges, "_lookup", without_target)
     library = importlib.import_module(bridge.library)
     with pytest.raises(BridgeError) as e:
         bridges.resolve(bridge)
@@ -110,19 +137,25 @@ def test_a_missing_target_is_a_bridge_error_and_nothing_is_patched(monkeypatch, 
             layer_stack(torch.nn.Sequential())
     elif bridge is bridges.GENERATION_QUESTIONS:  # installed around a traced model.generate()
         with pytest.raises(BridgeError, match=name):
-            with bridges.generating(3):
+            with feature_bridges.generating(3):
                 pytest.fail("generating() went on without its target")
     elif bridge is bridges.DDP_ON_META:  # applied to one DDP object
         with pytest.raises(BridgeError, match=name):
-            bridges.ddp_on_meta(object())
+            feature_bridges.ddp_on_meta(object())
     elif bridge is bridges.INDUCTOR_GRAPHS:  # checked before a torch.compile graph capture
         from vramtrace.tracer.compiled import capture
 
         with pytest.raises(BridgeError, match=name):
             capture(torch.nn.Linear(2, 2, device="meta"), {"input": torch.empty(1, 2, device="meta")})
+    elif bridge is bridges.DTENSOR_PLAN_CACHES:  # cleared when a fake process group is destroyed
+        from vramtrace.tracer.sharding import fake_rank
+
+        with pytest.raises(BridgeError, match=name):
+            with fake_rank(2, 0):
+                pytest.fail("fake_rank() went on without its target")
     elif bridge is bridges.FSDP_ON_META:  # installed around fully_shard and a sharded step
         with pytest.raises(BridgeError, match=name):
-            with bridges.fsdp_on_meta(StepRecorder()):
+            with feature_bridges.fsdp_on_meta(StepRecorder()):
                 pytest.fail("fsdp_on_meta() went on without its target")
     else:
         with pytest.raises(BridgeError, match=name):
@@ -130,7 +163,7 @@ def test_a_missing_target_is_a_bridge_error_and_nothing_is_patched(monkeypatch, 
                 pytest.fail("installed() went on without its target")
     monkeypatch.undo()
     after = _targets()
-    assert all(after[k] is before[k] for k in before), [k for k in before if after[k] is not before[k]]
+    assert all(after[k] == before[k] for k in before), [k for k in before if after[k] != before[k]]
 
 
 def test_a_missing_target_stops_analyze_and_the_cli_says_which(monkeypatch, capsys):
@@ -160,10 +193,10 @@ def test_checkpoint_functions_are_routed_or_the_error_names_the_attribute():
     spec = RunSpec(TINY_GPT2, batch=1, seq=8)
     model = load_model(spec, resolve_config(spec.model)).model
     with pytest.raises(BridgeError, match="_gradient_checkpointing_func on GPT2LMHeadModel's modules"):
-        bridges.route_checkpoint_functions(model, lambda *a, **k: None)  # checkpointing not enabled
+        feature_bridges.route_checkpoint_functions(model, lambda *a, **k: None)  # checkpointing not enabled
     model.activation_checkpointing_enable({"use_reentrant": False})
     marker = lambda *a, **k: None  # noqa: E731
-    n = bridges.route_checkpoint_functions(model, marker)
+    n = feature_bridges.route_checkpoint_functions(model, marker)
     layers = [m for m in model.modules() if getattr(m, "_gradient_checkpointing_func", None) is marker]
     assert n == len(layers) >= model.config.n_layer
 
@@ -183,3 +216,17 @@ def test_a_patched_inherited_method_is_removed_again_not_copied_onto_the_class()
         with bridges._set(Base, "f", lambda self: "bridged"):
             raise RuntimeError
     assert Base().f() == "base"
+
+
+def test_the_grad_scaler_state_is_its_scale_and_growth_tracker_or_a_bridge_error(monkeypatch):
+    scaler = torch.amp.GradScaler("cpu")
+    scaled = scaler.scale(torch.ones(()))
+    scale, tracker = feature_bridges.grad_scaler_state(scaler)
+    assert scaled.item() == scale.item() == 2.0 ** 16 and tracker.dtype == torch.int32 and tracker.item() == 0
+    monkeypatch.setattr(torch.amp.GradScaler, "_lazy_init_scale_growth_tracker", lambda self, dev: None)
+    with pytest.raises(BridgeError, match=r"the assignment of self\._scale in torch\.amp\.grad_scaler\.GradScaler\."
+                                          "_lazy_init_scale_growth_tracker is missing in torch"):
+        feature_bridges.grad_scaler_state(scaler)
+    with pytest.raises(BridgeError, match="self._scale"):
+        with _installed():
+            pytest.fail("installed() went on without the scaler's state")

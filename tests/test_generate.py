@@ -10,7 +10,7 @@ import torch
 
 from conftest import FIXTURES
 from oracle import measure_cpu_peak
-from vramtrace import RunSpec, analyze, bridges
+from vramtrace import RunSpec, analyze, feature_bridges
 from vramtrace.cli import main
 from vramtrace.errors import TraceError, UsageError
 
@@ -123,7 +123,7 @@ def test_generate_needs_a_causal_lm_and_the_cli_says_so(capsys):
 
 
 def test_a_question_generate_was_not_known_to_ask_is_a_trace_error():
-    with bridges.generating(3):
+    with feature_bridges.generating(3):
         assert torch.zeros((), device="meta").add(1).numel() == 1
         with pytest.raises(TraceError, match="test_a_question_generate_was_not_known_to_ask"):
             bool(torch.zeros((), device="meta"))

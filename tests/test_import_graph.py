@@ -26,10 +26,6 @@ KNOWN_CIRCLES: tuple[tuple[frozenset[str], str], ...] = (
                 "vramtrace.reports.terminal"}),
      "issue 40, typed report: the report imports no renderer (MemoryReport.print/to_json/to_html in "
      "analysis/summary.py import the renderers, which import MemoryReport back)"),
-    (frozenset({"vramtrace.bridges", "vramtrace.tracer.kernels", "vramtrace.tracer.recorder"}),
-     "issue 40, trace/bridges split: bridges.py names KernelPolicyMode and StepRecorder (TYPE_CHECKING imports) "
-     "while tracer/kernels.py imports bridges; the callbacks assigned onto the policy after construction "
-     "(trace.py) become a protocol the bridges define"),
 )
 
 
@@ -117,3 +113,12 @@ def test_no_import_circle_but_the_known_ones():
     assert not new, f"import circles not in KNOWN_CIRCLES: {new}"
     gone = [sorted(c) for c in known if c not in found]
     assert not gone, f"KNOWN_CIRCLES lists circles that no longer exist (remove them): {gone}"
+
+
+def test_the_bridges_import_nothing_from_the_tracer():
+    """bridges.py defines what it needs of the kernel policy and the recorder (`KernelPolicy`, `StepRecording`),
+    so the tracer imports the bridges and never the other way round."""
+    graph = import_graph()
+    for bridges in ("vramtrace.bridges", "vramtrace.feature_bridges"):
+        reached = nx.descendants(graph, bridges)
+        assert not {m for m in reached if m.startswith("vramtrace.tracer")}, (bridges, sorted(reached))

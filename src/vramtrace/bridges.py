@@ -1,15 +1,19 @@
-"""Every patch vramtrace makes to transformers or torch internals, in one place.
+"""Every patch vramtrace makes to transformers or torch internals, and every private name it reads, in one place.
 
 A trace runs real transformers and torch code on meta tensors. A few places in that code ask a question meta
 tensors cannot answer (a `.item()`), or take a path the target device would not take. Each bridge below
 replaces one such symbol while a step is recorded (`installed`) and puts the original back on exit, also when
 the step raises. Each declares what it patches (`targets`: module and attribute) and the library versions it
-was written for (`written_for`).
+was written for (`written_for`). A bridge of kind READ patches nothing: it declares private names the tracer reads
+(a reference count, a cache to clear, Inductor's internals), checked the same way before they are used.
 
 When a target is missing (an upgrade renamed or removed it), the bridge does not quietly do nothing: the
 trace stops with a `BridgeError` naming the target and the installed version, before anything is patched.
 The one exception is `padding_warning` (see its `when_absent`): a symbol that exists only to log a warning,
 which no transformers code can call once it is gone.
+
+The patches applied around one feature rather than every step (a traced generation, FSDP2 and DDP on meta,
+activation checkpointing) and two feature reads live in `vramtrace.feature_bridges`; every bridge is declared here.
 
 `tests/test_bridges.py` checks that every target exists in the installed versions (so CI fails when an
 upgrade removes one) and that a missing target raises.
@@ -18,18 +22,56 @@ upgrade removes one) and that a missing target raises.
 from __future__ import annotations
 
 import contextlib
+import dis
+import enum
 import importlib
+import inspect
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sized
 
 import torch
 
 from .errors import BridgeError
 
 if TYPE_CHECKING:
-    from .tracer.kernels import KernelPolicyMode
-    from .tracer.recorder import StepRecorder
+    from .spec import Device
+
+
+class KernelPolicy(Protocol):
+    """What the bridges read of the trace's kernel policy (tracer/kernels.py `KernelPolicyMode`): the target
+    device and whether the emulated autocast is on now."""
+
+    device: Device
+
+    @property
+    def autocast_active(self) -> bool: ...
+
+    def autocast_disabled(self) -> contextlib.AbstractContextManager[None]:
+        """The emulated autocast off while open (the real `maybe_autocast(..., enabled=False)`)."""
+
+
+class StepRecording(Protocol):
+    """What the bridges tell the trace's recorder (tracer/recorder.py `StepRecorder`) of the allocations they
+    see outside the dispatcher."""
+
+    ops: Sized  # the ops recorded so far; a storage born now is born at op len(ops)
+
+    def storage_id(self, t: torch.Tensor, *, op_index: int, op: str, category: str | None = None,
+                   name: str = "") -> int:
+        """t's storage registered (born at `op_index`, made by `op`) if it is new; its record id."""
+
+    def storage_resized(self, t: torch.Tensor) -> None:
+        """t's storage was resized in place (UntypedStorage.resize_)."""
+
+    def device_copy(self) -> contextlib.AbstractContextManager[None]:
+        """While open, what an op makes from host storages is on the device (a host-to-device copy)."""
+
+    def set_category(self, t: torch.Tensor, category: str, name: str = "") -> None:
+        """t's storage gets `category` and a name."""
+
+    def managed(self, t: torch.Tensor, category: str) -> None:
+        """t's storage is memory outside the caching allocator (CUDA managed memory), of `category`."""
 
 # The versions the bridges were written and tested against. Targets were also checked present in the
 # released wheels of transformers 5.17.0, 5.18.0, 5.20.0, 5.21.0 and 5.22.0 (absent in 5.0.0: no `fast_all`,
@@ -38,10 +80,19 @@ TRANSFORMERS_WRITTEN_FOR = "transformers 5.23"
 TORCH_WRITTEN_FOR = "torch 2.13"
 
 
+class BridgeKind(enum.Enum):
+    """What a bridge does with its targets."""
+
+    PATCH = "patch"  # replaces them while they are needed, and puts the originals back
+    READ = "read"  # only reads them (calls a private function, takes a private value): nothing is replaced
+
+
 @dataclass(frozen=True, slots=True)
 class Bridge:
-    """One patch. `targets`: ('module', 'attribute') pairs it replaces ('Class.method' for a method);
-    `when_absent`: '' (a missing target is a BridgeError) or why the bridge is not needed without it."""
+    """One patch, or one private read (`kind`). `targets`: ('module', 'attribute') pairs it replaces or reads
+    ('Class.method' for a method); `when_absent`: '' (a missing target is a BridgeError) or why the bridge is not
+    needed without it; `assigns`: instance attributes a READ bridge reads on the objects its first target's code
+    makes them on (`self.<name> = ...`), checked in that code."""
 
     name: str
     library: str  # 'transformers' | 'torch' | 'bitsandbytes'
@@ -49,6 +100,8 @@ class Bridge:
     written_for: str
     why: str
     when_absent: str = ""
+    kind: BridgeKind = BridgeKind.PATCH
+    assigns: tuple[str, ...] = ()
 
 
 HOST_RNG_STATE = Bridge(
@@ -256,19 +309,62 @@ INDUCTOR_GRAPHS = Bridge(
      (_INDUCTOR + "graph", "GraphLowering"), (_INDUCTOR + "output_code", "OutputCode"),
      (_INDUCTOR + "fx_passes.post_grad", "view_to_reshape"),
      (_INDUCTOR + "graph", "GraphLowering.codegen"), (_INDUCTOR + "codecache", "FxGraphCache.prepare_key"),
-     ("torch._C._dynamo.eval_frame", "reset_code")), TORCH_WRITTEN_FOR,
-    "not a patch: the private names tracer/compiled.py `compiled_twin` calls to run Inductor's own compile_fx "
-    "with its per-graph compile replaced (`inner_compile`), lower each graph and generate its code as "
+     ("torch._C._dynamo.eval_frame", "reset_code"), ("torch._inductor", "config"),
+     ("torch._inductor", "list_mode_options"), ("torch._functorch", "config"), (_INDUCTOR + "debug", "DebugContext"),
+     (_INDUCTOR + "virtualized", "V"), (_INDUCTOR + "decomposition", "select_decomp_table"),
+     *((_INDUCTOR + "utils", name) for name in ("shape_env_from_inputs", "get_dtype_size")),
+     *((_INDUCTOR + "ir", name) for name in ("MultiOutput", "MultiOutputLayout", "NoneLayout", "ExternKernel",
+                                             "TensorBox", "StorageBox", "ReinterpretView")),
+     *(("torch._dynamo.convert_frame", name) for name in ("input_codes", "output_codes", "compile_lock")),
+     ("torch._guards", "TracingContext.try_get")), TORCH_WRITTEN_FOR,
+    "the private names tracer/compiled.py `compiled_twin` calls to run Inductor's own compile_fx "
+    "with its per-graph compile replaced (`inner_compile`) under torch.compile's mode options with the FX-graph and "
+    "AOTAutograd caches off, lower each graph and generate its code as "
     "`_InProcessFxCompile.codegen_and_compile` does (nothing compiled; the wrapper's `call` is read for its "
-    "allocations; `LoweredGraphCache` keys it by Inductor's own FX-graph cache key), and drop dynamo's cache "
-    "entries of what it compiled; checked before a capture starts")
+    "allocations, its buffers' IR classes for their layouts; `LoweredGraphCache` keys it by Inductor's own FX-graph "
+    "cache key), report the outputs' strides to AOTAutograd's tracing context, and drop dynamo's cache entries of "
+    "what it compiled (convert_frame's code trackers); checked before a capture starts", kind=BridgeKind.READ)
+
+ACCUMULATION_USE_COUNTS = Bridge(
+    "accumulation_use_counts", "torch",
+    (("torch._C", "TensorBase._use_count"), ("torch._C", "_storage_Use_Count"), ("torch._C", "StorageBase._cdata")),
+    TORCH_WRITTEN_FOR,
+    "tracer/recorder.py `_accumulates_in_place` asks what the autograd engine asks before adding a second gradient "
+    "into an input buffer in place (torch/csrc/autograd/input_buffer.cpp `can_accumulate_inplace`: the buffer "
+    "holds the only reference to the tensor and to its storage), through the reference counts `Tensor._use_count()` "
+    "and `torch._C._storage_Use_Count(storage._cdata)`. Seen from the top of __torch_dispatch__ they carry the "
+    "dispatch call's own references: the engine holds the last one when the tensor has 4 (the buffer, the "
+    "dispatcher's argument, the Python argument, the engine's own copy: recorder.py `ACCUMULATE_USE_COUNT`) and "
+    "the storage 2 (the buffer's tensor and the storage object `untyped_storage()` makes to ask), as "
+    "tests/test_recorder_accumulation.py calibrates against real runs without a dispatch mode; checked before a "
+    "step is recorded", kind=BridgeKind.READ)
+GRAD_SCALER_STATE = Bridge(
+    "grad_scaler_state", "torch", (("torch.amp.grad_scaler", "GradScaler._lazy_init_scale_growth_tracker"),),
+    TORCH_WRITTEN_FOR,
+    "fp16-mixed's GradScaler keeps its scale and growth tracker, (), float32 and int32 tensors made on the loss's "
+    "device at the first `scale()`, in the private `_scale` and `_growth_tracker` (torch/amp/grad_scaler.py "
+    "`_lazy_init_scale_growth_tracker`); the public `get_scale()` and `state_dict()` read their values (`.item()`), "
+    "which meta cannot answer. The trace reads the tensors (`grad_scaler_state`) to categorise them; checked "
+    "before a step is recorded", kind=BridgeKind.READ, assigns=("_scale", "_growth_tracker"))
+_DTENSOR = "torch.distributed.tensor."
+DTENSOR_PLAN_CACHES = Bridge(
+    "dtensor_plan_caches", "torch",
+    ((_DTENSOR + "debug", "_clear_sharding_prop_cache"), (_DTENSOR + "_redistribute", "clear_redistribute_planner_cache"),
+     (_DTENSOR + "_redistribute", "_gen_transform_infos.cache_clear")), TORCH_WRITTEN_FOR,
+    "DTensor caches its sharding decisions and redistribution plans (torch/distributed/tensor/debug/__init__.py "
+    "`_clear_sharding_prop_cache`, _redistribute.py `clear_redistribute_planner_cache` and the lru_cache of "
+    "`_gen_transform_infos`) under keys that compare meshes by layout, not by process group: tracer/sharding.py "
+    "`fake_rank` clears them after destroying its fake group (`clear_dtensor_caches`), so a later trace is not "
+    "handed that group's name; checked before the group is made", kind=BridgeKind.READ)
 
 BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_CHECK, PADDING_MASK_CHECK,
                                PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION, MHA_FAST_PATH,
                                FUNCTIONAL_TORCH_FUNCTION_CHECK, GRAD_SCALER_FOUND_INF, CLIP_GRAD_FOREACH,
                                FUSED_OPTIMIZER_DEVICES, ADAFACTOR_SCALARS, GENERATION_QUESTIONS, FSDP_ON_META,
                                DDP_ON_META, BNB_OPTIMIZER_STATE, INT8_MATMUL_DEVICE, INDUCTOR_GRAPHS, TENSOR_CHECKS,
-                               QWEN_VL_POSITIONS)
+                               QWEN_VL_POSITIONS, ACCUMULATION_USE_COUNTS, GRAD_SCALER_STATE, DTENSOR_PLAN_CACHES)
+# the private reads a recorded step makes, checked with the patches before anything is patched (`installed`)
+STEP_READS: tuple[Bridge, ...] = (ACCUMULATION_USE_COUNTS, GRAD_SCALER_STATE)
 
 
 def _installed_version(library: str) -> str:
@@ -310,6 +406,13 @@ def resolve(bridge: Bridge) -> dict[str, object] | None:
             if bridge.when_absent:
                 return None
             raise _missing(bridge, f"{module}.{attribute}") from None
+    if bridge.assigns:
+        module, attribute = bridge.targets[0]
+        code = inspect.unwrap(found[f"{module}.{attribute}"]).__code__
+        stored = {i.argval for i in dis.get_instructions(code) if i.opname == "STORE_ATTR"}
+        for name in bridge.assigns:
+            if name not in stored:
+                raise _missing(bridge, f"the assignment of self.{name} in {module}.{attribute}")
     return found
 
 
@@ -335,7 +438,7 @@ def _set(owner, attribute: str, value) -> Iterator[None]:
             delattr(owner, attribute)
 
 
-def _host_rng_state(stack: contextlib.ExitStack, rec: StepRecorder) -> None:
+def _host_rng_state(stack: contextlib.ExitStack, rec: StepRecording) -> None:
     """A `torch.get_rng_state()` state (5,056 B for the CPU generator) is born at the next op: torch.utils.
     checkpoint stashes one per checkpointed region until the recompute, torch.random.fork_rng one during it."""
     original = torch.get_rng_state
@@ -348,7 +451,7 @@ def _host_rng_state(stack: contextlib.ExitStack, rec: StepRecorder) -> None:
     stack.enter_context(_set(torch, "get_rng_state", recorded))
 
 
-def _maybe_autocast(stack: contextlib.ExitStack, policy: KernelPolicyMode) -> None:
+def _maybe_autocast(stack: contextlib.ExitStack, policy: KernelPolicy) -> None:
     """Modeling files import `maybe_autocast` by name: replace it in every transformers module holding it."""
     from transformers.utils import generic
 
@@ -412,8 +515,6 @@ def _padding_warning(stack: contextlib.ExitStack) -> None:
 
 def _tensor_checks(stack: contextlib.ExitStack) -> None:
     """TENSOR_CHECKS: torch._check_tensor_all_with holds for a meta condition asked by torch_compilable_check."""
-    import inspect
-
     from transformers.utils import import_utils
 
     asking = inspect.unwrap(import_utils.torch_compilable_check).__code__
@@ -487,7 +588,7 @@ def _fast_path_forwards() -> set:
     return codes
 
 
-def _mha_fast_path(stack: contextlib.ExitStack, policy: KernelPolicyMode) -> None:
+def _mha_fast_path(stack: contextlib.ExitStack, policy: KernelPolicy) -> None:
     from torch.utils import backend_registration
 
     from .spec import Device
@@ -602,165 +703,8 @@ def _adafactor_scalars(stack: contextlib.ExitStack) -> None:
         stack.enter_context(_set(_adafactor, name, bridged(getattr(_adafactor, name))))
 
 
-def _filled_list(shape: tuple[int, ...], value: int) -> list | int:
-    """What `Tensor.tolist()` gives for an int tensor of `shape` filled with `value`, with no tensor allocated."""
-    return [_filled_list(shape[1:], value) for _ in range(shape[0])] if shape else value
-
-
 @contextlib.contextmanager
-def generating(new_tokens: int, stop_after: int | None = None) -> Iterator[None]:
-    """GENERATION_QUESTIONS while a `model.generate()` of `new_tokens` tokens is traced: Tensor.__bool__,
-    Tensor.item and Tensor.tolist of meta tensors answered by the transformers function asking (see the bridge's `why`); the
-    originals back on exit. `stop_after`: the stop check answers "every row finished" after that many tokens
-    instead (a generation traced in part, `tracer/decoding.py`: the loop exits there as it does after the N-th
-    token). Raises BridgeError (nothing patched) when a target is missing; while it runs, a
-    question from another function raises TraceError."""
-    import inspect
-
-    from .errors import TraceError
-
-    found = resolve(GENERATION_QUESTIONS)
-    mod = "transformers.generation.utils."
-    code = {name: inspect.unwrap(found[mod + name]).__code__
-            for name in ("GenerationMixin.generate", "GenerationMixin._prepare_special_tokens",
-                         "GenerationMixin._get_logits_processor")}
-    code["_ignore_bidirectional_mask_sdpa"] = inspect.unwrap(
-        found["transformers.masking_utils._ignore_bidirectional_mask_sdpa"]).__code__
-    stop_call = vars(found[mod + "StopCheck"]).get("__call__")  # a class is callable without its own __call__
-    if stop_call is None:
-        raise _missing(GENERATION_QUESTIONS, mod + "StopCheck.__call__")
-    code["StopCheck.__call__"] = stop_call.__code__
-    for name in ("generate_with_fallback", "_retrieve_segment"):  # staticmethods and methods alike
-        code[name] = inspect.unwrap(found[f"{_WHISPER}.WhisperGenerationMixin.{name}"]).__code__
-    stops = [0]
-
-    def stop_check() -> bool:
-        stops[0] += 1
-        return stops[0] >= (new_tokens if stop_after is None else min(stop_after, new_tokens))
-
-    answers: dict[tuple[object, str], Callable[[], bool]] = {
-        (code["GenerationMixin.generate"], "item"): lambda: False,  # has_right_padding
-        (code["GenerationMixin.generate"], "__bool__"): lambda: True,  # (attention_mask == 1).all()
-        (code["GenerationMixin._prepare_special_tokens"], "__bool__"): lambda: False,
-        (code["GenerationMixin._get_logits_processor"], "__bool__"): lambda: False,
-        (code["_ignore_bidirectional_mask_sdpa"], "__bool__"): lambda: True,  # the prompt's mask: all ones
-        (code["StopCheck.__call__"], "__bool__"): stop_check,
-        # Whisper: the last token is neither pad nor EOS; no token is a timestamp
-        (code["generate_with_fallback"], "__bool__"): lambda: False,
-        (code["_retrieve_segment"], "tolist"): lambda: 0,  # token 0 at every place
-    }
-
-    def answering(name: str):
-        original = getattr(torch.Tensor, name)
-
-        def answer(self):
-            if self.device.type != "meta":
-                return original(self)
-            caller = sys._getframe(1)
-            known = answers.get((caller.f_code, name))
-            if known is None:
-                raise TraceError(f"model.generate() asked for a value of a meta tensor (Tensor.{name}) in "
-                                 f"{caller.f_code.co_qualname} ({caller.f_code.co_filename}:{caller.f_lineno}), a "
-                                 f"question bridge {GENERATION_QUESTIONS.name} does not answer")
-            value = known()
-            if name == "tolist":
-                return _filled_list(tuple(self.shape), int(value))
-            return value if name == "__bool__" else int(value)
-        return answer
-
-    with (_set(torch.Tensor, "__bool__", answering("__bool__")), _set(torch.Tensor, "item", answering("item")),
-          _set(torch.Tensor, "tolist", answering("tolist"))):
-        yield
-
-
-@contextlib.contextmanager
-def fsdp_on_meta(rec: StepRecorder | None = None) -> Iterator[None]:
-    """FSDP_ON_META while FSDP2 is applied (`rec` None) or a sharded step is recorded by `rec`: the originals back
-    on exit. Raises BridgeError, with nothing patched, when a target is missing."""
-    found = resolve(FSDP_ON_META)
-    handle = found["torch.distributed.device_mesh._get_device_handle"]
-
-    def device_handle(device_type: str = "cuda"):
-        return torch.cpu if device_type == "meta" else handle(device_type)
-
-    param_mod = importlib.import_module(_FSDP + "_fsdp_param")
-    alloc, free = found[_FSDP + "_fsdp_param.alloc_storage"], found[_FSDP + "_fsdp_param.free_storage"]
-
-    def alloc_storage(tensor: torch.Tensor) -> None:
-        before = tensor.untyped_storage().nbytes()
-        alloc(tensor)
-        if rec is not None and tensor.untyped_storage().nbytes() != before:
-            rec.storage_resized(tensor)
-
-    def free_storage(tensor: torch.Tensor) -> None:
-        before = tensor.untyped_storage().nbytes()
-        free(tensor)
-        if rec is not None and before:
-            rec.storage_resized(tensor)
-
-    from .analysis.categories import Category
-
-    group_class = importlib.import_module(_FSDP + "_fsdp_param_group").FSDPParamGroup
-    device_from_mesh = found[_FSDP + "_fully_shard._get_device_from_mesh"]
-    gather_inputs = found[_FSDP + "_fsdp_param.FSDPParam.all_gather_inputs"]
-    try:
-        sharded = _lookup(_FSDP + "_fsdp_param", "ShardedState.SHARDED")  # read, not patched
-    except LookupError:
-        raise _missing(FSDP_ON_META, _FSDP + "_fsdp_param.ShardedState.SHARDED") from None
-
-    def all_gather_inputs(self) -> list[torch.Tensor]:
-        host = getattr(self, "_sharded_param_data", None)
-        if (rec is None or not self.offload_to_cpu or self.sharded_state != sharded or host is None
-                or host.device.type != "meta" or hasattr(self._sharded_local_tensor, "fsdp_pre_all_gather")):
-            return gather_inputs.fget(self)
-        with rec.device_copy():  # `sharded_param_data.to(self.device, non_blocking=True)`
-            self._sharded_param_data = host.clone()
-        rec.set_category(self._sharded_param_data, Category.COLLECTIVE_BUFFERS, "shard copied from host memory")
-        try:
-            return gather_inputs.fget(self)
-        finally:
-            self._sharded_param_data = host
-    with contextlib.ExitStack() as stack:
-        for module in ("torch.distributed.device_mesh", *(_FSDP + m for m in (
-                "_fsdp_collectives", "_fsdp_init", "_fsdp_param_group", "_fsdp_state"))):
-            stack.enter_context(_set(importlib.import_module(module), "_get_device_handle", device_handle))
-        stack.enter_context(_set(importlib.import_module(_FSDP + "_fully_shard"), "_get_device_from_mesh",
-                                 lambda mesh: torch.device("meta") if mesh.device_type == "meta"
-                                 else device_from_mesh(mesh)))
-        stack.enter_context(_set(group_class, "_validate_no_meta_params", lambda self: None))
-        stack.enter_context(_set(group_class, "_validate_cpu_offload_params", lambda self: None))
-        stack.enter_context(_set(param_mod.FSDPParam, "all_gather_inputs", property(all_gather_inputs)))
-        stack.enter_context(_set(param_mod, "alloc_storage", alloc_storage))
-        stack.enter_context(_set(param_mod, "free_storage", free_storage))
-        stack.enter_context(_set(importlib.import_module(_FSDP + "_fsdp_param_group"), "alloc_storage",
-                                 alloc_storage))
-        yield
-
-
-class _Overridden:
-    """`target` with the methods in `overrides` replaced (name -> the value they return); every other attribute is
-    the target's."""
-
-    def __init__(self, target, **overrides) -> None:
-        object.__setattr__(self, "_target", target)
-        object.__setattr__(self, "_overrides", overrides)
-
-    def __getattr__(self, name: str):
-        if name in self._overrides:
-            return lambda *args, **kwargs: self._overrides[name]
-        return getattr(self._target, name)
-
-
-def ddp_on_meta(ddp) -> None:
-    """DDP_ON_META on the DistributedDataParallel object `ddp` (for as long as it lives). Raises BridgeError when a
-    target is missing."""
-    resolve(DDP_ON_META)
-    ddp.reducer = _Overridden(ddp.reducer, _rebuild_buckets=False)
-    ddp.logger = _Overridden(ddp.logger, set_runtime_stats_and_log=None)
-
-
-@contextlib.contextmanager
-def installed(policy: KernelPolicyMode, rec: StepRecorder) -> Iterator[None]:
+def installed(policy: KernelPolicy, rec: StepRecording) -> Iterator[None]:
     """Every bridge patched in while a step is recorded by `rec` under `policy`; every target restored on exit,
     also when the step raises. Raises BridgeError, with nothing patched, when a target is missing."""
     apply: dict[Bridge, Callable[[contextlib.ExitStack], None]] = {
@@ -781,6 +725,8 @@ def installed(policy: KernelPolicyMode, rec: StepRecorder) -> Iterator[None]:
         QWEN_VL_POSITIONS: _qwen_vl_positions,
     }
     resolve(FUNCTIONAL_TORCH_FUNCTION_CHECK)  # patched per call (skip_next_torch_function_check); checked here
+    for read in STEP_READS:
+        resolve(read)
     if "bitsandbytes" not in sys.modules:  # no bitsandbytes layer or optimizer was made (its import costs seconds)
         del apply[BNB_OPTIMIZER_STATE], apply[INT8_MATMUL_DEVICE]
     if not any(m in sys.modules for m, _ in QWEN_VL_POSITIONS.targets):  # no Qwen-VL model was built
@@ -792,7 +738,7 @@ def installed(policy: KernelPolicyMode, rec: StepRecorder) -> Iterator[None]:
         yield
 
 
-def _bnb_optimizer_state(stack: contextlib.ExitStack, policy: KernelPolicyMode, rec: StepRecorder) -> None:
+def _bnb_optimizer_state(stack: contextlib.ExitStack, policy: KernelPolicy, rec: StepRecording) -> None:
     from .analysis.categories import Category
     from .spec import Device
 
@@ -821,7 +767,7 @@ def _bnb_optimizer_state(stack: contextlib.ExitStack, policy: KernelPolicyMode, 
                              "_get_state_double_buffer", double_buffer))
 
 
-def _int8_matmul_device(stack: contextlib.ExitStack, policy: KernelPolicyMode) -> None:
+def _int8_matmul_device(stack: contextlib.ExitStack, policy: KernelPolicy) -> None:
     import logging
 
     from .spec import Device
@@ -843,25 +789,3 @@ def _int8_matmul_device(stack: contextlib.ExitStack, policy: KernelPolicyMode) -
     logger: logging.Logger = found["bitsandbytes.autograd._functions.logger"]
     stack.callback(logger.setLevel, logger.level)
     logger.setLevel(logging.ERROR)
-
-
-def gradient_checkpointing_layer() -> type:
-    """transformers' `GradientCheckpointingLayer` (modeling_layers.py), the class of the layers that
-    activation_checkpointing_enable checkpoints. Raises BridgeError when it is missing."""
-    return resolve(CHECKPOINT_FUNCTION)["transformers.modeling_layers.GradientCheckpointingLayer"]
-
-
-def route_checkpoint_functions(model: torch.nn.Module, function: Callable) -> int:
-    """After `activation_checkpointing_enable`, replace each module's `_gradient_checkpointing_func` (where
-    transformers' GradientCheckpointingLayer looks up the checkpoint function) by `function`. The model is the
-    trace's own, so nothing is restored. Returns how many modules; raises BridgeError when none holds one."""
-    resolve(CHECKPOINT_FUNCTION)
-    count = 0
-    for m in model.modules():
-        if getattr(m, "_gradient_checkpointing_func", None) is not None:
-            m._gradient_checkpointing_func = function
-            count += 1
-    if count == 0:
-        raise _missing(CHECKPOINT_FUNCTION, f"_gradient_checkpointing_func on {type(model).__name__}'s modules after "
-                                            "activation_checkpointing_enable")
-    return count

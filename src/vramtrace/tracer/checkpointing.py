@@ -21,7 +21,7 @@
 The same function applies the policy to the meta model that is traced and to a real model that a test runs, so
 both run the same checkpoint code. `wrap_region` lets the tracer see each checkpointed region's function (to
 mark the recompute and restore its emulated autocast; for transformers' own checkpointing through the
-`checkpoint_function` bridge, `vramtrace.bridges.route_checkpoint_functions`); a real run passes none.
+`checkpoint_function` bridge, `vramtrace.feature_bridges.route_checkpoint_functions`); a real run passes none.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .. import bridges
+from .. import feature_bridges
 from ..errors import UsageError
 from ..spec import Checkpointing
 
@@ -87,7 +87,7 @@ def apply_checkpointing(model: torch.nn.Module, ckpt: Checkpointing, wrap_region
     if ckpt.kind in ("layers", "nth", "selective"):
         model.activation_checkpointing_enable(kwargs, every_n_layers=ckpt.k if ckpt.kind == "nth" else 1)
         if wrap_region is not None:
-            bridges.route_checkpoint_functions(model, _checkpoint_fn(wrap_region, **kwargs))
+            feature_bridges.route_checkpoint_functions(model, _checkpoint_fn(wrap_region, **kwargs))
         return
     if ckpt.kind == "every":
         if layers is None:
@@ -171,7 +171,7 @@ def _segment(seg: list[torch.nn.Module], run_checkpoint) -> None:
 def layer_stack(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     """The model's stack of checkpointable layers: the one ModuleList of transformers
     `GradientCheckpointingLayer`s, or None."""
-    layer_class = bridges.gradient_checkpointing_layer()
+    layer_class = feature_bridges.gradient_checkpointing_layer()
     stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)
               and all(isinstance(c, layer_class) for c in m)]
     return stacks[0] if len(stacks) == 1 else None

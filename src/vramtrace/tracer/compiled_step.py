@@ -7,7 +7,7 @@ What runs, and what the recorder sees:
   gradient, the saved tensors it hands to autograd (`ctx.save_for_backward`, seen by the saved-tensor hook) and
   clears before calling the backward graph with `steal_args=True`;
 - each compiled graph is not interpreted node by node: it repeats what Inductor's generated CPU wrapper allocates,
-  reuses and deletes, line by line (`compiled.run_program`, `compiled._cpu_allocations`): fused buffers never
+  reuses and deletes, line by line (`inductor_code.run_program`, `inductor_code.cpu_allocations`): fused buffers never
   exist, memory planning keeps freed buffers for reuse, fallback kernels' tuples hold their outputs, and the extern
   kernels' CPU workspaces are measured on this machine (`kernels.CpuWorkspaceProbe`);
 - the loss outside the model, the loop (`--loop`, gradient accumulation) and the optimizer (eager) run as the
@@ -35,7 +35,8 @@ from ..errors import TraceError, VramtraceError
 from ..spec import RunSpec
 from .building import LoadedModel, quiet_transformers_logs
 from .checkpointing import apply_checkpointing, layer_stack
-from .compiled import compiled_twin, module_path
+from .compiled import compiled_twin
+from .inductor_code import module_path
 from .kernels import CpuWorkspaceProbe, KernelPolicyMode
 from .optim import make_optimizer
 from .records import ZERO_GRADIENT_NAME, MicroMarks, OpInfo, Phase

@@ -3,8 +3,8 @@
 A greedy `model.generate()` of N tokens runs the prefill (micro-step 0 of the recording) and N-1 decode steps
 (micro-steps 1..N-1), each the same code over one new token. Tracing 512 decode steps costs 512 times one step
 for records that differ only in the length the KV cache has reached. So the tracer stops the generation after
-`traced` decode steps (`bridges.generating(..., stop_after=...)`: the stop check answers "finished" early, so
-the last traced step runs the loop's exit as the real last step does, while `max_new_tokens` still sizes
+`traced` decode steps (`feature_bridges.generating(..., stop_after=...)`: the stop check answers "finished"
+early, so the last traced step runs the loop's exit as the real last step does, while `max_new_tokens` still sizes
 everything that depends on it, a StaticCache's `max_cache_len` included) and this module rebuilds the records of
 the whole generation:
 
@@ -118,10 +118,28 @@ def rebuild_decode_steps(ops: list[RecOp], storages: list[RecStorage], new_token
         return ops, storages, 0
     places = _Places(ops, storages)
     template = pattern[-1]
+    t_ops, t_born = [ops[i] for i in groups[template]], places.born.get(template, [])
+    f_ops, f_born = [ops[i] for i in groups[last]], places.born.get(last, [])
+    slope, flop_slope = _check_pattern(ops, storages, groups, places, pattern)
+    _check_last_step(storages, places, (t_ops, t_born, template), (f_ops, f_born, last), slope)
+    # 3. rebuild: everything before the last traced step, the copies, then the last step as step N-1
+    out = _Copies(ops, storages, places, groups[last].start, last, new_tokens, len(t_born))
+    t_code, f_code = out.encoded(t_ops, template), out.encoded(f_ops, last)
+    fixed_sids = list(out.fixed)
+    for j in range(last, new_tokens - 1):
+        out.emit(t_ops, t_born, t_code, j, template, fixed_sids, slope, flop_slope)
+    out.emit(f_ops, f_born, f_code, new_tokens - 1, last, fixed_sids, slope, flop_slope)
+    return out.ops, out.storages, copies
+
+
+def _check_pattern(ops: list[RecOp], storages: list[RecStorage], groups: dict[int, range], places: _Places,
+                   pattern: list[int]) -> tuple[list[list[int]], list[int]]:
+    """1. The pattern's steps: the same records, references in the same places, sizes affine in the step, and
+    each storage dying the same number of steps later. Returns (per storage of a step, its sizes' growth per
+    step; per op, its FLOPs' growth per step). Raises NotPeriodic."""
+    template = pattern[-1]
     t_ops = [ops[i] for i in groups[template]]
     t_born = places.born.get(template, [])
-
-    # 1. the pattern: the same records, references in the same places, sizes affine in the step
     for m in pattern[:-1]:
         m_ops = [ops[i] for i in groups[m]]
         if len(m_ops) != len(t_ops) or any(_op_shape(a, places, m) != _op_shape(b, places, template)
@@ -151,80 +169,85 @@ def rebuild_decode_steps(ops: list[RecOp], storages: list[RecStorage], new_token
     if any(f != fates[-1] for f in fates) or any(f is not None and f > MAX_BACK for f in fates[-1]):
         raise NotPeriodic(f"a storage of the decode steps does not die the same number of steps later, within "
                           f"{MAX_BACK}, in steps {pattern[0]}..{template}")
+    return slope, flop_slope
 
-    # 2. the last traced step is a regular step cut short (the loop's exit), its sizes one slope past the template
-    f_ops = [ops[i] for i in groups[last]]
-    f_born = places.born.get(last, [])
+
+def _check_last_step(storages: list[RecStorage], places: _Places, template: tuple[list[RecOp], list[int], int],
+                     last: tuple[list[RecOp], list[int], int], slope: list[list[int]]) -> None:
+    """2. The last traced step (its ops, births and micro-step, as `template`'s) is a regular step cut short
+    (the loop's exit), its sizes one slope past the template. Raises NotPeriodic."""
+    (t_ops, t_born, t_micro), (f_ops, f_born, f_micro) = template, last
     if len(f_ops) > len(t_ops) or any(x.name != y.name or x.module != y.module for x, y in zip(f_ops, t_ops)):
         raise NotPeriodic("the last decode step is not a regular step cut short")
     if len(f_born) > len(t_born) or any(
-            _storage_kind(storages[x], last) != _storage_kind(storages[y], template)
+            _storage_kind(storages[x], f_micro) != _storage_kind(storages[y], t_micro)
             or [q - p for p, q in zip(_sizes(storages[y]), _sizes(storages[x]))] != d
             for x, y, d in zip(f_born, t_born, slope)):
         raise NotPeriodic("the last decode step's storages are not a regular step's one step later")
 
-    # 3. rebuild: everything before the last traced step, the copies, then the last step as step N-1
-    first_last_op = groups[last].start
-    new_sid: dict[int, int] = {}
-    out_storages: list[RecStorage] = []
-    for s in storages:
-        if places.micro[s.sid] != last:
-            new_sid[s.sid] = len(out_storages)
-            # a storage the last step's outputs reach (a StaticCache's tensors) is reached by step N-1's
-            held = new_tokens - 1 if s.held_micro == last else s.held_micro
-            out_storages.append(s.copy(len(out_storages), s.name, s.module, s.op_index, held))
-    out_ops: list[RecOp] = [RecOp(o.index, o.name, o.phase, o.module, tuple(new_sid[s] for s in o.ins),
-                                  tuple(new_sid[s] for s in o.outs), tuple(new_sid[s] for s in o.frees), o.lead,
-                                  o.flops, o.recompute, o.step, o.micro) for o in ops[:first_last_op]]
-    born_at: dict[int, list[int]] = {m: [new_sid[s] for s in sids] for m, sids in places.born.items() if m != last}
 
-    # a reference is encoded once per source step as a place in the lookup list of each copy:
-    # [own births (n slots), births 1..MAX_BACK steps back (n slots each), the fixed storages]
-    n = len(t_born)
-    fixed: dict[int, int] = {}
+class _Copies:
+    """The rebuilt records (`ops`, `storages`): those before the last traced step `last` (its first op
+    `first_last_op`), then each step `emit` adds. A reference is encoded once per source step as a place in the
+    lookup list of each copy: [own births (`n` slots), births 1..MAX_BACK steps back (n slots each), the fixed
+    storages]."""
 
-    def encode(sid: int, src_micro: int) -> int:
-        ref = places.ref(sid, src_micro)
+    def __init__(self, ops: list[RecOp], storages: list[RecStorage], places: _Places, first_last_op: int, last: int,
+                 new_tokens: int, n: int):
+        self.src_storages, self.places, self.n = storages, places, n
+        self.new_sid: dict[int, int] = {}
+        self.storages: list[RecStorage] = []
+        for s in storages:
+            if places.micro[s.sid] != last:
+                self.new_sid[s.sid] = len(self.storages)
+                # a storage the last step's outputs reach (a StaticCache's tensors) is reached by step N-1's
+                held = new_tokens - 1 if s.held_micro == last else s.held_micro
+                self.storages.append(s.copy(len(self.storages), s.name, s.module, s.op_index, held))
+        new_sid = self.new_sid
+        self.ops: list[RecOp] = [RecOp(o.index, o.name, o.phase, o.module, tuple(new_sid[s] for s in o.ins),
+                                       tuple(new_sid[s] for s in o.outs), tuple(new_sid[s] for s in o.frees), o.lead,
+                                       o.flops, o.recompute, o.step, o.micro) for o in ops[:first_last_op]]
+        self.born_at: dict[int, list[int]] = {m: [new_sid[s] for s in sids] for m, sids in places.born.items()
+                                              if m != last}
+        self.fixed: dict[int, int] = {}
+
+    def encode(self, sid: int, src_micro: int) -> int:
+        ref = self.places.ref(sid, src_micro)
         if ref[0] == "own":
             return ref[1]
         if ref[0] == "back":
-            return ref[1] * n + ref[2]
-        return (MAX_BACK + 1) * n + fixed.setdefault(new_sid[ref[1]], len(fixed))
+            return ref[1] * self.n + ref[2]
+        return (MAX_BACK + 1) * self.n + self.fixed.setdefault(self.new_sid[ref[1]], len(self.fixed))
 
-    def encoded(src_ops: list[RecOp], src_micro: int) -> list[tuple[tuple[int, ...], ...]]:
-        return [tuple(tuple(encode(x, src_micro) for x in refs) for refs in (o.ins, o.outs, o.frees))
+    def encoded(self, src_ops: list[RecOp], src_micro: int) -> list[tuple[tuple[int, ...], ...]]:
+        return [tuple(tuple(self.encode(x, src_micro) for x in refs) for refs in (o.ins, o.outs, o.frees))
                 for o in src_ops]
 
-    t_code, f_code = encoded(t_ops, template), encoded(f_ops, last)
-    fixed_sids = list(fixed)
-
-    def emit(src_ops: list[RecOp], src_born: list[int], code: list, j: int, src_micro: int) -> None:
+    def emit(self, src_ops: list[RecOp], src_born: list[int], code: list, j: int, src_micro: int,
+             fixed_sids: list[int], slope: list[list[int]], flop_slope: list[int]) -> None:
+        """Step `j` as a copy of step `src_micro` (its ops, births and encoded references), sizes and FLOPs
+        shifted by the slopes. Raises NotPeriodic when a size would fall below 0."""
         own: list[int] = []
-        op_base, first_op = len(out_ops), src_ops[0].index
+        op_base, first_op = len(self.ops), src_ops[0].index
         shift = j - src_micro
         for k, sid in enumerate(src_born):
-            s = storages[sid]
+            s = self.src_storages[sid]
             size = [v + shift * d for v, d in zip(_sizes(s), slope[k])]
             if any(v < 0 for v in size):
                 raise NotPeriodic(f"storage {s.name or s.op} would shrink below 0 bytes")
-            new = RecStorage(len(out_storages), size[0], s.dtype, tuple(size[1:]), s.device,
+            new = RecStorage(len(self.storages), size[0], s.dtype, tuple(size[1:]), s.device,
                              op_base + (s.op_index - first_op), s.op, s.module, s.phase, s.category, s.name,
                              s.saved, s.held_as, s.held_micro + shift if s.held_micro >= 0 else -1)
             own.append(new.sid)
-            out_storages.append(new)
-        born_at[j] = own
-        lut = own + [-1] * (n - len(own))  # the last step makes fewer storages; none refers past its own
+            self.storages.append(new)
+        self.born_at[j] = own
+        lut = own + [-1] * (self.n - len(own))  # the last step makes fewer storages; none refers past its own
         for d in range(1, MAX_BACK + 1):  # steps j-1..j-3 are pattern steps or copies: n births each
-            lut += born_at[j - d]
+            lut += self.born_at[j - d]
         lut += fixed_sids
         at = lut.__getitem__
         for k, o in enumerate(src_ops):
             ins, outs, frees = code[k]
-            out_ops.append(RecOp(op_base + k, o.name, o.phase, o.module, tuple(map(at, ins)), tuple(map(at, outs)),
-                                 tuple(map(at, frees)), o.lead, o.flops + shift * flop_slope[k], o.recompute, o.step,
-                                 j))
-
-    for j in range(last, new_tokens - 1):
-        emit(t_ops, t_born, t_code, j, template)
-    emit(f_ops, f_born, f_code, new_tokens - 1, last)
-    return out_ops, out_storages, copies
+            self.ops.append(RecOp(op_base + k, o.name, o.phase, o.module, tuple(map(at, ins)), tuple(map(at, outs)),
+                                  tuple(map(at, frees)), o.lead, o.flops + shift * flop_slope[k], o.recompute,
+                                  o.step, j))

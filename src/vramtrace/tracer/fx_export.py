@@ -39,84 +39,103 @@ def to_fx_graph(traced, step: int | None = None) -> fx.GraphModule:
     if traced.op_args is None:
         raise TraceError("the trace kept no op arguments; trace it with trace_step(spec, loaded, keep_args=True)")
     step = traced.steps - 1 if step is None else step
-    ops = [o for o in traced.ops if o.step == step and o.index in traced.op_args]
-    graph = fx.Graph()
-    # `.item()` (an optimizer's step count) gives an unbacked symbol; its uses hold the recorded value
-    mode = FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True))
-    inputs: list[torch.Tensor] = []
-    by_view: dict[TensorArg, fx.Node] = {}  # a tensor layout -> the node computing it
-    holder: dict[int, fx.Node] = {}  # storage -> a node computing a tensor of it
-    dtype_of: dict[fx.Node, torch.dtype] = {}  # a node computing a tensor -> its dtype
-    placeholders: list[fx.Node] = []
-
-    def placeholder(t: TensorArg) -> fx.Node:
-        nbytes = traced.storages[t.sid].nbytes
-        itemsize = t.dtype.itemsize
-        if nbytes % itemsize:
-            raise TraceError(f"storage {t.sid} ({nbytes} B) is not a whole number of {t.dtype} elements")
-        # after the last placeholder (the graph's start for the first): the order of `inputs`
-        with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before(None):
-            node = graph.placeholder(f"s{t.sid}")
-        placeholders.append(node)
-        node.meta["storage"] = t.sid
-        with mode:
-            inputs.append(torch.empty(nbytes // itemsize, dtype=t.dtype, device="meta"))
-        return node
-
-    def resolve(t: TensorArg) -> fx.Node:
-        node = by_view.get(t)
-        if node is not None:
-            return node
-        base = holder.get(t.sid)
-        if base is None or dtype_of[base] != t.dtype:  # a storage alive at the start (or read as another dtype)
-            base = holder[t.sid] = placeholder(t)
-            dtype_of[base] = t.dtype
-            flat = TensorArg(t.sid, (traced.storages[t.sid].nbytes // t.dtype.itemsize,), (1,), 0, t.dtype)
-            by_view[flat] = base
-            if t == flat:
-                return base
-        node = graph.call_function(torch.ops.aten.as_strided.default, (base, list(t.shape), list(t.stride), t.offset))
-        dtype_of[node] = t.dtype
-        by_view[t] = node
-        return node
-
-    for o in ops:
-        try:
-            ns, op, overload = o.name.split(".")
-            target = getattr(getattr(getattr(torch.ops, ns), op), overload)
-        except (ValueError, AttributeError):
-            raise TraceError(f"unknown op {o.name} at step {o.index}") from None
-        args, kwargs, out = traced.op_args[o.index]
-        if target is _ADD and args and out == args[0]:  # the engine's gradient accumulation into its input
-            target = torch.ops.aten.add_.Tensor  # buffer, which the recorder runs in place (`_accumulates_in_place`)
-        args, kwargs = tree_map(lambda a: resolve(a) if isinstance(a, TensorArg) else a, (args, kwargs))
-        node = graph.call_function(target, tuple(args), dict(kwargs))
-        node.meta.update({"phase": str(o.phase), "nn_module_stack": o.module, "step": o.index, "reads": o.reads,
-                          "allocates": o.allocates})
-        _outputs(graph, node, out, by_view, holder, dtype_of)
-    graph.output(None)
-    gm = fx.GraphModule(torch.nn.Module(), graph)
+    builder = _GraphBuilder(traced.storages)
+    for o in (o for o in traced.ops if o.step == step and o.index in traced.op_args):
+        builder.add(o, *traced.op_args[o.index])
+    builder.graph.output(None)
+    gm = fx.GraphModule(torch.nn.Module(), builder.graph)
     try:
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+        FakeTensorProp(gm, builder.mode).propagate_dont_convert_inputs(*builder.inputs)
     except Exception as e:  # noqa: BLE001 - any op failing under fake tensors: name it
         raise TraceError(f"the step's graph does not run under FakeTensorMode: {type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''}") from e
     return gm
 
 
-def _outputs(graph: fx.Graph, node: fx.Node, out, by_view: dict, holder: dict, dtype_of: dict) -> None:
-    """Register the tensors `out` (the op's recorded output: a TensorArg, or nested lists/tuples of them) as
-    computed by `node`, through `operator.getitem` nodes for the items of a tuple or list."""
-    if isinstance(out, TensorArg):
-        dtype_of[node] = out.dtype
-        by_view[out] = node
-        if out.sid not in holder or dtype_of[holder[out.sid]] != out.dtype:
-            holder[out.sid] = node
-        return
-    if isinstance(out, (list, tuple)) and any(isinstance(x, TensorArg) for x in tree_flatten(out)[0]):
-        for i, item in enumerate(out):
-            if isinstance(item, (TensorArg, list, tuple)):
-                _outputs(graph, graph.call_function(operator.getitem, (node, i)), item, by_view, holder, dtype_of)
+def _target(o) -> torch._ops.OpOverload:
+    """The aten (or other namespace's) overload a recorded op names. Raises TraceError for a name torch does
+    not know."""
+    try:
+        ns, op, overload = o.name.split(".")
+        return getattr(getattr(getattr(torch.ops, ns), op), overload)
+    except (ValueError, AttributeError):
+        raise TraceError(f"unknown op {o.name} at step {o.index}") from None
+
+
+class _GraphBuilder:
+    """The FX graph of `to_fx_graph` as ops are added, with the fake inputs of its placeholders (`inputs`, in
+    their order) made under `mode`."""
+
+    def __init__(self, storages):
+        self.storages = storages
+        self.graph = fx.Graph()
+        # `.item()` (an optimizer's step count) gives an unbacked symbol; its uses hold the recorded value
+        self.mode = FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True))
+        self.inputs: list[torch.Tensor] = []
+        self.by_view: dict[TensorArg, fx.Node] = {}  # a tensor layout -> the node computing it
+        self.holder: dict[int, fx.Node] = {}  # storage -> a node computing a tensor of it
+        self.dtype_of: dict[fx.Node, torch.dtype] = {}  # a node computing a tensor -> its dtype
+        self.placeholders: list[fx.Node] = []
+
+    def add(self, o, args, kwargs, out) -> None:
+        """The node of recorded op `o`, called with its recorded arguments, and the nodes naming its outputs."""
+        target = _target(o)
+        if target is _ADD and args and out == args[0]:  # the engine's gradient accumulation into its input
+            target = torch.ops.aten.add_.Tensor  # buffer, which the recorder runs in place (`_accumulates_in_place`)
+        args, kwargs = tree_map(lambda a: self.resolve(a) if isinstance(a, TensorArg) else a, (args, kwargs))
+        node = self.graph.call_function(target, tuple(args), dict(kwargs))
+        node.meta.update({"phase": str(o.phase), "nn_module_stack": o.module, "step": o.index, "reads": o.reads,
+                          "allocates": o.allocates})
+        self.outputs(node, out)
+
+    def placeholder(self, t: TensorArg) -> fx.Node:
+        nbytes = self.storages[t.sid].nbytes
+        itemsize = t.dtype.itemsize
+        if nbytes % itemsize:
+            raise TraceError(f"storage {t.sid} ({nbytes} B) is not a whole number of {t.dtype} elements")
+        # after the last placeholder (the graph's start for the first): the order of `inputs`
+        graph = self.graph
+        with graph.inserting_after(self.placeholders[-1]) if self.placeholders else graph.inserting_before(None):
+            node = graph.placeholder(f"s{t.sid}")
+        self.placeholders.append(node)
+        node.meta["storage"] = t.sid
+        with self.mode:
+            self.inputs.append(torch.empty(nbytes // itemsize, dtype=t.dtype, device="meta"))
+        return node
+
+    def resolve(self, t: TensorArg) -> fx.Node:
+        """The node computing the tensor `t`: a placeholder of a storage alive at the start, or an
+        `aten.as_strided` of a node holding its storage."""
+        node = self.by_view.get(t)
+        if node is not None:
+            return node
+        base = self.holder.get(t.sid)
+        if base is None or self.dtype_of[base] != t.dtype:  # a storage alive at the start (or read as another dtype)
+            base = self.holder[t.sid] = self.placeholder(t)
+            self.dtype_of[base] = t.dtype
+            flat = TensorArg(t.sid, (self.storages[t.sid].nbytes // t.dtype.itemsize,), (1,), 0, t.dtype)
+            self.by_view[flat] = base
+            if t == flat:
+                return base
+        node = self.graph.call_function(torch.ops.aten.as_strided.default,
+                                        (base, list(t.shape), list(t.stride), t.offset))
+        self.dtype_of[node] = t.dtype
+        self.by_view[t] = node
+        return node
+
+    def outputs(self, node: fx.Node, out) -> None:
+        """Register the tensors `out` (the op's recorded output: a TensorArg, or nested lists/tuples of them) as
+        computed by `node`, through `operator.getitem` nodes for the items of a tuple or list."""
+        if isinstance(out, TensorArg):
+            self.dtype_of[node] = out.dtype
+            self.by_view[out] = node
+            if out.sid not in self.holder or self.dtype_of[self.holder[out.sid]] != out.dtype:
+                self.holder[out.sid] = node
+            return
+        if isinstance(out, (list, tuple)) and any(isinstance(x, TensorArg) for x in tree_flatten(out)[0]):
+            for i, item in enumerate(out):
+                if isinstance(item, (TensorArg, list, tuple)):
+                    self.outputs(self.graph.call_function(operator.getitem, (node, i)), item)
 
 
 def fx_graph(spec, step: int | None = None) -> fx.GraphModule:

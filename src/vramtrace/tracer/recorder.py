@@ -6,8 +6,8 @@ and the optimizer's). For every op output whose storage is new it registers the 
 dies (Python locals, autograd saved tensors, optimizer temporaries), so frees land where eager frees them.
 This is the technique of PyTorch's `test/inductor/test_mem_estimation.py` (FakeTensorMemoryProfilerMode).
 
-Storages are keyed by a recorder-assigned id (`sid`); the C++ StorageImpl address is only used while the
-storage is alive, so a reused address gets a new id.
+Storages are keyed by a recorder-assigned id (`sid`); a live storage is found by its `storage_key` (a
+`StorageWeakRef`), dropped when the storage dies, so a storage made later at the same address gets a new id.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -39,7 +40,8 @@ _ADD = torch.ops.aten.add.Tensor
 # `_wrap_tensor_autograd`: an AsyncCollectiveTensor around the input, no allocation; its fake kernel is `empty_like`)
 _WRAP_COLLECTIVE = "_c10d_functional._wrap_tensor_autograd.default"
 # references to an input-buffer gradient seen from the top of __torch_dispatch__ when the engine holds the last one
-# (the buffer, the dispatcher's argument, the Python argument, the engine's own copy): see _accumulates_in_place
+# (the buffer, the dispatcher's argument, the Python argument, the engine's own copy): see _accumulates_in_place;
+# a private read declared as bridges.ACCUMULATION_USE_COUNTS, with the storage's count
 ACCUMULATE_USE_COUNT = 4
 
 
@@ -78,6 +80,14 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
     return (local if isinstance(local, torch.Tensor) else t).untyped_storage()
 
 
+def storage_key(t: torch.Tensor) -> StorageWeakRef:
+    """The key of t's storage (`storage_of`) while it is alive: a `StorageWeakRef` (torch/multiprocessing/
+    reductions.py), equal for every tensor over the same StorageImpl, as torch's own FX passes key storages
+    (analysis/graph_liveness.py too). It holds no reference to the data; the recorder drops it when the storage
+    dies (its finalizer), so a StorageImpl made later at the same address is a new key's storage."""
+    return StorageWeakRef(storage_of(t))
+
+
 class StepRecorder(TorchDispatchMode):
     """Dispatch mode recording ops, storages and eager frees. Set `phase` (a `Phase`), `step` and `micro` between
     the parts of the step. Under `Phase.STEP` (a user's step function) the phase of each op is found as it runs:
@@ -94,7 +104,7 @@ class StepRecorder(TorchDispatchMode):
         self.ops: list[RecOp] = []
         self.storages: list[RecStorage] = []
         self.free_after: dict[int, int] = {}  # sid -> index of the last op completed when it was freed
-        self._live: dict[int, int] = {}  # StorageImpl address -> sid
+        self._live: dict[StorageWeakRef, int] = {}  # a live storage (storage_key) -> sid
         self._finalizers: list[weakref.finalize] = []
         self._lock = threading.Lock()
         self.module_stack: list[str] = []
@@ -124,7 +134,7 @@ class StepRecorder(TorchDispatchMode):
         self.offloading = False
         self._copying_to_device = 0
         self._resized_away: set[int] = set()  # records whose storage was resized (storage_resized): freed there
-        self._resized_from: dict[int, int] = {}  # StorageImpl address -> its last record, while resized to 0
+        self._resized_from: dict[StorageWeakRef, int] = {}  # storage_key -> its last record, while resized to 0
         # op index -> (args, kwargs, output) with every tensor a TensorArg, for the ops of `__torch_dispatch__`
         # (not the pseudo-ops), when made under `keeping_args`; else None
         self.op_args: dict[int, tuple] | None = {} if _KEEP_ARGS.get() else None
@@ -146,7 +156,7 @@ class StepRecorder(TorchDispatchMode):
         self._phase = Phase(value)
 
     # -- storages ----------------------------------------------------------------------------------------
-    def _on_free(self, key: int, sid: int) -> None:
+    def _on_free(self, key: StorageWeakRef, sid: int) -> None:
         with self._lock:
             if self._live.get(key) == sid:
                 del self._live[key]
@@ -155,7 +165,7 @@ class StepRecorder(TorchDispatchMode):
             if sid not in self._resized_away:
                 self.free_after[sid] = len(self.ops) - 1
 
-    def _retire(self, key: int) -> int | None:
+    def _retire(self, key: StorageWeakRef) -> int | None:
         """End the record of the live storage `key` after the last op, while the storage lives on as a new record
         (a resize, a reuse); its finalizer then frees the new record, not this one. Returns the record, or None."""
         old = self._live.pop(key, None)
@@ -171,7 +181,7 @@ class StepRecorder(TorchDispatchMode):
         is a new record of the same bytes and the new buffer's `shape`, born at a pseudo-op `REUSE_OP` of `module`
         with `op` (the op the buffer was lowered from): bytes live never differ from the real run's, and a buffer
         that one layer hands to the next is owned by each layer in turn, as layer replication needs."""
-        if self._retire(storage_of(t)._cdata) is None:
+        if self._retire(storage_key(t)) is None:
             return
         index = len(self.ops)
         sid = self.storage_id(t, op_index=index, op=op or REUSE_OP)
@@ -187,7 +197,7 @@ class StepRecorder(TorchDispatchMode):
         the storage's record so far dies after the last op, and a size above 0 is a new record born at a pseudo-op
         `storage.resize_`, with the category and name of the storage's last record (also across a resize to 0)."""
         st = storage_of(t)
-        key = st._cdata
+        key = StorageWeakRef(st)
         old = self._retire(key)
         if old is not None:
             self._resized_from[key] = old
@@ -206,7 +216,7 @@ class StepRecorder(TorchDispatchMode):
                    name: str = "") -> int:
         """The sid of t's storage, registering it (born at `op_index`) if it is new."""
         st = storage_of(t)
-        key = st._cdata
+        key = StorageWeakRef(st)
         sid = self._live.get(key)
         if sid is not None:
             return sid
@@ -220,7 +230,7 @@ class StepRecorder(TorchDispatchMode):
 
     def _watch(self, st: torch.UntypedStorage, sid: int) -> None:
         """Map the live storage `st` to record `sid` and record its free where its last reference dies."""
-        key = st._cdata
+        key = StorageWeakRef(st)
         self._live[key] = sid
         self._finalizers.append(weakref.finalize(st, self._on_free, key, sid))
 
@@ -229,7 +239,7 @@ class StepRecorder(TorchDispatchMode):
         storage no op recorded: record its allocation as the op `aten.lift_fresh` that the same call records on
         the CPU (on a CUDA device it is an allocation of the caching allocator and a host-to-device copy). A
         storage an op already recorded (the CPU path's own `aten.lift_fresh`) is left as it is."""
-        if storage_of(t)._cdata in self._live:
+        if storage_key(t) in self._live:
             return
         index, name = len(self.ops), str(torch.ops.aten.lift_fresh.default)
         sid = self.storage_id(t, op_index=index, op=name)
@@ -238,7 +248,7 @@ class StepRecorder(TorchDispatchMode):
 
     def live_sid(self, t: torch.Tensor) -> int | None:
         """The sid of t's storage if it is registered and alive, else None."""
-        return self._live.get(storage_of(t)._cdata)
+        return self._live.get(storage_key(t))
 
     def adopt(self, t: torch.Tensor, sid: int) -> None:
         """Make t's storage the live storage of the existing record `sid` (a storage whose birth was written by
@@ -247,7 +257,7 @@ class StepRecorder(TorchDispatchMode):
 
     def forget(self, t: torch.Tensor) -> None:
         """Stop watching t's storage: its record's free is written by the caller (a replayed record)."""
-        self._live.pop(storage_of(t)._cdata, None)
+        self._live.pop(storage_key(t), None)
 
     def register_existing(self, t: torch.Tensor, category: str, name: str) -> int:
         """Register a tensor alive at step start (parameter, buffer, input, optimizer state)."""
@@ -260,7 +270,7 @@ class StepRecorder(TorchDispatchMode):
     def hold(self, t: torch.Tensor, what: str, micro: int) -> None:
         """Mark t's storage as the loop's `what` ('outputs' or 'loss') of micro-step `micro` (analysis/storages.py
         derives each loop's release from it)."""
-        sid = self._live.get(storage_of(t)._cdata)
+        sid = self._live.get(storage_key(t))
         if sid is not None and self.storages[sid].op_index >= 0:
             s = self.storages[sid]
             s.held_as, s.held_micro = what, micro
@@ -269,7 +279,7 @@ class StepRecorder(TorchDispatchMode):
         """t's storage is memory outside the target's caching allocator (CUDA managed memory: a paged
         bitsandbytes optimizer's state): its record gets `category` and the device 'cuda_managed', which no
         target counts as allocated (trace.py `counted`)."""
-        sid = self._live.get(storage_of(t)._cdata)
+        sid = self._live.get(storage_key(t))
         if sid is not None:
             self.storages[sid].category = category
             self.storages[sid].device = MANAGED_DEVICE
@@ -279,7 +289,7 @@ class StepRecorder(TorchDispatchMode):
         on the host, kernels.py `on_host_output`): device 'host', which a CUDA target does not count. Once `offloading` is set, the recorder also puts in host memory what an op makes
         from host storages only (the optimizer step and its state, gradient accumulation, on the CPU), and the
         output of a copy to the CPU (`aten._to_copy` with device cpu: FSDP2's gradient offload)."""
-        sid = self._live.get(storage_of(t)._cdata)
+        sid = self._live.get(storage_key(t))
         if sid is not None:
             self.storages[sid].device = HOST_DEVICE
 
@@ -303,7 +313,7 @@ class StepRecorder(TorchDispatchMode):
         """Give t's live storage the module and the op it belongs to (a compiled graph's buffer: both come from the
         FX node it was lowered from, not from the module stack and the allocating call); the op that allocated it
         gets the module too (layer replication reads an op's layer from its module)."""
-        sid = self._live.get(storage_of(t)._cdata)
+        sid = self._live.get(storage_key(t))
         if sid is not None:
             s = self.storages[sid]
             s.module, s.op = module or s.module, op or s.op
@@ -312,7 +322,7 @@ class StepRecorder(TorchDispatchMode):
 
     def set_category(self, t: torch.Tensor, category: str, name: str = "") -> None:
         """Give t's storage `category` (a storage outside the allocator, `managed`, keeps its own) and a name."""
-        sid = self._live.get(storage_of(t)._cdata)
+        sid = self._live.get(storage_key(t))
         if sid is not None:
             s = self.storages[sid]
             if s.device != MANAGED_DEVICE:
@@ -386,7 +396,7 @@ class StepRecorder(TorchDispatchMode):
     # -- saved tensors ------------------------------------------------------------------------------------------
     def pack_hook(self, t: torch.Tensor) -> torch.Tensor:
         if self.phase is Phase.FORWARD:
-            sid = self._live.get(storage_of(t)._cdata)
+            sid = self._live.get(storage_key(t))
             if sid is not None:
                 self.storages[sid].saved = True
         return t

@@ -272,82 +272,108 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
     (`op_index`) is the op it was first seen at. The third list maps each traced op index to the index of its
     last copy in the rebuilt ops (a check layer's op: the last rebuilt op before it). Raises NotPeriodic.
     """
-    L = plan.num_layers
-    if L <= plan.traced:
-        raise NotPeriodic(f"the model has only {L} layers")
-    last, T, C, head = plan.traced - 1, plan.template, plan.check, plan.head
+    if plan.num_layers <= plan.traced:
+        raise NotPeriodic(f"the model has only {plan.num_layers} layers")
     births: list[list[int]] = [[] for _ in ops]
     for s in storages:
         if s.op_index >= 0:
             births[s.op_index].append(s.sid)
+    owners = _Ownership(plan, ops, storages, births)
+    by_key: dict[tuple[int, tuple], int] = {own: s for s, own in enumerate(owners.owner) if own is not None}
+    _check_periodic(owners, by_key)
+    return _Rebuild(owners, by_key).run()
 
-    # 1. phase by phase: which layer each op runs for (by module path in the forward and backward, by the
-    #    storages it reads elsewhere: the optimizer step; multi: it reads several layers' storages, a foreach
-    #    op), the sweeps and units, then every storage's owner: (traced layer, key) or None (global).
-    owner: list[tuple[int, tuple] | None] = [None] * len(storages)
-    for s in storages:
-        layer = plan.layer_of(s.name) if s.op_index < 0 else None
-        if layer is not None:
-            owner[s.sid] = (layer, ("pre", plan.rename(s.name, {layer: -1})))
-    uses: dict[int, list[int]] = {}  # storage -> the ops that read or free it
-    for o in ops:
-        for s in (*o.ins, *o.frees):
-            uses.setdefault(s, []).append(o.index)
-    owner_layer: list[int | None] = [None] * len(ops)
-    multi = [False] * len(ops)
-    units: list[_Unit] = []
-    # op index -> (unit, (op name, module relative to the unit's layer, how many such ops precede it in the
-    # unit)): a storage's key, which survives a boundary layer running fewer ops of other kinds (the first
-    # layer's backward has no all-gather of a layer before it to prefetch, under FSDP2)
-    unit_of: dict[int, tuple[_Unit, tuple[str, str, int]]] = {}
-    phases: dict[tuple, list[int]] = {}
-    for o in ops:  # each micro-step's phases are swept separately
-        phases.setdefault((o.step, o.micro, o.phase), []).append(o.index)
-    for group, idxs in phases.items():
+
+class _Ownership:
+    """1. Phase by phase: which layer each op runs for (by module path in the forward and backward, by the
+    storages it reads elsewhere: the optimizer step; `multi`: it reads several layers' storages, a foreach op),
+    the sweeps and `units`, then every storage's `owner`: (traced layer, key) or None (global)."""
+
+    def __init__(self, plan: LayerPlan, ops: list[RecOp], storages: list[RecStorage], births: list[list[int]]):
+        self.plan, self.ops, self.storages, self.births = plan, ops, storages, births
+        self.owner: list[tuple[int, tuple] | None] = [None] * len(storages)
+        for s in storages:
+            layer = plan.layer_of(s.name) if s.op_index < 0 else None
+            if layer is not None:
+                self.owner[s.sid] = (layer, ("pre", plan.rename(s.name, {layer: -1})))
+        self.uses: dict[int, list[int]] = {}  # storage -> the ops that read or free it
+        for o in ops:
+            for s in (*o.ins, *o.frees):
+                self.uses.setdefault(s, []).append(o.index)
+        self.owner_layer: list[int | None] = [None] * len(ops)
+        self.multi = [False] * len(ops)
+        self.units: list[_Unit] = []
+        # op index -> (unit, (op name, module relative to the unit's layer, how many such ops precede it in the
+        # unit)): a storage's key, which survives a boundary layer running fewer ops of other kinds (the first
+        # layer's backward has no all-gather of a layer before it to prefetch, under FSDP2)
+        self.unit_of: dict[int, tuple[_Unit, tuple[str, str, int]]] = {}
+        phases: dict[tuple, list[int]] = {}
+        for o in ops:  # each micro-step's phases are swept separately
+            phases.setdefault((o.step, o.micro, o.phase), []).append(o.index)
+        for group, idxs in phases.items():
+            self.units += self._settle(group, idxs)
+
+    def _settle(self, group: tuple, idxs: list[int]) -> list[_Unit]:
+        """The units of one phase of one micro-step. Ownership feeds back into the tags (an op reading a step
+        counter born in a layer's unit belongs to that layer), so repeat until the units settle."""
         phase = group[2]
-        # Ownership feeds back into the tags (an op reading a step counter born in a layer's unit belongs to
-        # that layer), so repeat until the units settle.
         phase_units: list[_Unit] = []
         for _ in range(4):
             previous = phase_units
-            born_layer: dict[int, int | None] = {}
+            self._tag(phase, idxs)
+            phase_units = _sweeps(phase, idxs, self.owner_layer, self.multi, group, self.plan.traced)
             for k in idxs:
-                o = ops[k]
-                if phase in ("forward", "backward") or (phase == "step" and ops[k].module != "optimizer"):
-                    owner_layer[k] = plan.layer_of(o.module)
-                    if owner_layer[k] is None and not o.ins and phase == "backward":
-                        owner_layer[k] = _user_layer(plan, ops, births[k], uses)
-                else:
-                    seen = {owner[s][0] if owner[s] is not None else born_layer.get(s) for s in o.ins} - {None}
-                    owner_layer[k] = next(iter(seen)) if len(seen) == 1 else None
-                    multi[k] = len(seen) > 1
-                for s in births[k]:
-                    born_layer[s] = owner_layer[k]
-            phase_units = _sweeps(phase, idxs, owner_layer, multi, group, plan.traced)
+                for s in self.births[k]:
+                    self.owner[s] = None
+                self.unit_of.pop(k, None)
+            self._key(phase_units)
             for k in idxs:
-                for s in births[k]:
-                    owner[s] = None
-                unit_of.pop(k, None)
-            for u in phase_units:
-                seen: dict[tuple[str, str], int] = {}
-                for k in range(u.start, u.stop):
-                    # a compiled graph's buffer that reuses a dying one's storage is keyed as the allocation it
-                    # is in the first layer, which has no earlier layer's buffers to reuse
-                    name = ALLOCATION_OP if ops[k].name == REUSE_OP else ops[k].name
-                    what = (name, plan.rename(ops[k].module, {u.layer: -1}))
-                    unit_of[k] = (u, (*what, seen.get(what, 0)))
-                    seen[what] = seen.get(what, 0) + 1
-            for k in idxs:
-                _own_births(plan, ops[k], births[k], unit_of.get(k), storages, owner)
+                _own_births(self.plan, self.ops[k], self.births[k], self.unit_of.get(k), self.storages, self.owner)
             if phase_units == previous:
-                break
-        else:
-            raise NotPeriodic(f"the layers of the {phase} phase do not settle")
-        units += phase_units
-    by_key: dict[tuple[int, tuple], int] = {own: s for s, own in enumerate(owner) if own is not None}
+                return phase_units
+        raise NotPeriodic(f"the layers of the {phase} phase do not settle")
 
-    # 3. the check: layer 2's records equal layer 1's, shifted by one layer
-    def rel(s: int, layer: int):
+    def _tag(self, phase: str, idxs: list[int]) -> None:
+        """Each op's layer (`owner_layer`) and whether it reads several layers' storages (`multi`)."""
+        born_layer: dict[int, int | None] = {}
+        for k in idxs:
+            o = self.ops[k]
+            if phase in ("forward", "backward") or (phase == "step" and o.module != "optimizer"):
+                self.owner_layer[k] = self.plan.layer_of(o.module)
+                if self.owner_layer[k] is None and not o.ins and phase == "backward":
+                    self.owner_layer[k] = _user_layer(self.plan, self.ops, self.births[k], self.uses)
+            else:
+                seen = {self.owner[s][0] if self.owner[s] is not None else born_layer.get(s) for s in o.ins} - {None}
+                self.owner_layer[k] = next(iter(seen)) if len(seen) == 1 else None
+                self.multi[k] = len(seen) > 1
+            for s in self.births[k]:
+                born_layer[s] = self.owner_layer[k]
+
+    def _key(self, phase_units: list[_Unit]) -> None:
+        """`unit_of` for the ops of `phase_units`."""
+        for u in phase_units:
+            seen: dict[tuple[str, str], int] = {}
+            for k in range(u.start, u.stop):
+                # a compiled graph's buffer that reuses a dying one's storage is keyed as the allocation it
+                # is in the first layer, which has no earlier layer's buffers to reuse
+                name = ALLOCATION_OP if self.ops[k].name == REUSE_OP else self.ops[k].name
+                what = (name, self.plan.rename(self.ops[k].module, {u.layer: -1}))
+                self.unit_of[k] = (u, (*what, seen.get(what, 0)))
+                seen[what] = seen.get(what, 0) + 1
+
+
+def _sig_storage(plan: LayerPlan, s: RecStorage, layer: int) -> tuple:
+    """What a storage of traced layer `layer` must share with its twin in the next layer."""
+    return (s.nbytes, s.dtype, s.shape, s.device, s.op, s.phase, s.category, s.saved, s.op_index < 0,
+            plan.rename(s.name, {layer: -1, layer + 1: -2, layer - 1: -3}), plan.rename(s.module, {layer: -1}))
+
+
+def _sig_op(owners: _Ownership, o: RecOp, layer: int) -> tuple:
+    """What an op of traced layer `layer` must share with its twin in the next layer: every reference relative
+    to its own layer."""
+    plan, owner, storages = owners.plan, owners.owner, owners.storages
+
+    def rel(s: int):
         own = owner[s]
         if own is None:
             return ("global", s)
@@ -355,167 +381,182 @@ def replicate_layers(plan: LayerPlan, ops: list[RecOp], storages: list[RecStorag
             raise NotPeriodic(f"layer {layer} uses a storage of layer {own[0]} ({storages[s].name or storages[s].op})")
         return (own[0] - layer, own[1])
 
-    def sig_op(o: RecOp, layer: int):
-        return (o.name, o.phase, o.lead, o.flops, o.recompute,
-                plan.rename(o.module, {layer: -1, layer + 1: -2, layer - 1: -3}),
-                *(tuple(rel(s, layer) for s in group) for group in (o.ins, o.outs, o.frees, births[o.index])))
+    return (o.name, o.phase, o.lead, o.flops, o.recompute,
+            plan.rename(o.module, {layer: -1, layer + 1: -2, layer - 1: -3}),
+            *(tuple(rel(s) for s in group) for group in (o.ins, o.outs, o.frees, owners.births[o.index])))
 
-    def sig_storage(s: RecStorage, layer: int):
-        return (s.nbytes, s.dtype, s.shape, s.device, s.op, s.phase, s.category, s.saved, s.op_index < 0,
-                plan.rename(s.name, {layer: -1, layer + 1: -2, layer - 1: -3}), plan.rename(s.module, {layer: -1}))
 
-    check = {u.tag: u for u in units if u.layer == C}
-    for u1 in (u for u in units if u.layer == T):
+def _check_periodic(owners: _Ownership, by_key: dict[tuple[int, tuple], int]) -> None:
+    """3. The check: the check layer's records equal the template's, shifted by one layer. Raises NotPeriodic."""
+    plan, ops, storages = owners.plan, owners.ops, owners.storages
+    T, C = plan.template, plan.check
+    check = {u.tag: u for u in owners.units if u.layer == C}
+    for u1 in (u for u in owners.units if u.layer == T):
         u2 = check[u1.tag]
         if u1.stop - u1.start != u2.stop - u2.start:
             raise NotPeriodic(f"layers {T} and {C} run {u1.stop - u1.start} and {u2.stop - u2.start} ops in "
                               f"{u1.tag[0]}")
         for k in range(u1.stop - u1.start):
-            if sig_op(ops[u1.start + k], T) != sig_op(ops[u2.start + k], C):
+            if _sig_op(owners, ops[u1.start + k], T) != _sig_op(owners, ops[u2.start + k], C):
                 raise NotPeriodic(f"layers {T} and {C} differ at {ops[u1.start + k].name} in {u1.tag[0]}")
     n_owned = [0] * plan.traced
     for (layer, key), s in by_key.items():
         n_owned[layer] += 1
         if layer == T:
             s2 = by_key.get((C, key))
-            if s2 is None or sig_storage(storages[s], T) != sig_storage(storages[s2], C):
+            if s2 is None or _sig_storage(plan, storages[s], T) != _sig_storage(plan, storages[s2], C):
                 raise NotPeriodic(f"layer {C} has no storage like layer {T}'s {storages[s].name or storages[s].op}")
     if n_owned[T] != n_owned[C]:
         raise NotPeriodic(f"layers {T} and {C} own different numbers of storages")
 
-    # 4. rebuild, numbering storages in order of appearance
-    new_storages: list[RecStorage] = []
-    ids: dict[tuple, int] = {}
-    kept = {**{i: i for i in range(T + 1)}, C: L - 2, last: L - 1}
 
-    def item(final: int, key: tuple) -> tuple[int, int]:
+class _Rebuild:
+    """4. The full model's records, storages numbered in order of appearance; 5. their births."""
+
+    def __init__(self, owners: _Ownership, by_key: dict[tuple[int, tuple], int]):
+        self.owners, self.by_key = owners, by_key
+        plan = self.plan = owners.plan
+        self.ops, self.storages, self.births, self.owner = owners.ops, owners.storages, owners.births, owners.owner
+        self.L, self.T, self.C, self.head, self.last = (plan.num_layers, plan.template, plan.check, plan.head,
+                                                        plan.traced - 1)
+        self.kept = {**{i: i for i in range(self.T + 1)}, self.C: self.L - 2, self.last: self.L - 1}
+        self.new_storages: list[RecStorage] = []
+        self.ids: dict[tuple, int] = {}
+        self.module_names: dict[tuple, str] = {}  # module paths repeat: rename each (path, layers) once
+        self.template_ids: dict[int, dict[int, int]] = {}  # final layer -> traced sid -> new id: each resolved once
+        self.new_ops: list[RecOp] = []
+        self.new_births: list[list[int]] = []
+        self.new_index = [-1] * len(self.ops)
+
+    def run(self) -> tuple[list[RecOp], list[RecStorage], list[int]]:
+        self._pre()
+        self._emit_ops()
+        for o, born in zip(self.new_ops, self.new_births):
+            for s in born:
+                self.new_storages[s].op_index = o.index
+                self.new_storages[s].phase = str(o.phase)
+        new_index = self.new_index
+        for k in range(len(new_index)):
+            if new_index[k] < 0:
+                new_index[k] = new_index[k - 1] if k else -1
+        return self.new_ops, self.new_storages, new_index
+
+    def item(self, final: int, key: tuple) -> tuple[int, int]:
         """(traced sid, final layer) of the storage `key` of layer `final` of the full model."""
-        traced = final if final < head else last if final == L - 1 else T
-        s = by_key.get((traced, key))
+        T, last, storages = self.T, self.last, self.storages
+        traced = final if final < self.head else last if final == self.L - 1 else T
+        s = self.by_key.get((traced, key))
         if s is None:
             raise NotPeriodic(f"layer {traced} has no storage for {key}")
         # a boundary layer's storage may be used differently (the last layer's output is saved by the head),
         # but it must be the same tensor as the template's (the layers before the one before the template may
         # own other storages: `LayerPlan.head`)
-        if traced in (T - 1, last) and (T, key) in by_key and \
-                sig_storage(storages[s], traced)[:5] != sig_storage(storages[by_key[(T, key)]], T)[:5]:
+        if traced in (T - 1, last) and (T, key) in self.by_key and \
+                _sig_storage(self.plan, storages[s], traced)[:5] != _sig_storage(
+                    self.plan, storages[self.by_key[(T, key)]], T)[:5]:
             raise NotPeriodic(f"layer {traced}'s {storages[s].name or storages[s].op} is unlike layer {T}'s")
         return s, final
 
-    module_names: dict[tuple, str] = {}  # module paths repeat over storages: rename each (path, layers) once
-
-    def module_renamed(path: str, names: dict[int, int]) -> str:
+    def module_renamed(self, path: str, names: dict[int, int]) -> str:
         key = (path, *names.items())
-        out = module_names.get(key)
+        out = self.module_names.get(key)
         if out is None:
-            out = module_names[key] = plan.rename(path, names)
+            out = self.module_names[key] = self.plan.rename(path, names)
         return out
 
-    def sid_of(it: tuple) -> int:
+    def sid_of(self, it: tuple) -> int:
         """The new id of `it`: ('global', sid) or (traced sid, final layer)."""
-        nid = ids.get(it)
+        nid = self.ids.get(it)
         if nid is None:
-            nid = ids[it] = len(new_storages)
+            nid = self.ids[it] = len(self.new_storages)
             if it[0] == "global":
-                s = storages[it[1]]
-                new_storages.append(s.copy(nid, plan.rename(s.name, kept) if s.name else "",
-                                           module_renamed(s.module, kept), s.op_index, s.held_micro))
+                s, names = self.storages[it[1]], self.kept
             else:
-                s, layer = storages[it[0]], owner[it[0]][0]
+                s, layer = self.storages[it[0]], self.owner[it[0]][0]
                 names = {layer: it[1], layer + 1: it[1] + 1, layer - 1: it[1] - 1}
-                new_storages.append(s.copy(nid, plan.rename(s.name, names) if s.name else "",
-                                           module_renamed(s.module, names), s.op_index, s.held_micro))
+            self.new_storages.append(s.copy(nid, self.plan.rename(s.name, names) if s.name else "",
+                                            self.module_renamed(s.module, names), s.op_index, s.held_micro))
         return nid
 
-    template_ids: dict[int, dict[int, int]] = {}  # final layer -> traced sid -> new id: each resolved once
-
-    def refs_template(sids: Iterable[int], final: int) -> list[int]:
-        ids_f = template_ids.get(final)
+    def refs_template(self, sids: Iterable[int], final: int) -> list[int]:
+        """The new ids of a template op's storages in the full model's layer `final`."""
+        ids_f = self.template_ids.get(final)
         if ids_f is None:
-            ids_f = template_ids[final] = {}
+            ids_f = self.template_ids[final] = {}
         out = []
         for s in sids:
             nid = ids_f.get(s)
             if nid is None:
-                own = owner[s]
-                nid = ids_f[s] = sid_of(("global", s)) if own is None else sid_of(item(final + own[0] - T, own[1]))
+                own = self.owner[s]
+                nid = ids_f[s] = (self.sid_of(("global", s)) if own is None
+                                  else self.sid_of(self.item(final + own[0] - self.T, own[1])))
             out.append(nid)
         return out
 
-    def refs_kept(sids: Iterable[int]) -> list[int]:
+    def refs_kept(self, sids: Iterable[int]) -> list[int]:
+        """The new ids of a kept op's storages (a global op's lists spanning layers: the template's entries once
+        per middle layer, the check layer's none)."""
         sids = list(sids)
+        T, C, owner = self.T, self.C, self.owner
         layers = {owner[s][0] for s in sids if owner[s] is not None}
         spread = T in layers and C in layers  # a list over every layer: the template's entries once per middle layer
         out = []
         for s in sids:
             own = owner[s]
             if own is None:
-                out.append(sid_of(("global", s)))
+                out.append(self.sid_of(("global", s)))
             elif spread and own[0] == T:
-                out.extend(sid_of(item(f, own[1])) for f in range(head, L - 1))
+                out.extend(self.sid_of(self.item(f, own[1])) for f in range(self.head, self.L - 1))
             elif not (spread and own[0] == C):
-                out.append(sid_of(item(kept[own[0]], own[1])))
+                out.append(self.sid_of(self.item(self.kept[own[0]], own[1])))
         return out
 
-    # storages alive at step start (parameters, buffers, inputs) in the full model's order
-    pre = [s.sid for s in storages if s.op_index < 0]
-    pre_middle = [s for s in pre if owner[s] is not None and owner[s][0] == T]
-    for s in pre:
-        own = owner[s]
-        if own is not None and own[0] in (T, C):
-            if s == pre_middle[0]:
-                for f in range(head, L - 1):
-                    refs_template(pre_middle, f)
-            continue
-        refs_kept([s])
+    def _pre(self) -> None:
+        """The storages alive at step start (parameters, buffers, inputs), in the full model's order."""
+        owner, T = self.owner, self.T
+        pre = [s.sid for s in self.storages if s.op_index < 0]
+        pre_middle = [s for s in pre if owner[s] is not None and owner[s][0] == T]
+        for s in pre:
+            own = owner[s]
+            if own is not None and own[0] in (T, self.C):
+                if s == pre_middle[0]:
+                    for f in range(self.head, self.L - 1):
+                        self.refs_template(pre_middle, f)
+                continue
+            self.refs_kept([s])
 
-    new_ops: list[RecOp] = []
-    new_births: list[list[int]] = []
-    renamed: dict[tuple, str] = {}
-
-    def module_of(o: RecOp, names: dict[int, int]) -> str:
-        key = (o.module, *names.items())
-        if key not in renamed:
-            renamed[key] = plan.rename(o.module, names)
-        return renamed[key]
-
-    new_index = [-1] * len(ops)
-
-    def emit(o: RecOp, module: str, refs) -> None:
-        new_index[o.index] = len(new_ops)
+    def emit(self, o: RecOp, module: str, refs) -> None:
+        self.new_index[o.index] = len(self.new_ops)
         ins = tuple(refs(o.ins))
         outs = tuple(refs(o.outs))
-        new_ops.append(RecOp(len(new_ops), o.name, o.phase, module, ins, outs,
-                             tuple(refs(o.frees)) if o.frees else (), o.lead, o.flops, o.recompute, o.step, o.micro))
-        b = births[o.index]
+        self.new_ops.append(RecOp(len(self.new_ops), o.name, o.phase, module, ins, outs,
+                                  tuple(refs(o.frees)) if o.frees else (), o.lead, o.flops, o.recompute, o.step,
+                                  o.micro))
+        b = self.births[o.index]
         born = list(outs) if len(b) == len(o.outs) and tuple(b) == o.outs else refs(b)
-        if len(ins) != len(o.ins) and _stacks_its_inputs(o, births[o.index], storages):
-            out = new_storages[born[0]]  # one element per tensor of the full model's list
+        if len(ins) != len(o.ins) and _stacks_its_inputs(o, self.births[o.index], self.storages):
+            out = self.new_storages[born[0]]  # one element per tensor of the full model's list
             out.nbytes, out.shape = out.nbytes // len(o.ins) * len(ins), (len(ins),)
-        new_births.append(born)
+        self.new_births.append(born)
 
-    k = 0
-    while k < len(ops):
-        hit = unit_of.get(k)
-        if hit is None or hit[0].layer != T:
-            if hit is None or hit[0].layer != C:
-                emit(ops[k], module_of(ops[k], kept), refs_kept)
-            k += 1
-            continue
-        u = hit[0]
-        descending = any(v.tag == u.tag and v.layer == 0 and v.start > u.start for v in units)
-        for f in (range(L - 2, head - 1, -1) if descending else range(head, L - 1)):
-            names = {T - 1: f - 1, T: f, C: f + 1}
-            for t in range(u.start, u.stop):
-                emit(ops[t], module_of(ops[t], names), lambda sids, f=f: refs_template(sids, f))
-        k = u.stop
-
-    # 5. births in the rebuilt records
-    for o, born in zip(new_ops, new_births):
-        for s in born:
-            new_storages[s].op_index = o.index
-            new_storages[s].phase = str(o.phase)
-    for k in range(len(new_index)):
-        if new_index[k] < 0:
-            new_index[k] = new_index[k - 1] if k else -1
-    return new_ops, new_storages, new_index
+    def _emit_ops(self) -> None:
+        """Every op: a kept layer's or a global op once, the template's units once per middle layer (in the
+        order its sweep runs them), the check layer's none."""
+        ops, T, C, head, L = self.ops, self.T, self.C, self.head, self.L
+        units, unit_of = self.owners.units, self.owners.unit_of
+        k = 0
+        while k < len(ops):
+            hit = unit_of.get(k)
+            if hit is None or hit[0].layer != T:
+                if hit is None or hit[0].layer != C:
+                    self.emit(ops[k], self.module_renamed(ops[k].module, self.kept), self.refs_kept)
+                k += 1
+                continue
+            u = hit[0]
+            descending = any(v.tag == u.tag and v.layer == 0 and v.start > u.start for v in units)
+            for f in (range(L - 2, head - 1, -1) if descending else range(head, L - 1)):
+                names = {T - 1: f - 1, T: f, C: f + 1}
+                for t in range(u.start, u.stop):
+                    self.emit(ops[t], self.module_renamed(ops[t].module, names),
+                              lambda sids, f=f: self.refs_template(sids, f))
+            k = u.stop

@@ -67,27 +67,20 @@ def fake_rank(world: int, rank: int) -> Iterator[None]:
     TraceError when a process group is already initialized (the caller's own: it is left alone)."""
     import torch.distributed as dist
 
+    from .. import bridges, feature_bridges
+
     if dist.is_initialized():
         raise TraceError("a torch.distributed process group is already initialized in this process; a sharded "
                          "trace starts its own fake one: call vramtrace outside the distributed job")
+    bridges.resolve(bridges.DTENSOR_PLAN_CACHES)  # emptied on exit: checked before the group is made
     dist.init_process_group("fake", rank=rank, world_size=world)
     try:
         yield
     finally:
         dist.destroy_process_group()
-        _forget_meshes()
-
-
-def _forget_meshes() -> None:
-    """Clear DTensor's caches of sharding decisions and redistribution plans: their keys compare meshes by layout,
-    not by process group, so an entry made on a destroyed fake group would hand a later trace that group's name
-    (torch/distributed/tensor/debug/__init__.py `_clear_sharding_prop_cache`, _redistribute.py
-    `clear_redistribute_planner_cache`, the `_gen_transform_infos` lru_cache)."""
-    from torch.distributed.tensor import _redistribute, debug
-
-    debug._clear_sharding_prop_cache()
-    _redistribute.clear_redistribute_planner_cache()
-    _redistribute._gen_transform_infos.cache_clear()
+        # DTensor's caches of sharding decisions and redistribution plans compare meshes by layout, not by process
+        # group: an entry made on the destroyed fake group would hand a later trace that group's name
+        feature_bridges.clear_dtensor_caches()
 
 
 def mixed_precision_policy(precision: Precision):
@@ -142,10 +135,10 @@ def tensor_parallel(model: torch.nn.Module, mesh) -> None:
     `fake_rank`. Raises UsageError for a model without a plan."""
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    from .. import bridges
+    from .. import feature_bridges
 
     plan = tp_plan(model, mesh.size())
-    with bridges.fsdp_on_meta():
+    with feature_bridges.fsdp_on_meta():
         apply_tensor_parallelism(model, mesh, plan)
 
 
@@ -158,7 +151,7 @@ def shard(model: torch.nn.Module, layers: torch.nn.ModuleList | None, spec: RunS
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    from .. import bridges
+    from .. import feature_bridges
 
     if layers is None:
         raise TraceError("--fsdp shards each layer of the model's layer stack, and this model has none that "
@@ -172,7 +165,7 @@ def shard(model: torch.nn.Module, layers: torch.nn.ModuleList | None, spec: RunS
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    with bridges.fsdp_on_meta():
+    with feature_bridges.fsdp_on_meta():
         for layer in layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
@@ -190,7 +183,7 @@ def distribute_as_transformers(model: torch.nn.Module, spec: RunSpec, precision:
     from transformers.distributed import DistributedConfig
     from transformers.distributed.utils import TransformersDeviceMesh
 
-    from .. import bridges
+    from .. import feature_bridges
 
     if precision is Precision.FP16_MIXED:
         raise UsageError("--fsdp-plan transformers casts with fsdp_mixed_precision, bf16 only; use bf16-mixed or "
@@ -202,7 +195,7 @@ def distribute_as_transformers(model: torch.nn.Module, spec: RunSpec, precision:
     experts = DeviceMesh("meta", ranks.reshape(1, 1, fsdp * tp, 1), mesh_dim_names=("pp", "dp_replicate", "efsdp",
                                                                                         "ep"))
     try:
-        with bridges.fsdp_on_meta():
+        with feature_bridges.fsdp_on_meta():
             type(model).maybe_distribute_model(model, config, TransformersDeviceMesh(dense, experts))
     except ValueError as e:  # a plan the model lacks (transformers/distributed/mixin.py `_resolve_parallel_plans`)
         raise UsageError(f"--fsdp-plan transformers: {str(e).splitlines()[0]}") from None
@@ -315,9 +308,9 @@ def wrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
     warn on a device without one) are not collected: they allocate nothing (`bridges.DDP_ON_META`)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from .. import bridges
+    from .. import feature_bridges
 
     ddp = DistributedDataParallel(model, init_sync=False)
     ddp.register_comm_hook(None, _in_place_all_reduce)
-    bridges.ddp_on_meta(ddp)
+    feature_bridges.ddp_on_meta(ddp)
     return ddp

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.overrides import _get_current_function_mode_stack
 
-from .. import bridges
+from .. import bridges, feature_bridges
 from ..analysis.categories import Category
 from ..errors import TraceError, UnsupportedOpError, VramtraceError
 from ..spec import Device, Mode, Precision, RunSpec, ZeroGrad
@@ -232,38 +232,53 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
         return _record_on(spec, model, loaded, say, layer_stack(model), False, stop_after)
 
 
-def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Callable[[str], None],
-               layers: torch.nn.ModuleList | None, replay_steady: bool = True, stop_after: int | None = None,
-               wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None):
-    """Apply the checkpointing policy to `model` (`loaded.model` or its shallow copy), then run the step on it
-    with `loaded`'s inputs and loss under the recorder; a generation stops after `stop_after` tokens when given
-    (`tracer/decoding.py`). Returns (recorder, kernel policy, optimizer or None, the release marks, how many
-    micro-steps were replayed rather than traced, the observer). `wrap(model)` (DDP) is built under the recorder
-    just before the step, and the step calls what it returns; what it allocates is a collective buffer (DDP's
-    gradient buckets)."""
-    inputs, args, compute_dtype = loaded.inputs, loaded.args, loaded.compute_dtype
-    if spec.fsdp is not None and mixed_precision_policy(loaded.precision) is not None:
-        compute_dtype = None  # FSDP2's MixedPrecisionPolicy casts the parameters; no autocast (sharding.py)
-    rec = StepRecorder()
-    rec.phase = Phase.STEP
-    policy = KernelPolicyMode(spec.device, spec.gpu_preset.sm, compute_dtype)
-    policy.current_module = rec.current_module
-    rec.strict = spec.strict
-    if spec.fsdp is not None:
-        rec.op_categories = FSDP_OP_CATEGORIES
-    if spec.device is Device.CUDA:
-        rec.output_order = CUDA_OUTPUT_ORDER
+@dataclass(frozen=True, slots=True)
+class RecorderSettings:
+    """The `StepRecorder` attributes a run's spec sets (each documented there), made by `recorder_settings`."""
+
+    strict: bool
+    offloading: bool
+    op_categories: dict[str, tuple[str, str]]
+    output_order: dict[str, tuple[int, ...]]
+    meta_kernels: dict[str, Callable]
+    derived_categories: dict[tuple[str, str], str]
+    workspace: Callable | None
+
+    def apply(self, rec: StepRecorder) -> None:
+        for f in fields(self):
+            setattr(rec, f.name, getattr(self, f.name))
+
+
+def recorder_settings(spec: RunSpec, policy: KernelPolicyMode) -> RecorderSettings:
+    """How a step of `spec` is recorded: `--strict`; FSDP2's CPU offload (`offloading`) and its collectives'
+    categories; the CUDA kernels' output order; the kernels' workspaces (CPU: measured by `CpuWorkspaceProbe` under
+    `policy`'s autocast; CUDA: the reductions' staging buffers and bitsandbytes' kernels' workspaces); a quantized
+    model's op categories and, for int8, its meta kernels and derived categories (quantization.py)."""
+    op_categories = FSDP_OP_CATEGORIES if spec.fsdp is not None else {}
+    meta_kernels: dict[str, Callable] = {}
+    derived: dict[tuple[str, str], str] = {}
     if spec.device is Device.CPU:
-        rec.workspace = CpuWorkspaceProbe(autocast_dtype=lambda: policy.kernel_autocast_dtype)
-    else:  # CUDA: the reductions' staging buffers, and bitsandbytes' kernels' workspaces
+        workspace = CpuWorkspaceProbe(autocast_dtype=lambda: policy.kernel_autocast_dtype)
+    else:
         from ..analysis.cuda_reduce import ReduceDevice
         from .cuda_reductions import cuda_workspace_hook
         from .quantization import cuda_workspace
 
         gpu = spec.gpu_preset
-        rec.workspace = cuda_workspace_hook(ReduceDevice(gpu.sm_count, gpu.max_threads_per_sm),
-                                            cuda_workspace if spec.quantization is not None else None)
+        workspace = cuda_workspace_hook(ReduceDevice(gpu.sm_count, gpu.max_threads_per_sm),
+                                        cuda_workspace if spec.quantization is not None else None)
+    if spec.quantization is not None:
+        from .quantization import INT8_CATEGORIES, INT8_META_KERNELS, QUANT_OP_CATEGORIES
 
+        op_categories = {**op_categories, **QUANT_OP_CATEGORIES}
+        if not spec.quantization.four_bit:
+            meta_kernels, derived = INT8_META_KERNELS, INT8_CATEGORIES
+    return RecorderSettings(spec.strict, spec.cpu_offload, op_categories,
+                            CUDA_OUTPUT_ORDER if spec.device is Device.CUDA else {}, meta_kernels, derived, workspace)
+
+
+def _region_wrapper(rec: StepRecorder, policy: KernelPolicyMode) -> Callable[[Callable], Callable]:
+    """`wrap_region` for the checkpointing policy (checkpointing.py `apply_checkpointing`)."""
     def wrap_region(function):
         """A checkpointed region's function: its re-run in the backward is marked as recompute and runs under
         the autocast state of its forward, as torch/utils/checkpoint.py's recompute_fn restores it."""
@@ -288,27 +303,24 @@ def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: 
                 # checkpoint's early stop raises out of the recompute, past the modules' forward hooks
                 del rec.module_stack[depth:]
         return region
+    return wrap_region
 
-    if spec.mode is Mode.TRAIN:
-        apply_checkpointing(model, spec.checkpointing, wrap_region, layers)
-    train = spec.mode is Mode.TRAIN
-    params = [p for p in model.parameters() if p.requires_grad] if train else []
-    optimizer = make_optimizer(spec, params) if train else None
-    user_step = load_user_step(spec.step) if spec.step is not None else None
+
+def _register_step_state(rec: StepRecorder, spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel,
+                         optimizer) -> dict[int, str]:
+    """Register what is alive when the step starts, in this order: parameters (host memory under FSDP2's CPU
+    offload), a quantized model's weights' categories, the optimizer's state made in `__init__` (Adagrad's `sum`
+    and `step`, not lazily), buffers, inputs. Returns the parameters' names by id."""
     for n, p in model.named_parameters():
         rec.register_existing(p, Category.PARAMETER, n)
         if spec.cpu_offload:  # FSDP2's CPUOffloadPolicy: every parameter's shard in host memory
             rec.offload(p)
-    rec.offloading = spec.cpu_offload
     if spec.quantization is not None:
-        from .quantization import INT8_CATEGORIES, INT8_META_KERNELS, QUANT_OP_CATEGORIES, categorise
+        from .quantization import categorise
 
         categorise(model, rec.register_existing)
-        rec.op_categories = {**rec.op_categories, **QUANT_OP_CATEGORIES}
-        if not spec.quantization.four_bit:
-            rec.meta_kernels, rec.derived_categories = INT8_META_KERNELS, INT8_CATEGORIES
     weight_names = {id(p): n for n, p in model.named_parameters()}
-    if optimizer is not None:  # state an optimizer creates in __init__ (Adagrad's `sum` and `step`), not lazily
+    if optimizer is not None:
         for p, state in optimizer.state.items():
             for key, v in state.items():
                 if isinstance(v, torch.Tensor):
@@ -317,34 +329,86 @@ def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: 
                         rec.offload(v)
     for n, b in model.named_buffers():
         rec.register_existing(b, Category.INPUT, n)
-    for n, t in [*inputs.items(), *((f"args[{i}]", a) for i, a in enumerate(args))]:
+    for n, t in [*loaded.inputs.items(), *((f"args[{i}]", a) for i, a in enumerate(loaded.args))]:
         if isinstance(t, torch.Tensor):
             rec.register_existing(t, Category.INPUT, n)
-    # Tag each autograd node with the module that created it, as soon as it is created.
+    return weight_names
+
+
+def _connect_policy(policy: KernelPolicyMode, rec: StepRecorder, weight_names: dict[int, str]) -> None:
+    """The kernel policy's callbacks into the recorder: each autograd node tagged with the module that created
+    it, as soon as it is created; tensors made from host data; outputs a CUDA kernel makes on the host; the
+    weights' autocast copies."""
     policy.on_output = (lambda out: tag_autograd_nodes(out, rec.current_module(), rec.watch_node)
                         if rec.phase is Phase.FORWARD else None)
     policy.on_host_data = rec.host_data
     policy.on_host_output = rec.offload
     policy.on_weight_cast = lambda w, copy: rec.set_category(copy, Category.AUTOCAST_WEIGHTS,
                                                              f"{weight_names.get(id(w), '?')} (autocast copy)")
-    ctx = StepContext(model, args, inputs, loaded.loss, optimizer,
+
+
+def _serve_buffers(spec: RunSpec, model: torch.nn.Module, rec: StepRecorder, ctx: StepContext) -> dict:
+    """A serving profile run's persistent runner buffers (registered; alive through the recording while the
+    caller holds them) and its sampler on `ctx`; {} for another run."""
+    if spec.serve_requests is None:
+        return {}
+    from .serving import dummy_sampler, runner_buffers
+
+    vocab = model.config.get_text_config().vocab_size
+    buffers = runner_buffers(spec.seq, spec.serve_requests, vocab, "meta")
+    for n, t in buffers.items():
+        rec.register_existing(t, Category.INPUT, n)
+    ctx.sample = lambda out: dummy_sampler(out.logits[0])  # (R, V): one row per request
+    return buffers
+
+
+def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Callable[[str], None],
+               layers: torch.nn.ModuleList | None, replay_steady: bool = True, stop_after: int | None = None,
+               wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None):
+    """Apply the checkpointing policy to `model` (`loaded.model` or its shallow copy), then run the step on it
+    with `loaded`'s inputs and loss under the recorder; a generation stops after `stop_after` tokens when given
+    (`tracer/decoding.py`). Returns (recorder, kernel policy, optimizer or None, the release marks, how many
+    micro-steps were replayed rather than traced, the observer). `wrap(model)` (DDP) is built under the recorder
+    just before the step, and the step calls what it returns; what it allocates is a collective buffer (DDP's
+    gradient buckets)."""
+    compute_dtype = loaded.compute_dtype
+    if spec.fsdp is not None and mixed_precision_policy(loaded.precision) is not None:
+        compute_dtype = None  # FSDP2's MixedPrecisionPolicy casts the parameters; no autocast (sharding.py)
+    rec = StepRecorder()
+    policy = KernelPolicyMode(spec.device, spec.gpu_preset.sm, compute_dtype)
+    policy.current_module = rec.current_module
+    recorder_settings(spec, policy).apply(rec)
+    train = spec.mode is Mode.TRAIN
+    if train:
+        apply_checkpointing(model, spec.checkpointing, _region_wrapper(rec, policy), layers)
+    params = [p for p in model.parameters() if p.requires_grad] if train else []
+    optimizer = make_optimizer(spec, params) if train else None
+    user_step = load_user_step(spec.step) if spec.step is not None else None
+    _connect_policy(policy, rec, _register_step_state(rec, spec, model, loaded, optimizer))
+    ctx = StepContext(model, loaded.args, loaded.inputs, loaded.loss, optimizer,
                       (lambda: policy.autocast_region()) if compute_dtype is not None else contextlib.nullcontext,
                       _grad_scaler(spec, loaded), user_step)
-    serve_buffers = {}  # a serving profile run's persistent runner buffers, alive through the recording
-    if spec.serve_requests is not None:
-        from .serving import dummy_sampler, runner_buffers
-
-        vocab = model.config.get_text_config().vocab_size
-        serve_buffers = runner_buffers(spec.seq, spec.serve_requests, vocab, "meta")
-        for n, t in serve_buffers.items():
-            rec.register_existing(t, Category.INPUT, n)
-        ctx.sample = lambda out: dummy_sampler(out.logits[0])  # (R, V): one row per request
+    serve_buffers = _serve_buffers(spec, model, rec, ctx)  # alive through the recording
     # the steady step's micro-steps replay the first step's (replay.py) when nothing carries over between them
     repeatable = (replay_steady and train and user_step is None and ctx.scaler is None
                   and spec.zero_grad is ZeroGrad.NONE)
     obs = _TraceObserver(rec, say, policy, params if repeatable else None)
     try:
-        sharded = bridges.fsdp_on_meta(rec) if spec.world is not None else contextlib.nullcontext()
+        _run_recorded(spec, model, ctx, rec, policy, obs, stop_after, wrap)
+    finally:
+        rec.detach()
+        del serve_buffers
+    return rec, policy, optimizer, obs.marks, obs.replayed, obs
+
+
+def _run_recorded(spec: RunSpec, model: torch.nn.Module, ctx: StepContext, rec: StepRecorder,
+                  policy: KernelPolicyMode, obs: _TraceObserver, stop_after: int | None,
+                  wrap: Callable[[torch.nn.Module], torch.nn.Module] | None) -> None:
+    """Run the step of `ctx` under the bridges, the policy, the hooks and the recorder (`_record_on`). Raises
+    VramtraceError, UnsupportedOpError (an op without a meta kernel) and TraceError (anything else the model, the
+    loss or the step raised: one line, the cause chained)."""
+    try:
+        sharded = feature_bridges.fsdp_on_meta(rec) if spec.world is not None else contextlib.nullcontext()
         with (bridges.installed(policy, rec), sharded, moe_routing(model, spec, policy), module_hooks(model, rec),
               policy, _optimizer_hooks(model, rec),
               torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, lambda t: t), rec):
@@ -353,37 +417,38 @@ def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: 
                 ctx.model = wrap(model)
                 for s in rec.storages[born:]:
                     s.category, s.name = Category.COLLECTIVE_BUFFERS, "DDP gradient bucket"
-            if train:
+            if spec.mode is Mode.TRAIN:
                 run_training(ctx, spec, obs, literal=False)
                 _tag_gradients(model, rec)  # kept by zero_grad(set_to_none=False), or with no optimizer
             elif spec.mode is Mode.GENERATE:
-                with bridges.generating(spec.new_tokens, stop_after):
+                with feature_bridges.generating(spec.new_tokens, stop_after):
                     run_generation(ctx, spec, obs)
             else:
                 run_inference(ctx, obs)
             if ctx.scaler is not None:
-                for t in (ctx.scaler._scale, ctx.scaler._growth_tracker):
+                for t in feature_bridges.grad_scaler_state(ctx.scaler):
                     rec.set_category(t, Category.KEPT, "GradScaler state")
     except VramtraceError:
         raise
-    except NotImplementedError as e:
-        where = rec.current_module() or "(root)"
+    except Exception as e:
+        raise _trace_error(e, rec) from e
+
+
+def _trace_error(e: Exception, rec: StepRecorder) -> VramtraceError:
+    """What the step raised (`e`), as one line naming where: an op without a meta kernel (NotImplementedError) is
+    an UnsupportedOpError; anything else a TraceError with the phase, the module and the last op."""
+    where = rec.current_module() or "(root)"
+    if isinstance(e, NotImplementedError):
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UnsupportedOpError(f"an op has no meta kernel in module {where}: {text}") from e
-    except Exception as e:  # anything the model, the user's loss or the step raised: one line, cause chained
-        where = rec.current_module() or "(root)"
-        last = rec.ops[-1].name if rec.ops else "no op yet"
-        text = str(e).strip().splitlines()[0] if str(e).strip() else "(no message)"
-        if "got mixed torch.Tensor and DTensor" in text and rec.phase is Phase.OPTIMIZER:
-            raise TraceError(f"the optimizer step fails as the real one does: {text} (the foreach implementation, "
-                             "the CUDA default, gets the TP shards and the replicated parameters in one list, "
-                             "pytorch/pytorch#153354); use --optimizer-impl for-loop (foreach=False)") from e
-        raise TraceError(f"tracing failed in phase {rec.phase}, module {where}, after {last}: "
-                         f"{type(e).__name__}: {text}") from e
-    finally:
-        rec.detach()
-        del serve_buffers
-    return rec, policy, optimizer, obs.marks, obs.replayed, obs
+        return UnsupportedOpError(f"an op has no meta kernel in module {where}: {text}")
+    last = rec.ops[-1].name if rec.ops else "no op yet"
+    text = str(e).strip().splitlines()[0] if str(e).strip() else "(no message)"
+    if "got mixed torch.Tensor and DTensor" in text and rec.phase is Phase.OPTIMIZER:
+        return TraceError(f"the optimizer step fails as the real one does: {text} (the foreach implementation, "
+                          "the CUDA default, gets the TP shards and the replicated parameters in one list, "
+                          "pytorch/pytorch#153354); use --optimizer-impl for-loop (foreach=False)")
+    return TraceError(f"tracing failed in phase {rec.phase}, module {where}, after {last}: "
+                      f"{type(e).__name__}: {text}")
 
 
 

@@ -1,0 +1,212 @@
+"""The bridges applied around one feature, not around every recorded step (`bridges.installed`): a traced
+generation (`generating`: GENERATION_QUESTIONS), FSDP2 and DDP on the meta device (`fsdp_on_meta`, `ddp_on_meta`:
+FSDP_ON_META, DDP_ON_META) and activation checkpointing's function (`route_checkpoint_functions`,
+`gradient_checkpointing_layer`: CHECKPOINT_FUNCTION), and the private reads of fp16's GradScaler and of sharding
+(`grad_scaler_state`, `clear_dtensor_caches`). Each bridge is declared, with its targets, the versions it
+was written for and why, in the ledger `vramtrace.bridges`; this module holds only these patches and reads, and
+checks every target there (`resolve`) before it patches or reads anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import sys
+from typing import Callable, Iterator
+
+import torch
+
+from .bridges import (_FSDP, _WHISPER, CHECKPOINT_FUNCTION, DDP_ON_META, DTENSOR_PLAN_CACHES, FSDP_ON_META,
+                      GENERATION_QUESTIONS, GRAD_SCALER_STATE, StepRecording, _lookup, _missing, _set, resolve)
+
+
+def _filled_list(shape: tuple[int, ...], value: int) -> list | int:
+    """What `Tensor.tolist()` gives for an int tensor of `shape` filled with `value`, with no tensor allocated."""
+    return [_filled_list(shape[1:], value) for _ in range(shape[0])] if shape else value
+
+
+@contextlib.contextmanager
+def generating(new_tokens: int, stop_after: int | None = None) -> Iterator[None]:
+    """GENERATION_QUESTIONS while a `model.generate()` of `new_tokens` tokens is traced: Tensor.__bool__,
+    Tensor.item and Tensor.tolist of meta tensors answered by the transformers function asking (see the bridge's `why`); the
+    originals back on exit. `stop_after`: the stop check answers "every row finished" after that many tokens
+    instead (a generation traced in part, `tracer/decoding.py`: the loop exits there as it does after the N-th
+    token). Raises BridgeError (nothing patched) when a target is missing; while it runs, a
+    question from another function raises TraceError."""
+    from .errors import TraceError
+
+    found = resolve(GENERATION_QUESTIONS)
+    mod = "transformers.generation.utils."
+    code = {name: inspect.unwrap(found[mod + name]).__code__
+            for name in ("GenerationMixin.generate", "GenerationMixin._prepare_special_tokens",
+                         "GenerationMixin._get_logits_processor")}
+    code["_ignore_bidirectional_mask_sdpa"] = inspect.unwrap(
+        found["transformers.masking_utils._ignore_bidirectional_mask_sdpa"]).__code__
+    stop_call = vars(found[mod + "StopCheck"]).get("__call__")  # a class is callable without its own __call__
+    if stop_call is None:
+        raise _missing(GENERATION_QUESTIONS, mod + "StopCheck.__call__")
+    code["StopCheck.__call__"] = stop_call.__code__
+    for name in ("generate_with_fallback", "_retrieve_segment"):  # staticmethods and methods alike
+        code[name] = inspect.unwrap(found[f"{_WHISPER}.WhisperGenerationMixin.{name}"]).__code__
+    stops = [0]
+
+    def stop_check() -> bool:
+        stops[0] += 1
+        return stops[0] >= (new_tokens if stop_after is None else min(stop_after, new_tokens))
+
+    answers: dict[tuple[object, str], Callable[[], bool]] = {
+        (code["GenerationMixin.generate"], "item"): lambda: False,  # has_right_padding
+        (code["GenerationMixin.generate"], "__bool__"): lambda: True,  # (attention_mask == 1).all()
+        (code["GenerationMixin._prepare_special_tokens"], "__bool__"): lambda: False,
+        (code["GenerationMixin._get_logits_processor"], "__bool__"): lambda: False,
+        (code["_ignore_bidirectional_mask_sdpa"], "__bool__"): lambda: True,  # the prompt's mask: all ones
+        (code["StopCheck.__call__"], "__bool__"): stop_check,
+        # Whisper: the last token is neither pad nor EOS; no token is a timestamp
+        (code["generate_with_fallback"], "__bool__"): lambda: False,
+        (code["_retrieve_segment"], "tolist"): lambda: 0,  # token 0 at every place
+    }
+
+    def answering(name: str):
+        original = getattr(torch.Tensor, name)
+
+        def answer(self):
+            if self.device.type != "meta":
+                return original(self)
+            caller = sys._getframe(1)
+            known = answers.get((caller.f_code, name))
+            if known is None:
+                raise TraceError(f"model.generate() asked for a value of a meta tensor (Tensor.{name}) in "
+                                 f"{caller.f_code.co_qualname} ({caller.f_code.co_filename}:{caller.f_lineno}), a "
+                                 f"question bridge {GENERATION_QUESTIONS.name} does not answer")
+            value = known()
+            if name == "tolist":
+                return _filled_list(tuple(self.shape), int(value))
+            return value if name == "__bool__" else int(value)
+        return answer
+
+    with (_set(torch.Tensor, "__bool__", answering("__bool__")), _set(torch.Tensor, "item", answering("item")),
+          _set(torch.Tensor, "tolist", answering("tolist"))):
+        yield
+
+
+@contextlib.contextmanager
+def fsdp_on_meta(rec: StepRecording | None = None) -> Iterator[None]:
+    """FSDP_ON_META while FSDP2 is applied (`rec` None) or a sharded step is recorded by `rec`: the originals back
+    on exit. Raises BridgeError, with nothing patched, when a target is missing."""
+    found = resolve(FSDP_ON_META)
+    handle = found["torch.distributed.device_mesh._get_device_handle"]
+
+    def device_handle(device_type: str = "cuda"):
+        return torch.cpu if device_type == "meta" else handle(device_type)
+
+    param_mod = importlib.import_module(_FSDP + "_fsdp_param")
+    alloc, free = found[_FSDP + "_fsdp_param.alloc_storage"], found[_FSDP + "_fsdp_param.free_storage"]
+
+    def alloc_storage(tensor: torch.Tensor) -> None:
+        before = tensor.untyped_storage().nbytes()
+        alloc(tensor)
+        if rec is not None and tensor.untyped_storage().nbytes() != before:
+            rec.storage_resized(tensor)
+
+    def free_storage(tensor: torch.Tensor) -> None:
+        before = tensor.untyped_storage().nbytes()
+        free(tensor)
+        if rec is not None and before:
+            rec.storage_resized(tensor)
+
+    from .analysis.categories import Category
+
+    group_class = importlib.import_module(_FSDP + "_fsdp_param_group").FSDPParamGroup
+    device_from_mesh = found[_FSDP + "_fully_shard._get_device_from_mesh"]
+    gather_inputs = found[_FSDP + "_fsdp_param.FSDPParam.all_gather_inputs"]
+    try:
+        sharded = _lookup(_FSDP + "_fsdp_param", "ShardedState.SHARDED")  # read, not patched
+    except LookupError:
+        raise _missing(FSDP_ON_META, _FSDP + "_fsdp_param.ShardedState.SHARDED") from None
+
+    def all_gather_inputs(self) -> list[torch.Tensor]:
+        host = getattr(self, "_sharded_param_data", None)
+        if (rec is None or not self.offload_to_cpu or self.sharded_state != sharded or host is None
+                or host.device.type != "meta" or hasattr(self._sharded_local_tensor, "fsdp_pre_all_gather")):
+            return gather_inputs.fget(self)
+        with rec.device_copy():  # `sharded_param_data.to(self.device, non_blocking=True)`
+            self._sharded_param_data = host.clone()
+        rec.set_category(self._sharded_param_data, Category.COLLECTIVE_BUFFERS, "shard copied from host memory")
+        try:
+            return gather_inputs.fget(self)
+        finally:
+            self._sharded_param_data = host
+    with contextlib.ExitStack() as stack:
+        for module in ("torch.distributed.device_mesh", *(_FSDP + m for m in (
+                "_fsdp_collectives", "_fsdp_init", "_fsdp_param_group", "_fsdp_state"))):
+            stack.enter_context(_set(importlib.import_module(module), "_get_device_handle", device_handle))
+        stack.enter_context(_set(importlib.import_module(_FSDP + "_fully_shard"), "_get_device_from_mesh",
+                                 lambda mesh: torch.device("meta") if mesh.device_type == "meta"
+                                 else device_from_mesh(mesh)))
+        stack.enter_context(_set(group_class, "_validate_no_meta_params", lambda self: None))
+        stack.enter_context(_set(group_class, "_validate_cpu_offload_params", lambda self: None))
+        stack.enter_context(_set(param_mod.FSDPParam, "all_gather_inputs", property(all_gather_inputs)))
+        stack.enter_context(_set(param_mod, "alloc_storage", alloc_storage))
+        stack.enter_context(_set(param_mod, "free_storage", free_storage))
+        stack.enter_context(_set(importlib.import_module(_FSDP + "_fsdp_param_group"), "alloc_storage",
+                                 alloc_storage))
+        yield
+
+
+class _Overridden:
+    """`target` with the methods in `overrides` replaced (name -> the value they return); every other attribute is
+    the target's."""
+
+    def __init__(self, target, **overrides) -> None:
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_overrides", overrides)
+
+    def __getattr__(self, name: str):
+        if name in self._overrides:
+            return lambda *args, **kwargs: self._overrides[name]
+        return getattr(self._target, name)
+
+
+def ddp_on_meta(ddp) -> None:
+    """DDP_ON_META on the DistributedDataParallel object `ddp` (for as long as it lives). Raises BridgeError when a
+    target is missing."""
+    resolve(DDP_ON_META)
+    ddp.reducer = _Overridden(ddp.reducer, _rebuild_buckets=False)
+    ddp.logger = _Overridden(ddp.logger, set_runtime_stats_and_log=None)
+
+
+def gradient_checkpointing_layer() -> type:
+    """transformers' `GradientCheckpointingLayer` (modeling_layers.py), the class of the layers that
+    activation_checkpointing_enable checkpoints. Raises BridgeError when it is missing."""
+    return resolve(CHECKPOINT_FUNCTION)["transformers.modeling_layers.GradientCheckpointingLayer"]
+
+
+def route_checkpoint_functions(model: torch.nn.Module, function: Callable) -> int:
+    """After `activation_checkpointing_enable`, replace each module's `_gradient_checkpointing_func` (where
+    transformers' GradientCheckpointingLayer looks up the checkpoint function) by `function`. The model is the
+    trace's own, so nothing is restored. Returns how many modules; raises BridgeError when none holds one."""
+    resolve(CHECKPOINT_FUNCTION)
+    count = 0
+    for m in model.modules():
+        if getattr(m, "_gradient_checkpointing_func", None) is not None:
+            m._gradient_checkpointing_func = function
+            count += 1
+    if count == 0:
+        raise _missing(CHECKPOINT_FUNCTION, f"_gradient_checkpointing_func on {type(model).__name__}'s modules after "
+                                            "activation_checkpointing_enable")
+    return count
+
+
+def grad_scaler_state(scaler: torch.amp.GradScaler) -> tuple[torch.Tensor, ...]:
+    """GRAD_SCALER_STATE: `scaler`'s scale and growth tracker tensors (made at its first `scale()`). Raises
+    BridgeError when torch no longer makes them there."""
+    resolve(GRAD_SCALER_STATE)
+    return tuple(getattr(scaler, name) for name in GRAD_SCALER_STATE.assigns)
+
+
+def clear_dtensor_caches() -> None:
+    """DTENSOR_PLAN_CACHES: DTensor's sharding and redistribution caches emptied. Raises BridgeError when one of
+    them is gone."""
+    for clear in resolve(DTENSOR_PLAN_CACHES).values():
+        clear()
