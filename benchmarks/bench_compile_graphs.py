@@ -13,7 +13,7 @@ two backward graphs), bytes above what is alive when the graph starts, at its hi
 - naive: `analysis/graph_liveness.py` over the graph's nodes (every node's output a buffer, freed after its last
   use), the forward's inputs kept, the backward's `primals_*` kept;
 - scheduler: `CapturedGraph.memory`, the allocations read off Inductor's own scheduler (fusion, in-place reuse,
-  the CPU kernel group's flushes: tracer/compiled.py `_cpu_allocations`);
+  the CPU kernel group's flushes: tracer/inductor_code.py `cpu_allocations`);
 - real: `torch.compile(model)` (Inductor, default mode) run for real with torch.optim.AdamW; the second step under
   torch.profiler (profile_memory=True): the running sum of the allocator's `[memory]` events inside each
   `## Call CompiledFxGraph ... ##` range (the annotation Inductor's `CompiledFxGraph.__call__` makes while a

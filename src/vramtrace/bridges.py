@@ -9,8 +9,9 @@ was written for (`written_for`). A bridge of kind READ patches nothing: it decla
 
 When a target is missing (an upgrade renamed or removed it), the bridge does not quietly do nothing: the
 trace stops with a `BridgeError` naming the target and the installed version, before anything is patched.
-The one exception is `padding_warning` (see its `when_absent`): a symbol that exists only to log a warning,
-which no transformers code can call once it is gone.
+The exceptions say why in their `when_absent`: `padding_warning`, a symbol that exists only to log a warning,
+which no transformers code can call once it is gone; the Qwen-VL bridge, whose modules an older transformers
+lacks (no such model to trace); the two bitsandbytes bridges, absent without the optional extra [quant].
 
 The patches applied around one feature rather than every step (a traced generation, FSDP2 and DDP on meta,
 activation checkpointing) and two feature reads live in `vramtrace.feature_bridges`; every bridge is declared here.

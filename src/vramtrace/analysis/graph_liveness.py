@@ -3,7 +3,7 @@
 that reads it, as Inductor's generated code frees a buffer after its last use (`del buf3`:
 torch/_inductor/scheduler.py `compute_last_usage`, `free_buffers`; codegen/wrapper.py `codegen_free`).
 
-This is the graph's own view, before Inductor's code generation; `tracer/compiled.py` `_cpu_allocations` reads
+This is the graph's own view, before Inductor's code generation; `tracer/inductor_code.py` `cpu_allocations` reads
 what the generated CPU code allocates off Inductor's scheduler. What this does not model (an over-estimate of
 transient bytes, never of what a graph keeps): pointwise and
 reduction chains that Inductor fuses into one kernel never materialize their intermediates; a kernel may write its
