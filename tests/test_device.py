@@ -3,6 +3,9 @@ the verdict replayed with the device's capacity."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from conftest import FIXTURES
@@ -16,6 +19,7 @@ from vramtrace.spec import parse_gpu
 
 MiB = 2**20
 LLAMA = str(FIXTURES / "tiny-llama-gqa.json")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_cublas_workspace_sizes():
@@ -118,9 +122,17 @@ def test_expandable_segments_end_to_end_never_reserve_less_than_allocated():
     assert "expandable_segments:True" in r.allocator["model"]
 
 
+def test_the_h100_preset_is_what_a_real_h100_reported():
+    # torch.cuda.mem_get_info()'s total on the H100 80GB HBM3 of the recorded GPU run (benchmarks/gpu_check.py
+    # --real-only --record): the capacity a fit answers against is the device's, not a figure from a spec sheet
+    record = json.loads((ROOT / "benchmarks" / "gpu_evidence" / "h100-2026-11-26-gpu_check.json").read_text())
+    assert "H100 80GB" in record["device_name"]
+    assert parse_gpu("h100").memory_bytes == record["total"]
+
+
 def test_gpu_presets_and_the_bf16_warning(capsys):
     assert parse_gpu("h100").name == "H100-80GB" and parse_gpu("4090").name == "RTX4090"
-    assert parse_gpu("L40S").memory_bytes == 45373 * MiB and parse_gpu("t4").sm == 75
+    assert parse_gpu("t4").sm == 75  # Tesla T4: compute capability 7.5 (CUDA C++ Programming Guide)
     with pytest.raises(UsageError, match="--gpu-memory"):
         parse_gpu("A800")
     t4 = analyze(RunSpec(LLAMA, batch=1, seq=16, gpu="T4"))
