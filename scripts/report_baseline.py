@@ -106,6 +106,31 @@ RUNS: tuple[Run, ...] = (
     _run("tiny-serve", f"serve {TINY}/tiny-llama-gqa.json --gpu L4", "tiny: serve", quick=True),
 )
 
+
+
+def _benchmark_runs() -> tuple[Run, ...]:
+    """benchmarks/gpu_check.py's cases (the H100 evidence's: training with checkpointing, LoRA, accumulation, the
+    8-bit optimizer, generation with both caches, a custom module, encoders, T5, expandable segments), predicted as
+    gpu_check predicts them (`vramtrace_args`) for the H100-80GB preset without levers. The model is the bundled
+    config at full depth (gpu_check's `layers` override needs a written config file, whose path would differ from
+    run to run) or the evidence's MHANet module, both as paths relative to the repository root."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gpu_check  # dataclasses look their module up there
+    spec.loader.exec_module(gpu_check)
+    runs = []
+    for case in gpu_check.CASES:
+        model = ("benchmarks/gpu_evidence/mha_model.py:MHANet" if case.model == "mha"
+                 else f"src/vramtrace/tracer/configs/{case.model}.json")
+        args = gpu_check.vramtrace_args(case, model) + ["--gpu", "H100-80GB", "--no-levers"]
+        runs.append(Run(f"bench-{case.name}", tuple(args), False, "benchmarks/gpu_check.py CASES (full depth)"))
+    return tuple(runs)
+
+
+RUNS += _benchmark_runs()
+
 # What legitimately varies between two runs of the same command on the same machine: (JSON path pattern, why).
 # A pattern's parts are keys, `*` any key or list index. Empty: two runs of every command above gave the same bytes.
 VOLATILE: tuple[tuple[tuple[str, ...], str], ...] = ()
