@@ -20,7 +20,10 @@ The tracer and the tables are imported when a session traces, not with this modu
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .spec import RunSpec
 
 SEQ_STEP = 64  # the sequence nodes are SEQ_STEP * (1, 2, 3, 4), smaller when the model is shorter
 MAX_RANKS = 1024  # the largest FSDP world size `fit` and the `fsdp` lever try
@@ -164,7 +167,7 @@ def basis_text(peaks) -> str:
     return "peak reserved" if peaks.peak_reserved_bytes is not None else "peak allocated"
 
 
-def resolve_precision(spec, resolved):
+def resolve_precision(spec: RunSpec, resolved) -> tuple[RunSpec, str]:
     """(`spec` with its precision resolved, where it came from): --precision, the config's `stored` dtype, a local
     checkpoint's dtype, or the default (`tracer/checkpoint_headers.py::precision_for`). `resolved`: the
     `tracer.loading.ResolvedConfig` of `spec.model`. The one place the run's precision is written into its spec."""
@@ -189,7 +192,7 @@ class TraceSession:
     `pipeline._FrozenHeap`, refrozen after each trace. `traces`: the exact traces kept, by spec; `found`: outcomes
     read from the lever disk cache instead of traced (`levers.LeverDiskCache`), by spec."""
 
-    spec: object
+    spec: RunSpec
     resolved: object
     say: Callable[[str], None]
     heap: object
@@ -198,7 +201,7 @@ class TraceSession:
     found: dict = field(default_factory=dict)
 
     @classmethod
-    def start(cls, spec, say: Callable[[str], None], heap) -> "TraceSession":
+    def start(cls, spec: RunSpec, say: Callable[[str], None], heap) -> "TraceSession":
         """Resolve `spec.model`'s config (before torch is imported) and the run's precision. Raises ModelLoadError."""
         from .tracer.loading import resolve_config
 
@@ -206,19 +209,19 @@ class TraceSession:
         spec, source = resolve_precision(spec, resolved)
         return cls(spec, resolved, say, heap, source)
 
-    def load(self, spec):
+    def load(self, spec: RunSpec):
         """The `tracer.building.LoadedModel` of `spec` built on meta (not kept)."""
         from .tracer.building import load_model
 
         return load_model(spec, self.resolved)
 
-    def record(self, spec, loaded, progress: Callable[[str], None] | None = None):
+    def record(self, spec: RunSpec, loaded, progress: Callable[[str], None] | None = None):
         """The `tables.StepTables` of `spec`'s step traced on `loaded` (not kept, the heap not refrozen)."""
         from .tables import step_tables
 
         return step_tables(spec, loaded, progress=progress)
 
-    def fresh(self, spec) -> Trace:
+    def fresh(self, spec: RunSpec) -> Trace:
         """`spec` built and traced now (not kept); the heap refrozen after, also when the trace raises."""
         try:
             loaded = self.load(spec)
@@ -226,7 +229,7 @@ class TraceSession:
         finally:
             self.heap.refreeze()
 
-    def trace(self, spec, message: str | None = None) -> Trace:
+    def trace(self, spec: RunSpec, message: str | None = None) -> Trace:
         """The exact trace of `spec`, made once (saying `message` then) and kept in `traces`."""
         if spec not in self.traces:
             if message:
