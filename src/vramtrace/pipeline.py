@@ -122,7 +122,8 @@ def _analyze_eager(spec: RunSpec):
     from dataclasses import replace
 
     with _FrozenHeap() as heap:
-        return _analyze_one_frozen(replace(spec, compile=False), lambda _msg: None, heap, use_cache_variant=False).report
+        done = _analyze_one_frozen(replace(spec, compile=False), lambda _msg: None, heap, use_cache_variant=False)
+    return done.report
 
 
 def _eager_report(spec: RunSpec, job, say: Callable[[str], None]):
