@@ -32,7 +32,7 @@ from typing import Callable
 
 from .errors import UsageError
 from .spec import Device, RunSpec
-from .search import MAX_RANKS, SEQ_STEP, Curve, aligned, fewest_ranks, largest, same_bytes
+from .search import MAX_RANKS, SEQ_STEP, Curve, TraceSession, aligned, fewest_ranks, largest, same_bytes, within
 
 BATCH_NODES = (2, 3, 4)  # not 1: at batch 1 some reshapes are views, at 2 and more copies
 MAX_BATCH = 1 << 20  # the search's upper end for the batch axis
@@ -111,7 +111,7 @@ def evaluate(tables, x: int, cuda: bool, budget: int, exact: bool, rows: tuple |
     steady = tables.timeline(rows)
     allocated = steady.peak_bytes
     if not cuda:
-        return FitPoint(x, allocated, None, allocated <= budget, exact)
+        return FitPoint(x, allocated, None, within(allocated, None, budget), exact)
     first = tables.timeline(rows, 0)
     unbounded = replay_steps(first, steady, conf=tables.alloc_conf)
     if allocated > budget:  # certain failure: the replay could not hold even the live bytes
@@ -159,15 +159,12 @@ WALK = 16  # sizes the search walks down from the allocated bound before it bise
 
 
 class _Search:
-    """The state of one `fit` search along `axis`: the exact traces made (`exact`, `tables`), the curve
-    interpolating them (None: exact traces only) and the interpolated points computed."""
+    """The state of one `fit` search along `axis`: the exact traces made (`session.traces`, their points
+    `exact`), the curve interpolating them (None: exact traces only) and the interpolated points computed."""
 
-    def __init__(self, spec: RunSpec, resolved, axis: str, cuda: bool, budget: int, say, heap):
-        self.spec, self.resolved, self.axis, self.cuda, self.budget = spec, resolved, axis, cuda, budget
-        self.say, self.heap = say, heap
+    def __init__(self, session: TraceSession, axis: str, cuda: bool, budget: int):
+        self.session, self.spec, self.axis, self.cuda, self.budget = session, session.spec, axis, cuda, budget
         self.exact: dict[int, FitPoint] = {}
-        self.tables: dict[int, object] = {}
-        self.num_layers: dict[int, int] = {}
         self.curve: Curve | None = None
         self.nodes: tuple[int, ...] = ()
         self._points: dict[int, FitPoint] = {}
@@ -176,17 +173,13 @@ class _Search:
     def sized(self, x: int) -> RunSpec:
         return replace(self.spec, batch=x) if self.axis == "batch" else replace(self.spec, seq=x)
 
-    def trace(self, x: int) -> FitPoint:
-        from .tables import step_tables
-        from .tracer.building import load_model
+    def tables(self, x: int):
+        """The StepTables of the exact trace at size `x` (traced when not yet)."""
+        return self.session.trace(self.sized(x), f"exact trace at {self.axis} {x}").tables
 
+    def trace(self, x: int) -> FitPoint:
         if x not in self.exact:
-            self.say(f"exact trace at {self.axis} {x}")
-            loaded = load_model(self.sized(x), self.resolved)
-            t = step_tables(self.sized(x), loaded)
-            self.heap.refreeze()
-            self.num_layers[x], self.tables[x] = loaded.num_layers, t
-            self.exact[x] = evaluate(t, x, self.cuda, self.budget, True)
+            self.exact[x] = evaluate(self.tables(x), x, self.cuda, self.budget, True)
         return self.exact[x]
 
     def traced_only(self, x: int, exact_only: bool) -> bool:
@@ -203,14 +196,14 @@ class _Search:
         if self.traced_only(x, exact_only):
             return self.trace(x).peak_allocated_bytes
         if x not in self._allocated:
-            self._allocated[x] = self.tables[self.nodes[0]].timeline(self.rows(x)).peak_bytes
+            self._allocated[x] = self.tables(self.nodes[0]).timeline(self.rows(x)).peak_bytes
         return self._allocated[x]
 
     def point(self, x: int, exact_only: bool = False) -> FitPoint:
         if self.traced_only(x, exact_only):
             return self.trace(x)
         if x not in self._points:
-            self._points[x] = evaluate(self.tables[self.nodes[0]], x, self.cuda, self.budget, False, self.rows(x))
+            self._points[x] = evaluate(self.tables(self.nodes[0]), x, self.cuda, self.budget, False, self.rows(x))
         return self._points[x]
 
     def best_size(self, limit: int, exact_only: bool) -> tuple[int, int]:
@@ -227,18 +220,14 @@ class _Search:
 
 
 def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, heap, levers: bool) -> FitResult:
-    from .tracer.building import load_model
-    from .tracer.checkpoint_headers import precision_for
-    from .tracer.loading import resolve_config
-
-    resolved = resolve_config(spec.model)
-    spec = replace(spec, precision=precision_for(spec, resolved)[0])
+    session = TraceSession.start(spec, say, heap)
     if axis == "fsdp":
-        return _fit_ranks(spec, resolved, capacity, budget, cuda, say, heap)
-    s = _Search(spec, resolved, axis, cuda, budget, say, heap)
+        return _fit_ranks(session, capacity, budget, cuda)
+    s = _Search(session, axis, cuda, budget)
+    spec = session.spec
     limit = MAX_BATCH
     if axis == "seq":
-        model = load_model(s.sized(SEQ_STEP), resolved)  # the model's longest sequence bounds the search
+        model = session.load(s.sized(SEQ_STEP))  # the model's longest sequence bounds the search
         limit = getattr(getattr(model.model, "config", None), "max_position_embeddings", None) or 1 << 20
         h = min(SEQ_STEP, max(1, limit // 4))
         s.nodes, degree = (h, 2 * h, 3 * h, 4 * h), 2
@@ -269,11 +258,11 @@ def _make_curve(s: _Search, axis: str, degree: int) -> str:
     """Set `s.curve` from the node traces when they share one structure and their sizes are polynomial of
     `degree`; else leave it None and say why."""
     nodes = s.nodes
-    if not all(aligned(s.tables[nodes[0]], s.tables[x]) for x in nodes[1:]):
+    if not all(aligned(s.tables(nodes[0]), s.tables(x)) for x in nodes[1:]):
         return f"the recordings at {axis} {', '.join(map(str, nodes))} differ in structure"
-    curve = Curve(nodes, [s.tables[x] for x in nodes], degree)
+    curve = Curve(nodes, [s.tables(x) for x in nodes], degree)
     for x in nodes[degree + 1:]:
-        if not same_bytes(curve.bytes_at(x), s.tables[x]):
+        if not same_bytes(curve.bytes_at(x), s.tables(x)):
             return f"a storage's bytes are not a degree-{degree} polynomial of the {axis} (checked at {x})"
     s.curve = curve
     return ""
@@ -306,8 +295,9 @@ def _result(s: _Search, spec: RunSpec, capacity: int, limit: int, best: int, bou
         from .levers import Evaluator, find_levers
         from .tables import outcome
 
-        ev = Evaluator(s.resolved, s.cuda, s.say, s.heap)
-        ev.seed(s.sized(next_point.x), outcome(s.tables[next_point.x], s.num_layers[next_point.x], s.cuda))
+        ev = Evaluator(s.session, s.cuda)
+        made = s.session.trace(s.sized(next_point.x))
+        ev.seed(s.sized(next_point.x), outcome(made.tables, made.num_layers, s.cuda))
         found = find_levers(s.sized(next_point.x), ev, s.budget)
     ctx = spec.cuda_context_figure if s.cuda else None
     return FitResult(s.axis, spec.seq if s.axis == "batch" else spec.batch, limit, capacity, s.budget,
@@ -325,22 +315,17 @@ def _basis(spec: RunSpec, cuda: bool, ranks: bool = False) -> str:
             f"cache and retrying as PyTorch does: no out-of-memory{rank}")
 
 
-def _fit_ranks(spec: RunSpec, resolved, capacity: int, budget: int, cuda: bool, say, heap) -> FitResult:
+def _fit_ranks(session: TraceSession, capacity: int, budget: int, cuda: bool) -> FitResult:
     """The fewest GPUs, a power of two up to MAX_RANKS (1: no sharding), whose FSDP2 step (`--fsdp N`, the per-rank
     batch and sequence kept) fits: bisection by exact traces, the per-rank peak falling with N. Each N is traced
     at rank 0, whose shards are the largest (ceil(dim0 / N) rows of every parameter, `sharding.rank_classes`)."""
-    from .tables import step_tables
-    from .tracer.building import load_model
-
+    spec = session.spec
     exact: dict[int, FitPoint] = {}
 
     def trace(n: int) -> FitPoint:
         if n not in exact:
-            say(f"exact trace at --fsdp {n}")
-            sized = replace(spec, fsdp=n if n > 1 else None)
-            t = step_tables(sized, load_model(sized, resolved))
-            heap.refreeze()
-            exact[n] = evaluate(t, n, cuda, budget, True)
+            made = session.trace(replace(spec, fsdp=n if n > 1 else None), f"exact trace at --fsdp {n}")
+            exact[n] = evaluate(made.tables, n, cuda, budget, True)
         return exact[n]
 
     best = fewest_ranks(lambda n: trace(n).fits)

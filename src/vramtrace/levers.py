@@ -3,7 +3,7 @@
 A lever is a change of the run that a user makes with one option (the option is its name): `--use-cache false`,
 another `--optimizer-impl`, a `--checkpointing` policy, a smaller `--batch` with `--grad-accum` keeping the
 effective batch, `--lora-rank`. Every lever is traced and analysed like the main run (its peak is a prediction of
-the same kind, never an estimate) and marked fits or not on the verdict's basis (`planner.budget_peak`: peak
+the same kind, never an estimate) and marked fits or not on the verdict's basis (`search.compared_bytes`: peak
 reserved on a CUDA target, peak allocated on the CPU).
 
 Levers are ranked from cheapest, by what they cost the run, then by how much they save:
@@ -37,8 +37,8 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Callable
 
-from .planner import budget_peak, search_checkpointing
-from .search import MAX_RANKS, fewest_ranks
+from .planner import search_checkpointing
+from .search import MAX_RANKS, TraceSession, basis_text, compared_bytes, fewest_ranks, fits_budget
 from .errors import UsageError
 from .spec import (BNB_OPTIMIZERS, IN_PROCESS_PREFIX, OPTIMIZER_IMPLS, Device, Mode, OptimizerImpl, OptimizerKind,
                    RunSpec, custom_ref)
@@ -125,7 +125,7 @@ class Lever:
         o = self.outcome
         return {"family": self.family, "options": self.options, "cost": self.cost,
                 "peak_allocated_bytes": o.peak_allocated_bytes, "peak_reserved_bytes": o.peak_reserved_bytes,
-                "compared_bytes": budget_peak(o), "saves_bytes": base_bytes - budget_peak(o), "fits": self.fits,
+                "compared_bytes": compared_bytes(o), "saves_bytes": base_bytes - compared_bytes(o), "fits": self.fits,
                 "recompute_overhead": o.recompute_overhead}
 
 
@@ -257,13 +257,13 @@ class Evaluator:
     (precision set); `seed` adds outcomes already traced (the main run's). A variant that needs an extra that is
     not installed, or whose trace raises, raises `NotTraced` (every time it is asked for, traced once)."""
 
-    def __init__(self, resolved, cuda: bool, say: Callable[[str], None], heap) -> None:
-        self.resolved, self.cuda, self.say, self.heap = resolved, cuda, say, heap
+    def __init__(self, session: TraceSession, cuda: bool) -> None:
+        self.session, self.cuda, self.say = session, cuda, session.say
         self.cache: dict[RunSpec, Outcome | NotTraced] = {}
         self.base: RunSpec | None = None  # the progress messages name the options that differ from it
         self.traces = 0
         self.cached = 0  # outcomes found in the disk cache instead of traced
-        self.disk = LeverDiskCache.from_environment(resolved)
+        self.disk = LeverDiskCache.from_environment(session.resolved)
 
     def seed(self, spec: RunSpec, out: Outcome) -> None:
         self.cache[spec] = out
@@ -288,8 +288,7 @@ class Evaluator:
         return out
 
     def _trace(self, spec: RunSpec) -> Outcome | NotTraced:
-        from .tables import outcome, step_tables
-        from .tracer.building import load_model
+        from .tables import outcome
 
         options = self.options(spec)
         missing = missing_extras(spec)
@@ -302,14 +301,12 @@ class Evaluator:
         if self.base is not None:
             self.say(f"what makes it fit, trace {self.traces + 1}: {options}")
         try:
-            loaded = load_model(spec, self.resolved)
-            out = outcome(step_tables(spec, loaded), loaded.num_layers, self.cuda)
+            made = self.session.fresh(spec)  # not kept: only its outcome is
+            out = outcome(made.tables, made.num_layers, self.cuda)
         except Exception as e:  # noqa: BLE001 - any failure of one lever's trace must not lose the report
             logging.getLogger(__name__).debug("the lever %s could not be traced", options, exc_info=True)
             first = str(e).strip().splitlines()[0] if str(e).strip() else "(no message)"
             return NotTraced(SkipReason.FAILED, options, f"could not be traced: {type(e).__name__}: {first}")
-        finally:
-            self.heap.refreeze()
         self.traces += 1
         self.disk.put(spec, out)
         return out
@@ -324,7 +321,7 @@ class _Search:
         self.base = ev(spec)
 
     def fits(self, out: Outcome) -> bool:
-        return budget_peak(out) <= self.budget
+        return fits_budget(out, self.budget)
 
     def lever(self, family: str, on: RunSpec, changes: dict, rank: tuple[int, float], cost: str) -> Lever:
         try:
@@ -472,22 +469,22 @@ FAMILIES: tuple[tuple[str, Callable[[_Search, RunSpec], list[Lever]]], ...] = (
 
 
 def find_levers(spec: RunSpec, ev: Evaluator, budget_bytes: int) -> dict:
-    """The levers of `spec` (resolved: precision set) against `budget_bytes` (on `planner.budget_peak`'s basis),
+    """The levers of `spec` (resolved: precision set) against `budget_bytes` (on `search.compared_bytes`'s basis),
     as the report's JSON `levers` entry: {'budget_bytes', 'basis', 'base_bytes', 'levers': [ranked, each
     `Lever.to_dict`], 'combination': None or {'options', 'levers', 'peak_allocated_bytes', 'peak_reserved_bytes',
     'compared_bytes', 'fits'}, 'traces'}, and 'skipped': [`NotTraced.to_dict`] when a family was not traced (an
     extra missing) or its trace failed, 'cached': the outcomes found in the disk cache (`LeverDiskCache`) when
     any. Levers that save nothing are left out."""
     s = _Search(spec, ev, budget_bytes)
-    base_bytes = budget_peak(s.base)
+    base_bytes = compared_bytes(s.base)
     found: list[Lever] = []
     skipped: list[dict] = []
     for name, family in FAMILIES:
         try:
-            found += [lv for lv in family(s, spec) if budget_peak(lv.outcome) < base_bytes]
+            found += [lv for lv in family(s, spec) if compared_bytes(lv.outcome) < base_bytes]
         except NotTraced as e:
             skipped.append(e.to_dict(name))
-    found.sort(key=lambda lv: (lv.rank, budget_peak(lv.outcome)))
+    found.sort(key=lambda lv: (lv.rank, compared_bytes(lv.outcome)))
     combination = None
     if not any(lv.fits for lv in found):
         try:
@@ -495,7 +492,7 @@ def find_levers(spec: RunSpec, ev: Evaluator, budget_bytes: int) -> dict:
         except NotTraced as e:
             skipped.append(e.to_dict("combination"))
     out = {"budget_bytes": budget_bytes, "base_bytes": base_bytes,
-           "basis": "peak reserved" if s.base.peak_reserved_bytes is not None else "peak allocated",
+           "basis": basis_text(s.base),
            "levers": [lv.to_dict(base_bytes) for lv in found], "combination": combination, "traces": ev.traces}
     if skipped:  # only then: the reports of a run with every lever traced stay as they were
         out["skipped"] = skipped
@@ -542,7 +539,7 @@ def _combine(s: _Search, found: list[Lever]) -> dict | None:
         if s.fits(traced()):
             break
         if f in by_family and by_family[f][0].rank[0] > 0 and f not in chosen:
-            chosen[f] = min(by_family[f], key=lambda lv: budget_peak(lv.outcome))
+            chosen[f] = min(by_family[f], key=lambda lv: compared_bytes(lv.outcome))
             try:
                 replace(s.spec, **changes())
             except UsageError:  # options that do not go together (QLoRA and FSDP; 8-bit and a fused optimizer)
@@ -550,9 +547,9 @@ def _combine(s: _Search, found: list[Lever]) -> dict | None:
                 continue
             if "optimizer_impl" not in chosen and traced().peak_phase == "optimizer":
                 on = replace(s.spec, **changes())
-                impls = [lv for lv in _optimizer_impl(s, on) if budget_peak(lv.outcome) < budget_peak(traced())]
+                impls = [lv for lv in _optimizer_impl(s, on) if compared_bytes(lv.outcome) < compared_bytes(traced())]
                 if impls:
-                    chosen["optimizer_impl"] = min(impls, key=lambda lv: (lv.rank, budget_peak(lv.outcome)))
+                    chosen["optimizer_impl"] = min(impls, key=lambda lv: (lv.rank, compared_bytes(lv.outcome)))
     if s.fits(traced()):
         # drop what the fit does not need, most expensive first (free levers too: fewer options to apply)
         for f in sorted(chosen, key=lambda f: chosen[f].rank, reverse=True):
@@ -571,4 +568,4 @@ def _combine(s: _Search, found: list[Lever]) -> dict | None:
     order = [f for f, _ in FAMILIES if f in chosen]
     return {"options": options_text(_merged(chosen[f] for f in order)), "levers": order,
             "peak_allocated_bytes": out.peak_allocated_bytes, "peak_reserved_bytes": out.peak_reserved_bytes,
-            "compared_bytes": budget_peak(out), "fits": s.fits(out)}
+            "compared_bytes": compared_bytes(out), "fits": s.fits(out)}

@@ -4,8 +4,10 @@ assemble the MemoryReport; the checkpointing baseline and planner, the lever sea
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
+from .search import Trace, TraceSession
 from .spec import KBIT_TRAINING_CHECKPOINTING, Device, Mode, RunSpec
 from .summaries import (adapters_summary, checkpointing_summary, compile_summary, cuda_context_summary, moe_summary,
                         ranks_text, sharding_summary, step_summary, target_warnings)
@@ -46,26 +48,14 @@ def analyze(spec: RunSpec | None = None, progress: Callable[[str], None] | None 
         return plan_checkpointing(spec, _analyze_one, say)
     with _eager_beside(spec) as eager_job:
         with _FrozenHeap() as heap:
-            keep: dict = {}
-            report = _analyze_one_frozen(spec, say, heap, keep)
+            done = _analyze_one_frozen(spec, say, heap)
+            report = done.report
             if levers and report.fit is not None and not report.fit["fits"]:
-                from .levers import Evaluator, find_levers
-
-                from .tables import Outcome, outcome
-
-                cuda = spec.device is Device.CUDA
-                ev = Evaluator(keep["resolved"], cuda, say, heap)
-                for traced_spec, traced in keep["traces"].items():  # the traces made: not traced again
-                    found = traced if isinstance(traced, Outcome) else outcome(*traced, cuda)
-                    ev.seed(traced_spec, found)
-                    if traced_spec != keep["spec"]:  # the use_cache false variant: for the next run's report too
-                        ev.disk.put(traced_spec, found)
-                budget = report.fit["capacity_bytes"] - report.fit.get("cuda_context_bytes", 0)
-                report = replace(report, levers=find_levers(keep["spec"], ev, budget))
+                report = replace(report, levers=_levers(done))
         if spec.compile:
             eager = _eager_report(spec, eager_job, say)
-            report = replace(report, eager=eager,
-                             compiled=compile_summary(report, keep["traces"][keep["spec"]][0].traced.compiled, eager))
+            compiled = done.session.traces[done.spec].tables.traced.compiled
+            report = replace(report, eager=eager, compiled=compile_summary(report, compiled, eager))
     if ckpt.kind == "none":
         return report
     from .tracer.checkpointing import paste_snippet  # imports torch: after the config is resolved
@@ -132,7 +122,8 @@ def _analyze_eager(spec: RunSpec):
     from dataclasses import replace
 
     with _FrozenHeap() as heap:
-        return _analyze_one_frozen(replace(spec, compile=False), lambda _msg: None, heap, use_cache_variant=False)
+        done = _analyze_one_frozen(replace(spec, compile=False), lambda _msg: None, heap, use_cache_variant=False)
+    return done.report
 
 
 def _eager_report(spec: RunSpec, job, say: Callable[[str], None]):
@@ -212,91 +203,128 @@ class _FrozenHeap:
             gc.unfreeze()
 
 
-def _use_cache_false_peak(spec: RunSpec, resolved, traces: dict) -> int:
+@dataclass(frozen=True, slots=True)
+class Analysed:
+    """What `_analyze_one_frozen` made: the MemoryReport, the spec it reports (precision resolved; the worst rank
+    class's rank when every class was traced) and the session holding the resolved config and the traces made
+    (`TraceSession.traces`, `found`), which a lever search starts from."""
+
+    report: object
+    spec: RunSpec
+    session: TraceSession
+
+
+def _levers(done: Analysed) -> dict:
+    """The report's `levers` (`levers.find_levers`) of a run that does not fit, against the capacity less the CUDA
+    context, seeded with the traces the report made (not traced again)."""
+    from .levers import Evaluator, find_levers
+
+    cuda = done.spec.device is Device.CUDA
+    ev = Evaluator(done.session, cuda)
+    for traced_spec, found in done.session.outcomes(cuda).items():
+        ev.seed(traced_spec, found)
+        if traced_spec != done.spec:  # the use_cache false variant: for the next run's report too
+            ev.disk.put(traced_spec, found)
+    fit = done.report.fit
+    return find_levers(done.spec, ev, fit["capacity_bytes"] - fit.get("cuda_context_bytes", 0))
+
+
+def _use_cache_false_peak(session: TraceSession, spec: RunSpec) -> int:
     """The steady step's peak allocated bytes of `spec` with use_cache false: the outcome an earlier lever search
     cached on disk for that spec (`levers.LeverDiskCache`: the same trace's, keyed by everything that changes it)
-    when there, put in `traces` as an `Outcome`; else traced, its (StepTables, layers) put in `traces`."""
+    when there, put in `session.found`; else traced, put in `session.traces`."""
     from dataclasses import replace
 
     from .levers import LeverDiskCache
-    from .tables import step_tables
-    from .tracer.building import load_model
 
     off = replace(spec, use_cache=False)
-    found = LeverDiskCache.from_environment(resolved).get(off)
+    found = LeverDiskCache.from_environment(session.resolved).get(off)
     if found is not None:
-        traces[off] = found
+        session.found[off] = found
         return found.peak_allocated_bytes
-    off_loaded = load_model(off, resolved)
-    off_tables = step_tables(off, off_loaded)
-    traces[off] = (off_tables, off_loaded.num_layers)
+    off_loaded = session.load(off)
+    off_tables = session.record(off, off_loaded)
+    session.traces[off] = Trace(off_tables, off_loaded.num_layers)
     return off_tables.peaks()[0]
 
 
 def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
     with _FrozenHeap() as heap:
-        return _analyze_one_frozen(spec, say, heap)
+        return _analyze_one_frozen(spec, say, heap).report
 
 
-def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _FrozenHeap, keep: dict | None = None,
-                        use_cache_variant: bool = True):
-    """The MemoryReport of `spec`. With `keep`, also fills keep['spec'] (the spec with its precision resolved),
-    keep['resolved'] (the resolved config) and keep['traces'] ({spec: (StepTables, layers in its stack)} of the
-    traces made, or an `Outcome` found in the lever cache), for the lever search. `use_cache_variant`: when the
-    config's KV cache is live at the peak, the step is traced again with use_cache false
-    (`run["use_cache_false_peak_bytes"]`; `_use_cache_false_peak`)."""
+def _trace_worst_rank(session: TraceSession, spec: RunSpec, loaded) -> tuple[RunSpec, object, dict]:
+    """(the spec traced, its StepTables, {ranks text: peak allocated} of each rank class): for a distributed run
+    without --rank, every distinct rank class traced and the one with the largest peak reported; else `spec`."""
     from dataclasses import replace
 
-    from .tracer.checkpoint_headers import precision_for
-    from .tracer.loading import resolve_config
+    say = session.say
+    if spec.world is None or spec.ddp is not None or spec.rank is not None:
+        return spec, session.record(spec, loaded, progress=say), {}
+    from .tracer.sharding import rank_classes
 
-    say("resolving config")  # before torch is imported: a bad model reference answers at once
-    resolved = resolve_config(spec.model)
-    precision, precision_source = precision_for(spec, resolved)
-    spec = replace(spec, precision=precision)
+    classes = rank_classes(loaded.model, spec)
+    tables, rank_peaks = {}, {}
+    for ranks in classes:
+        say(f"rank {ranks[0]} (for ranks {ranks_text(ranks)})")
+        tables[ranks] = session.record(replace(spec, rank=ranks[0]), loaded, progress=say)
+        rank_peaks[ranks_text(ranks)] = tables[ranks].peaks()[0]
+    worst = max(classes, key=lambda g: (rank_peaks[ranks_text(g)], -g[0]))
+    return replace(spec, rank=worst[0]), tables[worst], rank_peaks
 
+
+def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _FrozenHeap,
+                        use_cache_variant: bool = True) -> Analysed:
+    """The MemoryReport of `spec`, with the spec it reports and the session of its traces (`Analysed`).
+    `use_cache_variant`: when the config's KV cache is live at the peak, the step is traced again with use_cache
+    false (`run["use_cache_false_peak_bytes"]`; `_use_cache_false_peak`)."""
     from .analysis.storages import loop_peaks as loops_peaks
     from .analysis.summary import summarize
-    from .spec import Device
-    from .tables import step_tables
-    from .tracer.building import load_model
 
+    say("resolving config")  # before torch is imported: a bad model reference answers at once
+    session = TraceSession.start(spec, say, heap)
     say("building model on meta")
-    loaded = load_model(spec, resolved)
+    loaded = session.load(session.spec)
     heap.refreeze()  # torch, transformers and the model are built: out of the collector's way
-    rank_peaks = {}
-    if spec.world is not None and spec.ddp is None and spec.rank is None:
-        # every distinct rank class traced; the largest reported
-        from .tracer.sharding import rank_classes
-
-        classes = rank_classes(loaded.model, spec)
-        tables = {}
-        for ranks in classes:
-            say(f"rank {ranks[0]} (for ranks {ranks_text(ranks)})")
-            tables[ranks] = step_tables(replace(spec, rank=ranks[0]), loaded, progress=say)
-            rank_peaks[ranks_text(ranks)] = tables[ranks].peaks()[0]
-        worst = max(classes, key=lambda g: (rank_peaks[ranks_text(g)], -g[0]))
-        spec, main = replace(spec, rank=worst[0]), tables[worst]
-    else:
-        main = step_tables(spec, loaded, progress=say)
+    spec, main, rank_peaks = _trace_worst_rank(session, session.spec, loaded)
     say("liveness analysis")
-    traced, table, loop, block = main.traced, main.table, main.loop, main.block
-    steady = main.timeline()
+    traced, steady = main.traced, main.timeline()
     loop_peaks = {}
     if spec.mode is Mode.TRAIN and spec.step is None:
-        loop_peaks = loops_peaks(steady, traced.ops, traced.storages, traced.marks, loop, traced.counted_devices, block)
+        loop_peaks = loops_peaks(steady, traced.ops, traced.storages, traced.marks, main.loop,
+                                 traced.counted_devices, main.block)
     cache_off_peak = None
-    traces = {spec: (main, loaded.num_layers)}
-    if keep is not None:
-        keep.update(spec=spec, resolved=resolved, traces=traces)
+    session.traces[spec] = Trace(main, loaded.num_layers)
     if use_cache_variant and spec.mode is Mode.TRAIN and spec.use_cache is None and any(
             lt.category == "kv_cache" and lt.birth <= steady.peak_step <= lt.death for lt in steady.lifetimes):
         # the config's KV cache is live at the peak: what --use-cache false saves, traced (not derived: without
         # the cache the attention's own key/value tensors live as long as its locals and saved tensors keep them)
         say("the same step with use_cache false")
-        cache_off_peak = _use_cache_false_peak(spec, resolved, traces)
-    gpu = spec.gpu_preset
-    model_info = {
+        cache_off_peak = _use_cache_false_peak(session, spec)
+    run_info = _run_info(spec, session.precision_source, loaded, main, steady,
+                         step_summary(spec, loop_peaks, cache_off_peak), sharding_summary(spec, rank_peaks,
+                                                                                          _host_peak(spec, main)))
+    report = summarize(
+        model=_model_info(session.resolved, loaded, traced), run=run_info, params=loaded.params, ops=traced.ops,
+        storages=main.table, steady=steady, first=main.timeline(step=0), graph_optimal=main.timeline(optimal=True),
+        gpu=_gpu_info(spec), unresolved=traced.unresolved)
+    return Analysed(report, spec, session)
+
+
+def _host_peak(spec: RunSpec, main) -> int | None:
+    """FSDP2's CPUOffloadPolicy: the peak of what lives in host memory, outside the GPU's figures (else None)."""
+    if not spec.cpu_offload:
+        return None
+    from .analysis.liveness import build_timeline
+    from .tracer.recorder import HOST_DEVICE
+
+    traced = main.traced
+    return build_timeline(traced.ops, main.table, traced.steps - 1, (HOST_DEVICE,)).peak_bytes
+
+
+def _model_info(resolved, loaded, traced) -> dict:
+    """The report's `model` section: the reference, the config's source, the built model's figures."""
+    info = {
         "ref": resolved.ref, "config_source": resolved.source, "config_location": resolved.location,
         "architecture": loaded.architecture, "model_type": loaded.model_type, "task": loaded.task,
         "params": loaded.params, "trainable_params": loaded.trainable_params,
@@ -308,24 +336,25 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
     if resolved.checkpoint is not None:
         from .tracer.checkpoint_headers import cross_check
 
-        model_info["checkpoint"] = cross_check(resolved.checkpoint, loaded.params)
-    host_peak = None
-    if spec.cpu_offload:  # FSDP2's CPUOffloadPolicy: what lives in host memory, outside the GPU's figures
-        from .analysis.liveness import build_timeline
-        from .tracer.recorder import HOST_DEVICE
+        info["checkpoint"] = cross_check(resolved.checkpoint, loaded.params)
+    return info
 
-        host_peak = build_timeline(traced.ops, table, traced.steps - 1, (HOST_DEVICE,)).peak_bytes
+
+def _run_info(spec: RunSpec, precision_source: str, loaded, main, steady, step: dict, sharding: dict) -> dict:
+    """The report's `run` section: the run's settings and the figures of its traced step (`step`:
+    `step_summary`'s, `sharding`: `sharding_summary`'s entries)."""
+    traced, table = main.traced, main.table
     run_info = {
         "mode": spec.mode.value, "precision": loaded.precision.value, "precision_source": precision_source,
         "optimizer": spec.optimizer.value,
-        "optimizer_impl": spec.optimizer_impl.value, "device": spec.device.value, "gpu": gpu.name,
+        "optimizer_impl": spec.optimizer_impl.value, "device": spec.device.value, "gpu": spec.gpu_preset.name,
         "batch": spec.batch, "seq": spec.seq, "checkpointing": str(spec.checkpointing),
         "checkpointing_source": "prepare_model_for_kbit_training's default" if spec.quantization is not None
         and spec.lora_rank is not None and str(spec.checkpointing) == KBIT_TRAINING_CHECKPOINTING else "",
         "num_layers": loaded.num_layers, "layer_stack": loaded.layer_stack_path,
-        "allocator_block_bytes": block, "num_ops": len(traced.ops), "trace": traced.trace_note,
+        "allocator_block_bytes": main.block, "num_ops": len(traced.ops), "trace": traced.trace_note,
         "inputs": [f"{n}={d}{list(s)}" for n, d, s in loaded.input_summary()] if loaded.task == "custom" else [],
-        **step_summary(spec, loop_peaks, cache_off_peak), **sharding_summary(spec, rank_peaks, host_peak),
+        **step, **sharding,
         "adapters": adapters_summary(spec), "image_size": loaded.image_size,
         **({"images": loaded.images} if loaded.images else {}), **moe_summary(spec, loaded.model),
         "compile": spec.compile, "compile_mode": spec.compile_mode if spec.compile else None,
@@ -344,11 +373,13 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
     warnings = target_warnings(spec, loaded.precision.value)
     if warnings:
         run_info["warnings"] = warnings
-    return summarize(
-        model=model_info, run=run_info, params=loaded.params, ops=traced.ops, storages=table,
-        steady=steady, first=main.timeline(step=0), graph_optimal=main.timeline(optimal=True),
-        gpu=({"name": spec.capacity[0], "memory_bytes": spec.capacity[1], "cuda": spec.device is Device.CUDA,
-              "cuda_context_bytes": spec.cuda_context, "alloc_conf": spec.alloc_conf,
-              "cuda_context_source": cuda_context_summary(spec).get("cuda_context_source", "")}
-             if spec.capacity is not None else None),
-        unresolved=traced.unresolved)
+    return run_info
+
+
+def _gpu_info(spec: RunSpec) -> dict | None:
+    """The report's `gpu` section (None without a capacity)."""
+    if spec.capacity is None:
+        return None
+    return {"name": spec.capacity[0], "memory_bytes": spec.capacity[1], "cuda": spec.device is Device.CUDA,
+            "cuda_context_bytes": spec.cuda_context, "alloc_conf": spec.alloc_conf,
+            "cuda_context_source": cuda_context_summary(spec).get("cuda_context_source", "")}

@@ -26,18 +26,13 @@ import math
 from dataclasses import replace
 from typing import Callable
 
+from .search import basis_text, compared_bytes, fits_budget
 from .spec import Checkpointing, RunSpec
-
-
-def budget_peak(report) -> int:
-    """The bytes a budget is compared with, as the fit verdict compares the device's capacity: peak reserved
-    (caching-allocator model) when the report has it (CUDA target), else peak allocated."""
-    return report.peak_reserved_bytes if report.peak_reserved_bytes is not None else report.peak_allocated_bytes
 
 
 def plan_checkpointing(spec: RunSpec, analyze_one: Callable, say: Callable[[str], None]):
     """The MemoryReport of the chosen plan, with `checkpointing['plan']` describing the search (bytes compared
-    with `spec.memory_budget_bytes` by `budget_peak`). When no plan fits, the floor's report with an empty
+    with `spec.memory_budget_bytes` by `search.compared_bytes`). When no plan fits, the floor's report with an empty
     snippet."""
     from .summaries import checkpointing_summary
     from .tracer.checkpointing import paste_snippet
@@ -52,27 +47,27 @@ def plan_checkpointing(spec: RunSpec, analyze_one: Callable, say: Callable[[str]
         return seen[policy]
 
     def fits(policy: str) -> bool:
-        return budget_peak(evaluate(policy)) <= budget
+        return fits_budget(evaluate(policy), budget)
 
     search_checkpointing(evaluate("none").run.get("num_layers") or 0, fits, evaluate)
-    candidates = [(p, r) for p, r in seen.items() if budget_peak(r) <= budget]
+    candidates = [(p, r) for p, r in seen.items() if fits_budget(r, budget)]
     if candidates:
-        policy, chosen = min(candidates, key=lambda pr: (pr[1].recompute_flops, budget_peak(pr[1])))
+        policy, chosen = min(candidates, key=lambda pr: (pr[1].recompute_flops, compared_bytes(pr[1])))
         verdict = f"fits the budget with {policy}"
     else:
-        policy, chosen = min(seen.items(), key=lambda pr: (budget_peak(pr[1]), pr[1].recompute_flops))
+        policy, chosen = min(seen.items(), key=lambda pr: (compared_bytes(pr[1]), pr[1].recompute_flops))
         verdict = (f"no plan fits; the floor is {policy}, whose peak is in the {chosen.peak_phase} phase "
                    f"({chosen.peak_op})")
     # nothing to apply when no plan fits: the floor is information, not advice
     snippet = paste_snippet(Checkpointing.parse(policy)) if candidates else ""
     summary = checkpointing_summary(chosen, seen["none"], snippet)
-    basis = "peak reserved" if chosen.peak_reserved_bytes is not None else "peak allocated"
+    basis = basis_text(chosen)
     summary["plan"] = {
         "budget_bytes": budget, "fits": bool(candidates), "chosen": policy, "verdict": verdict,
-        "basis": basis, "over_budget_bytes": max(0, budget_peak(chosen) - budget),
+        "basis": basis, "over_budget_bytes": max(0, compared_bytes(chosen) - budget),
         "algorithm": "binary search over transformers' every_n_layers, plus selective and layers; every candidate traced",
         "evaluated": [{"policy": p, "peak_allocated_bytes": r.peak_allocated_bytes,
-                       "peak_reserved_bytes": r.peak_reserved_bytes, "compared_bytes": budget_peak(r),
+                       "peak_reserved_bytes": r.peak_reserved_bytes, "compared_bytes": compared_bytes(r),
                        "recompute_flops": r.recompute_flops,
                        "recompute_overhead": r.recompute_overhead}
                       for p, r in seen.items()],

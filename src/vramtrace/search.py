@@ -8,15 +8,22 @@ only each storage's bytes change, as a polynomial of low degree (linear in B, at
 - `aligned`: whether two exact traces record the same structure (the condition for a `Curve` through them);
 - `same_bytes`: whether interpolated bytes are an exact trace's (the check of a `Curve` at a further node);
 - `largest`: the largest size in [1, limit] that fits (galloping, then bisection);
-- `fewest_ranks`: the smallest power of two of GPUs in [smallest, MAX_RANKS] that fits (bisection).
+- `fewest_ranks`: the smallest power of two of GPUs in [smallest, MAX_RANKS] that fits (bisection);
+- `TraceSession`: the config resolved and the precision resolved once (`resolve_precision`), then exact traces of
+  sized variants of the run, cached per spec, the heap refrozen after each;
+- `compared_bytes`, `within`, `basis_text`: the verdict against a budget (peak reserved when there is one, else
+  peak allocated), and its wording.
 
-The traces themselves (`tables.StepTables`) are made by the callers; this module imports none of them.
+The tracer and the tables are imported when a session traces, not with this module.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .spec import RunSpec
 
 SEQ_STEP = 64  # the sequence nodes are SEQ_STEP * (1, 2, 3, 4), smaller when the model is shorter
 MAX_RANKS = 1024  # the largest FSDP world size `fit` and the `fsdp` lever try
@@ -132,3 +139,107 @@ def fewest_ranks(fits: Callable[[int], bool], smallest: int = 1) -> int | None:
         else:
             lo = mid + 1
     return best
+
+
+def _compared(allocated: int, reserved: int | None) -> int:
+    return reserved if reserved is not None else allocated
+
+
+def compared_bytes(peaks) -> int:
+    """The bytes a budget is compared with, as the fit verdict compares the device's capacity: `peaks`' peak
+    reserved (the caching-allocator model, CUDA target) when it has one, else its peak allocated. `peaks`: anything
+    with `peak_allocated_bytes` and `peak_reserved_bytes` (a MemoryReport, a `tables.Outcome`)."""
+    return _compared(peaks.peak_allocated_bytes, peaks.peak_reserved_bytes)
+
+
+def within(allocated: int, reserved: int | None, budget: int) -> bool:
+    """The verdict: whether the compared bytes (`reserved` when known, else `allocated`) are at most `budget`."""
+    return _compared(allocated, reserved) <= budget
+
+
+def fits_budget(peaks, budget: int) -> bool:
+    """The verdict of `peaks` (as in `compared_bytes`) against `budget`."""
+    return within(peaks.peak_allocated_bytes, peaks.peak_reserved_bytes, budget)
+
+
+def basis_text(peaks) -> str:
+    """The wording of what `compared_bytes(peaks)` compares."""
+    return "peak reserved" if peaks.peak_reserved_bytes is not None else "peak allocated"
+
+
+def resolve_precision(spec: RunSpec, resolved) -> tuple[RunSpec, str]:
+    """(`spec` with its precision resolved, where it came from): --precision, the config's `stored` dtype, a local
+    checkpoint's dtype, or the default (`tracer/checkpoint_headers.py::precision_for`). `resolved`: the
+    `tracer.loading.ResolvedConfig` of `spec.model`. The one place the run's precision is written into its spec."""
+    from .tracer.checkpoint_headers import precision_for
+
+    precision, source = precision_for(spec, resolved)
+    return replace(spec, precision=precision), source
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """One exact trace: its `tables.StepTables` and the number of layers in the model's checkpointable stack."""
+
+    tables: object
+    num_layers: int
+
+
+@dataclass(slots=True)
+class TraceSession:
+    """Exact traces of sized variants of one run. `spec`: the run with its precision resolved
+    (`resolve_precision`); `resolved`: its resolved config; `say`: progress; `heap`: the open
+    `pipeline._FrozenHeap`, refrozen after each trace. `traces`: the exact traces kept, by spec; `found`: outcomes
+    read from the lever disk cache instead of traced (`levers.LeverDiskCache`), by spec."""
+
+    spec: RunSpec
+    resolved: object
+    say: Callable[[str], None]
+    heap: object
+    precision_source: str = ""
+    traces: dict = field(default_factory=dict)
+    found: dict = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, spec: RunSpec, say: Callable[[str], None], heap) -> "TraceSession":
+        """Resolve `spec.model`'s config (before torch is imported) and the run's precision. Raises ModelLoadError."""
+        from .tracer.loading import resolve_config
+
+        resolved = resolve_config(spec.model)
+        spec, source = resolve_precision(spec, resolved)
+        return cls(spec, resolved, say, heap, source)
+
+    def load(self, spec: RunSpec):
+        """The `tracer.building.LoadedModel` of `spec` built on meta (not kept)."""
+        from .tracer.building import load_model
+
+        return load_model(spec, self.resolved)
+
+    def record(self, spec: RunSpec, loaded, progress: Callable[[str], None] | None = None):
+        """The `tables.StepTables` of `spec`'s step traced on `loaded` (not kept, the heap not refrozen)."""
+        from .tables import step_tables
+
+        return step_tables(spec, loaded, progress=progress)
+
+    def fresh(self, spec: RunSpec) -> Trace:
+        """`spec` built and traced now (not kept); the heap refrozen after, also when the trace raises."""
+        try:
+            loaded = self.load(spec)
+            return Trace(self.record(spec, loaded), loaded.num_layers)
+        finally:
+            self.heap.refreeze()
+
+    def trace(self, spec: RunSpec, message: str | None = None) -> Trace:
+        """The exact trace of `spec`, made once (saying `message` then) and kept in `traces`."""
+        if spec not in self.traces:
+            if message:
+                self.say(message)
+            self.traces[spec] = self.fresh(spec)
+        return self.traces[spec]
+
+    def outcomes(self, cuda: bool) -> dict:
+        """{spec: `tables.Outcome`} of the traces kept and the outcomes found, for a lever search to start from."""
+        from .tables import outcome
+
+        made = {s: outcome(t.tables, t.num_layers, cuda) for s, t in self.traces.items()}
+        return {**made, **self.found}

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from .errors import UsageError
-from .search import SEQ_STEP, Curve, aligned, same_bytes
+from .search import SEQ_STEP, Curve, TraceSession, aligned, same_bytes, within
 from .spec import Device, RunSpec
 
 MAX_POINTS = 10_000
@@ -74,87 +74,74 @@ def sweep(spec: RunSpec, batches: tuple[int, ...], seqs: tuple[int, ...], headro
     if spec.capacity is not None:
         budget = int(spec.capacity[1] * (1 - headroom)) - spec.cuda_context
     with _FrozenHeap() as heap:
-        return _sweep(spec, batches, seqs, budget, say, heap)
+        return _sweep(_Grid(TraceSession.start(spec, say, heap), budget), batches, seqs)
 
 
-def _sweep(spec, batches, seqs, budget, say, heap) -> SweepResult:
-    import numpy as np
+class _Grid:
+    """The state of one sweep: the session of its exact traces, the budget (None: no capacity), the curves by batch
+    (2 and 3: the parabolas in the sequence the other batches interpolate between; 1: batch 1's own) and each
+    recording's lifetimes as arrays (`peak_of`)."""
 
-    from .analysis.allocator import ReplaySchedule
-    from .tables import step_tables
-    from .tracer.building import load_model
-    from .tracer.checkpoint_headers import precision_for
-    from .tracer.loading import resolve_config
+    def __init__(self, session: TraceSession, budget: int | None):
+        self.session, self.spec, self.budget = session, session.spec, budget
+        self.cuda = self.spec.device is Device.CUDA
+        self.exact: dict[tuple[int, int], object] = {}
+        self.curves: dict[int, Curve] = {}
+        self.structure: dict[int, tuple] = {}  # 1 (batch 1's recording) or 2 (the others'): lifetimes as arrays
+        self.ones_base: tuple[int, int] | None = None  # the trace whose recording batch 1's sizes are of
+        self.base: tuple[int, int] | None = None  # the others'
 
-    resolved = resolve_config(spec.model)
-    spec = replace(spec, precision=precision_for(spec, resolved)[0])
-    cuda = spec.device is Device.CUDA
-    exact: dict[tuple[int, int], object] = {}
+    def trace(self, b: int, s: int):
+        if (b, s) not in self.exact:
+            sized = replace(self.spec, batch=b, seq=s)
+            self.exact[(b, s)] = self.session.trace(sized, f"exact trace at batch {b}, seq {s}").tables
+        return self.exact[(b, s)]
 
-    def trace(b: int, s: int):
-        if (b, s) not in exact:
-            say(f"exact trace at batch {b}, seq {s}")
-            sized = replace(spec, batch=b, seq=s)
-            exact[(b, s)] = step_tables(sized, load_model(sized, resolved))
-            heap.refreeze()
-        return exact[(b, s)]
+    def verdict(self, alloc: int, reserved: int | None) -> bool | None:
+        return None if self.budget is None else within(alloc, reserved, self.budget)
 
-    def verdict(alloc: int, reserved: int | None) -> bool | None:
-        return None if budget is None else (reserved if cuda else alloc) <= budget
+    def exact_point(self, b: int, s: int) -> SweepPoint:
+        alloc, reserved = self.trace(b, s).peaks(cuda=self.cuda)
+        return SweepPoint(b, s, alloc, reserved, self.verdict(alloc, reserved), True)
 
-    def exact_point(b: int, s: int) -> SweepPoint:
-        alloc, reserved = trace(b, s).peaks(cuda=cuda)
-        return SweepPoint(b, s, alloc, reserved, verdict(alloc, reserved), True)
-
-    model = load_model(replace(spec, seq=SEQ_STEP), resolved)
-    limit = getattr(getattr(model.model, "config", None), "max_position_embeddings", None) or 1 << 20
-    if max(seqs) > limit:
-        raise UsageError(f"--sweep sequence {max(seqs)} is past the model's max_position_embeddings ({limit})")
-    h = min(SEQ_STEP, max(1, limit // 4))
-    s_nodes = (h, 2 * h, 3 * h)
-    nodes = [(b, s) for b in (2, 3) for s in s_nodes] + [(4, 4 * h)]
-    for b, s in nodes:
-        trace(b, s)
-    base = exact[nodes[0]]
-    why = ""
-    if not all(aligned(base, exact[n]) for n in nodes[1:]):
-        why = "the recordings at the nodes differ in structure"
-    curves = {} if why else {b: Curve(s_nodes, [exact[(b, s)] for s in s_nodes], 2) for b in (2, 3)}
-    if not why and 1 in batches:  # batch 1 has its own structure: its own parabola in the sequence
-        ones = [trace(1, s) for s in (*s_nodes, 4 * h)]
-        if all(aligned(ones[0], t) for t in ones[1:]):
-            curve = Curve(s_nodes, ones[:3], 2)
-            if same_bytes(curve.bytes_at(4 * h), ones[3]):
-                curves[1] = curve
-
-    def interpolated(b: int, s: int):
+    def interpolated(self, b: int, s: int):
         if b == 1:
-            return curves[1].bytes_at(s) if 1 in curves else None
-        y2, y3 = curves[2].bytes_at(s), curves[3].bytes_at(s)
+            return self.curves[1].bytes_at(s) if 1 in self.curves else None
+        y2, y3 = self.curves[2].bytes_at(s), self.curves[3].bytes_at(s)
         return None if y2 is None or y3 is None else y2 + (b - 2) * (y3 - y2)
 
-    if not why and not same_bytes(interpolated(4, 4 * h), exact[(4, 4 * h)]):
-        why = "a storage's bytes are not linear in the batch and quadratic in the sequence (checked at (4, 4h))"
-    structure: dict[int, tuple] = {}  # 1 (batch 1's recording) or 2 (the others'): lifetimes as arrays
+    def point(self, b: int, s: int, sizes) -> SweepPoint:
+        """The interpolated point at (b, s) whose storages' bytes are `sizes`. On a CUDA target where the
+        allocated bytes do not fit, reserved is unknown (None) and the verdict False (reserved cannot fit)."""
+        alloc, reserved = self.peak_of(b, sizes)
+        return SweepPoint(b, s, alloc, reserved, self.verdict(alloc, reserved), False)
 
-    def peak_of(b: int, sizes) -> tuple[int, int | None]:
+    def _arrays(self, key: int) -> tuple:
+        import numpy as np
+
+        from .analysis.allocator import ReplaySchedule
+
+        t = self.exact[self.ones_base if key == 1 else self.base]
+        unit = tuple(replace(r, nbytes=1) for r in t.table)  # every storage on the timelines, even at 0 bytes
+        first, steady = t.timeline(unit, 0), t.timeline(unit)
+        index = {r.sid: i for i, r in enumerate(t.table)}
+        schedule = ReplaySchedule.of(first, steady) if self.cuda else None
+        return (np.array([index[lt.sid] for lt in steady.lifetimes], dtype=np.int64),
+                np.array([lt.birth for lt in steady.lifetimes], dtype=np.int64),
+                np.array([lt.death for lt in steady.lifetimes], dtype=np.int64), len(steady.steps),
+                t.block, schedule, schedule and np.array([index[sid] for sid in schedule.sids], dtype=np.int64))
+
+    def peak_of(self, b: int, sizes) -> tuple[int, int | None]:
         """(peak allocated, peak reserved on a CUDA target when the allocated bytes fit, else None) of the
         recording of batch b with `sizes` as its storages' bytes: the liveness sum of `StepTables.peaks`
         vectorised, and the same allocator replay (`ReplaySchedule`) without rebuilding the timelines; on a CUDA
         target when they fit, peak allocated is the replay's (unsplit block remainders included)."""
+        import numpy as np
+
         key = 1 if b == 1 else 2
-        if key not in structure:
-            t = exact[(1, s_nodes[0])] if key == 1 else base
-            unit = tuple(replace(r, nbytes=1) for r in t.table)  # every storage on the timelines, even at 0 bytes
-            first, steady = t.timeline(unit, 0), t.timeline(unit)
-            index = {r.sid: i for i, r in enumerate(t.table)}
-            schedule = ReplaySchedule.of(first, steady) if cuda else None
-            structure[key] = (np.array([index[lt.sid] for lt in steady.lifetimes], dtype=np.int64),
-                              np.array([lt.birth for lt in steady.lifetimes], dtype=np.int64),
-                              np.array([lt.death for lt in steady.lifetimes], dtype=np.int64), len(steady.steps),
-                              t.block, schedule,
-                              schedule and np.array([index[sid] for sid in schedule.sids], dtype=np.int64))
-        rows, births, deaths, n, block, schedule, replay_rows = structure[key]
+        if key not in self.structure:
+            self.structure[key] = self._arrays(key)
+        rows, births, deaths, n, block, schedule, replay_rows = self.structure[key]
         if block > 1:  # liveness.round_block, vectorised
             sizes = np.where(sizes > 0, -(-sizes // block) * block, 0)
         nbytes = sizes[rows]
@@ -162,24 +149,51 @@ def _sweep(spec, batches, seqs, budget, say, heap) -> SweepResult:
         np.add.at(diff, births, nbytes)
         np.add.at(diff, deaths + 1, -nbytes)
         alloc = int(np.cumsum(diff)[:-1].max())
-        if not cuda or (budget is not None and alloc > budget):
+        if not self.cuda or (self.budget is not None and alloc > self.budget):
             return alloc, None
-        est = schedule.replay(sizes[replay_rows].tolist(), conf=base.alloc_conf)
+        est = schedule.replay(sizes[replay_rows].tolist(), conf=self.exact[self.base].alloc_conf)
         return est.peak_allocated_bytes, est.peak_reserved_bytes  # as `StepTables.peaks` on a CUDA target
 
+
+def _curves(g: _Grid, batches, s_nodes: tuple[int, ...], h: int) -> str:
+    """Trace the nodes (batch 2, 3 × `s_nodes`, and (4, 4h)) and set `g.curves` (batch 1's too when it is swept
+    and its own parabola checks at 4h); '' when the grid can be interpolated, else why not."""
+    nodes = [(b, s) for b in (2, 3) for s in s_nodes] + [(4, 4 * h)]
+    for b, s in nodes:
+        g.trace(b, s)
+    g.base = nodes[0]
+    base = g.exact[g.base]
+    if not all(aligned(base, g.exact[n]) for n in nodes[1:]):
+        return "the recordings at the nodes differ in structure"
+    g.curves = {b: Curve(s_nodes, [g.exact[(b, s)] for s in s_nodes], 2) for b in (2, 3)}
+    if 1 in batches:  # batch 1 has its own structure: its own parabola in the sequence
+        ones = [g.trace(1, s) for s in (*s_nodes, 4 * h)]
+        g.ones_base = (1, s_nodes[0])
+        if all(aligned(ones[0], t) for t in ones[1:]):
+            curve = Curve(s_nodes, ones[:3], 2)
+            if same_bytes(curve.bytes_at(4 * h), ones[3]):
+                g.curves[1] = curve
+    if not same_bytes(g.interpolated(4, 4 * h), g.exact[(4, 4 * h)]):
+        return "a storage's bytes are not linear in the batch and quadratic in the sequence (checked at (4, 4h))"
+    return ""
+
+
+def _sweep(g: _Grid, batches, seqs) -> SweepResult:
+    model = g.session.load(replace(g.spec, seq=SEQ_STEP))
+    limit = getattr(getattr(model.model, "config", None), "max_position_embeddings", None) or 1 << 20
+    if max(seqs) > limit:
+        raise UsageError(f"--sweep sequence {max(seqs)} is past the model's max_position_embeddings ({limit})")
+    h = min(SEQ_STEP, max(1, limit // 4))
+    s_nodes = (h, 2 * h, 3 * h)
+    why = _curves(g, batches, s_nodes, h)
     points = []
     for b in batches:
         for s in seqs:
-            sizes = None if why or (b, s) in exact else interpolated(b, s)
-            if sizes is None:
-                points.append(exact_point(b, s))
-                continue
-            alloc, reserved = peak_of(b, sizes)
-            points.append(SweepPoint(b, s, alloc, reserved, verdict(alloc, reserved) if reserved is not None or not cuda
-                                     else False, False))
-    ones = ("; batch 1 from its own traces at the same sequences, checked at " + str(4 * h) if 1 in curves
+            sizes = None if why or (b, s) in g.exact else g.interpolated(b, s)
+            points.append(g.exact_point(b, s) if sizes is None else g.point(b, s, sizes))
+    ones = ("; batch 1 from its own traces at the same sequences, checked at " + str(4 * h) if 1 in g.curves
             else "; batch 1 traced at each sequence" if 1 in batches else "")
     method = (f"every point traced ({why})" if why else
               f"interpolated from exact traces at batch 2, 3 × seq {', '.join(map(str, s_nodes))}, checked at "
               f"(4, {4 * h}){ones}")
-    return SweepResult(tuple(batches), tuple(seqs), budget, tuple(points), method, len(exact))
+    return SweepResult(tuple(batches), tuple(seqs), g.budget, tuple(points), method, len(g.exact))

@@ -109,7 +109,7 @@ class Outcome:
     allocated bytes (on a CUDA target the allocator replay's, as `StepTables.peaks`), the caching-allocator model's
     peak reserved bytes (CUDA target, else None), the KV cache bytes live at the peak, the forward + backward and
     the recompute FLOPs, the phase of the peak, and the number of layers in the model's checkpointable stack. The
-    attribute names are the report's, so `planner.budget_peak` reads either."""
+    attribute names are the report's, so `search.compared_bytes` reads either."""
 
     peak_allocated_bytes: int
     peak_reserved_bytes: int | None

@@ -36,15 +36,13 @@ class Measurement:
 def real_model(spec: RunSpec, device: str = "cpu"):
     """`spec`'s model built for real on `device` with random weights (seed 0), its step inputs (random, in
     range), loss and autocast dtype: a `LoadedModel`, the same code path as the meta build (and the same
-    precision, `checkpoint_headers.precision_for`)."""
-    from dataclasses import replace
-
+    precision, `search.resolve_precision`)."""
+    from .search import resolve_precision
     from .tracer.building import load_model
-    from .tracer.checkpoint_headers import precision_for
     from .tracer.loading import resolve_config
 
     resolved = resolve_config(spec.model)
-    return load_model(replace(spec, precision=precision_for(spec, resolved)[0]), resolved, device)
+    return load_model(resolve_precision(spec, resolved)[0], resolved, device)
 
 
 def alive_at_start(model, inputs, opt) -> list:
