@@ -13,6 +13,11 @@ from types import SimpleNamespace
 import typer
 from rich.console import Console
 
+try:  # typer >= 0.2x vendors its own click
+    from typer._click.core import ParameterSource
+except ImportError:  # pragma: no cover - older typer uses click itself
+    from click.core import ParameterSource
+
 from ..errors import UsageError
 from . import options as o
 
@@ -60,7 +65,7 @@ def main_command(
     """
     del debug  # read by main() from the arguments, so that it also covers errors raised while parsing them
     opts = SimpleNamespace(**{k: v for k, v in locals().items() if k != "ctx"})
-    command = Command(ctx.command.name) if ctx.command.name in Command._value2member_map_ else Command.RUN
+    command = next((c for c in Command if c.value == ctx.command.name), Command.RUN)
     fit_axis = _fit_axis(ctx, opts) if command is Command.FIT else None
     opts.quiet = _check_usage(opts, fit_axis, validate_run=command is Command.VALIDATE)
     _execute(opts, fit_axis, validate_run=command is Command.VALIDATE)
@@ -71,7 +76,7 @@ def _fit_axis(ctx: typer.Context, opts: SimpleNamespace) -> str:
     batch at a given --seq (or with neither, for models without a sequence), the sequence at a given --batch, the
     fewest FSDP ranks at both; "sweep" with --sweep. Raises UsageError for --sweep with either."""
     def given(name: str) -> bool:
-        return ctx.get_parameter_source(name) is not None and ctx.get_parameter_source(name).name == "COMMANDLINE"
+        return ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
 
     has_seq, has_batch = given("seq"), given("batch")
     if opts.sweep_grid is not None:
