@@ -100,3 +100,45 @@ def test_compare_and_checkpointing_json(tmp_path, capsys):
     # at most a third of forward + backward
     assert d["recompute_flops"] == rows[1]["recompute_flops"] and 0 < d["recompute_flops"] < d["step_flops"] / 3
     assert d["checkpointing"]["activation_bytes"] < d["checkpointing"]["activation_bytes_without"]
+
+
+@pytest.mark.parametrize("args, usage, needles", [
+    (["--help"], "vramtrace [OPTIONS] {model}...", ["--batch", "--compare", "--json"]),
+    (["fit", "--help"], "vramtrace fit [OPTIONS] {model}...", ["--headroom", "--sweep", "--seq"]),
+    (["validate", "-h"], "vramtrace validate [OPTIONS] {model}...", ["--seq", "--json"]),
+    (["serve", "--help"], "vramtrace serve [OPTIONS] {model}", ["--max-model-len", "--kv-cache-dtype"]),
+])
+def test_each_command_has_its_own_help(args, usage, needles, capsys):
+    """Real subcommands: each `--help` names its own command on the usage line and lists its options; the main
+    run's has no command word, as it is typed."""
+    p = run_cli(capsys, *args)
+    assert p.returncode == 0 and p.stderr == ""
+    assert f"Usage: {usage}" in " ".join(p.stdout.split())
+    for needle in needles:
+        assert needle in p.stdout
+
+
+def test_models_help_and_arguments(capsys):
+    p = run_cli(capsys, "models", "--help")
+    assert p.returncode == 0 and p.stdout.startswith("Usage: vramtrace models\n")
+    p = run_cli(capsys, "models", "extra", "words")
+    assert p.returncode == 2 and p.stderr == "Error: `vramtrace models` takes no arguments, got 'extra words'\n"
+
+
+@pytest.mark.parametrize("args, needle", [
+    # the default command by its name: the same run as without it
+    (["run", TINY, "--seq", "8", "--headroom", "5%"], "--headroom applies to `vramtrace fit MODEL ...`"),
+    ([TINY, "--seq", "8", "--sweep", "1x8"], "--sweep applies to `vramtrace fit MODEL ...`"),
+    # fit's axis from the options given, wherever they stand on the line
+    (["fit", "--sweep", "1x8", TINY, "-b", "2"], "--sweep gives the batches and sequences itself"),
+    (["fit", TINY, "--seq=8", "--sweep", "1x8"], "--sweep gives the batches and sequences itself"),
+    # the options of the main run that fit and validate refuse, from the command word itself
+    (["validate", TINY, "--seq", "8", "--compare"], "validate writes no --compare"),
+    (["fit", TINY, "--seq", "8", "--snapshot", "s.pickle"], "fit writes no --compare or --snapshot"),
+    # the hidden flags the old argv rewriting used are no options
+    ([TINY, "--seq", "8", "--fit", "batch"], "No such option: --fit"),
+])
+def test_subcommands_dispatch_without_rewriting_argv(args, needle, capsys):
+    p = run_cli(capsys, *args)
+    assert p.returncode == 2 and p.stderr.startswith("Error: ") and needle in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
