@@ -1,5 +1,5 @@
 """The Python API: `analyze(model=<nn.Module>, inputs=..., ...)` for a module the user built on the meta device,
-the report's short repr and its `to_json`, `to_html` and `print`."""
+the report's short repr and the renderers `report_json`, `write_html` and `print_report`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import FIXTURES
-from vramtrace import RunSpec, analyze
+from vramtrace import RunSpec, analyze, print_report, report_json, write_html
 from vramtrace.errors import UsageError
 
 CONVNET = FIXTURES.parent / "custom" / "convnet.py"
@@ -66,10 +66,10 @@ def test_report_repr_is_short_and_writes_json_and_html(tmp_path, capsys):
     report = analyze(model=str(FIXTURES / "tiny-gpt2.json"), batch=1, seq=8, device="cuda", levers=False)
     text = repr(report)
     assert len(text) < 300 and "peak allocated" in text and f"{report.peak_allocated_bytes:,} B" in text
-    data = json.loads(report.to_json(str(tmp_path / "r.json")))
+    data = json.loads(report_json(report, str(tmp_path / "r.json")))
     assert data["peak_allocated_bytes"] == report.peak_allocated_bytes
     assert json.loads((tmp_path / "r.json").read_text())["peak_allocated_bytes"] == report.peak_allocated_bytes
-    report.to_html(str(tmp_path / "r.html"))
+    write_html(report, str(tmp_path / "r.html"))
     assert (tmp_path / "r.html").read_text().startswith("<!DOCTYPE html>")
-    report.print(width=100)
+    print_report(report, width=100)
     assert "Peak allocated" in capsys.readouterr().out

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES
-from vramtrace import COMPARED_POLICIES, RunSpec, analyze, compare_reports, with_comparison
+from vramtrace import COMPARED_POLICIES, RunSpec, analyze, compare_reports, report_json, with_comparison
 from vramtrace.analysis.categories import Category
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,7 +77,7 @@ def validator():
 ])
 def test_real_reports_validate_against_the_schema(validator, config, kw):
     report = analyze(RunSpec(str(FIXTURES / config), **kw))
-    data = json.loads(report.to_json())
+    data = json.loads(report_json(report))
     errors = [f"{list(e.path)}: {e.message}" for e in validator.iter_errors(data)]
     assert not errors, errors[:5]
 
@@ -86,7 +86,7 @@ def test_a_compare_report_validates(validator):
     spec = RunSpec(str(FIXTURES / "tiny-gpt2.json"), batch=2, seq=16, device="cpu")
     labels = list(COMPARED_POLICIES)
     reports = compare_reports(spec, labels)
-    data = json.loads(with_comparison(reports, labels).to_json())
+    data = json.loads(report_json(with_comparison(reports, labels)))
     assert data["comparison"]
     errors = [f"{list(e.path)}: {e.message}" for e in validator.iter_errors(data)]
     assert not errors, errors[:5]
@@ -94,8 +94,8 @@ def test_a_compare_report_validates(validator):
 
 def test_the_schema_rejects_a_broken_report(validator):
     """The schema has teeth: a report with a fractional byte count or a made-up category does not validate."""
-    report = json.loads(analyze(RunSpec(str(FIXTURES / "tiny-gpt2.json"), batch=1, seq=8, device="cpu",
-                                        mode="inference")).to_json())
+    report = json.loads(report_json(analyze(RunSpec(str(FIXTURES / "tiny-gpt2.json"), batch=1, seq=8, device="cpu",
+                                                    mode="inference"))))
     assert validator.is_valid(report)
     assert not validator.is_valid({**report, "peak_allocated_bytes": 1.5})
     bad_row = {**report["tensors"][0], "category": "weights"}

@@ -22,10 +22,6 @@ SRC = Path(__file__).resolve().parent.parent / "src" / PACKAGE
 
 # Each entry: the modules of one circle (as the graph finds it today), and the issue-40 step that removes it.
 KNOWN_CIRCLES: tuple[tuple[frozenset[str], str], ...] = (
-    (frozenset({"vramtrace.analysis.summary", "vramtrace.reports.html", "vramtrace.reports.json_report",
-                "vramtrace.reports.terminal"}),
-     "issue 40, typed report: the report imports no renderer (MemoryReport.print/to_json/to_html in "
-     "analysis/summary.py import the renderers, which import MemoryReport back)"),
 )
 
 

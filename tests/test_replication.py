@@ -86,8 +86,9 @@ def _curve(ops, storages):
     from vramtrace.analysis.storages import StorageInfo
 
     free_after = {s: o.index for o in ops for s in o.frees}
-    infos = [StorageInfo(s.sid, s.nbytes, s.dtype, s.shape, s.device, Category(s.category or "temporary"),
-                         s.op_index, s.op, s.module, s.phase, s.name, free_after.get(s.sid), -1) for s in storages]
+    infos = [StorageInfo(sid=s.sid, nbytes=s.nbytes, dtype=s.dtype, shape=s.shape, device=s.device,
+                         category=Category(s.category or "temporary"), op_index=s.op_index, op=s.op, module=s.module,
+                         phase=s.phase, name=s.name, free_after=free_after.get(s.sid), last_use=-1) for s in storages]
     return build_timeline(ops, infos, 0, ("meta",)).live_bytes
 
 

@@ -97,9 +97,10 @@ def cublas_workspaces(ops, table: tuple[StorageInfo, ...], sm: int, steps: int =
         for thread in find(range(len(ops))):
             op = births.get(thread)
             born, phase = (-1, "start") if op is None else (op.index, str(op.phase))  # a thread's, not a module's
-            rows.append(StorageInfo(sid + len(rows), nbytes, "uint8", (nbytes,), "meta", Category.CUBLAS_WORKSPACE,
-                                    born, f"{label} workspace", "", phase, f"{label} workspace ({thread} thread)",
-                                    None, -1))
+            rows.append(StorageInfo(sid=sid + len(rows), nbytes=nbytes, dtype="uint8", shape=(nbytes,), device="meta",
+                                    category=Category.CUBLAS_WORKSPACE, op_index=born, op=f"{label} workspace",
+                                    module="", phase=phase, name=f"{label} workspace ({thread} thread)",
+                                    free_after=None, last_use=-1))
     return tuple(rows)
 
 

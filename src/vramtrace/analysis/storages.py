@@ -24,7 +24,7 @@ from .categories import Category
 LOOPS = ("trainer", "function", "script")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StorageInfo:
     """One storage. `op_index` -1: alive at step start. `free_after`: index of the last op completed when eager
     frees it, None if it outlives the recording. `last_use`: last op reading or writing it (-1: none). `free_rank`:

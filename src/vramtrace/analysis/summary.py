@@ -82,32 +82,6 @@ class MemoryReport:
         return (f"<MemoryReport {self.model.get('ref', '?')}: peak allocated {format_bytes(self.peak_allocated_bytes)}"
                 f" ({self.peak_allocated_bytes:,} B) in {self.peak_phase}{fit}; {len(self.tensors):,} storages>")
 
-    def print(self, width: int | None = None) -> None:
-        """Print the terminal report (rich) to stdout, `width` columns (None: the terminal's)."""
-        from rich.console import Console
-
-        from ..reports.terminal import render
-
-        render(self, Console(width=width))
-
-    def to_json(self, path: str | None = None) -> str:
-        """The JSON report (what `--json` writes) as a string; also written to `path` when given. Raises
-        ReportWriteError when `path` cannot be written."""
-        import json
-
-        from ..reports.json_report import write_json
-
-        if path is not None:
-            write_json(self, path)
-        return json.dumps(self.to_dict())
-
-    def to_html(self, path: str) -> None:
-        """Write the self-contained HTML report (what `--html` writes) to `path`. Raises ReportWriteError."""
-        from ..reports.html import write_html
-
-        reports, labels = self.html_pages()
-        write_html(reports, path, labels)
-
     def html_pages(self) -> tuple[list["MemoryReport"], list[str] | None]:
         """(reports, labels) the HTML report draws: this one, and beside it on one scale the eager step of a
         `--compile` report."""

@@ -107,7 +107,25 @@ def image_text(r: dict) -> str:
 
 
 def render(report: MemoryReport, console: Console) -> None:
-    """Print the report to `console`."""
+    """Print the report to `console`: the header, the peak, the category tables, the largest storages, then
+    the compiled, checkpointing, fit and lever sections where the report has them."""
+    console.print(Panel(_header(report), title="vramtrace", border_style="cyan"))
+    _render_peak(report, console)
+    _render_tables(report, console)
+    _render_groups(report, console)
+    _render_top(report, console)
+    _render_compiled(report, console)
+    _render_checkpointing(report, console)
+    if report.fit is not None:
+        _render_verdict(report, console)
+    if report.levers is not None:
+        from .levers import render_levers
+
+        render_levers(report.levers, console)
+
+
+def _header(report: MemoryReport) -> Table:
+    """The header grid: model, parameters, checkpoint, dtypes, attention, the run, sharding, target, warnings."""
     m, r = report.model, report.run
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
@@ -165,8 +183,11 @@ def render(report: MemoryReport, console: Console) -> None:
                      f"{c['onednn_max_isa']}, ATen {c['aten_capability']}, {c['threads']} threads, torch {c['torch']}")
     for warning in r.get("warnings", ()):
         head.add_row("warning", Text(warning, style="bold yellow"))
-    console.print(Panel(head, title="vramtrace", border_style="cyan"))
+    return head
 
+
+def _render_peak(report: MemoryReport, console: Console) -> None:
+    """The peak panel: allocated (and reserved) bytes, where, the first-step or generation figures, notes."""
     peak = Text.assemble(("Peak allocated: ", "bold"), (format_bytes(report.peak_allocated_bytes), "bold magenta"),
                          f"  ({report.peak_allocated_bytes:,} bytes)")
     where = Text(f"at step {report.peak_step}/{report.num_steps} in {report.peak_phase}: {report.peak_op}"
@@ -195,6 +216,9 @@ def render(report: MemoryReport, console: Console) -> None:
                                                                 style="dim")),
                         border_style="magenta"))
 
+
+def _render_tables(report: MemoryReport, console: Console) -> None:
+    """The bytes live at the peak by category, and the step waterfall."""
     bd = Table(title="Live at the peak, by category", title_justify="left")
     bd.add_column("category")
     bd.add_column("bytes", justify="right")
@@ -214,7 +238,9 @@ def render(report: MemoryReport, console: Console) -> None:
     console.print(bd)
     console.print(wf)
 
-    _render_groups(report, console)
+
+def _render_top(report: MemoryReport, console: Console) -> None:
+    """The largest storages live at the peak (fewer columns below 140 characters of width)."""
     wide = console.width >= 140  # below, the columns a reader can spare go, and the rest keep their words whole
     top = Table(title="Largest storages live at the peak", title_justify="left",
                 box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD)
@@ -234,16 +260,6 @@ def render(report: MemoryReport, console: Console) -> None:
                  "born": str(t.birth), "dies": str(t.death)}
         top.add_row(*(cells[c] for c in columns))
     console.print(top)
-
-    _render_compiled(report, console)
-    _render_checkpointing(report, console)
-
-    if report.fit is not None:
-        _render_verdict(report, console)
-    if report.levers is not None:
-        from .levers import render_levers
-
-        render_levers(report.levers, console)
 
 
 def _render_verdict(report: MemoryReport, console: Console) -> None:
