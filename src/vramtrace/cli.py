@@ -19,8 +19,9 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 from rich.console import Console
 
 from .errors import UsageError, VramtraceError
-from .spec import (DEFAULT_CHOICES, GPU_PRESETS, TASK_ALIASES, AttnImplementation, CacheKind, Device, KvDtype, Mode,
-                   OptimizerImpl, OptimizerKind, Precision, Task)
+from .gpus import GPU_PRESETS
+from .spec import (DEFAULT_CHOICES, TASK_ALIASES, AttnImplementation, CacheKind, Device, KvDtype, Mode, OptimizerImpl,
+                   OptimizerKind, Precision, Task)
 
 app = typer.Typer(add_completion=False, context_settings={"help_option_names": ["-h", "--help"]},
                   pretty_exceptions_enable=False)
