@@ -185,10 +185,19 @@ class KernelPolicyMode(TorchFunctionMode):
     """Torch-function mode applying the target's SDPA, dropout and autocast behaviour to meta tensors.
 
     `autocast_dtype`: the mixed-precision compute dtype, or None. Autocast is active only inside
-    `autocast_region()` and not inside `autocast_disabled()`.
+    `autocast_region()` and not inside `autocast_disabled()`. The tracer's callbacks (None: not called):
+    `current_module()` names the module running now; `on_output(out)` sees every torch-function result
+    (autograd-node module tagging); `on_host_data(out)` a tensor made from host data on the traced device
+    (torch.tensor(x, device=...)), whose storage is allocated outside the dispatcher, so no dispatch mode sees it
+    born; `on_host_output(t)` an op output the target's kernel makes in host memory (no device allocation);
+    `on_weight_cast(weight, copy)` each weight's low-precision copy autocast caches.
     """
 
-    def __init__(self, device: Device, sm: int, autocast_dtype: torch.dtype | None):
+    def __init__(self, device: Device, sm: int, autocast_dtype: torch.dtype | None, *,
+                 current_module: Callable[[], str] = lambda: "", on_output: Callable[[Any], None] | None = None,
+                 on_host_data: Callable[[torch.Tensor], None] | None = None,
+                 on_host_output: Callable[[torch.Tensor], None] | None = None,
+                 on_weight_cast: Callable[[torch.Tensor, torch.Tensor], None] | None = None):
         super().__init__()
         self.device = device
         self.sm = sm
@@ -196,18 +205,15 @@ class KernelPolicyMode(TorchFunctionMode):
         self.table = CUDA_AUTOCAST if device is Device.CUDA else CPU_AUTOCAST
         self.composite = frozenset() if device is Device.CUDA else CPU_AUTOCAST_COMPOSITE
         self._autocast_depth = 0
-        self.on_weight_cast = None  # called (weight, cached low-precision copy) for each weight autocast caches
+        self.on_weight_cast = on_weight_cast
         self._below_autocast_kernel = 0  # > 0 while an op autocast handled runs (its inner calls are not cast)
         self._disabled_depth = 0
         self._cast_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.sdpa_calls: list[tuple[str, str]] = []  # (backend, module path) of every SDPA call
-        self.current_module = lambda: ""  # set by the tracer
-        self.on_output = None  # callback(out) for every torch-function result (autograd-node module tagging)
-        # callback(out) for a tensor made from host data on the traced device (torch.tensor(x, device=...)): its
-        # storage is allocated outside the dispatcher, so no dispatch mode sees it born
-        self.on_host_data = None
-        # callback(t) for an op output the target's kernel makes in host memory (no device allocation)
-        self.on_host_output = None
+        self.current_module = current_module
+        self.on_output = on_output
+        self.on_host_data = on_host_data
+        self.on_host_output = on_host_output
         self.moe: MoeRoutingPolicy | None = None  # set while an experts module's eager forward runs
         self.unresolved: list[str] = []  # what the target's kernels do that the trace cannot size
 
