@@ -619,12 +619,17 @@ _PROBED: dict[tuple, Probed] = {}
 # The probe's results on disk, for the next process on this machine: a directory, or "off". Default:
 # $XDG_CACHE_HOME/vramtrace (else ~/.cache/vramtrace).
 PROBE_CACHE_ENV = "VRAMTRACE_CPU_PROBE_CACHE"
+# The version of the probe's rules, part of the disk cache's file name (`ProbeDiskCache`). Bump it with any change
+# to what the probe stores for an op signature or to how it reaches it: the key (`CpuWorkspaceProbe`'s signature),
+# the measurement (the profiled run, oneDNN's scratchpad queries in onednn.py), the extrapolation and reduction
+# rules, the stored layouts or notes. A stale file is then never read; a change elsewhere keeps the cache.
+PROBE_RULES_VERSION = 1
 
 
 class ProbeDiskCache:
     """The probe's results (`Probed`) on disk, one JSON line per op signature, in a file named by a digest of
     `cpu_environment()` (CPU model and flags, oneDNN ISA cap, ATen's vectorisation, threads, torch version) and of
-    this module's and onednn.py's source (a change to the probe's rules starts a new file). A measurement is a fact
+    `PROBE_RULES_VERSION` (a change to the probe's rules bumps it and starts a new file). A measurement is a fact
     about this machine's kernels, so a later run finds it instead of running the kernel again (Llama-2-7b's probes
     take tens of seconds on two cores), and a process running beside it finds what the other measured since (`get`).
     Failures are not kept (they may depend on the memory free at the time). Best effort:
@@ -644,10 +649,9 @@ class ProbeDiskCache:
         try:
             base = Path(where) if where else (
                 Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vramtrace")
-            digest = hashlib.sha256(json.dumps(cpu_environment(), sort_keys=True).encode()
-                                    + Path(__file__).read_bytes()
-                                    + (Path(__file__).parent / "onednn.py").read_bytes()).hexdigest()[:16]
-        except (OSError, RuntimeError):  # no home directory, the module's source unreadable: no cache
+            keyed = {"environment": cpu_environment(), "probe_rules": PROBE_RULES_VERSION}
+            digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
+        except RuntimeError:  # no home directory: no cache
             return cls(None)
         return cls(base / f"cpu-kernels-{digest}.jsonl")
 
