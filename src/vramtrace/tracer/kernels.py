@@ -32,6 +32,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import flop_registry
 
@@ -471,8 +472,8 @@ def unique_storage_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
         st = t.untyped_storage()
-        if st._cdata not in seen:
-            seen.add(st._cdata)
+        if (key := StorageWeakRef(st)) not in seen:
+            seen.add(key)
             total += st.nbytes()
     return total
 
@@ -829,7 +830,8 @@ class CpuWorkspaceProbe:
         layouts = []
         if len(meta_leaves) == len(cpu_leaves):
             for i, (m, c) in enumerate(zip(meta_leaves, cpu_leaves)):
-                if (isinstance(m, torch.Tensor) and isinstance(c, torch.Tensor) and m.untyped_storage()._cdata not in ins
+                if (isinstance(m, torch.Tensor) and isinstance(c, torch.Tensor)
+                        and StorageWeakRef(m.untyped_storage()) not in ins
                         and (m.dtype != c.dtype or m.shape != c.shape)):
                     layouts.append((i, tuple(c.shape), c.stride(), c.dtype))
         note = None
@@ -1055,15 +1057,17 @@ def _reduced_bytes(tree, sizes: dict[int, int]) -> int:
     return total
 
 
-def _storages(*trees) -> set[int]:
-    return {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves(trees) if isinstance(t, torch.Tensor)}
+def _storages(*trees) -> set[StorageWeakRef]:
+    """The storages (`StorageWeakRef`, torch/multiprocessing/reductions.py, as `recorder.storage_key`) of the
+    tensors in `trees`."""
+    return {StorageWeakRef(t.untyped_storage()) for t in torch.utils._pytree.tree_leaves(trees) if isinstance(t, torch.Tensor)}
 
 
-def _new_output_bytes(out, ins: set[int]) -> int:
+def _new_output_bytes(out, ins: set[StorageWeakRef]) -> int:
     """Bytes of the storages of `out` that are not among the input storages `ins` (an in-place op's output is
     its input: not new)."""
     return unique_storage_bytes(t for t in torch.utils._pytree.tree_leaves(out)
-                                if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in ins)
+                                if isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()) not in ins)
 
 
 def _flash_attention_points(args, kwargs):
