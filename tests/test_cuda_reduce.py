@@ -15,7 +15,8 @@ import torch
 
 from vramtrace import analyze
 from vramtrace.analysis.cuda_reduce import ReduceDevice, ReduceKernel, make_iter, reduce_config, reduction_blocks
-from vramtrace.spec import RunSpec, parse_gpu
+from vramtrace.gpus import parse_gpu
+from vramtrace.spec import RunSpec
 from vramtrace.tracer.cuda_reductions import reduction_workspace
 
 H100 = ReduceDevice(132, 2048)

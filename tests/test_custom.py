@@ -12,7 +12,7 @@ from vramtrace import RunSpec, analyze
 from vramtrace.analysis.categories import Category
 from vramtrace.cli import main
 from vramtrace.errors import ModelLoadError, UsageError
-from vramtrace.spec import InputSpec, custom_ref
+from vramtrace.custom_inputs import InputSpec, custom_ref
 
 CUSTOM = Path(__file__).resolve().parent.parent / "fixtures" / "custom"
 CONVNET = f"{CUSTOM}/convnet.py:ConvNet"

@@ -15,7 +15,7 @@ from vramtrace.analysis.device import AllocConf, cublas_workspace_bytes
 from vramtrace.cli import main
 from vramtrace.errors import UsageError
 from vramtrace.fit import fit
-from vramtrace.spec import parse_gpu
+from vramtrace.gpus import parse_gpu
 
 MiB = 2**20
 LLAMA = str(FIXTURES / "tiny-llama-gqa.json")

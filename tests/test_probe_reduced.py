@@ -171,6 +171,26 @@ def test_a_process_beside_finds_what_the_other_measured_since(tmp_path):
     assert reader.get(other) == Probed(8, ()) and reader.get(key).workspace == 4096
 
 
+def test_the_probe_disk_cache_is_keyed_by_the_rules_version_and_the_environment(monkeypatch, tmp_path):
+    """The cache's file is named by `PROBE_RULES_VERSION` and `cpu_environment()`: the same version and
+    environment find the same file (what an earlier process measured); a bumped version or another thread count
+    or torch version a new one, so a result measured under other rules or on other kernels is never read."""
+    from vramtrace.tracer import kernels
+    from vramtrace.tracer.kernels import ProbeDiskCache, Probed
+
+    monkeypatch.setenv(kernels.PROBE_CACHE_ENV, str(tmp_path))
+    first = ProbeDiskCache.for_this_machine()
+    first.put(("aten.mm.default", 2), Probed(4096, ()))
+    assert ProbeDiskCache.for_this_machine().get(("aten.mm.default", 2)) == Probed(4096, ())
+    monkeypatch.setattr(kernels, "PROBE_RULES_VERSION", kernels.PROBE_RULES_VERSION + 1)
+    bumped = ProbeDiskCache.for_this_machine()
+    assert bumped.path != first.path and bumped.get(("aten.mm.default", 2)) is None
+    environment = kernels.cpu_environment()
+    for changed in ({"threads": environment["threads"] + 1}, {"torch": environment["torch"] + "+other"}):
+        monkeypatch.setattr(kernels, "cpu_environment", lambda: {**environment, **changed})
+        assert ProbeDiskCache.for_this_machine().path not in (first.path, bumped.path)
+
+
 def test_a_dtensor_op_is_probed_as_the_local_op_each_rank_runs(monkeypatch):
     """A DTensor's shape is the global one; each rank runs the op on its shard (torch.distributed.tensor's
     dispatch). bf16 + fp32 copies the bf16 operand to fp32 on any CPU: a (4, 1024) shard's copy, not (8, 1024)'s.

@@ -187,3 +187,26 @@ def test_unknown_attn_implementation_is_a_usage_error(capsys):
     assert main([str(FIXTURES / "tiny-bert.json"), "--seq", "8", "--attn-implementation", "fast"]) == 2
     assert "unknown attention implementation 'fast'; choose one of: eager, sdpa, flash_attention_2, flex_attention" \
         in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model_type, task, auto, built", [
+    ("llama", None, "AutoModelForCausalLM", "LlamaForCausalLM"),
+    ("whisper", None, "AutoModelForSpeechSeq2Seq", "WhisperForConditionalGeneration"),  # before its causal LM
+    ("whisper", "seq2seq-lm", "AutoModelForSpeechSeq2Seq", "WhisperForConditionalGeneration"),  # the fallback
+    ("bert", "question-answering", "AutoModelForQuestionAnswering", "BertForQuestionAnswering"),
+    ("deit", "image-classification", "AutoModelForImageClassification", "DeiTForImageClassification"),  # 2 mapped
+])
+def test_the_class_built_follows_transformers_auto_tables(model_type, task, auto, built):
+    """Without `architectures`, the class built is the one transformers' Auto class maps the model_type to (its
+    `MODEL_FOR_*_MAPPING_NAMES`; for several, the first, as `auto_factory._get_model_class` picks); a model_type
+    the task's Auto class does not map is a ModelLoadError naming the task."""
+    import transformers
+
+    from vramtrace.spec import Task
+    from vramtrace.tracer.building import _model_class
+
+    config = transformers.AutoConfig.for_model(model_type)
+    cls, name = _model_class(config, False, Task(task) if task else None)
+    assert (cls, name) == (getattr(transformers, auto), built)
+    with pytest.raises(ModelLoadError, match="ctc head"):
+        _model_class(transformers.AutoConfig.for_model("bert"), False, Task.CTC)

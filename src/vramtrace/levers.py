@@ -40,8 +40,8 @@ from typing import Callable
 from .planner import search_checkpointing
 from .search import MAX_RANKS, TraceSession, basis_text, compared_bytes, fewest_ranks, fits_budget
 from .errors import UsageError
-from .spec import (BNB_OPTIMIZERS, IN_PROCESS_PREFIX, OPTIMIZER_IMPLS, Device, Mode, OptimizerImpl, OptimizerKind,
-                   RunSpec, custom_ref)
+from .custom_inputs import IN_PROCESS_PREFIX, custom_ref
+from .spec import BNB_OPTIMIZERS, OPTIMIZER_IMPLS, Device, Mode, OptimizerImpl, OptimizerKind, RunSpec
 from .tables import Outcome
 
 LORA_RANK = 16  # the LoRA lever's rank: peft's examples and HF's PEFT guides start at r=8..16

@@ -105,7 +105,7 @@ def _eager_beside(spec: RunSpec):
     import pickle
 
     from .second_process import SecondProcess, cores
-    from .spec import IN_PROCESS_PREFIX
+    from .custom_inputs import IN_PROCESS_PREFIX
 
     if not spec.compile or cores() < 2 or spec.model.startswith(IN_PROCESS_PREFIX):
         return contextlib.nullcontext()

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .errors import UsageError
-from .spec import GpuPreset, parse_gpu
+from .gpus import GpuPreset, parse_gpu
 
 MiB, GiB = 2**20, 2**30
 

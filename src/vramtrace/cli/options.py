@@ -7,8 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..spec import (DEFAULT_CHOICES, GPU_PRESETS, TASK_ALIASES, AttnImplementation, CacheKind, Device, KvDtype, Mode,
-                    OptimizerImpl, OptimizerKind, Precision, Task)
+from ..gpus import GPU_PRESETS
+from ..spec import (DEFAULT_CHOICES, TASK_ALIASES, AttnImplementation, CacheKind, Device, KvDtype, Mode, OptimizerImpl,
+                    OptimizerKind, Precision, Task)
 
 
 def _choices(enum_cls) -> str:

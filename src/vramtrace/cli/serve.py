@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from ..spec import GPU_PRESETS
+from ..gpus import GPU_PRESETS
 
 
 def serve_command(

@@ -135,6 +135,34 @@ TASK_AUTO_CLASS = {
 # A second Auto class for a task whose first does not map the config: a speech seq2seq LM (Whisper) is a seq2seq LM
 # whose encoder reads audio.
 _TASK_AUTO_FALLBACK = {Task.SEQ2SEQ_LM: "AutoModelForSpeechSeq2Seq"}
+# Each Auto class's public table, model_type -> class name (transformers/models/auto/modeling_auto.py, the
+# `MODEL_FOR_*_MAPPING_NAMES` each Auto class's mapping is built from).
+_AUTO_NAMES = {
+    "AutoModel": "MODEL_MAPPING_NAMES", "AutoModelForCausalLM": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "AutoModelForMaskedLM": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "AutoModelForSeq2SeqLM": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "AutoModelForSpeechSeq2Seq": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+    "AutoModelForSequenceClassification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "AutoModelForTokenClassification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+    "AutoModelForQuestionAnswering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+    "AutoModelForMultipleChoice": "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES",
+    "AutoModelForImageClassification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "AutoModelForCTC": "MODEL_FOR_CTC_MAPPING_NAMES",
+}
+
+
+def _auto_mapped(auto_name: str, config) -> str | tuple | None:
+    """The class name (or names, for a model_type with several, e.g. DeiT's image classifiers) the Auto class
+    `auto_name` builds for `config`'s model_type, or None when it does not map it."""
+    from transformers.models.auto import modeling_auto
+
+    return getattr(modeling_auto, _AUTO_NAMES[auto_name]).get(getattr(config, "model_type", None))
+
+
+def _first_name(mapped: str | tuple) -> str:
+    """The class an Auto class builds for a model_type mapped to several without `architectures`: the first
+    (transformers/models/auto/auto_factory.py, `_get_model_class`)."""
+    return mapped[0] if isinstance(mapped, (tuple, list)) else mapped
 
 
 def _task_class(config, task: Task, trust_remote_code: bool):
@@ -144,9 +172,9 @@ def _task_class(config, task: Task, trust_remote_code: bool):
 
     auto = getattr(transformers, TASK_AUTO_CLASS[task])
     for name in (TASK_AUTO_CLASS[task], _TASK_AUTO_FALLBACK.get(task)):
-        mapped = getattr(transformers, name) if name else None
-        if mapped is not None and type(config) in mapped._model_mapping:
-            return mapped, mapped._model_mapping[type(config)].__name__
+        mapped = _auto_mapped(name, config) if name else None
+        if mapped is not None:
+            return getattr(transformers, name), _first_name(mapped)
     if trust_remote_code and auto.__name__ in (getattr(config, "auto_map", None) or {}):
         return auto, f"{auto.__name__} (remote code)"
     raise ModelLoadError(f"model_type {config.model_type!r} has no {task.value} head in transformers "
@@ -166,11 +194,10 @@ def _model_class(config, trust_remote_code: bool, task: Task | None = None):
         cls = getattr(transformers, arch, None)
         if cls is not None:
             return cls, arch
-    for auto in (transformers.AutoModelForSpeechSeq2Seq, transformers.AutoModelForCausalLM,
-                 transformers.AutoModelForSeq2SeqLM, transformers.AutoModelForMaskedLM,
-                 transformers.AutoModelForImageClassification, transformers.AutoModelForCTC):
-        if type(config) in auto._model_mapping:
-            return auto, auto._model_mapping[type(config)].__name__
+    for auto in ("AutoModelForSpeechSeq2Seq", "AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
+                 "AutoModelForImageClassification", "AutoModelForCTC"):
+        if (mapped := _auto_mapped(auto, config)) is not None:
+            return getattr(transformers, auto), _first_name(mapped)
     if trust_remote_code and getattr(config, "auto_map", None):
         return transformers.AutoModelForCausalLM, "AutoModelForCausalLM (remote code)"
     raise ModelLoadError(
@@ -205,7 +232,7 @@ def _task(model: torch.nn.Module) -> str:
                 return task.value
         if hasattr(model, "get_image_features") and hasattr(model, "get_text_features"):
             return "contrastive"
-        if transformers.AutoModel._model_mapping.get(type(model.config), None) is type(model):
+        if _auto_mapped("AutoModel", model.config) == name:
             return Task.FEATURE_EXTRACTION.value
         if getattr(model.config, "is_encoder_decoder", False):
             return Task.SEQ2SEQ_LM.value

@@ -37,7 +37,8 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ModelLoadError, TraceError, UsageError
-from ..spec import IN_PROCESS_PREFIX, InputSpec, RunSpec, custom_ref
+from ..custom_inputs import IN_PROCESS_PREFIX, InputSpec, custom_ref
+from ..spec import RunSpec
 
 
 @dataclass(slots=True)

@@ -32,6 +32,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import flop_registry
 
@@ -185,10 +186,19 @@ class KernelPolicyMode(TorchFunctionMode):
     """Torch-function mode applying the target's SDPA, dropout and autocast behaviour to meta tensors.
 
     `autocast_dtype`: the mixed-precision compute dtype, or None. Autocast is active only inside
-    `autocast_region()` and not inside `autocast_disabled()`.
+    `autocast_region()` and not inside `autocast_disabled()`. The tracer's callbacks (None: not called):
+    `current_module()` names the module running now; `on_output(out)` sees every torch-function result
+    (autograd-node module tagging); `on_host_data(out)` a tensor made from host data on the traced device
+    (torch.tensor(x, device=...)), whose storage is allocated outside the dispatcher, so no dispatch mode sees it
+    born; `on_host_output(t)` an op output the target's kernel makes in host memory (no device allocation);
+    `on_weight_cast(weight, copy)` each weight's low-precision copy autocast caches.
     """
 
-    def __init__(self, device: Device, sm: int, autocast_dtype: torch.dtype | None):
+    def __init__(self, device: Device, sm: int, autocast_dtype: torch.dtype | None, *,
+                 current_module: Callable[[], str] = lambda: "", on_output: Callable[[Any], None] | None = None,
+                 on_host_data: Callable[[torch.Tensor], None] | None = None,
+                 on_host_output: Callable[[torch.Tensor], None] | None = None,
+                 on_weight_cast: Callable[[torch.Tensor, torch.Tensor], None] | None = None):
         super().__init__()
         self.device = device
         self.sm = sm
@@ -196,18 +206,15 @@ class KernelPolicyMode(TorchFunctionMode):
         self.table = CUDA_AUTOCAST if device is Device.CUDA else CPU_AUTOCAST
         self.composite = frozenset() if device is Device.CUDA else CPU_AUTOCAST_COMPOSITE
         self._autocast_depth = 0
-        self.on_weight_cast = None  # called (weight, cached low-precision copy) for each weight autocast caches
+        self.on_weight_cast = on_weight_cast
         self._below_autocast_kernel = 0  # > 0 while an op autocast handled runs (its inner calls are not cast)
         self._disabled_depth = 0
         self._cast_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.sdpa_calls: list[tuple[str, str]] = []  # (backend, module path) of every SDPA call
-        self.current_module = lambda: ""  # set by the tracer
-        self.on_output = None  # callback(out) for every torch-function result (autograd-node module tagging)
-        # callback(out) for a tensor made from host data on the traced device (torch.tensor(x, device=...)): its
-        # storage is allocated outside the dispatcher, so no dispatch mode sees it born
-        self.on_host_data = None
-        # callback(t) for an op output the target's kernel makes in host memory (no device allocation)
-        self.on_host_output = None
+        self.current_module = current_module
+        self.on_output = on_output
+        self.on_host_data = on_host_data
+        self.on_host_output = on_host_output
         self.moe: MoeRoutingPolicy | None = None  # set while an experts module's eager forward runs
         self.unresolved: list[str] = []  # what the target's kernels do that the trace cannot size
 
@@ -465,8 +472,8 @@ def unique_storage_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
         st = t.untyped_storage()
-        if st._cdata not in seen:
-            seen.add(st._cdata)
+        if (key := StorageWeakRef(st)) not in seen:
+            seen.add(key)
             total += st.nbytes()
     return total
 
@@ -613,12 +620,17 @@ _PROBED: dict[tuple, Probed] = {}
 # The probe's results on disk, for the next process on this machine: a directory, or "off". Default:
 # $XDG_CACHE_HOME/vramtrace (else ~/.cache/vramtrace).
 PROBE_CACHE_ENV = "VRAMTRACE_CPU_PROBE_CACHE"
+# The version of the probe's rules, part of the disk cache's file name (`ProbeDiskCache`). Bump it with any change
+# to what the probe stores for an op signature or to how it reaches it: the key (`CpuWorkspaceProbe`'s signature),
+# the measurement (the profiled run, oneDNN's scratchpad queries in onednn.py), the extrapolation and reduction
+# rules, the stored layouts or notes. A stale file is then never read; a change elsewhere keeps the cache.
+PROBE_RULES_VERSION = 1
 
 
 class ProbeDiskCache:
     """The probe's results (`Probed`) on disk, one JSON line per op signature, in a file named by a digest of
     `cpu_environment()` (CPU model and flags, oneDNN ISA cap, ATen's vectorisation, threads, torch version) and of
-    this module's and onednn.py's source (a change to the probe's rules starts a new file). A measurement is a fact
+    `PROBE_RULES_VERSION` (a change to the probe's rules bumps it and starts a new file). A measurement is a fact
     about this machine's kernels, so a later run finds it instead of running the kernel again (Llama-2-7b's probes
     take tens of seconds on two cores), and a process running beside it finds what the other measured since (`get`).
     Failures are not kept (they may depend on the memory free at the time). Best effort:
@@ -638,10 +650,9 @@ class ProbeDiskCache:
         try:
             base = Path(where) if where else (
                 Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vramtrace")
-            digest = hashlib.sha256(json.dumps(cpu_environment(), sort_keys=True).encode()
-                                    + Path(__file__).read_bytes()
-                                    + (Path(__file__).parent / "onednn.py").read_bytes()).hexdigest()[:16]
-        except (OSError, RuntimeError):  # no home directory, the module's source unreadable: no cache
+            keyed = {"environment": cpu_environment(), "probe_rules": PROBE_RULES_VERSION}
+            digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
+        except RuntimeError:  # no home directory: no cache
             return cls(None)
         return cls(base / f"cpu-kernels-{digest}.jsonl")
 
@@ -819,7 +830,8 @@ class CpuWorkspaceProbe:
         layouts = []
         if len(meta_leaves) == len(cpu_leaves):
             for i, (m, c) in enumerate(zip(meta_leaves, cpu_leaves)):
-                if (isinstance(m, torch.Tensor) and isinstance(c, torch.Tensor) and m.untyped_storage()._cdata not in ins
+                if (isinstance(m, torch.Tensor) and isinstance(c, torch.Tensor)
+                        and StorageWeakRef(m.untyped_storage()) not in ins
                         and (m.dtype != c.dtype or m.shape != c.shape)):
                     layouts.append((i, tuple(c.shape), c.stride(), c.dtype))
         note = None
@@ -1045,15 +1057,17 @@ def _reduced_bytes(tree, sizes: dict[int, int]) -> int:
     return total
 
 
-def _storages(*trees) -> set[int]:
-    return {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves(trees) if isinstance(t, torch.Tensor)}
+def _storages(*trees) -> set[StorageWeakRef]:
+    """The storages (`StorageWeakRef`, torch/multiprocessing/reductions.py, as `recorder.storage_key`) of the
+    tensors in `trees`."""
+    return {StorageWeakRef(t.untyped_storage()) for t in torch.utils._pytree.tree_leaves(trees) if isinstance(t, torch.Tensor)}
 
 
-def _new_output_bytes(out, ins: set[int]) -> int:
+def _new_output_bytes(out, ins: set[StorageWeakRef]) -> int:
     """Bytes of the storages of `out` that are not among the input storages `ins` (an in-place op's output is
     its input: not new)."""
     return unique_storage_bytes(t for t in torch.utils._pytree.tree_leaves(out)
-                                if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in ins)
+                                if isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()) not in ins)
 
 
 def _flash_attention_points(args, kwargs):

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelLoadError
-from ..spec import custom_ref
+from ..custom_inputs import custom_ref
 from .checkpoint_headers import hub_header, local_header
 
 _CONFIG_DIR = resources.files("vramtrace.tracer") / "configs"

@@ -47,7 +47,8 @@ from typing import Any, Callable, Protocol
 import torch
 
 from ..errors import UsageError
-from ..spec import CacheKind, KvDtype, Loop, RunSpec, ZeroGrad, custom_ref
+from ..custom_inputs import custom_ref
+from ..spec import CacheKind, KvDtype, Loop, RunSpec, ZeroGrad
 from .records import Phase
 
 STEPS = 2  # the first step (optimizer state created lazily) and the steady state

@@ -335,16 +335,17 @@ def _register_step_state(rec: StepRecorder, spec: RunSpec, model: torch.nn.Modul
     return weight_names
 
 
-def _connect_policy(policy: KernelPolicyMode, rec: StepRecorder, weight_names: dict[int, str]) -> None:
-    """The kernel policy's callbacks into the recorder: each autograd node tagged with the module that created
-    it, as soon as it is created; tensors made from host data; outputs a CUDA kernel makes on the host; the
-    weights' autocast copies."""
-    policy.on_output = (lambda out: tag_autograd_nodes(out, rec.current_module(), rec.watch_node)
-                        if rec.phase is Phase.FORWARD else None)
-    policy.on_host_data = rec.host_data
-    policy.on_host_output = rec.offload
-    policy.on_weight_cast = lambda w, copy: rec.set_category(copy, Category.AUTOCAST_WEIGHTS,
-                                                             f"{weight_names.get(id(w), '?')} (autocast copy)")
+def _policy_callbacks(rec: StepRecorder, weight_names: dict[int, str]) -> dict[str, Callable]:
+    """The kernel policy's callbacks into the recorder (`KernelPolicyMode`'s keyword arguments): the module
+    running now; each autograd node tagged with the module that created it, as soon as it is created; tensors made
+    from host data; outputs a CUDA kernel makes on the host; the weights' autocast copies, named from
+    `weight_names` (parameter names by id, filled once the step's state is registered)."""
+    return dict(current_module=rec.current_module,
+                on_output=lambda out: (tag_autograd_nodes(out, rec.current_module(), rec.watch_node)
+                                       if rec.phase is Phase.FORWARD else None),
+                on_host_data=rec.host_data, on_host_output=rec.offload,
+                on_weight_cast=lambda w, copy: rec.set_category(copy, Category.AUTOCAST_WEIGHTS,
+                                                                f"{weight_names.get(id(w), '?')} (autocast copy)"))
 
 
 def _serve_buffers(spec: RunSpec, model: torch.nn.Module, rec: StepRecorder, ctx: StepContext) -> dict:
@@ -375,8 +376,8 @@ def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: 
     if spec.fsdp is not None and mixed_precision_policy(loaded.precision) is not None:
         compute_dtype = None  # FSDP2's MixedPrecisionPolicy casts the parameters; no autocast (sharding.py)
     rec = StepRecorder()
-    policy = KernelPolicyMode(spec.device, spec.gpu_preset.sm, compute_dtype)
-    policy.current_module = rec.current_module
+    weight_names: dict[int, str] = {}
+    policy = KernelPolicyMode(spec.device, spec.gpu_preset.sm, compute_dtype, **_policy_callbacks(rec, weight_names))
     recorder_settings(spec, policy).apply(rec)
     train = spec.mode is Mode.TRAIN
     if train:
@@ -384,7 +385,7 @@ def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: 
     params = [p for p in model.parameters() if p.requires_grad] if train else []
     optimizer = make_optimizer(spec, params) if train else None
     user_step = load_user_step(spec.step) if spec.step is not None else None
-    _connect_policy(policy, rec, _register_step_state(rec, spec, model, loaded, optimizer))
+    weight_names.update(_register_step_state(rec, spec, model, loaded, optimizer))
     ctx = StepContext(model, loaded.args, loaded.inputs, loaded.loss, optimizer,
                       (lambda: policy.autocast_region()) if compute_dtype is not None else contextlib.nullcontext,
                       _grad_scaler(spec, loaded), user_step)
