@@ -23,7 +23,7 @@ from conftest import deep_config  # noqa: E402
 from oracle import measure_cpu_peak  # noqa: E402
 
 from vramtrace import RunSpec, analyze  # noqa: E402
-from vramtrace.tracer.kernels import cpu_environment  # noqa: E402
+from vramtrace.tracer.profiling import cpu_environment  # noqa: E402
 
 
 def _row(label: str, spec: RunSpec) -> None:

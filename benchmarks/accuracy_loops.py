@@ -25,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from oracle import measure_cpu_peak  # noqa: E402
 
 from vramtrace import RunSpec, analyze  # noqa: E402
-from vramtrace.tracer.kernels import cpu_environment  # noqa: E402
+from vramtrace.tracer.profiling import cpu_environment  # noqa: E402
 
 CONFIGS = ("tiny-gpt2", "tiny-llama-gqa", "tiny-bert")
 VARIANTS = {"plain": {}, "grad-accum 4": dict(grad_accum=4), "clip 1.0": dict(clip_grad_norm=1.0),

@@ -8,7 +8,7 @@ the trainer loop) as a subprocess, with the KV cache off (`--use-cache false`, a
 first run, which measures the CPU kernels, and a repeated run, which finds them on disk. It prints for each: wall
 seconds, peak RSS, the trace note (whether the compiled step was traced on 5 layers with the middle layer
 replicated, or on all 32), the predicted peak, and the ops whose CPU workspace was extrapolated from runs at
-reduced sizes (kernels.py `CpuWorkspaceProbe`). Before each run it prints the seconds a fixed pure-Python loop
+reduced sizes (tracer/probe.py `CpuWorkspaceProbe`). Before each run it prints the seconds a fixed pure-Python loop
 takes: this machine's speed varies by up to 2x within minutes (0.50 to 0.95 s for this loop here), so timings
 are comparable only at a similar figure.
 
@@ -66,9 +66,9 @@ def quick() -> None:
     import vramtrace
     from vramtrace import second_process
     from vramtrace.spec import RunSpec
-    from vramtrace.tracer import kernels
+    from vramtrace.tracer import probe
 
-    kernels.CpuWorkspaceProbe._probe = lambda self, func, args, kwargs, out, autocast: kernels.Probed(0, ())
+    probe.CpuWorkspaceProbe._probe = lambda self, func, args, kwargs, out, autocast: probe.Probed(0, ())
     second_process.cores = lambda: 1  # the eager comparison here too, under the stubbed probe
     for use_cache in (False, True):
         start = time.perf_counter()

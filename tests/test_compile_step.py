@@ -20,7 +20,7 @@ from vramtrace.errors import UsageError
 from vramtrace.reports.html import render_html
 from vramtrace.tracer import compiled
 from vramtrace.tracer.compiled import GraphProgram, run_program
-from vramtrace.tracer.kernels import CpuWorkspaceProbe
+from vramtrace.tracer.probe import CpuWorkspaceProbe
 from vramtrace.tracer.records import ZERO_GRADIENT_NAME
 
 

@@ -1,11 +1,11 @@
 """oneDNN's matmul scratchpad, asked of oneDNN (tracer/onednn.py), against what the profiler measures when the matmul
-runs; and the probe's use of the answer for large matmuls (kernels.py `SCRATCHPAD_QUERIES`)."""
+runs; and the probe's use of the answer for large matmuls (probe_module.py `SCRATCHPAD_QUERIES`)."""
 
 import pytest
 import torch
 
-from vramtrace.tracer import kernels
-from vramtrace.tracer.kernels import CpuWorkspaceProbe
+from vramtrace.tracer import probe as probe_module, probe_cache
+from vramtrace.tracer.probe import CpuWorkspaceProbe
 from vramtrace.tracer.onednn import matmul_scratchpad_bytes
 
 aten = torch.ops.aten
@@ -77,9 +77,9 @@ def test_a_large_matmul_takes_onednns_answer_where_a_line_through_its_runs_is_wr
 ])
 def test_an_answer_that_is_not_the_measured_one_is_not_taken(monkeypatch, answers):
     """fp32 matmuls run MKL's sgemm (nothing allocated): the probe keeps its measured line."""
-    monkeypatch.setattr(kernels, "SCRATCHPAD_QUERIES", {"aten.mm.default": answers})
-    monkeypatch.setattr(kernels, "_PROBED", {})
-    monkeypatch.setenv(kernels.PROBE_CACHE_ENV, "off")
+    monkeypatch.setattr(probe_module, "SCRATCHPAD_QUERIES", {"aten.mm.default": answers})
+    monkeypatch.setattr(probe_module, "PROBED", {})
+    monkeypatch.setenv(probe_cache.PROBE_CACHE_ENV, "off")
     a, b = _matrix(1024, 2048, False, torch.float32), _matrix(2048, 1024, True, torch.float32)
     probe = CpuWorkspaceProbe(reduce_above=0)
     assert probe(aten.mm.default, (a, b), {}, torch.mm(a, b))[0] == _measured(aten.mm.default, a, b)

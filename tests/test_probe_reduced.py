@@ -1,11 +1,11 @@
-"""The CPU workspace probe's runs at reduced sizes (kernels.py `CpuWorkspaceProbe`, `_reduced`): a large op's
+"""The CPU workspace probe's runs at reduced sizes (tracer/probe.py `CpuWorkspaceProbe`, `_reduced`): a large op's
 workspace extrapolated from three reduced sizes must equal the one measured at full size, and an op whose
 workspace is not affine in the reduced dimension must be measured at full size."""
 
 import pytest
 import torch
 
-from vramtrace.tracer.kernels import CpuWorkspaceProbe, _reduced
+from vramtrace.tracer.probe import CpuWorkspaceProbe, _reduced
 
 aten = torch.ops.aten
 
@@ -41,10 +41,10 @@ def test_an_upcast_copy_is_extrapolated_exactly():
 def test_a_workspace_not_affine_in_the_sequence_is_measured_at_full_size(monkeypatch):
     """The CPU flash attention's per-thread buffers follow its block sizes, which step with the sequence length
     (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp): not affine over 128, 256, 512 tokens, the generic cut."""
-    from vramtrace.tracer import kernels
+    from vramtrace.tracer import probe as probe_module
 
-    monkeypatch.setattr(kernels, "REDUCTION_RULES", {})
-    monkeypatch.setattr(kernels, "_PROBED", {})  # no result of the rule from an earlier test
+    monkeypatch.setattr(probe_module, "REDUCTION_RULES", {})
+    monkeypatch.setattr(probe_module, "PROBED", {})  # no result of the rule from an earlier test
     q = torch.empty(1, 4, 1024, 64, device="meta")
     full, extrapolated, probe = _both(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q),
                                       {"is_causal": True})
@@ -58,7 +58,7 @@ def test_a_workspace_not_affine_in_the_sequence_is_measured_at_full_size(monkeyp
     (torch.bfloat16, "bhsd", (1, 16, 1536, 128)),
 ])
 def test_flash_attention_is_extrapolated_within_one_block_size(dtype, layout, shape):
-    """The flash-attention rule (`kernels.REDUCTION_RULES`) keeps 768 or more tokens, so the block sizes of the
+    """The flash-attention rule (`probe.REDUCTION_RULES`) keeps 768 or more tokens, so the block sizes of the
     full run: forward and backward workspaces extrapolated from it equal the ones measured at full size."""
     b, h, s, d = shape
     make = ((lambda: torch.empty(b, s, h, d, dtype=dtype, device="meta").transpose(1, 2)) if layout == "bshd"
@@ -79,15 +79,15 @@ def test_a_step_with_every_large_op_extrapolated_predicts_the_measured_peak(monk
     at reduced sizes equals the one with every op measured at full size, to the byte."""
     import vramtrace
     from vramtrace.spec import RunSpec
-    from vramtrace.tracer import kernels
+    from vramtrace.tracer import probe as probe_module
 
     from conftest import FIXTURES
 
     spec = RunSpec(str(FIXTURES / "tiny-llama-gqa.json"), batch=1, seq=1024, device="cpu", precision="bf16-mixed")
     reports = {}
     for above in (0, 1 << 62):
-        monkeypatch.setattr(kernels, "REDUCE_ABOVE_BYTES", above)
-        monkeypatch.setattr(kernels, "REDUCE_ABOVE_FLOPS", above)
+        monkeypatch.setattr(probe_module, "REDUCE_ABOVE_BYTES", above)
+        monkeypatch.setattr(probe_module, "REDUCE_ABOVE_FLOPS", above)
         reports[above] = vramtrace.analyze(spec, levers=False)
     reduced, full = reports[0], reports[1 << 62]
     assert "extrapolated_workspaces" in reduced.run["cpu_kernels"]
@@ -99,9 +99,9 @@ def test_probes_share_their_results_in_the_process(monkeypatch):
     """A second probe (another trace: --compile's eager comparison) finds the first one's result, also with
     another memory limit (each probe reads the memory available when it starts), and its own report lists the
     op's extrapolation; nothing runs again."""
-    from vramtrace.tracer import kernels
+    from vramtrace.tracer import probe as probe_module
 
-    monkeypatch.setattr(kernels, "_PROBED", {})
+    monkeypatch.setattr(probe_module, "PROBED", {})
     a = torch.empty(2, 512, 1024, device="meta", dtype=torch.bfloat16)
     b = torch.empty(2, 512, 1024, device="meta")
     out = aten.add.Tensor(a, b)
@@ -118,7 +118,7 @@ def test_probe_results_on_disk_serve_the_next_process(monkeypatch, tmp_path):
     """What a probe measured is written to the disk cache (one JSON line per signature) and found by a later
     process (here: the in-process tables emptied) without running the kernel, with its output layouts (CPU
     layer norm of bf16 returns bf16 mean and rstd, the meta kernel fp32) and its note; a torn line is skipped."""
-    from vramtrace.tracer import kernels
+    from vramtrace.tracer import probe as probe_module, probe_cache
 
     monkeypatch.setenv("VRAMTRACE_CPU_PROBE_CACHE", str(tmp_path))
     x = torch.empty(4, 64, 256, device="meta", dtype=torch.bfloat16)
@@ -127,8 +127,8 @@ def test_probe_results_on_disk_serve_the_next_process(monkeypatch, tmp_path):
     out = aten.native_layer_norm.default(*args)
 
     def fresh_process():
-        monkeypatch.setattr(kernels, "_PROBED", {})
-        monkeypatch.setattr(kernels, "_DISK", {})
+        monkeypatch.setattr(probe_module, "PROBED", {})
+        monkeypatch.setattr(probe_cache, "DISK", {})
         return CpuWorkspaceProbe()
 
     probe = fresh_process()
@@ -152,7 +152,7 @@ def test_probe_results_on_disk_serve_the_next_process(monkeypatch, tmp_path):
 def test_a_process_beside_finds_what_the_other_measured_since(tmp_path):
     """Two processes share the disk cache while both run (`--compile`'s eager comparison in its second process):
     a miss reads the lines written since the last read, and a line still being written is read once whole."""
-    from vramtrace.tracer.kernels import ProbeDiskCache, Probed
+    from vramtrace.tracer.probe_cache import ProbeDiskCache, Probed
 
     path = tmp_path / "cpu-kernels-x.jsonl"
     reader, writer = ProbeDiskCache(path), ProbeDiskCache(path)
@@ -175,19 +175,19 @@ def test_the_probe_disk_cache_is_keyed_by_the_rules_version_and_the_environment(
     """The cache's file is named by `PROBE_RULES_VERSION` and `cpu_environment()`: the same version and
     environment find the same file (what an earlier process measured); a bumped version or another thread count
     or torch version a new one, so a result measured under other rules or on other kernels is never read."""
-    from vramtrace.tracer import kernels
-    from vramtrace.tracer.kernels import ProbeDiskCache, Probed
+    from vramtrace.tracer import probe_cache
+    from vramtrace.tracer.probe_cache import ProbeDiskCache, Probed
 
-    monkeypatch.setenv(kernels.PROBE_CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(probe_cache.PROBE_CACHE_ENV, str(tmp_path))
     first = ProbeDiskCache.for_this_machine()
     first.put(("aten.mm.default", 2), Probed(4096, ()))
     assert ProbeDiskCache.for_this_machine().get(("aten.mm.default", 2)) == Probed(4096, ())
-    monkeypatch.setattr(kernels, "PROBE_RULES_VERSION", kernels.PROBE_RULES_VERSION + 1)
+    monkeypatch.setattr(probe_cache, "PROBE_RULES_VERSION", probe_cache.PROBE_RULES_VERSION + 1)
     bumped = ProbeDiskCache.for_this_machine()
     assert bumped.path != first.path and bumped.get(("aten.mm.default", 2)) is None
-    environment = kernels.cpu_environment()
+    environment = probe_cache.cpu_environment()
     for changed in ({"threads": environment["threads"] + 1}, {"torch": environment["torch"] + "+other"}):
-        monkeypatch.setattr(kernels, "cpu_environment", lambda: {**environment, **changed})
+        monkeypatch.setattr(probe_cache, "cpu_environment", lambda: {**environment, **changed})
         assert ProbeDiskCache.for_this_machine().path not in (first.path, bumped.path)
 
 
@@ -198,11 +198,11 @@ def test_a_dtensor_op_is_probed_as_the_local_op_each_rank_runs(monkeypatch):
     given."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from vramtrace.tracer import kernels
+    from vramtrace.tracer import probe as probe_module, probe_cache
     from vramtrace.tracer.sharding import fake_rank
 
-    monkeypatch.setattr(kernels, "_PROBED", {})
-    monkeypatch.setenv(kernels.PROBE_CACHE_ENV, "off")
+    monkeypatch.setattr(probe_module, "PROBED", {})
+    monkeypatch.setenv(probe_cache.PROBE_CACHE_ENV, "off")
     with fake_rank(2, 0):
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -216,7 +216,7 @@ def test_a_dtensor_op_is_probed_as_the_local_op_each_rank_runs(monkeypatch):
         probe = CpuWorkspaceProbe()
         ws, got = probe(aten.add.Tensor, (a, b), {}, out)
         assert got is out and ws == 4 * 1024 * 4
-        assert kernels._dtensor_local_op(aten.add.Tensor, (a, sharded(torch.float32, 1)), {}, out) is None
+        assert probe_module._dtensor_local_op(aten.add.Tensor, (a, sharded(torch.float32, 1)), {}, out) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

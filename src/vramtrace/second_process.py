@@ -2,7 +2,7 @@
 
 `--compile` reports the compiled step beside the same step run eagerly: two traces that share nothing but the
 model's reference. The compiled trace is bound to one core (dynamo, AOTAutograd and Inductor's code generation are
-Python); most of the eager trace's time on a first run is its CPU kernel probes (`tracer/kernels.py`), and the
+Python); most of the eager trace's time on a first run is its CPU kernel probes (`tracer/probe.py`), and the
 largest of them, bf16 matmuls on a CPU without native bf16, run on one thread. So on a machine with two or more
 cores the eager analysis runs in a second Python process while this one compiles (Llama-2-7b: docs/compile.md).
 

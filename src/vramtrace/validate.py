@@ -74,7 +74,7 @@ def _measure(spec: RunSpec, setup: Callable | None) -> Measurement:
 
     from .spec import Precision
     from .tracer.checkpointing import apply_checkpointing, layer_stack
-    from .tracer.kernels import run_profiled_steps, unique_storage_bytes
+    from .tracer.profiling import run_profiled_steps, unique_storage_bytes
     from .tracer.optim import make_optimizer
     from .tracer.step import QuietObserver, StepContext, load_user_step, run_generation, run_inference, run_training
 
@@ -157,7 +157,7 @@ def free_bytes(device: Device) -> int:
         import torch
 
         return torch.cuda.mem_get_info()[0]
-    from .tracer.kernels import available_host_bytes
+    from .tracer.profiling import available_host_bytes
 
     return available_host_bytes()
 

@@ -117,7 +117,7 @@ def compiled_twin(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
     entered. `prepare(twin)` runs on the materialized copy before it is compiled (activation checkpointing). One
     training forward (`loss_of(module(*args, **kwargs))`, under the CPU autocast of `autocast_dtype` when given)
     and backward run on fake inputs to compile the graphs; the gradients they leave are set to None. `workspace`:
-    a `kernels.CpuWorkspaceProbe` measuring the extern kernels' CPU workspaces (`inductor_code.cpu_allocations`).
+    a `probe.CpuWorkspaceProbe` measuring the extern kernels' CPU workspaces (`inductor_code.cpu_allocations`).
     `mode`: torch.compile's, whose Inductor options (torch/_inductor/__init__.py `list_mode_options`) are set while the
     graphs compile, as `_TorchCompileInductorWrapper.apply_mode` sets them (torch/__init__.py). Raises
     BridgeError when a private Inductor name it uses is gone (`bridges.INDUCTOR_GRAPHS`), torch's errors when
@@ -242,16 +242,16 @@ class _GraphKeeper:
 class LoweredGraphCache:
     """What `inductor_code.cpu_allocations` read off one graph's generated code (its `InductorMemory`) and what the
     extern kernels' workspace probe recorded for it (notes, extrapolations), on disk beside the CPU kernel probe's
-    results (`kernels.ProbeDiskCache`: the same directory and setting, `VRAMTRACE_CPU_PROBE_CACHE`, off with "off").
+    results (`probe_cache.ProbeDiskCache`: the same directory and setting, `VRAMTRACE_CPU_PROBE_CACHE`, off with "off").
 
     Key: Inductor's own FX-graph cache key of the graph as compile_fx hands it over, before the post-grad passes
     (torch/_inductor/codecache.py `FxGraphCache.prepare_key`: the graph's code, its inputs' metadata, the compile
     kwargs, Inductor's config, torch's version and Inductor's source), with the inputs the graph keeps, the probe's
-    settings and file (this machine's CPU environment and kernels.py's source) and the source of this module and of
+    settings and file (this machine's CPU environment and `PROBE_RULES_VERSION`) and the source of this module and of
     inductor_code.py (which reads the generated code). A real torch.compile finds a graph it compiled before in its
     FX-graph cache the same way; here the lowering and code generation it saves are about half of a repeated
     Llama-2-7b `--compile` run. Only with a
-    `kernels.CpuWorkspaceProbe` (its records are part of the result); a graph Inductor would not cache
+    `probe.CpuWorkspaceProbe` (its records are part of the result); a graph Inductor would not cache
     (`BypassFxGraphCache`) or whose probe failed (a failure may depend on the memory free at the time) is not kept.
     Best effort: a file it cannot read or write is a cache that finds nothing."""
 
@@ -268,9 +268,10 @@ class LoweredGraphCache:
         from torch._inductor.compile_fx import get_input_idxs_to_check
         from torch.utils._python_dispatch import _disable_current_modes
 
-        from .kernels import CpuWorkspaceProbe, _disk_cache
+        from .probe import CpuWorkspaceProbe
+        from .probe_cache import disk_cache
 
-        probes = _disk_cache().path
+        probes = disk_cache().path
         if probes is None or not isinstance(workspace, CpuWorkspaceProbe):
             return None
         with _disable_current_modes():  # as compile_fx_inner computes it: the caller's FakeTensorMode off

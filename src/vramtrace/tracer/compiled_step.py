@@ -9,7 +9,7 @@ What runs, and what the recorder sees:
 - each compiled graph is not interpreted node by node: it repeats what Inductor's generated CPU wrapper allocates,
   reuses and deletes, line by line (`inductor_code.run_program`, `inductor_code.cpu_allocations`): fused buffers never
   exist, memory planning keeps freed buffers for reuse, fallback kernels' tuples hold their outputs, and the extern
-  kernels' CPU workspaces are measured on this machine (`kernels.CpuWorkspaceProbe`);
+  kernels' CPU workspaces are measured on this machine (`probe.CpuWorkspaceProbe`);
 - the loss outside the model, the loop (`--loop`, gradient accumulation) and the optimizer (eager) run as the
   eager trace runs them.
 
@@ -37,7 +37,8 @@ from .building import LoadedModel, quiet_transformers_logs
 from .checkpointing import apply_checkpointing, layer_stack
 from .compiled import compiled_twin
 from .inductor_code import module_path
-from .kernels import CpuWorkspaceProbe, KernelPolicyMode
+from .kernels import KernelPolicyMode
+from .probe import CpuWorkspaceProbe
 from .optim import make_optimizer
 from .records import ZERO_GRADIENT_NAME, MicroMarks, OpInfo, Phase
 from .recorder import StepRecorder

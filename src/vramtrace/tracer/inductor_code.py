@@ -125,7 +125,7 @@ def cpu_allocations(graph, source: str, kept_inputs: set[str] | None,
     What fusion removed never appears. Inductor's C++ kernels (`cpp_fused_*`) allocate nothing through PyTorch's
     allocator. An extern kernel (`extern_kernels.mm(..., out=bufN)`, a fallback `bufN = torch.ops.aten...`) runs an
     aten op whose CPU kernel may hold a workspace while it runs (oneDNN's scratchpads, the CPU flash attention's
-    per-thread buffers): with `workspace` (a `kernels.CpuWorkspaceProbe`) it is measured on this machine's CPU for
+    per-thread buffers): with `workspace` (a `probe.CpuWorkspaceProbe`) it is measured on this machine's CPU for
     the op and argument layouts of the FX node the kernel was lowered from (`_extern_workspaces`), and held for the
     call ("workspace" events)."""
     from torch._inductor.utils import get_dtype_size

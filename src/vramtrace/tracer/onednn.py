@@ -14,7 +14,7 @@ through them would put at 1,181,312 B; oneDNN books 3,442,432 B at full size).
 (`dnnl_matmul_primitive_desc_create`, `dnnl_primitive_desc_query_md(..., dnnl_query_scratchpad_md)`,
 `dnnl_memory_desc_get_size`): milliseconds, where running Llama-2-7b's lm_head matmul takes seconds. libtorch_cpu
 does not export those functions, so they are found in its ELF symbol table (`.symtab`) and called at the address
-the dynamic loader mapped them to. Used only where its answer is checked first: `kernels.CpuWorkspaceProbe` takes
+the dynamic loader mapped them to. Used only where its answer is checked first: `probe.CpuWorkspaceProbe` takes
 it for a large op only when it equals the workspace the profiler measured at each of the op's reduced sizes.
 Linux only; None wherever anything is missing (a stripped library, another oneDNN major version, a descriptor
 oneDNN refuses), and the probe then measures as before.

@@ -26,7 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import UnsupportedOpError
-from .kernels import cpu_zeros_like, op_flops
+from .probe import op_flops
+from .profiling import cpu_zeros_like
 from .records import REUSE_OP, Phase, RecOp, RecStorage
 
 FALLBACK_LIMIT_BYTES = 256 << 20  # inputs of an op without a meta kernel that the CPU fallback may run
@@ -111,7 +112,7 @@ class StepRecorder(TorchDispatchMode):
         self.recomputing = 0  # > 0 while a checkpointed region's forward is re-run in the backward
         # (func, args, kwargs, meta out) -> (bytes the target's kernel allocates and frees inside the op, an int or a
         # tuple of blocks in allocation order, and the output laid out as the target's kernel lays it out)
-        # (kernels.CpuWorkspaceProbe; on a CUDA target cuda_reductions.cuda_workspace_hook)
+        # (probe.CpuWorkspaceProbe; on a CUDA target cuda_reductions.cuda_workspace_hook)
         self.workspace: Callable[[Any, tuple, dict, Any], tuple[int | tuple[int, ...], Any]] | None = None
         self.strict = False  # an op without a meta kernel raises UnsupportedOpError (else: CPU fallback, listed)
         self.unresolved: list[str] = []

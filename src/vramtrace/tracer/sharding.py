@@ -50,7 +50,7 @@ from ..spec import Precision, RunSpec
 # What FSDP2's own ops make or write (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): the flat
 # all-gather input and output (`foreach_all_gather`), the per-parameter unsharded storages the output is copied
 # into (`foreach_all_gather_copy_out`), the flat reduce-scatter input (`foreach_reduce`), and the temporaries the
-# CPU target's collectives hold (kernels.GLOO_TEMPORARY); the reduce-scatter output becomes the sharded gradients
+# CPU target's collectives hold (probe.GLOO_TEMPORARY); the reduce-scatter output becomes the sharded gradients
 # (views of it), categorised as gradients.
 FSDP_OP_CATEGORIES = {
     "fsdp.all_gather_copy_in.default": ("outputs", Category.COLLECTIVE_BUFFERS),

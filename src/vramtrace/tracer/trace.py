@@ -27,7 +27,9 @@ from ..spec import Device, Mode, Precision, RunSpec, ZeroGrad
 from .building import LoadedModel, quiet_transformers_logs
 from .checkpointing import apply_checkpointing, layer_stack
 from .hooks import module_hooks, moe_routing
-from .kernels import CUDA_OUTPUT_ORDER, CpuWorkspaceProbe, KernelPolicyMode, cpu_environment, rank_threads
+from .kernels import CUDA_OUTPUT_ORDER, KernelPolicyMode
+from .probe import CpuWorkspaceProbe
+from .profiling import cpu_environment, rank_threads
 from .optim import make_optimizer
 from .records import MicroMarks, OpInfo, Phase, RecStorage
 from .recorder import StepRecorder, keeping_args, tag_autograd_nodes
@@ -507,7 +509,7 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
     every step is then traced, none rebuilt or copied.
 
     On the CPU target, a step of more than one rank is traced with one rank's intra-op thread count
-    (`kernels.rank_threads`: 1, as torchrun sets it, unless OMP_NUM_THREADS is set), restored after.
+    (`profiling.rank_threads`: 1, as torchrun sets it, unless OMP_NUM_THREADS is set), restored after.
     """
     # the CPU target's kernels are probed with the thread count of one of its ranks
     with rank_threads(spec.world) if spec.device is Device.CPU else contextlib.nullcontext():
@@ -591,7 +593,7 @@ def _trace_step(spec: RunSpec, loaded: LoadedModel, say: Callable[[str], None], 
 
 
 def _cpu_kernels(probe: CpuWorkspaceProbe) -> tuple[tuple[str, str | int], ...]:
-    """What the CPU target's kernels depend on (`kernels.cpu_environment`), plus the ops whose CPU outputs the
+    """What the CPU target's kernels depend on (`profiling.cpu_environment`), plus the ops whose CPU outputs the
     trace lays out as the CPU kernel does (measured, so exact; named so that the difference from the meta
     kernels is visible) and the ops whose workspace was extrapolated from runs at reduced sizes."""
     env = cpu_environment()
