@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from oracle import measure_cpu_peak
+from tolerance import assert_within
 from vramtrace import RunSpec, analyze
 
 _spec = importlib.util.spec_from_file_location(
@@ -24,7 +25,7 @@ def test_architecture_matches_real_cpu_step(arch, mode, tmp_path):
     spec = RunSpec(str(path), batch=2, seq=32, mode=mode, device="cpu", precision="fp32", image_size=32)
     report = analyze(spec)
     measured = measure_cpu_peak(spec)
-    assert abs(report.peak_allocated_bytes - measured) <= 0.01 * measured, (report.peak_allocated_bytes, measured)
+    assert_within(report.peak_allocated_bytes, measured, 0.01)
     assert not report.unresolved
     if arch in ("vit", "resnet", "clip"):
         assert report.run["image_size"] == [32, 32]

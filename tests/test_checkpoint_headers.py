@@ -9,6 +9,7 @@ from safetensors.torch import save_file
 
 from conftest import FIXTURES
 from oracle import measure_cpu_peak
+from tolerance import assert_within
 from vramtrace import RunSpec, analyze
 from vramtrace.cli import main
 from vramtrace.tracer.checkpoint_headers import local_header
@@ -54,7 +55,7 @@ def test_stored_dtype_is_the_weight_dtype_and_counts_match(tmp_path):
     assert report32.run["precision"] == "fp32"
     measured = measure_cpu_peak(RunSpec(str(tmp_path), batch=2, seq=16, device="cpu", mode="inference",
                                         precision="fp32"))
-    assert abs(report32.peak_allocated_bytes - measured) <= 0.01 * measured
+    assert_within(report32.peak_allocated_bytes, measured, 0.01)
     # an explicit --precision wins over the stored dtype
     assert analyze(RunSpec(str(tmp_path), batch=2, seq=16, device="cpu", precision="bf16-mixed")).run["precision"] == "bf16-mixed"
 

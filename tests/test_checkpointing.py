@@ -9,6 +9,7 @@ import pytest
 
 from conftest import FIXTURES, deep_config
 from oracle import measure_cpu_peak
+from tolerance import assert_within
 from vramtrace import RunSpec, analyze, checkpointing_summary
 from vramtrace.errors import UsageError
 from vramtrace.spec import DEFAULT_SAVE_OPS, Checkpointing
@@ -18,7 +19,7 @@ from vramtrace.tracer.checkpointing import paste_snippet
 def _within_1pct(spec: RunSpec, **kw) -> tuple[int, int]:
     predicted = analyze(spec).peak_allocated_bytes
     measured = measure_cpu_peak(spec, **kw)
-    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+    assert_within(predicted, measured, 0.01)
     return predicted, measured
 
 
@@ -96,7 +97,7 @@ def test_auto_plan_applied_to_a_real_model_fits(tmp_path):
     assert report.checkpointing["policy"] != "none" and report.checkpointing["snippet"]
     # apply the printed snippet to the real model, exactly as a user would paste it
     measured = measure_cpu_peak(spec, setup=lambda model: exec(report.checkpointing["snippet"], {"model": model}))
-    assert abs(report.peak_allocated_bytes - measured) <= 0.01 * measured, (report.peak_allocated_bytes, measured)
+    assert_within(report.peak_allocated_bytes, measured, 0.01)
     assert measured <= budget
 
 

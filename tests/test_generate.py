@@ -10,6 +10,7 @@ import torch
 
 from conftest import FIXTURES
 from oracle import measure_cpu_peak
+from tolerance import assert_within
 from vramtrace import RunSpec, analyze, feature_bridges
 from vramtrace.cli import main
 from vramtrace.errors import TraceError, UsageError
@@ -33,7 +34,7 @@ def test_generate_matches_a_real_cpu_generate(model, batch, cache, precision):
     spec = _spec(model, batch, cache, precision=precision)
     report = analyze(spec)
     real = measure_cpu_peak(spec)
-    assert abs(report.peak_allocated_bytes - real) <= 0.001 * real, (report.peak_allocated_bytes, real)
+    assert_within(report.peak_allocated_bytes, real, 0.001)
 
 
 def test_the_peak_moves_from_the_prefill_to_the_decode_steps_as_real_runs_do():
@@ -96,7 +97,7 @@ def test_fp8_quantized_cache_matches_a_real_cpu_generate(model, batch, seq, new_
                    precision=precision)
     report = analyze(spec)
     real = measure_cpu_peak(spec)
-    assert abs(report.peak_allocated_bytes - real) <= 0.001 * real, (report.peak_allocated_bytes, real)
+    assert_within(report.peak_allocated_bytes, real, 0.001)
     assert report.run["kv_dtype"] == "fp8"
 
 
@@ -175,4 +176,4 @@ def test_sliding_window_generate_matches_a_real_cpu_generate(batch, cache):
     report = analyze(spec)
     real = measure_cpu_peak(spec)
     assert "the rest rebuilt" in report.run["trace"]
-    assert abs(report.peak_allocated_bytes - real) <= 0.001 * real, (report.peak_allocated_bytes, real)
+    assert_within(report.peak_allocated_bytes, real, 0.001)

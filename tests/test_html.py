@@ -5,13 +5,12 @@ reason when either is missing): the Llama-2-7b page (a CUDA target, so the page 
 its comparison with layer checkpointing, at 1400x900 and 800x900, asserting through the DOM and the data
 attributes the script sets on each timeline canvas (its plot box, y scale, view and capacity line's y) and through
 the screenshot's pixels. Golden tests pin the report's embedded data, not its pixels: regenerate with
-VRAMTRACE_REGEN_GOLDEN=1 after an intended change.
+`python scripts/regen_goldens.py` after an intended change.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import re
 import shutil
@@ -20,32 +19,23 @@ from dataclasses import replace
 import pytest
 
 from conftest import FIXTURES, run_cli
+from goldens import HTML_DATA, embedded_data, html_data, html_report
 from vramtrace import RunSpec, analyze
 from vramtrace.reports.html import render_html
 from vramtrace.reports.snapshot import snapshot_of
 
-GOLDEN = FIXTURES.parent.parent / "tests" / "golden"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.fixture(scope="module")
 def report():
-    # a CUDA target: no CPU kernel probe, so the golden data is the same on every machine
-    return analyze(RunSpec(str(FIXTURES / "tiny-llama-gqa.json"), batch=2, seq=16, device="cuda", precision="fp32"))
+    return html_report()
 
 
-def embedded_data(html: str) -> dict:
-    m = re.search(r'<script type="application/json" id="vramtrace-data">(.*?)</script>', html, re.S)
-    assert m, "no embedded data block"
-    return json.loads(m.group(1))
 
 
 def test_embedded_data_matches_golden(report):
-    data = embedded_data(render_html([report], ["tiny-llama-gqa"]))  # no machine-specific path in the label
-    path = GOLDEN / "tiny-llama-gqa.html-data.json"
-    if os.environ.get("VRAMTRACE_REGEN_GOLDEN"):
-        path.write_text(json.dumps(data, indent=0, sort_keys=True) + "\n")
-    assert data == json.loads(path.read_text())
+    assert html_data(report) == json.loads(HTML_DATA.read_text())  # rewritten only by scripts/regen_goldens.py
 
 
 def test_page_is_self_contained_and_names_are_escaped(report):

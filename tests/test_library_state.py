@@ -84,7 +84,7 @@ def test_peft_is_imported_only_for_lora(monkeypatch, capsys):
 # Imported but deliberately not declared, and why.
 UNDECLARED = {
     "torch": "installed first and separately (README: a bare requirement pulls the CUDA wheels)",
-    "click": "only for typer < 0.2x (cli.py's fallback), which itself depends on click",
+    "click": "only for typer < 0.2x (the cli package's fallback), which itself depends on click",
 }
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import FIXTURES
 from oracle import measure_cpu_peak
+from tolerance import assert_within
 from vramtrace import RunSpec, analyze
 
 TOL = 1e-4  # 0.01%
@@ -39,7 +40,7 @@ def test_loop_matches_real_cpu_run(model, precision, extra):
     spec = RunSpec(model, batch=2, seq=48, device="cpu", precision=precision, **extra)
     predicted = analyze(spec).peak_allocated_bytes
     measured = measure_cpu_peak(spec)
-    assert abs(predicted - measured) <= TOL * measured, (predicted, measured)
+    assert_within(predicted, measured, TOL)
 
 
 def test_script_loop_as_a_step_file_traces_as_derived():
@@ -83,7 +84,7 @@ def test_use_cache_false_peak_is_a_real_run(tmp_path, precision):
     assert r.breakdown_at_peak["kv_cache"] > 0
     off = r.run["use_cache_false_peak_bytes"]
     measured = measure_cpu_peak(RunSpec(model, use_cache=False, **base))
-    assert abs(off - measured) <= TOL * measured, (off, measured)
+    assert_within(off, measured, TOL)
     saved = r.peak_allocated_bytes - off
     assert (saved > 0) if precision == "bf16-mixed" else (saved == 0)
     assert f"--use-cache false peaks at {format_bytes(off)} (saves " in kv_cache_note(r)

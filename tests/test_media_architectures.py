@@ -11,6 +11,7 @@ import json
 import pytest
 
 from oracle import measure_cpu_peak
+from tolerance import assert_within
 from vramtrace import RunSpec, analyze
 from vramtrace.cli import main
 from vramtrace.errors import UsageError
@@ -64,7 +65,7 @@ def _dinov2(tmp_path) -> str:
 def _matches_real(spec: RunSpec):
     report = analyze(spec)
     real = measure_cpu_peak(spec)
-    assert abs(report.peak_allocated_bytes - real) <= 0.001 * real, (report.peak_allocated_bytes, real)
+    assert_within(report.peak_allocated_bytes, real, 0.001)
     return report
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from conftest import FIXTURES
 from oracle import measure_cpu_peak
+from tolerance import assert_within
 from vramtrace import RunSpec, analyze
 from vramtrace.cli import main
 from vramtrace.errors import UsageError
@@ -34,7 +35,7 @@ def test_optimizer_matches_real_cpu_run(model, precision, extra):
     spec = RunSpec(model, batch=1, seq=4, device="cpu", precision=precision, **extra)
     predicted = analyze(spec).peak_allocated_bytes
     measured = measure_cpu_peak(spec)
-    assert abs(predicted - measured) <= TOL * measured, (predicted, measured)
+    assert_within(predicted, measured, TOL)
 
 
 def test_state_made_in_init_is_counted_from_the_start():

@@ -6,6 +6,7 @@ import pytest
 
 from conftest import FIXTURES
 from oracle import measure_cpu_peak
+from tolerance import assert_within
 from vramtrace import RunSpec, analyze
 
 CONFIGS = ["tiny-gpt2", "tiny-llama-gqa", "tiny-bert"]
@@ -18,7 +19,7 @@ def test_cpu_prediction_matches_profiler(config, precision, mode):
     spec = RunSpec(str(FIXTURES / f"{config}.json"), batch=2, seq=32, device="cpu", precision=precision, mode=mode)
     predicted = analyze(spec).peak_allocated_bytes
     measured = measure_cpu_peak(spec)
-    assert abs(predicted - measured) <= 0.001 * measured, (predicted, measured)
+    assert_within(predicted, measured, 0.001)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd-momentum", "adam", "none"])
@@ -27,7 +28,7 @@ def test_cpu_prediction_other_optimizers(optimizer):
                    optimizer=optimizer)
     predicted = analyze(spec).peak_allocated_bytes
     measured = measure_cpu_peak(spec)
-    assert abs(predicted - measured) <= 0.001 * measured, (predicted, measured)
+    assert_within(predicted, measured, 0.001)
 
 
 def test_cpu_prediction_foreach_optimizer():
@@ -35,7 +36,7 @@ def test_cpu_prediction_foreach_optimizer():
                    optimizer_impl="foreach")
     predicted = analyze(spec).peak_allocated_bytes
     measured = measure_cpu_peak(spec)
-    assert abs(predicted - measured) <= 0.001 * measured, (predicted, measured)
+    assert_within(predicted, measured, 0.001)
 
 
 def test_cpu_kernel_output_layouts_replace_the_meta_kernels():

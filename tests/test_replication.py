@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from conftest import FIXTURES, deep_config
 from oracle import measure_cpu_peak
+from tolerance import assert_within
 from vramtrace import RunSpec, analyze
 from vramtrace.analysis.liveness import build_timeline
 from vramtrace.tracer.building import load_model
@@ -190,6 +191,6 @@ def test_replicated_prediction_matches_profiler(tmp_path):
     report = analyze(spec)
     assert report.run["trace"].startswith("traced 4 of 6 layers")
     measured = measure_cpu_peak(spec)
-    assert abs(report.peak_allocated_bytes - measured) <= 0.01 * measured, (report.peak_allocated_bytes, measured)
+    assert_within(report.peak_allocated_bytes, measured, 0.01)
 
 

@@ -12,6 +12,7 @@ import torch
 
 from conftest import FIXTURES, deep_config
 from oracle import measure_cpu_peak_ranks
+from tolerance import assert_within
 from vramtrace import RunSpec, analyze
 from vramtrace.cli import main
 from vramtrace.errors import TraceError, UsageError
@@ -37,7 +38,7 @@ def test_fsdp_matches_real_gloo_ranks(model, precision, reshard):
     tp = {"tp": 1} if (model, precision) == (GPT2, "fp32") else {}
     for rank, measured in enumerate(real):
         predicted = analyze(_spec(model, precision, reshard, rank=rank, **tp)).peak_allocated_bytes
-        assert abs(predicted - measured) <= 0.005 * measured, (rank, predicted, measured)
+        assert_within(predicted, measured, 0.005, rank)
 
 
 @pytest.mark.parametrize("model,precision", [(LLAMA, "fp32")], ids=["tiny-llama-gqa"])
@@ -48,7 +49,7 @@ def test_tp_matches_real_gloo_ranks(model, precision):
     real = measure_cpu_peak_ranks(RunSpec(model, batch=2, seq=16, device="cpu", precision=precision, tp=2))
     for rank, measured in enumerate(real):
         predicted = analyze(RunSpec(model, batch=2, seq=16, device="cpu", precision=precision, tp=2, rank=rank))
-        assert abs(predicted.peak_allocated_bytes - measured) <= 0.005 * measured, (rank, predicted, measured)
+        assert_within(predicted.peak_allocated_bytes, measured, 0.005, rank, predicted)
 
 
 @pytest.mark.parametrize("mode,kw", [("inference", {}), ("generate", {"new_tokens": 4})], ids=["inference", "generate"])
@@ -60,7 +61,7 @@ def test_tp_inference_and_generation_match_real_gloo_ranks(mode, kw):
     for rank, measured in enumerate(real):
         predicted = analyze(RunSpec(LLAMA, batch=2, seq=16, device="cpu", precision="bf16", mode=mode, tp=2,
                                     rank=rank, **kw)).peak_allocated_bytes
-        assert abs(predicted - measured) <= 0.005 * measured, (rank, predicted, measured)
+        assert_within(predicted, measured, 0.005, rank)
 
 
 def test_transformers_fsdp_plan_on_a_2d_mesh_matches_real_gloo_ranks():
@@ -76,7 +77,7 @@ def test_transformers_fsdp_plan_on_a_2d_mesh_matches_real_gloo_ranks():
     # gate_proj's weight-gradient mm was probed at the weight's global size, (176, 32)^T @ (32, 64), whose oneDNN
     # scratchpad is 61,568 B at one thread; each rank runs (88, 32)^T @ (32, 64), 33,408 B (docs/accuracy.md).
     for measured in real:
-        assert abs(report.peak_allocated_bytes - measured) <= 0.005 * measured, (report.peak_allocated_bytes, real)
+        assert_within(report.peak_allocated_bytes, measured, 0.005, real)
 
 
 def test_tp_without_a_plan_is_a_usage_error():
@@ -250,7 +251,7 @@ def test_ddp_matches_real_gloo_ranks(model, precision):
     report = analyze(spec)
     assert report.run["ddp"] == {"world": 2, "global_batch": 4}
     for measured in real:
-        assert abs(report.peak_allocated_bytes - measured) <= 0.005 * measured, (report.peak_allocated_bytes, real)
+        assert_within(report.peak_allocated_bytes, measured, 0.005, real)
     params = report.params * 4  # fp32 weights (bf16-mixed keeps them in fp32 too)
     assert report.breakdown_at_peak["collective_buffers"] == params  # the buckets: every gradient, fp32
 

@@ -10,6 +10,7 @@ import torch
 import oracle
 from conftest import FIXTURES
 from oracle import measure_cpu_peak
+from tolerance import assert_within
 from vramtrace import RunSpec, analyze
 from vramtrace.cli import main
 from vramtrace.errors import ModelLoadError, UsageError
@@ -38,7 +39,7 @@ def head_config(tmp_path, config: str, arch: str | None, **extra) -> str:
 
 
 def assert_close(predicted: int, measured: int) -> None:
-    assert abs(predicted - measured) <= TOLERANCE * measured, (predicted, measured, (predicted - measured) / measured)
+    assert_within(predicted, measured, TOLERANCE)
 
 
 @pytest.mark.parametrize("precision,mode", [("fp32", "train"), ("bf16-mixed", "train"), ("bf16", "inference")])

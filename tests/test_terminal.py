@@ -3,42 +3,25 @@ FLOPs in human units, no optimizer lines for inference."""
 
 from __future__ import annotations
 
-import io
-import os
-from dataclasses import replace
-
 import pytest
-from rich.console import Console
 
 from conftest import FIXTURES
+from goldens import rendered, terminal_path, terminal_report
 from vramtrace import RunSpec, analyze
 from vramtrace.analysis.aggregate import layer_totals, live_groups, module_pattern
-from vramtrace.reports.terminal import render
 from vramtrace.units import format_flops
 
-GOLDEN = FIXTURES.parent.parent / "tests" / "golden"
-
-
-def rendered(report, width: int) -> str:
-    console = Console(width=width, file=io.StringIO(), color_system=None, record=True)
-    render(report, console)
-    return console.export_text()
 
 
 @pytest.fixture(scope="module")
 def report():
-    # a CUDA target (no CPU kernel probe) and a fixed model label: the same render on every machine
-    r = analyze(RunSpec(str(FIXTURES / "tiny-llama-gqa.json"), batch=2, seq=16, device="cuda", precision="fp32",
-                        gpu_memory_bytes=2 << 20))
-    return replace(r, model={**r.model, "ref": "tiny-llama-gqa"})
+    return terminal_report()
 
 
 @pytest.mark.parametrize("width", [80, 120])
 def test_render_matches_golden_and_holds_its_width(report, width):
     text = rendered(report, width)
-    path = GOLDEN / f"terminal-{width}.txt"
-    if os.environ.get("VRAMTRACE_REGEN_GOLDEN"):
-        path.write_text(text)
+    path = terminal_path(width)  # rewritten only by scripts/regen_goldens.py
     assert max(map(len, text.splitlines())) <= width
     # every word of the storage table's first row stays whole at this width
     assert "model.embed_tokens.weight" in text or "lm_head.weight" in text

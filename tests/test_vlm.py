@@ -10,6 +10,7 @@ import pytest
 
 from conftest import FIXTURES
 from oracle import measure_cpu_peak
+from tolerance import assert_within
 from vramtrace import RunSpec, analyze
 from vramtrace.cli import main
 from vramtrace.errors import UsageError
@@ -31,7 +32,7 @@ def test_vlm_step_matches_a_real_cpu_step(model, mode):
     spec = _spec(model, mode, **({"image_size": None} if model == GEMMA3 else {}))
     report = analyze(spec)
     real = measure_cpu_peak(spec)
-    assert abs(report.peak_allocated_bytes - real) <= 0.001 * real, (report.peak_allocated_bytes, real)
+    assert_within(report.peak_allocated_bytes, real, 0.001)
     assert not report.unresolved
     assert report.run["image_size"] == [56, 56] and report.run["images"] == 1
 
@@ -40,7 +41,7 @@ def test_two_images_per_sample_match_a_real_cpu_step():
     spec = _spec(QWEN2_VL, "train", images=2)
     report = analyze(spec)
     real = measure_cpu_peak(spec)
-    assert abs(report.peak_allocated_bytes - real) <= 0.001 * real, (report.peak_allocated_bytes, real)
+    assert_within(report.peak_allocated_bytes, real, 0.001)
     assert report.run["images"] == 2
 
 
