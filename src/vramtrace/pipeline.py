@@ -30,6 +30,11 @@ def analyze(spec: RunSpec | None = None, progress: Callable[[str], None] | None 
     true, the report's `levers` lists what makes it fit, each lever traced (`vramtrace.levers`). Raises
     ModelLoadError (bad model reference or config), TraceError (the step could not run on meta), UsageError (bad
     spec values).
+
+    Not thread-safe: a trace installs process-wide state while it runs (the bridges' patches into transformers and
+    torch, a TorchDispatchMode and a TorchFunctionMode, the intra-op thread count of a sharded CPU step, the garbage
+    collector frozen), all restored when it returns. Run one `analyze` at a time per process; use processes for
+    parallel runs.
     """
     from dataclasses import replace
 
