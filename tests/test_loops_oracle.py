@@ -69,6 +69,26 @@ def _deeper_llama(tmp_path) -> str:
     return str(path)
 
 
+def _measured_in_a_fresh_process(model: str, **spec) -> int:
+    """`measure_cpu_peak` of RunSpec(model, **spec) in a fresh interpreter. Under `.ci/run`'s two xdist workers this
+    real bf16-mixed run measured 2,218,580 B less in a worker that had run other tests first (about the autocast
+    weight casts' 2,031,616 B, as if they were cached from an earlier step) than in a fresh process and in this file
+    run alone (20,145,532 B, the prediction): some earlier test leaves process state behind that the real run
+    reads. Until that test is found (issue 40's note), the truth is measured where a user's script runs: a fresh
+    process."""
+    import os
+    import subprocess
+    import sys
+
+    code = (f"import sys; sys.path.insert(0, {str(FIXTURES.parent.parent / 'tests')!r}); "
+            "from oracle import measure_cpu_peak; from vramtrace import RunSpec; "
+            f"print(measure_cpu_peak(RunSpec({model!r}, **{spec!r})))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout.split()[-1])
+
+
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
 def test_use_cache_false_peak_is_a_real_run(tmp_path, precision):
     """A training forward with the config's use_cache on builds a KV cache (its own category). When the cache is
@@ -83,7 +103,7 @@ def test_use_cache_false_peak_is_a_real_run(tmp_path, precision):
     r = analyze(RunSpec(model, **base))
     assert r.breakdown_at_peak["kv_cache"] > 0
     off = r.run["use_cache_false_peak_bytes"]
-    measured = measure_cpu_peak(RunSpec(model, use_cache=False, **base))
+    measured = _measured_in_a_fresh_process(model, use_cache=False, **base)
     assert_within(off, measured, TOL)
     saved = r.peak_allocated_bytes - off
     assert (saved > 0) if precision == "bf16-mixed" else (saved == 0)
