@@ -77,7 +77,7 @@ def test_a_large_matmul_takes_onednns_answer_where_a_line_through_its_runs_is_wr
 ])
 def test_an_answer_that_is_not_the_measured_one_is_not_taken(monkeypatch, answers):
     """fp32 matmuls run MKL's sgemm (nothing allocated): the probe keeps its measured line."""
-    monkeypatch.setattr(probe_module, "SCRATCHPAD_QUERIES", {"aten.mm.default": answers})
+    monkeypatch.setattr(probe_module, "SCRATCHPAD_QUERIES", {aten.mm.default: answers})
     monkeypatch.setattr(probe_module, "PROBED", {})
     monkeypatch.setenv(probe_cache.PROBE_CACHE_ENV, "off")
     a, b = _matrix(1024, 2048, False, torch.float32), _matrix(2048, 1024, True, torch.float32)

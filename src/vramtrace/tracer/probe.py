@@ -17,6 +17,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
+from .op_rules import op_set, op_table
 from .probe_cache import PROBED, Probed, disk_cache
 from .profiling import available_host_bytes, cpu_zeros_like, run_profiled, unique_storage_bytes
 
@@ -40,7 +41,9 @@ REDUCED_RUN_BYTES = 16 << 20
 # (`reduce_scatter_tensor_coalesced`) clones the whole input, all-reduces the clone in place and copies this rank's
 # chunk out; `_allgather_base` gathers into a temporary of the output's size, then copies it into the output. NCCL
 # (a CUDA target) reduces and gathers in place. Op -> the argument (0: output, 1: input) whose bytes it holds.
-GLOO_TEMPORARY = {"c10d._reduce_scatter_base_.default": 1, "c10d._allgather_base_.default": 0}
+# Every per-op table here is keyed by the op's overload (`op_rules.op_table`), looked up with the dispatched `func`.
+GLOO_TEMPORARY = op_table("GLOO_TEMPORARY", {"c10d._reduce_scatter_base_.default": 1,
+                                             "c10d._allgather_base_.default": 0})
 
 
 class CpuWorkspaceProbe:
@@ -114,8 +117,9 @@ class CpuWorkspaceProbe:
         local = _dtensor_local_op(func, args, kwargs, out)
         if local is not None:
             return self(func, *local)[0], out
-        if str(func) in GLOO_TEMPORARY:  # a collective: the fake backend runs no kernel to probe
-            t = args[GLOO_TEMPORARY[str(func)]]
+        gloo = GLOO_TEMPORARY.get(func)
+        if gloo is not None:  # a collective: the fake backend runs no kernel to probe
+            t = args[gloo]
             return t.numel() * t.element_size(), out
         if func.namespace in ("c10d", "_c10d_functional"):  # the other collectives: nothing the fake backend runs
             return 0, out  # is gloo's, and a collective run here would wait in c10d's work registry for ever
@@ -196,9 +200,9 @@ class CpuWorkspaceProbe:
         of them not 0). oneDNN's bf16 matmul scratchpads on an AVX-512-BF16 CPU step with the sizes: a line through
         three runs can be exactly affine and wrong at full size, both ways (`onednn.py`; (1024, 4096) @ (4096,
         1024): 657,024 B on the line, 3,442,432 B booked)."""
-        if str(func) in NOT_EXTRAPOLATED:
+        if func in NOT_EXTRAPOLATED:
             return None
-        rule = REDUCTION_RULES.get(str(func))
+        rule = REDUCTION_RULES.get(func)
         points = rule(args, kwargs) if rule is not None else None
         if points is not None:
             how = rule.__doc__.splitlines()[0]
@@ -216,7 +220,7 @@ class CpuWorkspaceProbe:
             points = (cuts, Fraction(1))
             how = f"sizes {', '.join(map(str, dims))} cut to {', '.join(str(x) for _, x in cuts)}"
         cuts, full = points
-        query = SCRATCHPAD_QUERIES.get(str(func))
+        query = SCRATCHPAD_QUERIES.get(func)
         found, answered = [], query is not None
         for sizes, x in cuts:
             reduced = tuple(_reduced(tree, sizes) for tree in (args, kwargs, out))
@@ -443,17 +447,18 @@ def _onednn_matmul(args, kwargs, out) -> int | None:
 # kwargs, out) -> bytes or None. An answer is taken for a large op only where it equals the measured workspace of
 # every run at reduced sizes, so an op that does not reach that library here (ATen's own bf16 gemm on a CPU without
 # native bf16, MKL's fp32 sgemm: 0 bytes measured) keeps the measured line.
-SCRATCHPAD_QUERIES = {f"aten.{op}.default": _onednn_matmul for op in ("mm", "bmm", "addmm", "baddbmm")}
+SCRATCHPAD_QUERIES = op_table("SCRATCHPAD_QUERIES",
+                              {f"aten.{op}.default": _onednn_matmul for op in ("mm", "bmm", "addmm", "baddbmm")})
 
 # Ops run at full size however large (`CpuWorkspaceProbe._extrapolated`): oneDNN's convolutions pick their
 # blocking and reorders from the channel counts, and a line through runs at reduced channels can be exactly affine
 # and wrong. Measured: a 1x1 convolution of 32 x 1024 x 7 x 7 to 2048 channels (ResNet-50's last stage), cut
 # to 1/8, 1/4, 1/2: 12,845,056 B on the line, 14,811,136 B at full size in fp32 (on an AVX-512 CPU and under
 # ONEDNN_MAX_CPU_ISA=AVX2 alike), 6,422,528 against 7,807,104 B in bf16 on AVX-512-BF16.
-NOT_EXTRAPOLATED = frozenset({"aten.convolution.default", "aten.convolution_backward.default"})
+NOT_EXTRAPOLATED = op_set("NOT_EXTRAPOLATED", ("aten.convolution.default", "aten.convolution_backward.default"))
 
 # Ops whose large runs are cut by a rule of their own (`CpuWorkspaceProbe._extrapolated`): op -> the rule.
-REDUCTION_RULES = {
+REDUCTION_RULES = op_table("REDUCTION_RULES", {
     "aten._scaled_dot_product_flash_attention_for_cpu.default": _flash_attention_points,
     "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": _flash_attention_points,
-}
+})
