@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vramtrace.errors import VramtraceError
-from vramtrace.tracer import kernels, probe
+from vramtrace.tracer import kernels, probe, sharding
 from vramtrace.tracer.op_rules import OpRuleError, aten_packet_names, op_names, op_set, op_table, resolve
 
 OVERLOAD_TABLES = {
@@ -15,6 +15,8 @@ OVERLOAD_TABLES = {
     "probe.SCRATCHPAD_QUERIES": probe.SCRATCHPAD_QUERIES,
     "probe.NOT_EXTRAPOLATED": probe.NOT_EXTRAPOLATED,
     "probe.REDUCTION_RULES": probe.REDUCTION_RULES,
+    "kernels.CUDA_OUTPUT_ORDER": kernels.CUDA_OUTPUT_ORDER,
+    "sharding.fsdp_op_categories()": sharding.fsdp_op_categories(),
 }
 
 
@@ -24,6 +26,18 @@ def test_every_entry_is_an_op_overload(name):
     assert table, f"{name} is empty"
     for op in table:
         assert isinstance(op, torch._ops.OpOverload), f"{name}: {op!r} is a {type(op).__name__}"
+
+
+def test_the_quantized_tables_are_keyed_by_overloads():
+    """Built where bitsandbytes is in use (its ops are defined when it loads): int8 has all three tables."""
+    pytest.importorskip("bitsandbytes")
+    from vramtrace.tracer.quantization import quantized_recording
+
+    categories, meta_kernels, derived = quantized_recording(four_bit=False)
+    assert categories and meta_kernels and derived
+    for op in [*categories, *meta_kernels, *(op for op, _ in derived)]:
+        assert isinstance(op, torch._ops.OpOverload), f"{op!r} is a {type(op).__name__}"
+    assert quantized_recording(four_bit=True)[1:] == ({}, {})
 
 
 def test_a_lookup_by_the_dispatched_overload_hits():
@@ -82,3 +96,18 @@ def test_autocast_names_are_checked_against_aten_packets():
         aten_packet_names("CPU_AUTOCAST", ["mm", "layernorm"])
     with pytest.raises(OpRuleError, match=r"aten\.cross_entropy\b"):
         aten_packet_names("T", ["cross_entropy"])
+
+
+def test_the_tables_of_recorded_names_name_real_ops():
+    """What stays a name, matched against recorded op names (torch-free modules) or read by a TorchFunctionMode,
+    names an op of this torch all the same."""
+    import torch.distributed._functional_collectives  # noqa: F401  (defines _c10d_functional._wrap_tensor_autograd)
+
+    from vramtrace.analysis.device import GEMM_OPS, LT_GEMM_OPS
+    from vramtrace.tracer import recorder, replication
+    from vramtrace.tracer.records import ALLOCATION_OP
+
+    op_names("replication._STACKS", replication._STACKS)
+    op_names("records.ALLOCATION_OP", [ALLOCATION_OP])
+    op_names("recorder._WRAP_COLLECTIVE", [recorder._WRAP_COLLECTIVE])
+    aten_packet_names("analysis.device.GEMM_OPS", [n.removeprefix("aten.") for n in GEMM_OPS | LT_GEMM_OPS])

@@ -81,7 +81,8 @@ def cuda_context_default(sm: int, cuda_major: int) -> CudaContext:
     return CUDA_CONTEXT_TABLE[(min(max(sm // 10, 7), 10), cuda_major)]
 
 
-# GEMM ops that take a cuBLAS workspace
+# GEMM ops that take a cuBLAS workspace. Recorded op names without the overload (analysis/ is torch-free by design,
+# so these sets stay strings; tests/test_op_rules.py checks that each names an aten op)
 GEMM_OPS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.addbmm", "aten.addmv", "aten.mv",
                       "aten._scaled_mm", "aten._addmm_activation"})
 

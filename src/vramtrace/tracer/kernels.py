@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import bridges
 from ..spec import Device
+from .op_rules import aten_packet_names, op_table
 
 
 class CastPolicy(str, enum.Enum):
@@ -80,12 +81,20 @@ CPU_AUTOCAST: dict[str, CastPolicy] = {
 # copies an operand: the real run copies it in fp32 and then casts it, this one casts and then copies.
 CPU_AUTOCAST_COMPOSITE = frozenset("einsum tensordot inner linalg_multi_dot chain_matmul".split())
 
+# The three tables above stay keyed by name: a TorchFunctionMode sees Python functions (`F.linear`, `torch.matmul`,
+# `Tensor.__matmul__`), not dispatched overloads, and `_op_name` reads the name they share with the aten op that
+# autocast_mode.cpp lists (every overload of it). Each name is checked here to be such an aten op (op_rules.py), so
+# a misspelled one fails at import; `cross_entropy` is `F.cross_entropy`, which calls aten::cross_entropy_loss.
+aten_packet_names("CUDA_AUTOCAST", CUDA_AUTOCAST)
+aten_packet_names("CPU_AUTOCAST", CPU_AUTOCAST, aliases={"cross_entropy": "cross_entropy_loss"})
+aten_packet_names("CPU_AUTOCAST_COMPOSITE", CPU_AUTOCAST_COMPOSITE)
+
 _SDP_MATH, _SDP_FLASH, _SDP_EFFICIENT = 0, 1, 2  # at::SDPBackend (sdp_utils_cpp.h)
 
 # The order in which a CUDA kernel allocates its outputs where it is not the meta kernel's (StepRecorder.output_order):
 # aten/src/ATen/native/cuda/Dropout.cu `dropout_cuda` makes the bool mask, then the output (`mask = at::empty_like`,
 # then `ret = at::empty_like`); the H100 snapshots of issue 39 show each dropout's mask allocated first.
-CUDA_OUTPUT_ORDER: dict[str, tuple[int, ...]] = {"aten.native_dropout.default": (1, 0)}
+CUDA_OUTPUT_ORDER = op_table("CUDA_OUTPUT_ORDER", {"aten.native_dropout.default": (1, 0)})
 
 
 def _op_name(func) -> str:

@@ -28,7 +28,7 @@ row-wise, the int8 matmul, the input saved for the backward, whose input gradien
 temporary of the input's dtype), and on a CPU in training `MatMul8bitFp` (the weight dequantized for the forward
 and again for the backward; `bridges.INT8_MATMUL_DEVICE` makes the meta step take the target's). The outlier
 columns of LLM.int8() (input columns with a value of magnitude >= the threshold, multiplied in fp16 apart) depend
-on the data: the trace assumes none (`INT8_META_KERNELS`), and the report says so.
+on the data: the trace assumes none (`quantized_recording`: its meta kernels), and the report says so.
 """
 
 from __future__ import annotations
@@ -39,12 +39,9 @@ from ..analysis.allocator import round_size
 from ..analysis.categories import Category
 from ..errors import UsageError
 from ..spec import Quantization, RunSpec
+from .op_rules import op_table
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# bitsandbytes' ops (bitsandbytes/_ops.py) whose outputs, or whose kernel's workspace, are a dequantized weight
-# (recorder.op_categories): the backward's `dequantize_4bit`, the forward's `gemm_4bit` (dequantize, then matmul)
-QUANT_OP_CATEGORIES = {"bitsandbytes.dequantize_4bit.default": ("outputs", Category.DEQUANTIZED_WEIGHTS),
-                       "bitsandbytes.gemm_4bit.default": ("workspace", Category.DEQUANTIZED_WEIGHTS)}
 # bitsandbytes/backends/cuda/ops.py `_GEMM_4BIT_CUSTOM_FLOOR_M`: its fused kernel serves up to 4 rows always
 GEMM_4BIT_CUSTOM_FLOOR_M = 4
 
@@ -84,7 +81,7 @@ def _cuda_int8_workspace(name: str, named: dict, out) -> int:
     cuda/ops.py and, for the composite ops, backends/default/ops.py), each rounded by `round_size`:
     `int8_vectorwise_quant` with a threshold, `A.abs()` (fp16) and the bool mask `>= threshold`, held together
     (an over-estimate by the fp16 temporary, freed before the outputs are allocated); `int8_scaled_mm` and
-    `int8_mixed_scaled_mm` (no outlier columns, `INT8_META_KERNELS`), the int32 product of `int8_linear_matmul`
+    `int8_mixed_scaled_mm` (no outlier columns, `quantized_recording`), the int32 product of `int8_linear_matmul`
     and the fp16 output of `int8_mm_dequant` (its kernel writes fp16 only), cast to the requested dtype after."""
     if name == "bitsandbytes.int8_vectorwise_quant.default":
         a = named["A"]
@@ -117,14 +114,29 @@ def _no_outlier_mixed_mm(A, CA, CB, SCA, SCB, outlier_cols=None, bias=None):
     return out, torch.empty(0, device=A.device, dtype=A.dtype)
 
 
-# the recorder's kernels for meta inputs of the int8 ops whose outputs' sizes depend on the data (the number of
-# outlier columns): none assumed (`StepRecorder.meta_kernels`)
-INT8_META_KERNELS = {"bitsandbytes.int8_vectorwise_quant.default": _no_outlier_quant,
-                     "bitsandbytes.int8_double_quant.default": _no_outlier_double_quant,
-                     "bitsandbytes.int8_mixed_scaled_mm.default": _no_outlier_mixed_mm}
-# the int8 weight (or its `.data`) cast to a float dtype: bitsandbytes' dequantization of an int8 weight
-# (`state.CB.to(dtype).mul_(SCB / 127)` in MatMul8bitFp's forward and both classes' backward)
-INT8_CATEGORIES = {("aten._to_copy.default", Category.QUANTIZED_WEIGHTS): Category.DEQUANTIZED_WEIGHTS}
+def quantized_recording(four_bit: bool) -> tuple[dict, dict, dict]:
+    """The recorder's per-op tables for a quantized model (`StepRecorder.op_categories`, `meta_kernels`,
+    `derived_categories`), keyed by op overload (op_rules.py), after importing bitsandbytes, which defines its ops
+    (bitsandbytes/_ops.py, torch.library) when it loads: so they are built here, where bitsandbytes is in use, not
+    when this module is. Raises UsageError without bitsandbytes, OpRuleError naming an op it lacks.
+
+    op_categories: the ops whose outputs, or whose kernel's workspace, are a dequantized weight: the backward's
+    `dequantize_4bit`, the forward's `gemm_4bit` (dequantize, then matmul). int8 only (else empty): meta_kernels,
+    the kernels for meta inputs of the int8 ops whose outputs' sizes depend on the data (the number of outlier
+    columns): none assumed; derived_categories, the int8 weight (or its `.data`) cast to a float dtype:
+    bitsandbytes' dequantization of an int8 weight (`state.CB.to(dtype).mul_(SCB / 127)` in MatMul8bitFp's forward
+    and both classes' backward)."""
+    bitsandbytes_module()
+    op_categories = op_table("QUANT_OP_CATEGORIES", {
+        "bitsandbytes.dequantize_4bit.default": ("outputs", Category.DEQUANTIZED_WEIGHTS),
+        "bitsandbytes.gemm_4bit.default": ("workspace", Category.DEQUANTIZED_WEIGHTS)})
+    if four_bit:
+        return op_categories, {}, {}
+    meta_kernels = op_table("INT8_META_KERNELS", {"bitsandbytes.int8_vectorwise_quant.default": _no_outlier_quant,
+                                                  "bitsandbytes.int8_double_quant.default": _no_outlier_double_quant,
+                                                  "bitsandbytes.int8_mixed_scaled_mm.default": _no_outlier_mixed_mm})
+    derived = {(torch.ops.aten._to_copy.default, Category.QUANTIZED_WEIGHTS): Category.DEQUANTIZED_WEIGHTS}
+    return op_categories, meta_kernels, derived
 INT8_OUTLIER_NOTE = ("int8: no LLM.int8() outlier columns assumed (input columns holding a value of magnitude >= 6.0 "
                      "are multiplied in fp16 apart; each adds about tokens x 2 bytes to a Linear's temporaries, and "
                      "in training on CUDA to its saved tensors)")

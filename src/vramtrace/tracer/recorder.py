@@ -38,7 +38,9 @@ MANAGED_DEVICE = "cuda_managed"  # the device of a storage outside the caching a
 HOST_DEVICE = "host"  # the device of a storage in host memory on a CUDA target (FSDP2's CPU offload: `offload`)
 _ADD = torch.ops.aten.add.Tensor
 # A functional collective's output wrapped for autograd (torch/distributed/_functional_collectives.py
-# `_wrap_tensor_autograd`: an AsyncCollectiveTensor around the input, no allocation; its fake kernel is `empty_like`)
+# `_wrap_tensor_autograd`: an AsyncCollectiveTensor around the input, no allocation; its fake kernel is `empty_like`).
+# A name, compared only in the `_c10d_functional` namespace: that module defines the op when it loads, after this
+# one (tests/test_op_rules.py checks the name resolves once it has)
 _WRAP_COLLECTIVE = "_c10d_functional._wrap_tensor_autograd.default"
 # references to an input-buffer gradient seen from the top of __torch_dispatch__ when the engine holds the last one
 # (the buffer, the dispatcher's argument, the Python argument, the engine's own copy): see _accumulates_in_place;
@@ -117,19 +119,21 @@ class StepRecorder(TorchDispatchMode):
         self.strict = False  # an op without a meta kernel raises UnsupportedOpError (else: CPU fallback, listed)
         self.unresolved: list[str] = []
         self._finished_node = None  # the autograd node whose apply just finished: the engine accumulates its outputs
-        # op name -> ('outputs', a keyword argument or 'workspace', category): storages an op makes or writes, or
-        # the workspace it holds, that get a category when they have none (sharding.FSDP_OP_CATEGORIES)
-        self.op_categories: dict[str, tuple[str, str]] = {}
-        # (op name, its first input's category) -> the category of the storages it makes (the int8 weight cast to
-        # a float dtype: a dequantized weight, quantization.INT8_CATEGORIES)
-        self.derived_categories: dict[tuple[str, str], str] = {}
-        # op name -> its kernel for meta inputs, in place of the registered one (the int8 ops of bitsandbytes, whose
-        # fake kernels need a FakeTensorMode for a data-dependent size: quantization.INT8_META_KERNELS)
-        self.meta_kernels: dict[str, Callable] = {}
-        # op name -> the order in which the target's kernel allocates its tensor outputs (indices into the flattened
+        # The per-op tables below are keyed by the op's overload (torch.ops.aten.mm.default: op_rules.op_table) and
+        # looked up with the dispatched `func`.
+        # op -> ('outputs', a keyword argument or 'workspace', category): storages an op makes or writes, or
+        # the workspace it holds, that get a category when they have none (sharding.fsdp_op_categories)
+        self.op_categories: dict[torch._ops.OpOverload, tuple[str, str]] = {}
+        # (op, its first input's category) -> the category of the storages it makes (the int8 weight cast to
+        # a float dtype: a dequantized weight, quantization.quantized_recording)
+        self.derived_categories: dict[tuple[torch._ops.OpOverload, str], str] = {}
+        # op -> its kernel for meta inputs, in place of the registered one (the int8 ops of bitsandbytes, whose
+        # fake kernels need a FakeTensorMode for a data-dependent size: quantization.quantized_recording)
+        self.meta_kernels: dict[torch._ops.OpOverload, Callable] = {}
+        # op -> the order in which the target's kernel allocates its tensor outputs (indices into the flattened
         # outputs; the meta kernel's order where absent): the caching allocator's best fit depends on it
         # (kernels.CUDA_OUTPUT_ORDER)
-        self.output_order: dict[str, tuple[int, ...]] = {}
+        self.output_order: dict[torch._ops.OpOverload, tuple[int, ...]] = {}
         # FSDP2's CPU offload (`offload`): storages in host memory, the ops that make them; > 0 inside a host-to-device
         # copy (`device_copy`)
         self.offloading = False
@@ -305,7 +309,7 @@ class StepRecorder(TorchDispatchMode):
 
     def _to_host(self, func, args, kwargs) -> bool:
         """Whether the op is a copy of a meta tensor to the CPU under `offloading` (its output is host memory)."""
-        if not self.offloading or str(func) != "aten._to_copy.default":
+        if not self.offloading or func is not torch.ops.aten._to_copy.default:
             return False
         device = kwargs.get("device")
         return device is not None and torch.device(device).type == "cpu" and args[0].device.type == "meta"
@@ -442,8 +446,8 @@ class StepRecorder(TorchDispatchMode):
                 out = args[0].add_(args[1])  # the input buffer's storage is reused, as the real engine does
             elif func.namespace == "_c10d_functional" and str(func) == _WRAP_COLLECTIVE:
                 out = torch.ops.aten.alias.default(args[0])  # the real op wraps its input; its fake kernel copies
-            elif str(func) in self.meta_kernels:
-                out = self.meta_kernels[str(func)](*args, **kwargs)
+            elif func in self.meta_kernels:
+                out = self.meta_kernels[func](*args, **kwargs)
             elif to_host := self._to_host(func, args, kwargs):
                 out = func(*args, **{**kwargs, "device": torch.device("meta"), "pin_memory": None})
             else:
@@ -462,7 +466,7 @@ class StepRecorder(TorchDispatchMode):
         new = []
         n_before = len(self.storages)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        order = self.output_order.get(name)
+        order = self.output_order.get(func)
         if order is not None and sorted(order) == list(range(len(outs))):
             outs = [outs[i] for i in order]
         for t in outs:
@@ -475,7 +479,7 @@ class StepRecorder(TorchDispatchMode):
             if nbytes <= 0:
                 continue
             sid = len(self.storages)
-            where, category = self.op_categories.get(name, ("", None))
+            where, category = self.op_categories.get(func, ("", None))
             self.storages.append(RecStorage(sid, nbytes, "uint8", (nbytes,), "meta", index, name,
                                             self.current_module(), str(self.phase),
                                             category if where == "workspace" else None, "kernel workspace"))
@@ -485,12 +489,12 @@ class StepRecorder(TorchDispatchMode):
                 self.storages[i].device == HOST_DEVICE for i in ins))):
             for sid in new:
                 self.storages[sid].device = HOST_DEVICE
-        if self.derived_categories and ins and (name, self.storages[ins[0]].category) in self.derived_categories:
+        if self.derived_categories and ins and (func, self.storages[ins[0]].category) in self.derived_categories:
             for sid in new:
                 if self.storages[sid].category is None:
-                    self.storages[sid].category = self.derived_categories[name, self.storages[ins[0]].category]
-        if name in self.op_categories and self.op_categories[name][0] != "workspace":
-            where, category = self.op_categories[name]
+                    self.storages[sid].category = self.derived_categories[func, self.storages[ins[0]].category]
+        if func in self.op_categories and self.op_categories[func][0] != "workspace":
+            where, category = self.op_categories[func]
             for t in tree_flatten(out if where == "outputs" else kwargs.get(where))[0]:
                 if not isinstance(t, torch.Tensor):
                     continue

@@ -203,7 +203,8 @@ def _own_births(plan: LayerPlan, o: RecOp, born: list[int], unit: tuple[_Unit, t
 
 # ops that allocate one storage of one element per tensor of their input list (clip_grad_norm_'s
 # `torch.stack(norms)` over every parameter's norm, torch/nn/utils/clip_grad.py `_get_total_norm`): global, with
-# its size scaled to the full model's list
+# its size scaled to the full model's list. Recorded names (`RecOp.name`): this module works on torch-free records,
+# so the set stays names; tests/test_op_rules.py checks that each names an op overload.
 _STACKS = frozenset({"aten.stack.default", "aten.cat.default"})
 
 

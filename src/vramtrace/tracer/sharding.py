@@ -45,20 +45,28 @@ import torch
 from ..analysis.categories import Category
 from ..errors import TraceError, UsageError
 from ..spec import Precision, RunSpec
+from .op_rules import op_table
 
 
-# What FSDP2's own ops make or write (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): the flat
-# all-gather input and output (`foreach_all_gather`), the per-parameter unsharded storages the output is copied
-# into (`foreach_all_gather_copy_out`), the flat reduce-scatter input (`foreach_reduce`), and the temporaries the
-# CPU target's collectives hold (probe.GLOO_TEMPORARY); the reduce-scatter output becomes the sharded gradients
-# (views of it), categorised as gradients.
-FSDP_OP_CATEGORIES = {
-    "fsdp.all_gather_copy_in.default": ("outputs", Category.COLLECTIVE_BUFFERS),
-    "fsdp.split_with_sizes_copy.default": ("out", Category.UNSHARDED_PARAMETERS),
-    "fsdp.chunk_cat.default": ("out", Category.COLLECTIVE_BUFFERS),
-    "c10d._allgather_base_.default": ("workspace", Category.COLLECTIVE_BUFFERS),
-    "c10d._reduce_scatter_base_.default": ("workspace", Category.COLLECTIVE_BUFFERS),
-}
+def fsdp_op_categories() -> dict[torch._ops.OpOverload, tuple[str, Category]]:
+    """What FSDP2's own ops make or write (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py), for the
+    recorder's `op_categories`: the flat all-gather input and output (`foreach_all_gather`), the per-parameter
+    unsharded storages the output is copied into (`foreach_all_gather_copy_out`), the flat reduce-scatter input
+    (`foreach_reduce`), and the temporaries the CPU target's collectives hold (probe.GLOO_TEMPORARY); the
+    reduce-scatter output becomes the sharded gradients (views of it), categorised as gradients.
+
+    Op overload -> ('outputs', a keyword argument or 'workspace', category). Built per call, after importing
+    `torch.distributed.fsdp`: the `fsdp::` ops are defined (torch.library) when that module loads, so the table
+    cannot be built when this module is. Raises OpRuleError (op_rules.py) naming an op this torch lacks."""
+    import torch.distributed.fsdp  # noqa: F401  (defines the fsdp:: ops)
+
+    return op_table("FSDP_OP_CATEGORIES", {
+        "fsdp.all_gather_copy_in.default": ("outputs", Category.COLLECTIVE_BUFFERS),
+        "fsdp.split_with_sizes_copy.default": ("out", Category.UNSHARDED_PARAMETERS),
+        "fsdp.chunk_cat.default": ("out", Category.COLLECTIVE_BUFFERS),
+        "c10d._allgather_base_.default": ("workspace", Category.COLLECTIVE_BUFFERS),
+        "c10d._reduce_scatter_base_.default": ("workspace", Category.COLLECTIVE_BUFFERS),
+    })
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ from .records import MicroMarks, OpInfo, Phase, RecStorage
 from .recorder import StepRecorder, keeping_args, tag_autograd_nodes
 from .replay import MicroRecord, capture, replay, replayable
 from .decoding import PATTERN, decode_steps_to_trace, rebuild_decode_steps
-from .sharding import FSDP_OP_CATEGORIES, mixed_precision_policy, param_bytes, tp_layout
+from .sharding import fsdp_op_categories, mixed_precision_policy, param_bytes, tp_layout
 from .replication import TRACED_LAYERS, LayerPlan, NotPeriodic, replicate_layers
 from .step import STEPS, StepContext, load_user_step, run_generation, run_inference, run_training
 
@@ -240,10 +240,10 @@ class RecorderSettings:
 
     strict: bool
     offloading: bool
-    op_categories: dict[str, tuple[str, str]]
-    output_order: dict[str, tuple[int, ...]]
-    meta_kernels: dict[str, Callable]
-    derived_categories: dict[tuple[str, str], str]
+    op_categories: dict[torch._ops.OpOverload, tuple[str, str]]
+    output_order: dict[torch._ops.OpOverload, tuple[int, ...]]
+    meta_kernels: dict[torch._ops.OpOverload, Callable]
+    derived_categories: dict[tuple[torch._ops.OpOverload, str], str]
     workspace: Callable | None
 
     def apply(self, rec: StepRecorder) -> None:
@@ -256,9 +256,9 @@ def recorder_settings(spec: RunSpec, policy: KernelPolicyMode) -> RecorderSettin
     categories; the CUDA kernels' output order; the kernels' workspaces (CPU: measured by `CpuWorkspaceProbe` under
     `policy`'s autocast; CUDA: the reductions' staging buffers and bitsandbytes' kernels' workspaces); a quantized
     model's op categories and, for int8, its meta kernels and derived categories (quantization.py)."""
-    op_categories = FSDP_OP_CATEGORIES if spec.fsdp is not None else {}
-    meta_kernels: dict[str, Callable] = {}
-    derived: dict[tuple[str, str], str] = {}
+    op_categories = fsdp_op_categories() if spec.fsdp is not None else {}
+    meta_kernels: dict[torch._ops.OpOverload, Callable] = {}
+    derived: dict[tuple[torch._ops.OpOverload, str], str] = {}
     if spec.device is Device.CPU:
         workspace = CpuWorkspaceProbe(autocast_dtype=lambda: policy.kernel_autocast_dtype)
     else:
@@ -270,11 +270,10 @@ def recorder_settings(spec: RunSpec, policy: KernelPolicyMode) -> RecorderSettin
         workspace = cuda_workspace_hook(ReduceDevice(gpu.sm_count, gpu.max_threads_per_sm),
                                         cuda_workspace if spec.quantization is not None else None)
     if spec.quantization is not None:
-        from .quantization import INT8_CATEGORIES, INT8_META_KERNELS, QUANT_OP_CATEGORIES
+        from .quantization import quantized_recording
 
-        op_categories = {**op_categories, **QUANT_OP_CATEGORIES}
-        if not spec.quantization.four_bit:
-            meta_kernels, derived = INT8_META_KERNELS, INT8_CATEGORIES
+        quant_categories, meta_kernels, derived = quantized_recording(spec.quantization.four_bit)
+        op_categories = {**op_categories, **quant_categories}
     return RecorderSettings(spec.strict, spec.cpu_offload, op_categories,
                             CUDA_OUTPUT_ORDER if spec.device is Device.CUDA else {}, meta_kernels, derived, workspace)
 
