@@ -56,11 +56,13 @@ def cuda_workspace(func, args, kwargs, out):
     choice is a per-architecture heuristic (`_gemm_4bit_use_custom_cuda`), not modelled: the fallback is assumed,
     an over-estimate of at most the dequantized weight. The three allocations are one workspace here, each rounded
     as the caching allocator rounds it (`round_size`). The int8 ops: `_cuda_int8_workspace`. Other ops: none."""
-    name = str(func)
+    if func.namespace != "bitsandbytes":  # its ops exist once bitsandbytes is imported: compared by overload here
+        return 0, out
+    bnb = torch.ops.bitsandbytes
     named = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
-    if name in _INT8_OPS:
-        return _cuda_int8_workspace(name, named, out), out
-    if name != "bitsandbytes.gemm_4bit.default":
+    if func in (bnb.int8_vectorwise_quant.default, bnb.int8_mixed_scaled_mm.default, bnb.int8_scaled_mm.default):
+        return _cuda_int8_workspace(func, named, out), out
+    if func is not bnb.gemm_4bit.default:
         return 0, out
     a, shape_b = named["A"], named["shapeB"]
     k = a.shape[-1]
@@ -72,18 +74,14 @@ def cuda_workspace(func, args, kwargs, out):
     return nested + round_size(shape_b[0] * shape_b[1] * a.element_size()), out
 
 
-_INT8_OPS = ("bitsandbytes.int8_vectorwise_quant.default", "bitsandbytes.int8_mixed_scaled_mm.default",
-             "bitsandbytes.int8_scaled_mm.default")
-
-
-def _cuda_int8_workspace(name: str, named: dict, out) -> int:
+def _cuda_int8_workspace(func, named: dict, out) -> int:
     """Bytes the CUDA kernels of bitsandbytes' int8 ops hold inside the op beyond its outputs (bitsandbytes/backends/
     cuda/ops.py and, for the composite ops, backends/default/ops.py), each rounded by `round_size`:
     `int8_vectorwise_quant` with a threshold, `A.abs()` (fp16) and the bool mask `>= threshold`, held together
     (an over-estimate by the fp16 temporary, freed before the outputs are allocated); `int8_scaled_mm` and
     `int8_mixed_scaled_mm` (no outlier columns, `quantized_recording`), the int32 product of `int8_linear_matmul`
     and the fp16 output of `int8_mm_dequant` (its kernel writes fp16 only), cast to the requested dtype after."""
-    if name == "bitsandbytes.int8_vectorwise_quant.default":
+    if func is torch.ops.bitsandbytes.int8_vectorwise_quant.default:
         a = named["A"]
         return round_size(a.numel() * 2) + round_size(a.numel()) if named.get("threshold", 0.0) > 0.0 else 0
     c = out[0] if isinstance(out, tuple) else out
