@@ -85,6 +85,22 @@ def test_the_reader_rejects_unknown_keys_and_values():
         MemoryReport.from_dict({k: v for k, v in data.items() if k != "peak_step"})
 
 
+def test_a_saved_report_reads_back_or_fails_in_one_line(tmp_path):
+    from vramtrace.errors import ReportWriteError
+    from vramtrace.reports.json_report import read_json_report, write_json
+
+    r = analyze(RunSpec(GPT2, batch=1, seq=8, device="cpu", mode="inference", gpu_memory_bytes=1 << 40))
+    path = tmp_path / "r.json"
+    write_json(r, str(path))
+    assert read_json_report(str(path)) == r and r.fit.fits
+    data = json.loads(path.read_text())
+    for broken in ({**data, "fit": {**data["fit"], "verdict": "yes"}}, {**data, "model": "gpt2"},
+                   {**data, "breakdown_at_peak": [1]}):
+        path.write_text(json.dumps(broken))
+        with pytest.raises(ReportWriteError, match="looks like a vramtrace report but cannot be read"):
+            read_json_report(str(path))
+
+
 def test_absent_fields_are_left_out_in_declared_order():
     cpu = FitVerdict(gpu="x", capacity_bytes=10, headroom_bytes=-2, fits=False, basis="b")
     assert list(to_data(cpu)) == ["gpu", "capacity_bytes", "headroom_bytes", "fits", "basis"]

@@ -170,9 +170,16 @@ def _reader(hint: Any, memo: dict) -> _Convert:
             return tuple if origin is tuple else list
         return lambda v: origin(item(x) for x in v)
     if origin is dict:
-        value = _reader(args[1], memo)
-        return None if value is None else (lambda v: {k: value(x) for k, x in v.items()})
+        value = _reader(args[1], memo) or (lambda x: x)
+        return lambda v: {k: value(x) for k, x in _expect(v, dict).items()}
     return None
+
+
+def _expect(value: Any, kind: type) -> Any:
+    """`value`, when it is a `kind`; else TypeError."""
+    if not isinstance(value, kind):
+        raise TypeError(f"expected {kind.__name__}, got {type(value).__name__}")
+    return value
 
 
 def _dataclass_reader(cls: type, memo: dict) -> Callable[[Any], Any]:
