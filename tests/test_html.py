@@ -21,6 +21,8 @@ import pytest
 from conftest import FIXTURES, run_cli
 from goldens import HTML_DATA, embedded_data, html_data, html_report
 from vramtrace import RunSpec, analyze
+from vramtrace.report.data import from_data
+from vramtrace.report.sections import LeversSummary
 from vramtrace.reports.html import render_html
 from vramtrace.reports.snapshot import snapshot_of
 
@@ -167,8 +169,9 @@ def test_levers_table_shows_each_lever_and_its_peak(report):
          "saves_bytes": 30 * MiB, "peak_allocated_bytes": 39 * MiB, "peak_reserved_bytes": 40 * MiB,
          "recompute_overhead": 0.0}],
         "combination": {"options": "--checkpointing layers --batch 1 --grad-accum 2", "compared_bytes": 50 * MiB,
-                        "fits": True, "levers": [], "peak_allocated_bytes": 49 * MiB, "peak_reserved_bytes": 50 * MiB}}
-    html = render_html([replace(report, levers=levers)])
+                        "fits": True, "levers": [], "peak_allocated_bytes": 49 * MiB, "peak_reserved_bytes": 50 * MiB},
+        "traces": 3}
+    html = render_html([replace(report, levers=from_data(LeversSummary, levers))])
     m = re.search(r'<table class="levers" id="levers0">(.*?)</table>', html, re.S)
     assert m, "no levers table"
     rows = re.findall(r"<tr>(.*?)</tr>", m.group(1), re.S)[1:]
