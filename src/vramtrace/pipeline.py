@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .report.sections import ComparisonRow, ModelInfo
+from .report.sections import ComparisonRow, LeversSummary, ModelInfo
 from .search import Trace, TraceSession
 from .spec import KBIT_TRAINING_CHECKPOINTING, Device, Mode, RunSpec
 from .summaries import (adapters_summary, checkpointing_summary, compile_summary, cuda_context_summary, moe_summary,
@@ -220,7 +220,7 @@ class Analysed:
     session: TraceSession
 
 
-def _levers(done: Analysed) -> dict:
+def _levers(done: Analysed) -> LeversSummary:
     """The report's `levers` (`levers.find_levers`) of a run that does not fit, against the capacity less the CUDA
     context, seeded with the traces the report made (not traced again)."""
     from .levers import Evaluator, find_levers
