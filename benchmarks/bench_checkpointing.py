@@ -29,13 +29,13 @@ def main() -> None:
         t0 = time.perf_counter()
         r = analyze(RunSpec(a.model, batch=a.batch, seq=a.seq, checkpointing=policy, memory_budget_bytes=budget))
         dt = time.perf_counter() - t0
-        ck = r.checkpointing or {}
-        overhead = ck.get("recompute_overhead", 0.0)
-        plan = ck.get("plan", {})
+        ck = r.checkpointing
+        overhead = 0.0 if ck is None else ck.recompute_overhead
+        plan = None if ck is None else ck.plan
         note = r.run["trace"]
-        if policy == "auto":
-            over = f", over by {format_bytes(plan['over_budget_bytes'])}" if not plan["fits"] else ""
-            note = plan["verdict"] + over
+        if policy == "auto" and plan is not None:
+            over = f", over by {format_bytes(plan.over_budget_bytes)}" if not plan.fits else ""
+            note = plan.verdict + over
         name = f"auto {a.budget}" if policy == "auto" else policy
         print(f"{name:<12} {format_bytes(r.peak_allocated_bytes):>15} {format_bytes(r.activation_bytes):>12} "
               f"{100 * overhead:>9.1f}% {dt:>6.1f}s  {note}")

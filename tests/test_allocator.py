@@ -280,10 +280,10 @@ def test_a_reports_peak_allocated_holds_the_unsplit_remainders(tmp_path):
     path.write_text(json.dumps({**cfg, "vocab_size": 47_200}))
     r = analyze(RunSpec(str(path), batch=2, seq=32, gpu="H100-80GB"), levers=False)
     rest = r.breakdown_at_peak[Category.ALLOCATOR_REMAINDER.value]
-    assert rest > 0 and rest % 499_712 == 0 and rest == r.allocator["unsplit_remainder_bytes_at_peak"]
-    assert sum(r.breakdown_at_peak.values()) == r.peak_allocated_bytes == r.allocator["peak_allocated_bytes"]
+    assert rest > 0 and rest % 499_712 == 0 and rest == r.allocator.unsplit_remainder_bytes_at_peak
+    assert sum(r.breakdown_at_peak.values()) == r.peak_allocated_bytes == r.allocator.peak_allocated_bytes
     live = sum(t.bytes for t in r.tensors if t.birth <= r.peak_step <= t.death)
-    assert r.peak_allocated_bytes == live + rest >= r.allocator["rounded_requests_peak_bytes"]
+    assert r.peak_allocated_bytes == live + rest >= r.allocator.rounded_requests_peak_bytes
     totals = [e["args"]["bytes"] for e in trace_events_of(r)["traceEvents"] if e.get("name") == "total allocated"]
     assert max(totals) == r.peak_allocated_bytes
     cpu = analyze(RunSpec(str(path), batch=2, seq=32, device="cpu"), levers=False)

@@ -33,7 +33,7 @@ def test_module_object_is_traced_as_its_file_is_and_left_unchanged():
     from_file = analyze(RunSpec(f"{CONVNET}:ConvNet", 4, None, device="cpu", inputs=("x=float32[B,3,32,32]",),
                                 checkpointing="modules:blocks.*"), levers=False)
     assert report.peak_allocated_bytes == from_file.peak_allocated_bytes
-    assert report.model["ref"] == "ConvNet (nn.Module passed to analyze)"
+    assert report.model.ref == "ConvNet (nn.Module passed to analyze)"
     assert [(n, type(m)) for n, m in net.named_modules()] == before  # checkpointing wrapped a copy
     assert all(p.device.type == "meta" and p.grad is None for p in net.parameters())
 

@@ -22,7 +22,7 @@ def test_torch_attention_modules_match_real_cpu_step(module, mode, precision):
     measured = measure_cpu_peak(spec)
     assert_within(report.peak_allocated_bytes, measured, 0.001)
     if mode == "train":  # the SDPA call inside F.multi_head_attention_forward is seen and sent to a backend
-        assert sum(report.model["sdpa_backends"].values()) == 1
+        assert sum(report.model.sdpa_backends.values()) == 1
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
@@ -39,7 +39,7 @@ def test_multihead_attention_on_cuda_takes_a_fused_sdpa_backend():
     # the math path would materialise the (B, heads, S, S) scores: 2 x 4 x 2048^2 x 4 B = 128 MiB
     spec = RunSpec(f"{ATTENTION}:MHA", batch=2, seq=2048, inputs=("x=float32[B,S,64]",), precision="bf16-mixed")
     report = analyze(spec)
-    assert report.model["sdpa_backends"] == {"flash": 1}
+    assert report.model.sdpa_backends == {"flash": 1}
     assert report.peak_allocated_bytes - report.breakdown_at_peak["cublas_workspace"] < 32 << 20
 
 

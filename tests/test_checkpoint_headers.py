@@ -47,8 +47,8 @@ def test_stored_dtype_is_the_weight_dtype_and_counts_match(tmp_path):
     _checkpoint(tmp_path, torch.bfloat16)
     spec = RunSpec(str(tmp_path), batch=2, seq=16, device="cpu", mode="inference")
     report = analyze(spec)
-    assert report.run["precision"] == "bf16" and report.model["param_dtype"] == "bfloat16"
-    assert report.model["checkpoint"]["matches"] is True
+    assert report.run["precision"] == "bf16" and report.model.param_dtype == "bfloat16"
+    assert report.model.checkpoint.matches is True
     fp32 = _checkpoint(tmp_path, torch.float32)
     assert fp32 == report.params
     report32 = analyze(spec)
@@ -66,8 +66,8 @@ def test_mismatch_is_reported(tmp_path, capsys):
     cfg["intermediate_size"] = 192
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     report = analyze(RunSpec(str(tmp_path), batch=1, seq=8, device="cpu"))
-    assert report.model["checkpoint"]["matches"] is False
-    assert "MISMATCH" in report.model["checkpoint"]["note"]
+    assert report.model.checkpoint.matches is False
+    assert "MISMATCH" in report.model.checkpoint.note
     assert main([str(tmp_path), "--seq", "8", "--device", "cpu"]) == 0
     assert "MISMATCH" in capsys.readouterr().out
 

@@ -92,11 +92,11 @@ def test_auto_plan_applied_to_a_real_model_fits(tmp_path):
     spec = RunSpec(path, batch=4, seq=96, device="cpu", precision="fp32", checkpointing="auto",
                    memory_budget_bytes=budget)
     report = analyze(spec)
-    plan = report.checkpointing["plan"]
-    assert plan["fits"] and report.peak_allocated_bytes <= budget
-    assert report.checkpointing["policy"] != "none" and report.checkpointing["snippet"]
+    plan = report.checkpointing.plan
+    assert plan.fits and report.peak_allocated_bytes <= budget
+    assert report.checkpointing.policy != "none" and report.checkpointing.snippet
     # apply the printed snippet to the real model, exactly as a user would paste it
-    measured = measure_cpu_peak(spec, setup=lambda model: exec(report.checkpointing["snippet"], {"model": model}))
+    measured = measure_cpu_peak(spec, setup=lambda model: exec(report.checkpointing.snippet, {"model": model}))
     assert_within(report.peak_allocated_bytes, measured, 0.01)
     assert measured <= budget
 
@@ -104,9 +104,9 @@ def test_auto_plan_applied_to_a_real_model_fits(tmp_path):
 def test_auto_reports_the_floor_when_nothing_fits():
     spec = RunSpec(str(FIXTURES / "tiny-llama-gqa.json"), batch=2, seq=32, device="cpu", checkpointing="auto",
                    memory_budget_bytes=1024)
-    plan = analyze(spec).checkpointing["plan"]
-    assert not plan["fits"] and "floor" in plan["verdict"]
-    assert len(plan["evaluated"]) >= 3
+    plan = analyze(spec).checkpointing.plan
+    assert not plan.fits and "floor" in plan.verdict
+    assert len(plan.evaluated) >= 3
 
 
 @pytest.mark.parametrize("policy", ["layers", "selective", "every:2"])
@@ -114,8 +114,8 @@ def test_auto_reports_the_floor_when_nothing_fits():
 def test_checkpointing_never_raises_activation_bytes(config, policy):
     spec = RunSpec(str(FIXTURES / f"{config}.json"), batch=2, seq=64, checkpointing=policy)
     ck = analyze(spec).checkpointing
-    assert ck["activation_bytes"] <= ck["activation_bytes_without"]
-    assert ck["recompute_flops"] > 0 and 0 < ck["recompute_overhead"] < 1
+    assert ck.activation_bytes <= ck.activation_bytes_without
+    assert ck.recompute_flops > 0 and 0 < ck.recompute_overhead < 1
 
 
 def test_a_policy_that_costs_memory_is_reported():

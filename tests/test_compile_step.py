@@ -43,17 +43,17 @@ def test_compiled_step_matches_real_compiled_cpu_step():
     assert_within(report.peak_allocated_bytes, measured, 0.001)
     c = report.compiled
     eager = measure_cpu_peak(replace(spec, compile=False))
-    assert_within(c["peak_allocated_bytes_eager"], eager, 0.001)
-    assert c["forward_graphs"] == c["backward_graphs"] >= 1  # AOTAutograd pairs each forward graph with a backward
-    assert all(r["count"] > 0 and r["op"] for r in c["recomputed"])
+    assert_within(c.peak_allocated_bytes_eager, eager, 0.001)
+    assert c.forward_graphs == c.backward_graphs >= 1  # AOTAutograd pairs each forward graph with a backward
+    assert all(r.count > 0 and r.op for r in c.recomputed)
     # the checkpointed layers' forward runs again in the backward graph
-    assert any(r["module"].startswith("model.layers.*") for r in c["recomputed"])
+    assert any(r.module.startswith("model.layers.*") for r in c.recomputed)
     # the HTML draws the compiled and the eager timelines side by side; the eager step stays out of the JSON
     data = re.search(r'<script type="application/json" id="vramtrace-data">(.*?)</script>',
                      render_html(*report.html_pages()), re.S)
     pages = json.loads(data.group(1))["reports"]
     assert [p["label"] for p in pages] == ["torch.compile", "eager"]
-    assert [p["peak_bytes"] for p in pages] == [report.peak_allocated_bytes, c["peak_allocated_bytes_eager"]]
+    assert [p["peak_bytes"] for p in pages] == [report.peak_allocated_bytes, c.peak_allocated_bytes_eager]
     assert "eager" not in report.to_dict() and report.eager.compiled is None
 
 
@@ -87,7 +87,7 @@ def test_a_repeated_compile_finds_its_lowered_graphs_and_reports_the_same(tmp_pa
     spec = RunSpec(str(FIXTURES / "tiny-gpt2.json"), batch=2, seq=32, device="cpu", precision="bf16-mixed",
                    use_cache=False, compile=True)
     first = analyze(spec, levers=False)
-    graphs = first.compiled["forward_graphs"] + first.compiled["backward_graphs"]
+    graphs = first.compiled.forward_graphs + first.compiled.backward_graphs
     assert graphs >= 2 and len(list((tmp_path / "inductor-graphs").glob("*.pkl"))) == graphs  # one per graph
 
     def lowered_again(*args, **kwargs):

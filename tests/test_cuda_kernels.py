@@ -55,7 +55,7 @@ def test_memory_efficient_attention_seed_and_offset_are_host_tensors_on_cuda(tmp
     path = tmp_path / "gpt2-layer.json"
     path.write_text(json.dumps(cfg))
     r = analyze(RunSpec(str(path), batch=b, seq=s, gpu="H100", precision="fp32"), levers=False)
-    assert r.model["sdpa_backends"] == {"efficient": 1}
+    assert r.model.sdpa_backends == {"efficient": 1}
     made = sorted(t.bytes for t in r.tensors if t.op == "aten._scaled_dot_product_efficient_attention.default")
     assert made == per_call
 

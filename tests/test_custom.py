@@ -52,8 +52,8 @@ def test_checkpointing_modules_saves_memory_and_recomputes():
     ckpt = analyze(RunSpec(MIXER, batch=8, seq=64, device="cpu", precision="fp32", checkpointing="modules:blocks.*"))
     assert ckpt.activation_bytes < base.activation_bytes
     assert ckpt.recompute_flops > 0 and base.recompute_flops == 0
-    assert ckpt.checkpointing["peak_allocated_bytes_without"] == base.peak_allocated_bytes
-    assert "fnmatch" in ckpt.checkpointing["snippet"]
+    assert ckpt.checkpointing.peak_allocated_bytes_without == base.peak_allocated_bytes
+    assert "fnmatch" in ckpt.checkpointing.snippet
 
 
 def test_package_module_reference(tmp_path, monkeypatch):
@@ -68,8 +68,8 @@ def test_package_module_reference(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     spec = RunSpec("mypkg.nets:build", batch=4, seq=None, inputs=("x=float32[B,8]",), device="cpu", precision="fp32")
     report = analyze(spec)
-    assert report.model["params"] == 8 * 16 + 16 + 16 + 1
-    assert report.model["task"] == "custom"
+    assert report.model.params == 8 * 16 + 16 + 16 + 1
+    assert report.model.task == "custom"
 
 
 def test_input_grammar():
@@ -115,7 +115,7 @@ def test_lora_matches_real_peft_run(dropout):
     report = analyze(spec)
     measured = measure_cpu_peak(spec)
     assert_within(report.peak_allocated_bytes, measured, 0.01)
-    lora = report.model["trainable_params"]
+    lora = report.model.trainable_params
     h, inter, kv, layers = 64, 176, 32, 2  # tiny-llama-gqa: hidden 64, intermediate 176, 2 kv heads of 16
     assert lora == layers * 8 * ((h + h) + (h + kv) + (inter + h))  # r * (in + out) per adapted linear
     assert report.run["adapters"].startswith("peft LoRA r=8" + (", dropout 0.05" if dropout else " on"))
@@ -128,7 +128,7 @@ def test_freeze_drops_gradients_and_optimizer_state():
     spec = RunSpec(LLAMA, batch=2, seq=16, device="cpu", precision="fp32", freeze=("model.embed_tokens.*",))
     frozen = analyze(spec)
     emb = 512 * 64 * 4  # vocab 512 x hidden 64, fp32
-    assert full.model["trainable_params"] - frozen.model["trainable_params"] == 512 * 64
+    assert full.model.trainable_params - frozen.model.trainable_params == 512 * 64
     opt = lambda r: sum(t.bytes for t in r.tensors if t.category == Category.OPTIMIZER_STATE)  # noqa: E731
     assert opt(full) - opt(frozen) == 2 * emb + 4  # AdamW's exp_avg, exp_avg_sq and its 0-dim fp32 step
     _agree(spec)

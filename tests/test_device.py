@@ -44,13 +44,13 @@ def test_a_training_step_holds_the_forward_and_the_backward_threads_workspaces(g
 def test_device_total_is_reserved_plus_the_cuda_context():
     r = analyze(RunSpec(LLAMA, batch=2, seq=32, cuda_context_bytes=300 * MiB))
     f = r.fit
-    assert f["cuda_context_bytes"] == 300 * MiB
-    assert f["device_total_bytes"] == r.peak_reserved_bytes + 300 * MiB
-    assert f["headroom_bytes"] == f["capacity_bytes"] - f["device_total_bytes"] and f["fits"]
+    assert f.cuda_context_bytes == 300 * MiB
+    assert f.device_total_bytes == r.peak_reserved_bytes + 300 * MiB
+    assert f.headroom_bytes == f.capacity_bytes - f.device_total_bytes and f.fits
     default = analyze(RunSpec(LLAMA, batch=2, seq=32), levers=False)
     # issue 39's H100 (sm90, CUDA 13.0, driver 580): 663-769 MiB measured across 20 processes; the default takes the
     # largest, and the report says where it comes from
-    assert default.fit["cuda_context_bytes"] == default.run["cuda_context_bytes"] == 769 * MiB
+    assert default.fit.cuda_context_bytes == default.run["cuda_context_bytes"] == 769 * MiB
     assert default.run["cuda_version"] == 13 and "measured" in default.run["cuda_context_source"]
 
 
@@ -58,8 +58,8 @@ def test_the_verdict_names_the_allocation_that_fails():
     base = analyze(RunSpec(LLAMA, batch=2, seq=32, cuda_context_bytes=0), levers=False)
     capacity = base.peak_allocated_bytes // 2
     r = analyze(RunSpec(LLAMA, batch=2, seq=32, cuda_context_bytes=0, gpu_memory_bytes=capacity), levers=False)
-    assert not r.fit["fits"]
-    oom = r.fit["oom"]
+    assert not r.fit.fits
+    oom = r.fit.oom
     assert oom.startswith("CUDA out of memory. Tried to allocate ") and "of the first step" in oom, oom
     named = {t.name or t.module for t in r.tensors}
     assert any(n and n in oom for n in named), oom
@@ -119,7 +119,7 @@ def test_expandable_segments_end_to_end_never_reserve_less_than_allocated():
     plain = analyze(RunSpec(LLAMA, batch=2, seq=32))
     assert r.peak_allocated_bytes == plain.peak_allocated_bytes
     assert r.peak_allocated_bytes <= r.peak_reserved_bytes
-    assert "expandable_segments:True" in r.allocator["model"]
+    assert "expandable_segments:True" in r.allocator.model
 
 
 def test_the_h100_preset_is_what_a_real_h100_reported():

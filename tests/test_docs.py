@@ -58,7 +58,7 @@ def test_cli_reference_lists_every_option():
 
 def test_schema_categories_are_the_analysis_categories():
     schema = json.loads(SCHEMA.read_text())
-    assert schema["$defs"]["category"]["enum"] == [c.value for c in Category]
+    assert schema["$defs"]["Category"]["enum"] == [c.value for c in Category]
 
 
 @pytest.fixture(scope="module")

@@ -262,7 +262,7 @@ def test_hub_id_online_keeps_the_default_precision(monkeypatch):
     report = analyze(RunSpec("acme/tiny-llama", batch=1, seq=8, device="cpu"))
     assert report.run["precision"] == "bf16-mixed" and "stores bfloat16" in report.run["precision_source"]
     stored = analyze(RunSpec("acme/tiny-llama", batch=1, seq=8, device="cpu", precision="stored"))
-    assert stored.run["precision"] == "bf16" and stored.model["param_dtype"] == "bfloat16"
+    assert stored.run["precision"] == "bf16" and stored.model.param_dtype == "bfloat16"
 
 
 def test_precision_stored_on_a_bundled_id_is_a_usage_error(capsys):
@@ -326,9 +326,9 @@ def test_budget_is_compared_on_the_fit_basis(reserved, basis):
 
     spec = RunSpec(TINY, 1, 8, checkpointing="auto", memory_budget_bytes=100)
     report = plan_checkpointing(spec, analyze_one, lambda _m: None)
-    plan = report.checkpointing["plan"]
-    assert plan["basis"] == basis and plan["fits"]
-    assert plan["chosen"] == ("layers" if reserved else "none")
+    plan = report.checkpointing.plan
+    assert plan.basis == basis and plan.fits
+    assert plan.chosen == ("layers" if reserved else "none")
 
 
 # --- 7. validate --device cuda without a GPU ------------------------------------------------------------------------

@@ -223,11 +223,11 @@ def test_the_main_verdict_replays_a_tiny_model_under_its_capacity():
         lo, hi = (lo, mid) if replay_at_capacity(first, steady, mid).fits else (mid, hi)
     assert hi < unbounded
     r = analyze(RunSpec(LLAMA, batch=128, seq=32, cuda_context_bytes=0, gpu_memory_bytes=hi), levers=False)
-    assert r.fit["fits"] and r.fit["alloc_retries"] + r.fit["first_step_alloc_retries"] >= 1
-    assert r.fit["peak_reserved_bytes_at_capacity"] <= hi and r.fit["headroom_bytes"] == hi - r.fit[
-        "peak_reserved_bytes_at_capacity"]
+    assert r.fit.fits and r.fit.alloc_retries + r.fit.first_step_alloc_retries >= 1
+    assert r.fit.peak_reserved_bytes_at_capacity <= hi and r.fit.headroom_bytes == \
+        hi - r.fit.peak_reserved_bytes_at_capacity
     below = analyze(RunSpec(LLAMA, batch=128, seq=32, cuda_context_bytes=0, gpu_memory_bytes=hi - 1), levers=False)
-    assert not below.fit["fits"] and below.fit["oom"].startswith("CUDA out of memory")
+    assert not below.fit.fits and below.fit.oom.startswith("CUDA out of memory")
 
 
 def test_cuda_context_by_gpu_family_and_cuda_version():

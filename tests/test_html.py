@@ -21,6 +21,8 @@ import pytest
 from conftest import FIXTURES, run_cli
 from goldens import HTML_DATA, embedded_data, html_data, html_report
 from vramtrace import RunSpec, analyze
+from vramtrace.report.data import from_data
+from vramtrace.report.sections import LeversSummary
 from vramtrace.reports.html import render_html
 from vramtrace.reports.snapshot import snapshot_of
 
@@ -41,7 +43,7 @@ def test_embedded_data_matches_golden(report):
 def test_page_is_self_contained_and_names_are_escaped(report):
     evil = "</script><img src=x onerror=alert(1)><!--"
     rows = (replace(report.tensors[0], name=evil, module=evil),) + report.tensors[1:]
-    html = render_html([replace(report, tensors=rows, model={**report.model, "ref": evil})])
+    html = render_html([replace(report, tensors=rows, model=replace(report.model, ref=evil))])
     assert html.count("</script>") == 2  # the data block and the code: a name cannot close either
     outside = re.sub(r'<script type="application/json" id="vramtrace-data">.*?</script>', "", html, flags=re.S)
     assert "<img src=x" not in outside and "&lt;/script&gt;&lt;img" in outside  # summary text is escaped
@@ -114,7 +116,7 @@ def test_reserved_curve_bounds_the_live_bytes(llama):
     """The allocator model's per-step reserved curve (change points) never falls below what is live, ends at the
     predicted peak reserved and only changes where it says it does."""
     for report in (llama[0], *llama[1]):
-        points = report.allocator["reserved_steps"]
+        points = report.allocator.reserved_steps
         steps = [s for s, _ in points]
         assert steps[0] == 0 and steps == sorted(set(steps)) and steps[-1] < report.num_steps
         assert all(a[1] != b[1] for a, b in zip(points, points[1:]))  # change points only
@@ -167,8 +169,9 @@ def test_levers_table_shows_each_lever_and_its_peak(report):
          "saves_bytes": 30 * MiB, "peak_allocated_bytes": 39 * MiB, "peak_reserved_bytes": 40 * MiB,
          "recompute_overhead": 0.0}],
         "combination": {"options": "--checkpointing layers --batch 1 --grad-accum 2", "compared_bytes": 50 * MiB,
-                        "fits": True, "levers": [], "peak_allocated_bytes": 49 * MiB, "peak_reserved_bytes": 50 * MiB}}
-    html = render_html([replace(report, levers=levers)])
+                        "fits": True, "levers": [], "peak_allocated_bytes": 49 * MiB, "peak_reserved_bytes": 50 * MiB},
+        "traces": 3}
+    html = render_html([replace(report, levers=from_data(LeversSummary, levers))])
     m = re.search(r'<table class="levers" id="levers0">(.*?)</table>', html, re.S)
     assert m, "no levers table"
     rows = re.findall(r"<tr>(.*?)</tr>", m.group(1), re.S)[1:]
@@ -248,12 +251,12 @@ def check_timeline(page, report, k: int = 0) -> dict:
     zero = st["ticks"][0]
     assert abs((zero["top"] + zero["bottom"]) / 2 - (top + ptop + ph)) <= 2
     # the capacity line: the GPU's memory less the CUDA context, on the same scale
-    usable = report.fit["capacity_bytes"] - report.fit["cuda_context_bytes"]
+    usable = report.fit.capacity_bytes - report.fit.cuda_context_bytes
     assert st["capY"] is not None, "no capacity line"
     assert abs(st["capY"] - (ptop + ph - usable / st["yMax"] * ph)) <= 1.5
     assert top + st["capY"] <= 900
     label = page.locator(".caplabel").nth(k).text_content()
-    assert report.fit["gpu"] in label and size_text(usable) in label
+    assert report.fit.gpu in label and size_text(usable) in label
     return st
 
 

@@ -45,27 +45,27 @@ def just_over():
 def test_each_lever_is_the_run_its_options_make(just_over, tmp_path, capsys):
     peak, report = just_over
     levers = report.levers
-    assert not report.fit["fits"] and levers["base_bytes"] == peak and levers["budget_bytes"] == peak - 1
-    families = [lv["family"] for lv in levers["levers"]]
+    assert not report.fit.fits and levers.base_bytes == peak and levers.budget_bytes == peak - 1
+    families = [lv.family for lv in levers.levers]
     assert {"checkpointing", "micro_batch", "lora", "optimizer_8bit", "qlora"} <= set(families), families
-    by_family = {lv["family"]: lv for lv in levers["levers"]}
-    assert by_family["optimizer_8bit"]["options"] == "--optimizer adamw-8bit"
+    by_family = {lv.family: lv for lv in levers.levers}
+    assert by_family["optimizer_8bit"].options == "--optimizer adamw-8bit"
     # the run's checkpointing (none) kept: without the option QLoRA would checkpoint as peft does by default
-    assert by_family["qlora"]["options"] == ("--quantization nf4 --double-quant --bnb-compute-dtype bf16 "
+    assert by_family["qlora"].options == ("--quantization nf4 --double-quant --bnb-compute-dtype bf16 "
                                              "--lora-rank 16 --checkpointing none")
     assert [COST_CLASS[f] for f in families] == sorted(COST_CLASS[f] for f in families)
-    ckpt = [lv["recompute_overhead"] for lv in levers["levers"] if lv["family"] == "checkpointing"]
+    ckpt = [lv.recompute_overhead for lv in levers.levers if lv.family == "checkpointing"]
     assert ckpt == sorted(ckpt) and ckpt[-1] > 0.1  # layers recomputes every layer's forward
-    for lv in levers["levers"]:
-        assert lv["fits"] and lv["saves_bytes"] > 0
-        assert _cli_peak(BASE + lv["options"].split(), tmp_path, capsys) == lv["peak_allocated_bytes"], lv
-    assert levers["combination"] is None  # a single lever is enough
+    for lv in levers.levers:
+        assert lv.fits and lv.saves_bytes > 0
+        assert _cli_peak(BASE + lv.options.split(), tmp_path, capsys) == lv.peak_allocated_bytes, lv
+    assert levers.combination is None  # a single lever is enough
 
 
 def test_the_levers_that_fit_fit_in_real_runs(just_over):
     peak, report = just_over
-    by_family = {lv["family"]: lv for lv in report.levers["levers"]}
-    micro = by_family["micro_batch"]["options"].split()
+    by_family = {lv.family: lv for lv in report.levers.levers}
+    micro = by_family["micro_batch"].options.split()
     b, k = int(micro[micro.index("--batch") + 1]), int(micro[micro.index("--grad-accum") + 1])
     assert b * k == 4 and b < 4
     assert measure_cpu_peak(_spec(batch=b, grad_accum=k)) <= peak - 1
@@ -76,16 +76,16 @@ def test_a_combination_when_no_single_lever_fits(just_over, tmp_path, capsys):
     """A capacity between the lowest single lever and LoRA with checkpointing: nothing alone fits, the
     combination does, as the same command line analysed on its own and as a real CPU run."""
     _, report = just_over
-    lowest_single = min(lv["compared_bytes"] for lv in report.levers["levers"])
+    lowest_single = min(lv.compared_bytes for lv in report.levers.levers)
     pair = analyze(_spec(lora_rank=16, checkpointing="layers"), levers=False).peak_allocated_bytes
     assert pair < lowest_single
     capacity = (pair + lowest_single) // 2
     r = analyze(_spec(gpu_memory_bytes=capacity))
-    assert not any(lv["fits"] for lv in r.levers["levers"])
-    combo = r.levers["combination"]
-    assert combo["fits"] and combo["compared_bytes"] <= capacity and len(combo["levers"]) >= 2
-    assert _cli_peak(BASE + combo["options"].split(), tmp_path, capsys) == combo["peak_allocated_bytes"]
-    options = combo["options"].split()
+    assert not any(lv.fits for lv in r.levers.levers)
+    combo = r.levers.combination
+    assert combo.fits and combo.compared_bytes <= capacity and len(combo.levers) >= 2
+    assert _cli_peak(BASE + combo.options.split(), tmp_path, capsys) == combo.peak_allocated_bytes
+    options = combo.options.split()
     changes = {"lora_rank": 16} if "--lora-rank" in options else {}
     if "--checkpointing" in options:
         changes["checkpointing"] = options[options.index("--checkpointing") + 1]
@@ -100,7 +100,7 @@ def test_a_combination_when_no_single_lever_fits(just_over, tmp_path, capsys):
     assert measure_cpu_peak(_spec(**changes)) <= capacity
     text = io.StringIO()
     render(r, Console(file=text, width=120))
-    assert "What makes it fit" in text.getvalue() and f"together: {combo['options']}" in text.getvalue()
+    assert "What makes it fit" in text.getvalue() and f"together: {combo.options}" in text.getvalue()
 
 
 def test_no_levers_when_it_fits_or_when_asked(just_over, tmp_path, capsys):
@@ -119,9 +119,9 @@ def test_fit_lists_the_levers_when_nothing_fits():
     peak1 = analyze(spec, levers=False).peak_allocated_bytes
     result = fit(spec, "batch", peak1 - 1)
     assert result.best is None and result.next.x == 1
-    assert result.levers["base_bytes"] == peak1
-    assert any(lv["fits"] for lv in result.levers["levers"])
-    assert all(lv["family"] != "micro_batch" for lv in result.levers["levers"])  # batch 1 has no smaller
+    assert result.levers.base_bytes == peak1
+    assert any(lv.fits for lv in result.levers.levers)
+    assert all(lv.family != "micro_batch" for lv in result.levers.levers)  # batch 1 has no smaller
 
 
 def _lever_report(monkeypatch, capsys, tmp_path, *extra: str) -> tuple[int, dict, str]:
@@ -196,22 +196,21 @@ def test_the_lever_cache_gives_the_outcomes_of_the_same_traces(monkeypatch, tmp_
     config = tmp_path / "config.json"
     config.write_text(open(LLAMA).read())
 
-    def levers(batch: int) -> dict:
+    def levers(batch: int):
         spec = RunSpec(str(config), batch=batch, seq=32, cuda_context_bytes=0)
         capacity = analyze(spec, levers=False).peak_reserved_bytes - 1  # one byte short: the levers are searched
         return analyze(replace(spec, gpu_memory_bytes=capacity)).levers
 
     first = levers(2)
-    assert first["traces"] >= 3 and "cached" not in first and len(list((tmp_path / "cache").iterdir())) >= 3
+    assert first.traces >= 3 and first.cached is None and len(list((tmp_path / "cache").iterdir())) >= 3
     second = levers(2)
-    assert second["traces"] == 0 and second["cached"] == first["traces"]
-    assert {k: v for k, v in second.items() if k not in ("traces", "cached")} == \
-        {k: v for k, v in first.items() if k != "traces"}
-    assert "cached" not in levers(3)
+    assert second.traces == 0 and second.cached == first.traces
+    assert replace(second, traces=0, cached=None) == replace(first, traces=0)
+    assert levers(3).cached is None
     cfg = json.loads(config.read_text())
     cfg["intermediate_size"] += 8  # the same file edited: new keys
     config.write_text(json.dumps(cfg))
-    assert "cached" not in levers(2)
+    assert levers(2).cached is None
 
 
 def test_the_use_cache_false_peak_from_the_lever_cache(monkeypatch, tmp_path):

@@ -218,7 +218,7 @@ def test_audio_shorter_than_the_receptive_field_is_refused(tmp_path):
 def test_dinov2_base_model_matches_a_real_cpu_step(tmp_path, mode, precision):
     """Dinov2Model has no head: trained on the mean of its last hidden state (as the oracle's user does)."""
     report = _matches_real(RunSpec(_dinov2(tmp_path), batch=2, seq=None, mode=mode, device="cpu", precision=precision))
-    assert report.model["task"] == "feature-extraction"
+    assert report.model.task == "feature-extraction"
 
 
 def test_task_feature_extraction_builds_the_base_model(tmp_path):
@@ -229,4 +229,4 @@ def test_task_feature_extraction_builds_the_base_model(tmp_path):
                                                       image_size=56, patch_size=14, num_hidden_layers=2,
                                                       architectures=["Dinov2ForImageClassification"]))
     report = analyze(RunSpec(path, batch=2, seq=None, device="cpu", precision="fp32", task="feature-extraction"))
-    assert report.model["architecture"] == "Dinov2Model" and report.model["task"] == "feature-extraction"
+    assert report.model.architecture == "Dinov2Model" and report.model.task == "feature-extraction"

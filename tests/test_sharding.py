@@ -222,10 +222,10 @@ def test_sharding_is_a_lever_with_the_fewest_gpus_that_fit():
     """2.5 MiB: one CPU 'device' is too small (2.66 MiB), 2 FSDP ranks fit: the lever says --fsdp 2, and the
     sharded run traced on its own agrees."""
     report = analyze(RunSpec(LLAMA, batch=2, seq=16, device="cpu", precision="fp32", gpu_memory_bytes=5 << 19))
-    sharding = [lv for lv in report.levers["levers"] if lv["family"] == "fsdp"]
-    assert [lv["options"] for lv in sharding] == ["--fsdp 2"] and sharding[0]["fits"]
+    sharding = [lv for lv in report.levers.levers if lv.family == "fsdp"]
+    assert [lv.options for lv in sharding] == ["--fsdp 2"] and sharding[0].fits
     sharded = analyze(_spec(LLAMA, "fp32", fsdp=2))
-    assert sharding[0]["peak_allocated_bytes"] == sharded.peak_allocated_bytes <= 5 << 19
+    assert sharding[0].peak_allocated_bytes == sharded.peak_allocated_bytes <= 5 << 19
 
 
 def test_fit_with_batch_and_seq_finds_the_fewest_ranks(tmp_path, capsys):

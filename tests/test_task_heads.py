@@ -50,7 +50,7 @@ def test_head_matches_real_cpu_run(tmp_path, config, head, precision, mode):
     spec = RunSpec(head_config(tmp_path, config, arch), batch=2, seq=32, device="cpu", precision=precision,
                    mode=mode)
     report = analyze(spec)
-    assert report.model["task"] == head and report.model["architecture"] == arch
+    assert report.model.task == head and report.model.architecture == arch
     assert_close(report.peak_allocated_bytes, measure_cpu_peak(spec))
 
 
@@ -60,7 +60,7 @@ def test_multiple_choice_matches_real_cpu_run(tmp_path, config, choices):
     spec = RunSpec(head_config(tmp_path, config, arch), batch=2, seq=32, device="cpu", precision="fp32",
                    choices=choices)
     report = analyze(spec)
-    assert report.model["task"] == "multiple-choice"
+    assert report.model.task == "multiple-choice"
     assert_close(report.peak_allocated_bytes, measure_cpu_peak(spec))
 
 
@@ -114,7 +114,7 @@ def test_task_overrides_architectures(tmp_path, task):
         spec = RunSpec(head_config(tmp_path, "tiny-bert", base, **labels), batch=2, seq=32, device="cpu",
                        precision="bf16-mixed", task=task)
         report = analyze(spec)
-        assert (report.model["task"], report.model["architecture"]) == (canonical, arch)
+        assert (report.model.task, report.model.architecture) == (canonical, arch)
         assert_close(report.peak_allocated_bytes, truth)
 
 
@@ -158,12 +158,12 @@ def test_attn_implementation_eager_vs_sdpa(tmp_path):
             spec = RunSpec(head_config(tmp_path, "tiny-bert", "BertForSequenceClassification", **extra), batch=4,
                            seq=64, device="cpu", precision="fp32", mode=mode, attn_implementation=attn)
             report = analyze(spec)
-            assert report.model["attn_implementation"] == attn
+            assert report.model.attn_implementation == attn
             assert_close(report.peak_allocated_bytes, measured)
             peaks[mode, attn] = measured
         assert peaks[mode, "eager"] > 1.1 * peaks[mode, "sdpa"], peaks
     # without the flag, transformers' default for BERT is sdpa
-    assert analyze(RunSpec(base, batch=1, seq=8, device="cpu")).model["attn_implementation"] == "sdpa"
+    assert analyze(RunSpec(base, batch=1, seq=8, device="cpu")).model.attn_implementation == "sdpa"
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -155,10 +155,10 @@ def test_trace_follows_the_format(report):
     assert chrome_trace_errors(trace) == []
     assert trace["displayTimeUnit"] == "ns"
     assert trace["otherData"]["predicted_peak_allocated_bytes"] == report.peak_allocated_bytes
-    assert trace["otherData"]["model"] == report.model["ref"] and "1 us" in trace["otherData"]["time"]
+    assert trace["otherData"]["model"] == report.model.ref and "1 us" in trace["otherData"]["time"]
     names = {(e["name"], e["args"]["name"]) for e in trace["traceEvents"] if e["ph"] == "M" and "name" in e["args"]}
     assert {("thread_name", "ops"), ("thread_name", "phases")} <= names
-    assert any(n == "process_name" and report.model["ref"] in v for n, v in names)
+    assert any(n == "process_name" and report.model.ref in v for n, v in names)
 
 
 def test_counters_are_the_live_bytes_of_every_step(report):

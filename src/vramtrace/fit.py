@@ -31,6 +31,8 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from .errors import UsageError
+from .report.data import to_data
+from .report.sections import LeversSummary
 from .spec import Device, RunSpec
 from .search import MAX_RANKS, SEQ_STEP, Curve, TraceSession, aligned, fewest_ranks, largest, same_bytes, within
 
@@ -73,7 +75,7 @@ class FitResult:
     curve: tuple[FitPoint, ...]
     method: str
     traces: int
-    levers: dict | None = None  # nothing fits: what makes the smallest size fit (vramtrace.levers.find_levers)
+    levers: LeversSummary | None = None  # nothing fits: what makes the smallest size fit (vramtrace.levers.find_levers)
     allocated_bound: int | None = None
     cuda_context_bytes: int = 0
     cuda_context_source: str = ""
@@ -97,7 +99,7 @@ class FitResult:
                 "cuda_context_source": self.cuda_context_source, "basis": self.basis, "best": point(self.best),
                 "next": point(self.next), "headroom_bytes": self.headroom_bytes,
                 "allocated_bound": self.allocated_bound, "curve": [point(p) for p in self.curve],
-                "method": self.method, "traces": self.traces, "levers": self.levers}
+                "method": self.method, "traces": self.traces, "levers": to_data(self.levers)}
 
 
 def evaluate(tables, x: int, cuda: bool, budget: int, exact: bool, rows: tuple | None = None) -> FitPoint:

@@ -38,6 +38,7 @@ from enum import Enum
 from typing import Callable
 
 from .planner import search_checkpointing
+from .report.sections import LeverCombination, LeverRow, LeversSummary, SkippedLever, SkipReason
 from .search import MAX_RANKS, TraceSession, basis_text, compared_bytes, fewest_ranks, fits_budget
 from .errors import UsageError
 from .custom_inputs import IN_PROCESS_PREFIX, custom_ref
@@ -83,13 +84,6 @@ def needs_text(extras: tuple[Extra, ...]) -> str:
     return f"needs {' and '.join(e.value for e in extras)} (pip install 'vramtrace[{option}]')"
 
 
-class SkipReason(str, Enum):
-    """Why a lever is listed without a figure."""
-
-    NEEDS_EXTRA = "needs_extra"  # an optional extra is not installed
-    FAILED = "failed"  # its trace raised
-
-
 class NotTraced(Exception):
     """A lever's trace that was not made (`reason`) or failed: `options` the command-line options that differ
     from the run, `detail` one line for the user."""
@@ -98,10 +92,10 @@ class NotTraced(Exception):
         super().__init__(detail)
         self.reason, self.options, self.detail = reason, options, detail
 
-    def to_dict(self, family: str) -> dict:
-        """The JSON `levers.skipped` row: {'family', 'title', 'options', 'reason', 'detail'}."""
-        return {"family": family, "title": FAMILY_TITLES.get(family, family), "options": self.options,
-                "reason": self.reason.value, "detail": self.detail}
+    def row(self, family: str) -> SkippedLever:
+        """The report's `levers.skipped` row for the lever family `family`."""
+        return SkippedLever(family=family, title=FAMILY_TITLES.get(family, family), options=self.options,
+                            reason=self.reason, detail=self.detail)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,12 +115,13 @@ class Lever:
         """The command-line options that apply it, e.g. '--checkpointing selective'."""
         return options_text(dict(self.changes))
 
-    def to_dict(self, base_bytes: int) -> dict:
+    def row(self, base_bytes: int) -> LeverRow:
+        """The report's `levers.levers` row, with the compared bytes it saves against `base_bytes`."""
         o = self.outcome
-        return {"family": self.family, "options": self.options, "cost": self.cost,
-                "peak_allocated_bytes": o.peak_allocated_bytes, "peak_reserved_bytes": o.peak_reserved_bytes,
-                "compared_bytes": compared_bytes(o), "saves_bytes": base_bytes - compared_bytes(o), "fits": self.fits,
-                "recompute_overhead": o.recompute_overhead}
+        return LeverRow(family=self.family, options=self.options, cost=self.cost,
+                        peak_allocated_bytes=o.peak_allocated_bytes, peak_reserved_bytes=o.peak_reserved_bytes,
+                        compared_bytes=compared_bytes(o), saves_bytes=base_bytes - compared_bytes(o), fits=self.fits,
+                        recompute_overhead=o.recompute_overhead)
 
 
 # RunSpec fields whose option is `--name value` (the value as the CLI takes it)
@@ -468,37 +463,32 @@ FAMILIES: tuple[tuple[str, Callable[[_Search, RunSpec], list[Lever]]], ...] = (
 )
 
 
-def find_levers(spec: RunSpec, ev: Evaluator, budget_bytes: int) -> dict:
+def find_levers(spec: RunSpec, ev: Evaluator, budget_bytes: int) -> LeversSummary:
     """The levers of `spec` (resolved: precision set) against `budget_bytes` (on `search.compared_bytes`'s basis),
-    as the report's JSON `levers` entry: {'budget_bytes', 'basis', 'base_bytes', 'levers': [ranked, each
-    `Lever.to_dict`], 'combination': None or {'options', 'levers', 'peak_allocated_bytes', 'peak_reserved_bytes',
-    'compared_bytes', 'fits'}, 'traces'}, and 'skipped': [`NotTraced.to_dict`] when a family was not traced (an
-    extra missing) or its trace failed, 'cached': the outcomes found in the disk cache (`LeverDiskCache`) when
-    any. Levers that save nothing are left out."""
+    as the report's `levers` section: the levers ranked (`Lever.row`), the combination (`_combine`), the traces
+    made, the families skipped (`NotTraced.row`: an extra missing, or its trace failed) and the outcomes found in
+    the disk cache (`LeverDiskCache`). Levers that save nothing are left out."""
     s = _Search(spec, ev, budget_bytes)
     base_bytes = compared_bytes(s.base)
     found: list[Lever] = []
-    skipped: list[dict] = []
+    skipped: list[SkippedLever] = []
     for name, family in FAMILIES:
         try:
             found += [lv for lv in family(s, spec) if compared_bytes(lv.outcome) < base_bytes]
         except NotTraced as e:
-            skipped.append(e.to_dict(name))
+            skipped.append(e.row(name))
     found.sort(key=lambda lv: (lv.rank, compared_bytes(lv.outcome)))
     combination = None
     if not any(lv.fits for lv in found):
         try:
             combination = _combine(s, found)
         except NotTraced as e:
-            skipped.append(e.to_dict("combination"))
-    out = {"budget_bytes": budget_bytes, "base_bytes": base_bytes,
-           "basis": basis_text(s.base),
-           "levers": [lv.to_dict(base_bytes) for lv in found], "combination": combination, "traces": ev.traces}
-    if skipped:  # only then: the reports of a run with every lever traced stay as they were
-        out["skipped"] = skipped
-    if ev.cached:
-        out["cached"] = ev.cached  # outcomes read from `LeverDiskCache`, each of the same trace made before
-    return out
+            skipped.append(e.row("combination"))
+    # skipped and cached are left out of the JSON when empty: the reports of a run with every lever traced stay as
+    # they were; cached counts the outcomes read from `LeverDiskCache`, each of the same trace made before
+    return LeversSummary(budget_bytes=budget_bytes, base_bytes=base_bytes, basis=basis_text(s.base),
+                         levers=tuple(lv.row(base_bytes) for lv in found), combination=combination,
+                         traces=ev.traces, skipped=tuple(skipped), cached=ev.cached or None)
 
 
 def _merged(levers) -> dict:
@@ -511,7 +501,7 @@ def _merged(levers) -> dict:
     return out
 
 
-def _combine(s: _Search, found: list[Lever]) -> dict | None:
+def _combine(s: _Search, found: list[Lever]) -> LeverCombination | None:
     """The cheapest combination found that fits (see the module docstring), or the strongest one when nothing
     fits; None when fewer than two levers save anything.
 
@@ -566,6 +556,7 @@ def _combine(s: _Search, found: list[Lever]) -> dict | None:
                 chosen[f] = kept
     out = traced()
     order = [f for f, _ in FAMILIES if f in chosen]
-    return {"options": options_text(_merged(chosen[f] for f in order)), "levers": order,
-            "peak_allocated_bytes": out.peak_allocated_bytes, "peak_reserved_bytes": out.peak_reserved_bytes,
-            "compared_bytes": compared_bytes(out), "fits": s.fits(out)}
+    return LeverCombination(options=options_text(_merged(chosen[f] for f in order)), levers=tuple(order),
+                            peak_allocated_bytes=out.peak_allocated_bytes,
+                            peak_reserved_bytes=out.peak_reserved_bytes, compared_bytes=compared_bytes(out),
+                            fits=s.fits(out))

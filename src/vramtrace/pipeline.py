@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from .report.sections import ComparisonRow, LeversSummary, ModelInfo
 from .search import Trace, TraceSession
 from .spec import KBIT_TRAINING_CHECKPOINTING, Device, Mode, RunSpec
 from .summaries import (adapters_summary, checkpointing_summary, compile_summary, cuda_context_summary, moe_summary,
@@ -55,7 +56,7 @@ def analyze(spec: RunSpec | None = None, progress: Callable[[str], None] | None 
         with _FrozenHeap() as heap:
             done = _analyze_one_frozen(spec, say, heap)
             report = done.report
-            if levers and report.fit is not None and not report.fit["fits"]:
+            if levers and report.fit is not None and not report.fit.fits:
                 report = replace(report, levers=_levers(done))
         if spec.compile:
             eager = _eager_report(spec, eager_job, say)
@@ -90,7 +91,7 @@ def _analyze_model(spec, progress, levers, model, inputs, loss, options):
 
     with in_process_module(model, inputs, loss) as ref:
         report = analyze(_spec_from(ref, options), progress, levers)
-    return replace(report, model={**report.model, "ref": f"{type(model).__name__} (nn.Module passed to analyze)"})
+    return replace(report, model=replace(report.model, ref=f"{type(model).__name__} (nn.Module passed to analyze)"))
 
 
 def _spec_from(model: str, options: dict) -> RunSpec:
@@ -164,9 +165,9 @@ def with_comparison(reports: list, policies) -> object:
     recompute_overhead), one per report."""
     from dataclasses import replace
 
-    rows = [{"policy": str(p), "peak_allocated_bytes": r.peak_allocated_bytes, "activation_bytes": r.activation_bytes,
-             "recompute_flops": r.recompute_flops,
-             "recompute_overhead": r.recompute_overhead}
+    rows = [ComparisonRow(policy=str(p), peak_allocated_bytes=r.peak_allocated_bytes,
+                          activation_bytes=r.activation_bytes, recompute_flops=r.recompute_flops,
+                          recompute_overhead=r.recompute_overhead)
             for p, r in zip(policies, reports)]
     return replace(reports[0], comparison=tuple(rows))
 
@@ -219,7 +220,7 @@ class Analysed:
     session: TraceSession
 
 
-def _levers(done: Analysed) -> dict:
+def _levers(done: Analysed) -> LeversSummary:
     """The report's `levers` (`levers.find_levers`) of a run that does not fit, against the capacity less the CUDA
     context, seeded with the traces the report made (not traced again)."""
     from .levers import Evaluator, find_levers
@@ -231,7 +232,7 @@ def _levers(done: Analysed) -> dict:
         if traced_spec != done.spec:  # the use_cache false variant: for the next run's report too
             ev.disk.put(traced_spec, found)
     fit = done.report.fit
-    return find_levers(done.spec, ev, fit["capacity_bytes"] - fit.get("cuda_context_bytes", 0))
+    return find_levers(done.spec, ev, fit.capacity_bytes - (fit.cuda_context_bytes or 0))
 
 
 def _use_cache_false_peak(session: TraceSession, spec: RunSpec) -> int:
@@ -327,22 +328,21 @@ def _host_peak(spec: RunSpec, main) -> int | None:
     return build_timeline(traced.ops, main.table, traced.steps - 1, (HOST_DEVICE,)).peak_bytes
 
 
-def _model_info(resolved, loaded, traced) -> dict:
+def _model_info(resolved, loaded, traced) -> ModelInfo:
     """The report's `model` section: the reference, the config's source, the built model's figures."""
-    info = {
-        "ref": resolved.ref, "config_source": resolved.source, "config_location": resolved.location,
-        "architecture": loaded.architecture, "model_type": loaded.model_type, "task": loaded.task,
-        "params": loaded.params, "trainable_params": loaded.trainable_params,
-        "param_dtype": str(loaded.param_dtype).removeprefix("torch."),
-        "compute_dtype": str(loaded.compute_dtype or loaded.param_dtype).removeprefix("torch."),
-        "attn_implementation": loaded.attn_implementation,
-        "sdpa_backends": dict(traced.sdpa_backends),
-    }
+    checkpoint = None
     if resolved.checkpoint is not None:
         from .tracer.checkpoint_headers import cross_check
 
-        info["checkpoint"] = cross_check(resolved.checkpoint, loaded.params)
-    return info
+        checkpoint = cross_check(resolved.checkpoint, loaded.params)
+    return ModelInfo(
+        ref=resolved.ref, config_source=resolved.source, config_location=resolved.location,
+        architecture=loaded.architecture, model_type=loaded.model_type, task=loaded.task,
+        params=loaded.params, trainable_params=loaded.trainable_params,
+        param_dtype=str(loaded.param_dtype).removeprefix("torch."),
+        compute_dtype=str(loaded.compute_dtype or loaded.param_dtype).removeprefix("torch."),
+        attn_implementation=loaded.attn_implementation, sdpa_backends=dict(traced.sdpa_backends),
+        checkpoint=checkpoint)
 
 
 def _run_info(spec: RunSpec, precision_source: str, loaded, main, steady, step: dict, sharding: dict) -> dict:

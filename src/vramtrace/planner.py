@@ -26,6 +26,7 @@ import math
 from dataclasses import replace
 from typing import Callable
 
+from .report.sections import CheckpointingPlan, PlanCandidate
 from .search import basis_text, compared_bytes, fits_budget
 from .spec import Checkpointing, RunSpec
 
@@ -60,18 +61,15 @@ def plan_checkpointing(spec: RunSpec, analyze_one: Callable, say: Callable[[str]
                    f"({chosen.peak_op})")
     # nothing to apply when no plan fits: the floor is information, not advice
     snippet = paste_snippet(Checkpointing.parse(policy)) if candidates else ""
-    summary = checkpointing_summary(chosen, seen["none"], snippet)
-    basis = basis_text(chosen)
-    summary["plan"] = {
-        "budget_bytes": budget, "fits": bool(candidates), "chosen": policy, "verdict": verdict,
-        "basis": basis, "over_budget_bytes": max(0, compared_bytes(chosen) - budget),
-        "algorithm": "binary search over transformers' every_n_layers, plus selective and layers; every candidate traced",
-        "evaluated": [{"policy": p, "peak_allocated_bytes": r.peak_allocated_bytes,
-                       "peak_reserved_bytes": r.peak_reserved_bytes, "compared_bytes": compared_bytes(r),
-                       "recompute_flops": r.recompute_flops,
-                       "recompute_overhead": r.recompute_overhead}
-                      for p, r in seen.items()],
-    }
+    plan = CheckpointingPlan(
+        budget_bytes=budget, fits=bool(candidates), chosen=policy, verdict=verdict,
+        basis=basis_text(chosen), over_budget_bytes=max(0, compared_bytes(chosen) - budget),
+        algorithm="binary search over transformers' every_n_layers, plus selective and layers; every candidate traced",
+        evaluated=tuple(PlanCandidate(policy=p, peak_allocated_bytes=r.peak_allocated_bytes,
+                                      peak_reserved_bytes=r.peak_reserved_bytes, compared_bytes=compared_bytes(r),
+                                      recompute_flops=r.recompute_flops, recompute_overhead=r.recompute_overhead)
+                        for p, r in seen.items()))
+    summary = checkpointing_summary(chosen, seen["none"], snippet, plan)
     return replace(chosen, checkpointing=summary)
 
 

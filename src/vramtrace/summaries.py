@@ -3,47 +3,49 @@ report's fields: bytes are ints), for `vramtrace.pipeline.analyze` and `vramtrac
 
 from __future__ import annotations
 
+from .report.sections import CheckpointingPlan, CheckpointingSummary, CompiledSummary, RecomputedOp
 from .spec import Device, Mode, RunSpec
 
 
-def compile_summary(report, graphs: dict, eager) -> dict:
-    """The JSON `compiled` entry: the compiled step's `report` against the same step run eagerly (`eager`), with
+def compile_summary(report, graphs: dict, eager) -> CompiledSummary:
+    """The report's `compiled` section: the compiled step's `report` against the same step run eagerly (`eager`), with
     `graphs` (`tracer.compiled_step.graphs_summary`: graph counts, the bytes the forward graphs save, the ops the
     partitioner recomputes in the backward), and the bytes of the zero gradients that the compiled backward
     materializes for outputs no loss depends on, alive at the peak (`tracer.records.ZERO_GRADIENT_NAME`)."""
     from .tracer.records import ZERO_GRADIENT_NAME
 
-    return {
-        "peak_allocated_bytes": report.peak_allocated_bytes,
-        "zero_gradient_bytes_at_peak": sum(t.bytes for t in report.tensors if t.name == ZERO_GRADIENT_NAME
-                                           and t.birth <= report.peak_step <= t.death),
-        "peak_allocated_bytes_eager": eager.peak_allocated_bytes,
-        "activation_bytes": report.activation_bytes,
-        "activation_bytes_eager": eager.activation_bytes,
-        "peak_phase_eager": eager.peak_phase,
-        **graphs,
-    }
+    return CompiledSummary(
+        peak_allocated_bytes=report.peak_allocated_bytes,
+        zero_gradient_bytes_at_peak=sum(t.bytes for t in report.tensors if t.name == ZERO_GRADIENT_NAME
+                                        and t.birth <= report.peak_step <= t.death),
+        peak_allocated_bytes_eager=eager.peak_allocated_bytes,
+        activation_bytes=report.activation_bytes,
+        activation_bytes_eager=eager.activation_bytes,
+        peak_phase_eager=eager.peak_phase,
+        forward_graphs=graphs["forward_graphs"], backward_graphs=graphs["backward_graphs"],
+        saved_bytes=graphs["saved_bytes"], recomputed=tuple(RecomputedOp(**r) for r in graphs["recomputed"]))
 
 
-def checkpointing_summary(report, base, snippet: str) -> dict:
-    """The JSON `checkpointing` entry: `report` (with a policy) against `base` (the same step without)."""
+def checkpointing_summary(report, base, snippet: str, plan: CheckpointingPlan | None = None) -> CheckpointingSummary:
+    """The report's `checkpointing` section: `report` (with a policy) against `base` (the same step without);
+    `plan`: `--checkpointing auto`'s (planner.py)."""
     notes = []
     if report.peak_allocated_bytes > base.peak_allocated_bytes:
         notes.append("this policy raises the peak: the recompute in the backward costs more than it saves")
     if report.activation_bytes > base.activation_bytes:
         notes.append("this policy keeps more activation bytes than none")
-    return {
-        "policy": str(report.run["checkpointing"]),
-        "peak_allocated_bytes": report.peak_allocated_bytes,
-        "peak_allocated_bytes_without": base.peak_allocated_bytes,
-        "activation_bytes": report.activation_bytes,
-        "activation_bytes_without": base.activation_bytes,
-        "recompute_flops": report.recompute_flops,
-        "recompute_overhead": report.recompute_overhead,
-        "checkpointed": checkpointed_modules(report.run),
-        "snippet": snippet,
-        "notes": notes,
-    }
+    return CheckpointingSummary(
+        policy=str(report.run["checkpointing"]),
+        peak_allocated_bytes=report.peak_allocated_bytes,
+        peak_allocated_bytes_without=base.peak_allocated_bytes,
+        activation_bytes=report.activation_bytes,
+        activation_bytes_without=base.activation_bytes,
+        recompute_flops=report.recompute_flops,
+        recompute_overhead=report.recompute_overhead,
+        checkpointed=checkpointed_modules(report.run),
+        snippet=snippet,
+        notes=tuple(notes),
+        plan=plan)
 
 
 def checkpointed_modules(run: dict) -> str:

@@ -185,7 +185,7 @@ def validate(spec: RunSpec, progress: Callable[[str], None] | None = None) -> di
     say("running the step for real")
     measured = spec
     if spec.checkpointing.kind == "auto":  # the real run applies the plan the report chose
-        measured = replace(spec, checkpointing=report.checkpointing["plan"]["chosen"], memory_budget_bytes=None)
+        measured = replace(spec, checkpointing=report.checkpointing.plan.chosen, memory_budget_bytes=None)
     m = measure_step(measured)
     out = {"device": m.device, "predicted_peak_allocated_bytes": report.peak_allocated_bytes,
            "measured_peak_allocated_bytes": m.peak_allocated_bytes,

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .categories import Category
 from .allocator import replay_steps
 from .liveness import Timeline, round_block
+from ..report.data import SCHEMA_TYPE, from_data, not_serialized, to_data
+from ..report.sections import (AllocatorSummary, CheckpointingSummary, ComparisonRow, CompiledSummary, FitVerdict,
+                               LeversSummary, ModelInfo)
 from ..units import format_bytes
 
 SCHEMA_VERSION = 1
@@ -15,11 +18,12 @@ SCHEMA_VERSION = 1
 
 @dataclass(frozen=True, slots=True)
 class TensorRow:
-    """One storage on the steady-state timeline. Bytes after allocator rounding; birth/death are graph steps."""
+    """One storage on the steady-state timeline. Bytes after allocator rounding; birth/death are graph steps;
+    `category` a `Category` value, `phase` the phase of its birth."""
 
     id: int
     bytes: int
-    category: str
+    category: str = field(metadata={SCHEMA_TYPE: Category})
     dtype: str
     shape: tuple[int, ...]
     module: str
@@ -29,24 +33,22 @@ class TensorRow:
     death: int
     name: str
 
-    def to_dict(self) -> dict[str, Any]:
-        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        d["shape"] = list(self.shape)
-        return d
-
 
 @dataclass(frozen=True, slots=True)
 class PhaseMark:
-    name: str  # e.g. 'after forward', 'peak in backward'
+    """One point of the waterfall: its name (e.g. 'after forward', 'peak in backward'), live bytes, graph step."""
+
+    name: str
     bytes: int
     step: int
 
 
-@dataclass(frozen=True, slots=True, repr=False)
+@dataclass(frozen=True, slots=True, kw_only=True, repr=False)
 class MemoryReport:
-    """The result of `vramtrace.analyze`. All bytes are ints; GiB in renderers means 2**30."""
+    """The result of `vramtrace.analyze`. All bytes are ints; GiB in renderers means 2**30. Fields in the JSON
+    report's key order (`report.data.to_data`); `eager` is not in the JSON."""
 
-    model: dict[str, Any]
+    model: ModelInfo
     run: dict[str, Any]
     params: int
     peak_allocated_bytes: int
@@ -56,30 +58,31 @@ class MemoryReport:
     peak_phase: str
     peak_op: str
     peak_module: str
-    breakdown_at_peak: dict[str, int]
-    phases: tuple[PhaseMark, ...]
-    top_tensors: tuple[TensorRow, ...]
-    tensors: tuple[TensorRow, ...]
+    breakdown_at_peak: dict[str, int] = field(metadata={SCHEMA_TYPE: dict[Category, int]})  # bytes live at the
+    # peak by `Category` value
     num_steps: int
-    fit: dict[str, Any] | None
+    fit: FitVerdict | None
     activation_bytes: int = 0  # activations (saved or kept for the backward) live when the forward ends
     step_flops: int = 0  # forward + backward FLOPs without recompute (torch.utils.flop_counter formulas)
     recompute_flops: int = 0  # FLOPs of checkpointed forward ops re-run in the backward
-    checkpointing: dict[str, Any] | None = None  # policy, baseline without it, plan; see vramtrace.analyze
-    comparison: tuple[dict[str, Any], ...] = ()  # --compare: one row per policy
+    checkpointing: CheckpointingSummary | None = None  # policy, baseline without it, plan; see vramtrace.analyze
+    comparison: tuple[ComparisonRow, ...] = ()  # --compare: one row per policy
     steps: tuple[tuple[str, str, str], ...] = ()  # per timeline step: (op, module path, phase)
     peak_reserved_bytes: int | None = None  # CUDA target: the caching-allocator model's peak reserved
-    allocator: dict[str, Any] | None = None  # CUDA target: the allocator model and its segments
+    allocator: AllocatorSummary | None = None  # CUDA target: the allocator model and its segments
     unresolved: tuple[str, ...] = ()
     peak_micro_step: int = 0  # gradient accumulation: the micro-step (0-based) of the peak
-    levers: dict[str, Any] | None = None  # when it does not fit: what makes it fit (vramtrace.levers.find_levers)
-    compiled: dict[str, Any] | None = None  # --compile: the compiled step against eager (vramtrace.summaries.compile_summary)
-    eager: "MemoryReport | None" = None  # --compile: the same step traced eagerly (not in the JSON; the HTML draws it)
+    levers: LeversSummary | None = None  # when it does not fit: what makes it fit (vramtrace.levers.find_levers)
+    compiled: CompiledSummary | None = None  # --compile: the compiled step against eager (summaries.compile_summary)
     schema_version: int = SCHEMA_VERSION
+    phases: tuple[PhaseMark, ...]
+    top_tensors: tuple[TensorRow, ...]
+    tensors: tuple[TensorRow, ...]
+    eager: "MemoryReport | None" = not_serialized()  # --compile: the same step traced eagerly (the HTML draws it)
 
     def __repr__(self) -> str:
-        fit = "" if self.fit is None else f", {'fits' if self.fit['fits'] else 'does not fit'} {self.fit['gpu']}"
-        return (f"<MemoryReport {self.model.get('ref', '?')}: peak allocated {format_bytes(self.peak_allocated_bytes)}"
+        fit = "" if self.fit is None else f", {'fits' if self.fit.fits else 'does not fit'} {self.fit.gpu}"
+        return (f"<MemoryReport {self.model.ref}: peak allocated {format_bytes(self.peak_allocated_bytes)}"
                 f" ({self.peak_allocated_bytes:,} B) in {self.peak_phase}{fit}; {len(self.tensors):,} storages>")
 
     def html_pages(self) -> tuple[list["MemoryReport"], list[str] | None]:
@@ -96,29 +99,13 @@ class MemoryReport:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "MemoryReport":
-        """The report back from `to_dict`'s data (a saved JSON report). Raises KeyError/TypeError on bad data."""
-        known = set(cls.__dataclass_fields__)
-        kw = {k: v for k, v in d.items() if k in known}
-        kw["phases"] = tuple(PhaseMark(**m) for m in d["phases"])
-        row = lambda t: TensorRow(**{**t, "shape": tuple(t["shape"])})  # noqa: E731
-        kw["top_tensors"] = tuple(map(row, d["top_tensors"]))
-        kw["tensors"] = tuple(map(row, d["tensors"]))
-        kw["steps"] = tuple(tuple(s) for s in d.get("steps", ()))
-        kw["comparison"] = tuple(d.get("comparison", ()))
-        kw["unresolved"] = tuple(d.get("unresolved", ()))
-        return cls(**kw)
+        """The report back from `to_dict`'s data (a saved JSON report; `report.data.from_data`). Raises TypeError
+        (an unknown or missing key in a section) or ValueError (a value out of its enum) on bad data."""
+        return from_data(cls, d)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready data (lists for tuples); rows are built field by field, not by `asdict`, which is
-        slow for the ~10^5 storages of a large model."""
-        d = {f: getattr(self, f) for f in self.__dataclass_fields__
-             if f not in ("phases", "top_tensors", "tensors", "eager")}
-        d["phases"] = [asdict(m) for m in self.phases]
-        d["top_tensors"] = [r.to_dict() for r in self.top_tensors]
-        d["tensors"] = [r.to_dict() for r in self.tensors]
-        d["unresolved"] = list(self.unresolved)
-        d["steps"] = [list(s) for s in self.steps]
-        return d
+        """Plain JSON-ready data in the JSON report's key order (`report.data.to_data`)."""
+        return to_data(self)
 
 
 def _phase_marks(tl: Timeline, ops: tuple, generate: bool, remainder: tuple[int, int] = (0, 0)
@@ -146,7 +133,7 @@ def _phase_marks(tl: Timeline, ops: tuple, generate: bool, remainder: tuple[int,
     return tuple(marks)
 
 
-def _cuda_fit(first: Timeline, steady: Timeline, gpu: dict, est, storages) -> dict:
+def _cuda_fit(first: Timeline, steady: Timeline, gpu: dict, est, storages) -> FitVerdict:
     """The verdict on a CUDA target: the allocator replayed with the device's capacity less the CUDA context
     (`pressure.replay_at_capacity`, CUDACachingAllocator.cpp `malloc`'s release-and-retry path); it fits iff
     neither step runs out of memory. `est` is the unbounded replay. headroom_bytes: the capacity the replay never
@@ -156,18 +143,16 @@ def _cuda_fit(first: Timeline, steady: Timeline, gpu: dict, est, storages) -> di
     context = gpu.get("cuda_context_bytes", 0)
     verdict = replay_at_capacity(first, steady, gpu["memory_bytes"] - context, gpu.get("alloc_conf"), est)
     reserved = verdict.peak_reserved_bytes if verdict.fits else est.peak_reserved_bytes
-    fit = {"gpu": gpu["name"], "capacity_bytes": gpu["memory_bytes"], "cuda_context_bytes": context,
-           "cuda_context_source": gpu.get("cuda_context_source", ""),
-           "device_total_bytes": reserved + context,
-           "headroom_bytes": verdict.headroom_bytes if verdict.fits
-           else gpu["memory_bytes"] - context - est.peak_reserved_bytes,
-           "fits": verdict.fits, "peak_reserved_bytes_at_capacity": verdict.peak_reserved_bytes,
-           "alloc_retries": verdict.alloc_retries, "first_step_alloc_retries": verdict.first_step_alloc_retries,
-           "oom": _oom(verdict.estimate, storages),
-           "basis": f"the caching-allocator replay of the first and steady steps with the device's capacity less "
-                    f"the CUDA context ({format_bytes(context)}) for cudaMalloc, releasing the cache and retrying "
-                    f"as CUDACachingAllocator.cpp malloc does: fits iff no allocation runs out of memory"}
-    return fit
+    return FitVerdict(
+        gpu=gpu["name"], capacity_bytes=gpu["memory_bytes"], cuda_context_bytes=context,
+        cuda_context_source=gpu.get("cuda_context_source", ""), device_total_bytes=reserved + context,
+        headroom_bytes=verdict.headroom_bytes if verdict.fits else gpu["memory_bytes"] - context - est.peak_reserved_bytes,
+        fits=verdict.fits, peak_reserved_bytes_at_capacity=verdict.peak_reserved_bytes,
+        alloc_retries=verdict.alloc_retries, first_step_alloc_retries=verdict.first_step_alloc_retries,
+        oom=_oom(verdict.estimate, storages),
+        basis=f"the caching-allocator replay of the first and steady steps with the device's capacity less "
+              f"the CUDA context ({format_bytes(context)}) for cudaMalloc, releasing the cache and retrying "
+              f"as CUDACachingAllocator.cpp malloc does: fits iff no allocation runs out of memory")
 
 
 def _oom(est, storages) -> str:
@@ -237,19 +222,21 @@ def _cuda_summary(first: Timeline, steady: Timeline, gpu: dict[str, Any], storag
     conf = gpu.get("alloc_conf")
     est = replay_steps(first, steady, conf=conf, curve=True)
     reserved = est.peak_reserved_bytes
-    allocator = {"model": "c10/cuda/CUDACachingAllocator.cpp " + (
-                     f"with PYTORCH_CUDA_ALLOC_CONF={conf}" if conf is not None and str(conf) else
-                     "defaults (512 B blocks, 2 MiB small and 20 MiB large segments, best fit, splitting)"),
-                 "segments": est.segments, "peak_reserved_bytes": reserved,
-                 # memory_allocated() counts a whole block when it does not split off a remainder <= 1 MiB
-                 "peak_allocated_bytes": est.peak_allocated_bytes,
-                 "unsplit_remainder_bytes_at_peak": est.peak_remainder_bytes,
-                 "rounded_requests_peak_bytes": steady.peak_bytes,  # the timeline's peak: no remainders
-                 # the steady step's reserved bytes where they change: [[graph step, bytes], ...]
-                 "reserved_steps": [list(p) for p in est.reserved_steps]}
+    note = None
     if conf is not None and conf.garbage_collection_threshold is not None:
-        allocator["note"] = ("garbage_collection_threshold acts only under a per-process memory fraction below "
-                             "1 (CUDACachingAllocator.cpp garbage_collect_cached_blocks): no effect modelled")
+        note = ("garbage_collection_threshold acts only under a per-process memory fraction below "
+                "1 (CUDACachingAllocator.cpp garbage_collect_cached_blocks): no effect modelled")
+    allocator = AllocatorSummary(
+        model="c10/cuda/CUDACachingAllocator.cpp " + (
+            f"with PYTORCH_CUDA_ALLOC_CONF={conf}" if conf is not None and str(conf) else
+            "defaults (512 B blocks, 2 MiB small and 20 MiB large segments, best fit, splitting)"),
+        segments=est.segments, peak_reserved_bytes=reserved,
+        # memory_allocated() counts a whole block when it does not split off a remainder <= 1 MiB
+        peak_allocated_bytes=est.peak_allocated_bytes,
+        unsplit_remainder_bytes_at_peak=est.peak_remainder_bytes,
+        rounded_requests_peak_bytes=steady.peak_bytes,  # the timeline's peak: no remainders
+        # the steady step's reserved bytes where they change: ((graph step, bytes), ...)
+        reserved_steps=est.reserved_steps, note=note)
     fit = _cuda_fit(first, steady, gpu, est, storages)
     return est, allocator, fit
 
@@ -275,8 +262,8 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
         first_peak, remainder = est.first_peak_allocated_bytes, est.peak_remainder_bytes
     elif gpu is not None:
         headroom = gpu["memory_bytes"] - steady.peak_bytes
-        fit = {"gpu": gpu["name"], "capacity_bytes": gpu["memory_bytes"], "headroom_bytes": headroom,
-               "fits": headroom >= 0, "basis": "peak allocated (CPU target)"}
+        fit = FitVerdict(gpu=gpu["name"], capacity_bytes=gpu["memory_bytes"], headroom_bytes=headroom,
+                         fits=headroom >= 0, basis="peak allocated (CPU target)")
     peak_op = ops[steady.steps[peak]]
     rows = []
     for lt in steady.lifetimes:

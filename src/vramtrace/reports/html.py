@@ -21,6 +21,7 @@ from markupsafe import Markup
 from ..analysis.aggregate import live_groups, module_pattern, owner, stack_pattern
 from ..analysis.categories import Category
 from ..analysis.summary import MemoryReport
+from ..report.sections import LeversSummary
 from ..units import format_bytes
 from .json_report import write_output
 from .terminal import image_text
@@ -132,9 +133,9 @@ def _payload(report: MemoryReport, label: str) -> dict:
             bands.append([phase, i, i])
     fit = report.fit
     # the timeline's capacity line: the device less the CUDA context, what the allocator may reserve
-    capacity = None if fit is None else {"gpu": fit["gpu"], "capacity_bytes": fit["capacity_bytes"],
-                                         "context_bytes": fit.get("cuda_context_bytes", 0)}
-    points = (report.allocator or {}).get("reserved_steps")
+    capacity = None if fit is None else {"gpu": fit.gpu, "capacity_bytes": fit.capacity_bytes,
+                                         "context_bytes": fit.cuda_context_bytes or 0}
+    points = None if report.allocator is None else report.allocator.reserved_steps
     reserved = None if not points else {"step": [p[0] for p in points], "bytes": [p[1] for p in points]}
     return {"label": label, "num_steps": report.num_steps, "peak_step": report.peak_step,
             "peak_bytes": report.peak_allocated_bytes, "capacity": capacity, "reserved": reserved, "bands": bands,
@@ -147,11 +148,11 @@ def _summary(report: MemoryReport, label: str) -> dict:
     ck = report.checkpointing
     return {
         "label": label,
-        "model": f"{m['ref']}: {m['architecture']}, {report.params:,} parameters"
-                 + (f" ({m['trainable_params']:,} trainable)" if m["trainable_params"] != report.params else "")
-                 + f", weights {m['param_dtype']}, compute {m['compute_dtype']}"
+        "model": f"{m.ref}: {m.architecture}, {report.params:,} parameters"
+                 + (f" ({m.trainable_params:,} trainable)" if m.trainable_params != report.params else "")
+                 + f", weights {m.param_dtype}, compute {m.compute_dtype}"
                  + (f"; {r['adapters']}" if r.get("adapters") else "")
-                 + (f"; checkpoint: {m['checkpoint']['note']}" if m.get("checkpoint") else ""),
+                 + (f"; checkpoint: {m.checkpoint.note}" if m.checkpoint else ""),
         "run": f"{r['mode']}, {r['precision']}, optimizer {r['optimizer']} ({r['optimizer_impl']}), batch {r['batch']}"
                + (f" × seq {r['seq']}" if r.get("seq") else "")
                + image_text(r)
@@ -166,15 +167,15 @@ def _summary(report: MemoryReport, label: str) -> dict:
         "reserved": format_bytes(report.peak_reserved_bytes) if report.peak_reserved_bytes is not None else "",
         "optimal": format_bytes(report.graph_optimal_peak_bytes),
         "first": format_bytes(report.first_step_peak_allocated_bytes),
-        "fits": None if fit is None else fit["fits"],
+        "fits": None if fit is None else fit.fits,
         "fit": ("" if fit is None else
-                f"fits on {fit['gpu']} with {format_bytes(fit['headroom_bytes'])} spare" if fit["fits"] else
-                f"does not fit on {fit['gpu']}: over by {format_bytes(-fit['headroom_bytes'])}"),
-        "fit_basis": "" if fit is None else fit["basis"],
+                f"fits on {fit.gpu} with {format_bytes(fit.headroom_bytes)} spare" if fit.fits else
+                f"does not fit on {fit.gpu}: over by {format_bytes(-fit.headroom_bytes)}"),
+        "fit_basis": "" if fit is None else fit.basis,
         "checkpointing": "" if not ck else (
-            f"{ck['policy']}: activations {format_bytes(ck['activation_bytes'])} (without: "
-            f"{format_bytes(ck['activation_bytes_without'])}), "
-            f"recompute {100 * ck['recompute_overhead']:.1f}% of FLOPs"),
+            f"{ck.policy}: activations {format_bytes(ck.activation_bytes)} (without: "
+            f"{format_bytes(ck.activation_bytes_without)}), "
+            f"recompute {100 * ck.recompute_overhead:.1f}% of FLOPs"),
         "phases": [{"name": p.name, "bytes": format_bytes(p.bytes), "step": p.step} for p in report.phases],
         "breakdown": [{"category": c.value, "color": color, "bytes": format_bytes(report.breakdown_at_peak[c.value]),
                        "share": f"{100 * report.breakdown_at_peak[c.value] / max(report.peak_allocated_bytes, 1):.1f}"}
@@ -186,7 +187,7 @@ def _summary(report: MemoryReport, label: str) -> dict:
     }
 
 
-def _lever_rows(levers: dict | None) -> dict | None:
+def _lever_rows(levers: LeversSummary | None) -> dict | None:
     """The levers (`vramtrace.levers.find_levers`) as table rows, this run's peak first and the combination last,
     each with its traced peak on the verdict's basis, what it saves, whether it fits and its bar's width (percent
     of the widest peak or the budget); `budget_at` is where the budget's mark goes, `cheapest` the first row
@@ -196,13 +197,13 @@ def _lever_rows(levers: dict | None) -> dict | None:
 
     if not levers:
         return None
-    base, budget = levers["base_bytes"], levers["budget_bytes"]
+    base, budget = levers.base_bytes, levers.budget_bytes
     rows = [{"options": "this run", "bytes": base, "fits": base <= budget, "cost": "", "base": True}]
-    rows += [{"options": lv["options"], "bytes": lv["compared_bytes"], "fits": lv["fits"], "cost": lv["cost"],
-              "base": False} for lv in levers["levers"]]
-    combo = levers.get("combination")
+    rows += [{"options": lv.options, "bytes": lv.compared_bytes, "fits": lv.fits, "cost": lv.cost,
+              "base": False} for lv in levers.levers]
+    combo = levers.combination
     if combo:
-        rows.append({"options": combo["options"], "bytes": combo["compared_bytes"], "fits": combo["fits"],
+        rows.append({"options": combo.options, "bytes": combo.compared_bytes, "fits": combo.fits,
                      "cost": "these levers together", "base": False})
     top = max([r["bytes"] for r in rows] + [budget]) or 1
     for r in rows:
@@ -211,16 +212,16 @@ def _lever_rows(levers: dict | None) -> dict | None:
         r.update(width=f"{100 * r['bytes'] / top:.2f}", peak=format_bytes(r["bytes"]),
                  saves="" if r["base"] else format_bytes(base - r["bytes"]))
     cheapest = next((r for r in rows[1:] if r["fits"]), None)  # rows are ranked cheapest first
-    return {"rows": rows, "budget": format_bytes(budget), "basis": levers["basis"],
+    return {"rows": rows, "budget": format_bytes(budget), "basis": levers.basis,
             "budget_at": f"{100 * budget / top:.2f}", "cheapest": cheapest,
-            "skipped": [{"options": sk["options"], "line": skipped_line(sk)} for sk in levers.get("skipped", ())]}
+            "skipped": [{"options": sk.options, "line": skipped_line(sk)} for sk in levers.skipped]}
 
 
 def render_html(reports: list[MemoryReport], labels: list[str] | None = None) -> str:
     """The HTML page for one report, or several side by side on one scale (a comparison)."""
     from .._version import __version__
 
-    labels = labels or [f"{r.run['checkpointing']}" if len(reports) > 1 else r.model["ref"] for r in reports]
+    labels = labels or [f"{r.run['checkpointing']}" if len(reports) > 1 else r.model.ref for r in reports]
     data = {"categories": [c.value for c in CATEGORY_COLORS], "colors": list(CATEGORY_COLORS.values()),
             "reports": [_payload(r, label) for r, label in zip(reports, labels)]}
     # no "<" at all inside the data block, so no name can end the script or open a comment

@@ -75,5 +75,6 @@ def read_json_report(path: str) -> MemoryReport | None:
         return None
     try:
         return MemoryReport.from_dict(data)
-    except (KeyError, TypeError) as e:
+    except (TypeError, ValueError, AttributeError) as e:  # a key unknown or missing, a value of the wrong shape or
+        # out of its enum (report.data.from_data)
         raise ReportWriteError(f"{path} looks like a vramtrace report but cannot be read ({e}); write it again") from e

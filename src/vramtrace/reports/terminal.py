@@ -130,26 +130,26 @@ def _header(report: MemoryReport) -> Table:
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
-    source = "custom module" if m["config_source"] == "custom" else f"{m['config_source']} config"
-    head.add_row("model", f"{m['ref']}  [dim]({source})[/]")
-    head.add_row("architecture", f"{m['architecture']} ({m['model_type']}, {m['task']})")
-    trainable = m["trainable_params"]
+    source = "custom module" if m.config_source == "custom" else f"{m.config_source} config"
+    head.add_row("model", f"{m.ref}  [dim]({source})[/]")
+    head.add_row("architecture", f"{m.architecture} ({m.model_type}, {m.task})")
+    trainable = m.trainable_params
     head.add_row("parameters", format_count(report.params) + ("" if trainable == report.params else
                  f", trainable {format_count(trainable)} ({100 * trainable / max(report.params, 1):.2f}%), "
                  f"frozen {format_count(report.params - trainable)}"))
-    ck = m.get("checkpoint")
+    ck = m.checkpoint
     if ck:
-        dtypes = ", ".join(f"{k} {v:,}" for k, v in ck["dtypes"].items())
-        head.add_row("checkpoint", f"{ck['files']} {ck['source']} file(s): {dtypes}; "
-                     + (ck["note"] if ck["matches"] else f"[bold red]{escape(ck['note'])}[/]"))
+        dtypes = ", ".join(f"{k} {v:,}" for k, v in ck.dtypes.items())
+        head.add_row("checkpoint", f"{ck.files} {ck.source} file(s): {dtypes}; "
+                     + (ck.note if ck.matches else f"[bold red]{escape(ck.note)}[/]"))
     if r.get("adapters"):
         head.add_row("adapters", r["adapters"])
     if r.get("inputs"):
         head.add_row("inputs", ", ".join(r["inputs"]))
-    head.add_row("dtypes", f"weights {m['param_dtype']}, compute {m['compute_dtype']}"
+    head.add_row("dtypes", f"weights {m.param_dtype}, compute {m.compute_dtype}"
                  + (f"; precision {r['precision']}: {escape(r['precision_source'])}" if r.get("precision_source") else ""))
-    sdpa = ", ".join(f"{k}×{v}" for k, v in m["sdpa_backends"].items()) or "none"
-    head.add_row("attention", f"{m['attn_implementation']} (SDPA backend: {sdpa})")
+    sdpa = ", ".join(f"{k}×{v}" for k, v in m.sdpa_backends.items()) or "none"
+    head.add_row("attention", f"{m.attn_implementation} (SDPA backend: {sdpa})")
     if r["mode"] == "generate":
         head.add_row("run", f"generate, {r['precision']}, batch {r['batch']} × prompt {r['seq']} + {r['new_tokens']} "
                             f"new tokens (greedy), {r['cache']} cache" + image_text(r)
@@ -266,34 +266,34 @@ def _render_verdict(report: MemoryReport, console: Console) -> None:
     """Fits or not, the device total and its headroom; on a CUDA target, the allocator replay under the capacity
     (cache releases per step, or the allocation that runs out of memory) and the CUDA context assumed, with why."""
     f = report.fit
-    if "device_total_bytes" not in f:  # the CPU target given a capacity
-        word = "Fits" if f["fits"] else "Does not fit"
-        amount = f"with {format_bytes(f['headroom_bytes'])} spare" if f["fits"] else \
-            f"over by {format_bytes(-f['headroom_bytes'])}"
-        console.print(Text(f"{word} on {f['gpu']} ({format_bytes(f['capacity_bytes'])}): {amount}",
-                           style="bold green" if f["fits"] else "bold red"))
-        console.print(Text(f"basis: {f['basis']}", style="dim"))
+    if f.device_total_bytes is None:  # the CPU target given a capacity
+        word = "Fits" if f.fits else "Does not fit"
+        amount = f"with {format_bytes(f.headroom_bytes)} spare" if f.fits else \
+            f"over by {format_bytes(-f.headroom_bytes)}"
+        console.print(Text(f"{word} on {f.gpu} ({format_bytes(f.capacity_bytes)}): {amount}",
+                           style="bold green" if f.fits else "bold red"))
+        console.print(Text(f"basis: {f.basis}", style="dim"))
         return
-    reserved = f["device_total_bytes"] - f["cuda_context_bytes"]
-    total = (f" device total {format_bytes(f['device_total_bytes'])} (reserved {format_bytes(reserved)} + CUDA "
-             f"context {format_bytes(f['cuda_context_bytes'])})")
-    if f["fits"]:
-        console.print(Text(f"Fits on {f['gpu']} ({format_bytes(f['capacity_bytes'])}):{total} with "
-                           f"{format_bytes(f['headroom_bytes'])} spare", style="bold green"))
-        if f.get("alloc_retries"):
-            n = f["alloc_retries"]
+    reserved = f.device_total_bytes - f.cuda_context_bytes
+    total = (f" device total {format_bytes(f.device_total_bytes)} (reserved {format_bytes(reserved)} + CUDA "
+             f"context {format_bytes(f.cuda_context_bytes)})")
+    if f.fits:
+        console.print(Text(f"Fits on {f.gpu} ({format_bytes(f.capacity_bytes)}):{total} with "
+                           f"{format_bytes(f.headroom_bytes)} spare", style="bold green"))
+        if f.alloc_retries:
+            n = f.alloc_retries
             console.print(Text(f"only by releasing the allocator's cache {'once' if n == 1 else f'{n} times'} per step "
                                f"(num_alloc_retries: a device sync and cudaFree each; the unbounded replay would "
                                f"reserve {format_bytes(report.peak_reserved_bytes)})", style="yellow"))
     else:
-        console.print(Text(f"Does not fit on {f['gpu']} ({format_bytes(f['capacity_bytes'])}):{total} over by "
-                           f"{format_bytes(max(-f['headroom_bytes'], 0))}", style="bold red"))
-        if f.get("oom"):
-            console.print(Text(f"replayed with the device's capacity: {f['oom']}", style="red"))
-    if f.get("cuda_context_source"):
-        console.print(Text(f"CUDA context {format_bytes(f['cuda_context_bytes'])}: {f['cuda_context_source']}",
+        console.print(Text(f"Does not fit on {f.gpu} ({format_bytes(f.capacity_bytes)}):{total} over by "
+                           f"{format_bytes(max(-f.headroom_bytes, 0))}", style="bold red"))
+        if f.oom:
+            console.print(Text(f"replayed with the device's capacity: {f.oom}", style="red"))
+    if f.cuda_context_source:
+        console.print(Text(f"CUDA context {format_bytes(f.cuda_context_bytes)}: {f.cuda_context_source}",
                            style="dim"))
-    console.print(Text(f"basis: {f['basis']}", style="dim"))
+    console.print(Text(f"basis: {f.basis}", style="dim"))
 
 
 GROUP_ROWS = 8  # rows of the by-layer table
@@ -339,28 +339,28 @@ def _render_compiled(report: MemoryReport, console: Console) -> None:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
-    saved = c["peak_allocated_bytes_eager"] - c["peak_allocated_bytes"]
-    grid.add_row("peak allocated", f"{format_bytes(c['peak_allocated_bytes'])} compiled, "
-                                   f"{format_bytes(c['peak_allocated_bytes_eager'])} eager (peak in "
-                                   f"{c['peak_phase_eager']}): compile " + (f"saves {format_bytes(saved)}" if saved >= 0
+    saved = c.peak_allocated_bytes_eager - c.peak_allocated_bytes
+    grid.add_row("peak allocated", f"{format_bytes(c.peak_allocated_bytes)} compiled, "
+                                   f"{format_bytes(c.peak_allocated_bytes_eager)} eager (peak in "
+                                   f"{c.peak_phase_eager}): compile " + (f"saves {format_bytes(saved)}" if saved >= 0
                                                                              else f"costs {format_bytes(-saved)}"))
-    grid.add_row("activations", f"{format_bytes(c['activation_bytes'])} at the end of the forward (eager: "
-                                f"{format_bytes(c['activation_bytes_eager'])}); the forward graphs save "
-                                f"{format_bytes(c['saved_bytes'])} of what they compute")
-    zeros = c.get("zero_gradient_bytes_at_peak", 0)
+    grid.add_row("activations", f"{format_bytes(c.activation_bytes)} at the end of the forward (eager: "
+                                f"{format_bytes(c.activation_bytes_eager)}); the forward graphs save "
+                                f"{format_bytes(c.saved_bytes)} of what they compute")
+    zeros = c.zero_gradient_bytes_at_peak
     if zeros:
         grid.add_row("zero gradients", f"{format_bytes(zeros)} at the peak: the compiled backward makes a zero "
                                        "gradient for each graph output no loss depends on (the logits a model returns "
                                        "beside its loss; with the KV cache on, its keys and values: --use-cache false "
                                        "drops those)")
-    grid.add_row("graphs", f"{c['forward_graphs']} forward, {c['backward_graphs']} backward"
-                           + (" (graph breaks: the code between them runs eagerly)" if c["forward_graphs"] > 1 else ""))
-    rows = c["recomputed"]
+    grid.add_row("graphs", f"{c.forward_graphs} forward, {c.backward_graphs} backward"
+                           + (" (graph breaks: the code between them runs eagerly)" if c.forward_graphs > 1 else ""))
+    rows = c.recomputed
     if rows:
-        shown = ", ".join(f"{escape(r['op'].removeprefix('aten.'))} ×{r['count']} in {escape(r['module'] or '(root)')}"
+        shown = ", ".join(f"{escape(r.op.removeprefix('aten.'))} ×{r.count} in {escape(r.module or '(root)')}"
                           for r in rows[:COMPILED_ROWS])
         more = f" and {len(rows) - COMPILED_ROWS} more" if len(rows) > COMPILED_ROWS else ""
-        grid.add_row("recomputed", f"{sum(r['count'] for r in rows)} ops re-run in the backward by the partitioner "
+        grid.add_row("recomputed", f"{sum(r.count for r in rows)} ops re-run in the backward by the partitioner "
                                    f"(largest outputs first): {shown}{more}")
     else:
         grid.add_row("recomputed", "nothing: the partitioner saves every activation the backward reads")
@@ -373,34 +373,34 @@ def _render_checkpointing(report: MemoryReport, console: Console) -> None:
         grid = Table.grid(padding=(0, 2))
         grid.add_column(style="bold")
         grid.add_column()
-        grid.add_row("policy", ck["policy"] + (f": {ck['checkpointed']}" if ck.get("checkpointed") else ""))
-        grid.add_row("peak allocated", f"{format_bytes(ck['peak_allocated_bytes'])} "
-                                       f"(without: {format_bytes(ck['peak_allocated_bytes_without'])})")
-        grid.add_row("activations", f"{format_bytes(ck['activation_bytes'])} at the end of the forward "
-                                    f"(without: {format_bytes(ck['activation_bytes_without'])})")
-        grid.add_row("recompute", f"{format_flops(ck['recompute_flops'])}, {_pct(ck['recompute_overhead'])} of the "
+        grid.add_row("policy", ck.policy + (f": {ck.checkpointed}" if ck.checkpointed else ""))
+        grid.add_row("peak allocated", f"{format_bytes(ck.peak_allocated_bytes)} "
+                                       f"(without: {format_bytes(ck.peak_allocated_bytes_without)})")
+        grid.add_row("activations", f"{format_bytes(ck.activation_bytes)} at the end of the forward "
+                                    f"(without: {format_bytes(ck.activation_bytes_without)})")
+        grid.add_row("recompute", f"{format_flops(ck.recompute_flops)}, {_pct(ck.recompute_overhead)} of the "
                                   "step's forward + backward FLOPs")
-        plan = ck.get("plan")
+        plan = ck.plan
         if plan:
-            over = f", over by {format_bytes(plan['over_budget_bytes'])}" if not plan["fits"] else ""
-            basis = plan.get("basis", "peak allocated")
-            grid.add_row("plan", f"budget {format_bytes(plan['budget_bytes'])} of {basis}: {plan['verdict']}{over}")
-            tried = ", ".join(f"{e['policy']} {format_bytes(e.get('compared_bytes', e['peak_allocated_bytes']))}"
-                              for e in plan["evaluated"])
+            over = f", over by {format_bytes(plan.over_budget_bytes)}" if not plan.fits else ""
+            basis = plan.basis
+            grid.add_row("plan", f"budget {format_bytes(plan.budget_bytes)} of {basis}: {plan.verdict}{over}")
+            tried = ", ".join(f"{e.policy} {format_bytes(e.compared_bytes)}"
+                              for e in plan.evaluated)
             grid.add_row("traced", f"{tried} ({basis})")
-        for note in ck["notes"]:
+        for note in ck.notes:
             grid.add_row("note", Text(note, style="yellow"))
         console.print(Panel(grid, title="Activation checkpointing", border_style="blue"))
-        if ck["snippet"]:
+        if ck.snippet:
             console.print(Text("Apply it in your training code (after building `model`):", style="bold"))
-            console.print(ck["snippet"], soft_wrap=True, markup=False, highlight=False)
+            console.print(ck.snippet, soft_wrap=True, markup=False, highlight=False)
     if report.comparison:
         cmp = Table(title="Checkpointing compared", title_justify="left")
         for col in ("policy", "peak allocated", "activations", "recompute"):
             cmp.add_column(col, justify="left" if col == "policy" else "right")
         for row in report.comparison:
-            cmp.add_row(row["policy"], format_bytes(row["peak_allocated_bytes"]), format_bytes(row["activation_bytes"]),
-                        _pct(row["recompute_overhead"]))
+            cmp.add_row(row.policy, format_bytes(row.peak_allocated_bytes), format_bytes(row.activation_bytes),
+                        _pct(row.recompute_overhead))
         console.print(cmp)
     if report.unresolved:
         console.print(Panel("\n".join(escape(u) for u in report.unresolved),

@@ -83,7 +83,7 @@ def _phase_runs(report: MemoryReport) -> dict[int, tuple[str, int]]:
 
 def _metadata(report: MemoryReport) -> list[dict[str, Any]]:
     """Process and thread names ("ph": "M"), phases above ops."""
-    ref = report.model.get("ref", "?")
+    ref = report.model.ref
     events: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": PID, "tid": 0, "args": {"name": f"vramtrace: {ref} (predicted)"}}]
     for tid, name in ((PHASES_TID, "phases"), (OPS_TID, "ops")):
@@ -98,7 +98,7 @@ def _other_data(report: MemoryReport) -> dict[str, Any]:
 
     run = report.run
     data: dict[str, Any] = {
-        "generator": f"vramtrace {__version__}", "model": report.model.get("ref", "?"),
+        "generator": f"vramtrace {__version__}", "model": report.model.ref,
         "mode": run.get("mode", ""), "batch": run.get("batch"), "seq": run.get("seq"),
         "device": run.get("device", ""), "predicted_peak_allocated_bytes": report.peak_allocated_bytes,
         "peak_step": report.peak_step, "num_steps": report.num_steps,

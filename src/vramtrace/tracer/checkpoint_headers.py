@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ModelLoadError, UsageError
+from ..report.sections import CheckpointCheck
 from ..spec import Mode, Precision, RunSpec
 
 # safetensors dtype codes (safetensors' Rust `Dtype`) -> torch dtype names
@@ -105,15 +106,15 @@ def hub_header(repo_id: str, timeout_s: float | None = None) -> CheckpointHeader
     return _header(counts, len(meta.files_metadata), "hub")
 
 
-def cross_check(header: CheckpointHeader, params: int) -> dict:
-    """The report's `checkpoint` entry: what is stored against the built model's parameter count."""
+def cross_check(header: CheckpointHeader, params: int) -> CheckpointCheck:
+    """The report's `model.checkpoint` entry: what is stored against the built model's parameter count."""
     diff = header.elements - params
     note = "matches the built model" if diff == 0 else (
         f"MISMATCH: the checkpoint holds {header.elements:,} elements, the model built from the config has "
         f"{params:,} parameters ({diff:+,}); the config may not belong to these weights, or the checkpoint "
         "stores extra buffers")
-    return {"source": header.source, "files": header.files, "elements": header.elements,
-            "dtypes": dict(header.elements_by_dtype), "matches": diff == 0, "note": note}
+    return CheckpointCheck(source=header.source, files=header.files, elements=header.elements,
+                           dtypes=dict(header.elements_by_dtype), matches=diff == 0, note=note)
 
 
 def precision_for(spec: RunSpec, resolved) -> tuple[Precision, str]:

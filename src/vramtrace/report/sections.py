@@ -1,0 +1,229 @@
+"""The sections of a MemoryReport as frozen dataclasses, in the JSON's key order (`report.data`). All bytes are
+ints; FLOPs are ints; `recompute_overhead`s are floats (recompute FLOPs / forward + backward FLOPs).
+
+A field made with `omittable()` is absent from the JSON on the paths that do not produce it (see each class)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .data import Omit, omittable
+
+_FROZEN = dict(frozen=True, slots=True, kw_only=True)
+
+
+@dataclass(**_FROZEN)
+class CheckpointCheck:
+    """The model's `checkpoint` entry (tracer/checkpoint_headers.py `cross_check`): the checkpoint's safetensors
+    headers against the built model's parameter count. `dtypes`: elements per stored dtype."""
+
+    source: str
+    files: int
+    elements: int
+    dtypes: dict[str, int]
+    matches: bool
+    note: str
+
+
+@dataclass(**_FROZEN)
+class ModelInfo:
+    """The report's `model` section (pipeline.py `_model_info`): the reference as given, the config's source and
+    location, the built model's figures. `sdpa_backends`: SDPA calls per backend chosen; `checkpoint`: only when
+    the reference has a checkpoint whose headers could be read."""
+
+    ref: str
+    config_source: str
+    config_location: str
+    architecture: str
+    model_type: str
+    task: str
+    params: int
+    trainable_params: int
+    param_dtype: str
+    compute_dtype: str
+    attn_implementation: str
+    sdpa_backends: dict[str, int]
+    checkpoint: CheckpointCheck | None = omittable()
+
+
+@dataclass(**_FROZEN)
+class FitVerdict:
+    """The report's `fit` section (analysis/summary.py `_cuda_fit`; on the CPU target given a capacity, the verdict
+    on peak allocated bytes, without the CUDA-only fields). `headroom_bytes` is negative when it does not fit;
+    `oom`: PyTorch's out-of-memory message for the allocation that finds no memory, or ''."""
+
+    gpu: str
+    capacity_bytes: int
+    cuda_context_bytes: int | None = omittable()
+    cuda_context_source: str | None = omittable()
+    device_total_bytes: int | None = omittable()
+    headroom_bytes: int
+    fits: bool
+    peak_reserved_bytes_at_capacity: int | None = omittable()
+    alloc_retries: int | None = omittable()
+    first_step_alloc_retries: int | None = omittable()
+    oom: str | None = omittable()
+    basis: str
+
+
+@dataclass(**_FROZEN)
+class AllocatorSummary:
+    """The report's `allocator` section on a CUDA target (analysis/summary.py `_cuda_summary`): the caching-allocator
+    model and its figures. `reserved_steps`: (graph step, reserved bytes) where the steady step's reserved bytes
+    change; `note`: only for an allocator setting that is not modelled."""
+
+    model: str
+    segments: int
+    peak_reserved_bytes: int
+    peak_allocated_bytes: int
+    unsplit_remainder_bytes_at_peak: int
+    rounded_requests_peak_bytes: int
+    reserved_steps: tuple[tuple[int, int], ...]
+    note: str | None = omittable()
+
+
+@dataclass(**_FROZEN)
+class PlanCandidate:
+    """A checkpointing policy the planner traced (planner.py `plan_checkpointing`). `peak_reserved_bytes`: None off
+    a CUDA target; `compared_bytes`: what the budget is compared with (search.py `compared_bytes`)."""
+
+    policy: str
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int | None
+    compared_bytes: int
+    recompute_flops: int
+    recompute_overhead: float
+
+
+@dataclass(**_FROZEN)
+class CheckpointingPlan:
+    """`--checkpointing auto`'s plan (planner.py `plan_checkpointing`): the policy chosen for the budget and every
+    candidate evaluated."""
+
+    budget_bytes: int
+    fits: bool
+    chosen: str
+    verdict: str
+    basis: str
+    over_budget_bytes: int
+    algorithm: str
+    evaluated: tuple[PlanCandidate, ...]
+
+
+@dataclass(**_FROZEN)
+class CheckpointingSummary:
+    """The report's `checkpointing` section (summaries.py `checkpointing_summary`): the policy's step against the
+    same step without it; `plan` only under `--checkpointing auto`."""
+
+    policy: str
+    peak_allocated_bytes: int
+    peak_allocated_bytes_without: int
+    activation_bytes: int
+    activation_bytes_without: int
+    recompute_flops: int
+    recompute_overhead: float
+    checkpointed: str
+    snippet: str
+    notes: tuple[str, ...]
+    plan: CheckpointingPlan | None = omittable()
+
+
+@dataclass(**_FROZEN)
+class RecomputedOp:
+    """Ops of one module pattern the compiled backward recomputes (tracer/compiled_step.py `graphs_summary`)."""
+
+    module: str
+    op: str
+    count: int
+    bytes: int
+
+
+@dataclass(**_FROZEN)
+class CompiledSummary:
+    """The report's `compiled` section under `--compile` (summaries.py `compile_summary`): the compiled step against
+    the same step run eagerly, the graphs' counts, the bytes the forward graphs save, the recomputed ops."""
+
+    peak_allocated_bytes: int
+    zero_gradient_bytes_at_peak: int
+    peak_allocated_bytes_eager: int
+    activation_bytes: int
+    activation_bytes_eager: int
+    peak_phase_eager: str
+    forward_graphs: int
+    backward_graphs: int
+    saved_bytes: int
+    recomputed: tuple[RecomputedOp, ...]
+
+
+@dataclass(**_FROZEN)
+class ComparisonRow:
+    """One `--compare` row (pipeline.py `with_comparison`): a checkpointing policy's figures."""
+
+    policy: str
+    peak_allocated_bytes: int
+    activation_bytes: int
+    recompute_flops: int
+    recompute_overhead: float
+
+
+@dataclass(**_FROZEN)
+class LeverRow:
+    """One lever, traced (levers.py `Lever`): its family, the options that apply it, its cost in words and its
+    figures; `saves_bytes`: compared bytes saved against the run as given."""
+
+    family: str
+    options: str
+    cost: str
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int | None
+    compared_bytes: int
+    saves_bytes: int
+    fits: bool
+    recompute_overhead: float
+
+
+@dataclass(**_FROZEN)
+class LeverCombination:
+    """The levers combined when none fits alone (levers.py `_combine`): their options and families, the figures."""
+
+    options: str
+    levers: tuple[str, ...]
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int | None
+    compared_bytes: int
+    fits: bool
+
+
+class SkipReason(str, enum.Enum):
+    """Why a lever is listed without a figure."""
+
+    NEEDS_EXTRA = "needs_extra"  # an optional extra is not installed
+    FAILED = "failed"  # its trace raised
+
+
+@dataclass(**_FROZEN)
+class SkippedLever:
+    """A lever family not traced (levers.py `NotTraced`): an extra missing, or its trace failed."""
+
+    family: str
+    title: str
+    options: str
+    reason: SkipReason
+    detail: str
+
+
+@dataclass(**_FROZEN)
+class LeversSummary:
+    """The report's `levers` section when the step does not fit (levers.py `find_levers`): the levers ranked
+    cheapest first, the combination when none fits alone (else None), the traces made; `skipped` only when a family
+    was not traced, `cached` only when outcomes came from the disk cache (their count)."""
+
+    budget_bytes: int
+    base_bytes: int
+    basis: str
+    levers: tuple[LeverRow, ...]
+    combination: LeverCombination | None
+    traces: int
+    skipped: tuple[SkippedLever, ...] = omittable(Omit.EMPTY, ())
+    cached: int | None = omittable()
