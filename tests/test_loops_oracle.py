@@ -73,8 +73,8 @@ def _measured_in_a_fresh_process(model: str, **spec) -> int:
     """`measure_cpu_peak` of RunSpec(model, **spec) in a fresh interpreter, where a user's script runs. Once, under
     `.ci/run`'s two xdist workers, this real bf16-mixed run measured 2,218,580 B less in a worker that had run other
     tests first (about the autocast weight casts' 2,031,616 B) than in a fresh process and in this file run alone
-    (20,145,532 B, the prediction). Not reproduced since: the same measurement after each of 39 test files (all
-    that sort before this one but test_fresh_install, test_import_graph and test_liveness_unit, and 11 after), run in
+    (20,145,532 B, the prediction). Not reproduced since: the same measurement after each of 38 test files (this one,
+    all that sort before it but test_fresh_install, test_import_graph and test_liveness_unit, and 10 after), run in
     four sequential processes (`pytest -p` a probe plugin), gave 20,145,532 B every time, as did runs with 1, 2 and 4
     threads and with Python's gc disabled or collecting at every allocation; in 23 of those files no test left
     autocast nesting, autocast cache or dtype, default dtype, grad mode, oneDNN or matmul precision flags, dispatch
