@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .search import Trace, TraceSession
-from .spec import KBIT_TRAINING_CHECKPOINTING, Device, Mode, RunSpec
+from .spec import KBIT_TRAINING_CHECKPOINTING, CheckpointingKind, Device, Mode, RunSpec
 from .summaries import (adapters_summary, checkpointing_summary, compile_summary, cuda_context_summary, moe_summary,
                         ranks_text, sharding_summary, step_summary, target_warnings)
 
@@ -47,7 +47,7 @@ def analyze(spec: RunSpec | None = None, progress: Callable[[str], None] | None 
                          "analyze(model=..., batch=..., ...) without a spec")
     say = progress or (lambda _m: None)
     ckpt = spec.checkpointing
-    if ckpt.kind == "auto":
+    if ckpt.kind is CheckpointingKind.AUTO:
         from .planner import plan_checkpointing
 
         return plan_checkpointing(spec, _analyze_one, say)
@@ -61,7 +61,7 @@ def analyze(spec: RunSpec | None = None, progress: Callable[[str], None] | None 
             eager = _eager_report(spec, eager_job, say)
             compiled = done.session.traces[done.spec].tables.traced.compiled
             report = replace(report, eager=eager, compiled=compile_summary(report, compiled, eager))
-    if ckpt.kind == "none":
+    if ckpt.kind is CheckpointingKind.NONE:
         return report
     from .tracer.checkpointing import paste_snippet  # imports torch: after the config is resolved
 

@@ -309,48 +309,66 @@ _CKPT_USAGE = ("none, layers, layers:reentrant, every:K, nth:N, selective, selec
 KBIT_TRAINING_CHECKPOINTING = "layers:reentrant"
 
 
+class CheckpointingKind(_Choice):
+    """The kinds of activation checkpointing (`Checkpointing.kind`), named as `--checkpointing` writes them."""
+
+    NONE = "none"
+    LAYERS = "layers"  # each layer of the stack (transformers' gradient_checkpointing_enable)
+    EVERY = "every"  # K consecutive layers per segment
+    NTH = "nth"  # every N-th layer (transformers' `every_n_layers`)
+    SELECTIVE = "selective"  # each layer, saving the outputs of `save_ops`
+    MODULES = "modules"  # the submodules whose qualified name matches a pattern
+    AUTO = "auto"  # a planner picks one under a memory budget
+
+
 @dataclass(frozen=True, slots=True)
 class Checkpointing:
-    """An activation-checkpointing policy. kind: none | layers | every (K consecutive layers per segment) |
-    nth (every N-th layer, transformers' `every_n_layers`) | selective (save `save_ops`' outputs) | modules
-    (the submodules whose qualified name matches the fnmatch `pattern`, outermost match only) | auto (a planner
-    picks one under `RunSpec.memory_budget_bytes`). `k` is K or N. `reentrant` (layers only, 'layers:reentrant'):
-    torch.utils.checkpoint's reentrant variant (`use_reentrant=True`), else the non-reentrant one."""
+    """An activation-checkpointing policy. kind (`CheckpointingKind`): none | layers | every (K consecutive layers
+    per segment) | nth (every N-th layer, transformers' `every_n_layers`) | selective (save `save_ops`' outputs) |
+    modules (the submodules whose qualified name matches the fnmatch `pattern`, outermost match only) | auto (a
+    planner picks one under `RunSpec.memory_budget_bytes`); a kind's name is parsed too. `k` is K or N.
+    `reentrant` (layers only, 'layers:reentrant'): torch.utils.checkpoint's reentrant variant
+    (`use_reentrant=True`), else the non-reentrant one. Raises UsageError for an unknown kind."""
 
-    kind: str = "none"
+    kind: CheckpointingKind = CheckpointingKind.NONE
     k: int = 1
     save_ops: tuple[str, ...] = ()
     pattern: str = ""
     reentrant: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", CheckpointingKind.parse(self.kind, "checkpointing"))
 
     @classmethod
     def parse(cls, text: "str | Checkpointing") -> "Checkpointing":
         """Parse '--checkpointing' text. Raises UsageError listing the valid forms."""
         if isinstance(text, Checkpointing):
             return text
-        kind, _, arg = str(text).strip().partition(":")
-        kind = kind.lower()
-        if kind == "modules" and arg.strip():
-            return cls("modules", pattern=arg.strip())
-        if kind in ("none", "layers", "auto") and not arg:
+        K = CheckpointingKind
+        name, _, arg = str(text).strip().partition(":")
+        kind = K._value2member_map_.get(name.lower())
+        if kind is K.MODULES and arg.strip():
+            return cls(K.MODULES, pattern=arg.strip())
+        if kind in (K.NONE, K.LAYERS, K.AUTO) and not arg:
             return cls(kind)
-        if kind == "layers" and arg.strip().lower() == "reentrant":
-            return cls("layers", reentrant=True)
-        if kind == "selective":
+        if kind is K.LAYERS and arg.strip().lower() == "reentrant":
+            return cls(K.LAYERS, reentrant=True)
+        if kind is K.SELECTIVE:
             ops = tuple(o.strip() for o in arg.split(",") if o.strip()) if arg else DEFAULT_SAVE_OPS
-            return cls("selective", 1, ops)
-        if kind in ("every", "nth") and arg.isdigit() and int(arg) >= 1:
+            return cls(K.SELECTIVE, 1, ops)
+        if kind in (K.EVERY, K.NTH) and arg.isdigit() and int(arg) >= 1:
             return cls(kind, int(arg))
         raise UsageError(f"unknown checkpointing {text!r}; use {_CKPT_USAGE}")
 
     def __str__(self) -> str:
-        if self.kind in ("every", "nth"):
-            return f"{self.kind}:{self.k}"
-        if self.kind == "modules":
+        K, name = CheckpointingKind, self.kind.value
+        if self.kind in (K.EVERY, K.NTH):
+            return f"{name}:{self.k}"
+        if self.kind is K.MODULES:
             return f"modules:{self.pattern}"
-        if self.kind == "selective" and self.save_ops != DEFAULT_SAVE_OPS:
+        if self.kind is K.SELECTIVE and self.save_ops != DEFAULT_SAVE_OPS:
             return "selective:" + ",".join(self.save_ops)
-        return f"{self.kind}:reentrant" if self.reentrant else self.kind
+        return f"{name}:reentrant" if self.reentrant else name
 
 
 class MoeRouting(_Choice):
@@ -546,9 +564,9 @@ class RunSpec:
             object.__setattr__(self, "checkpointing", KBIT_TRAINING_CHECKPOINTING if kbit_lora else "none")
         ckpt = Checkpointing.parse(self.checkpointing)
         object.__setattr__(self, "checkpointing", ckpt)
-        if ckpt.kind != "none" and self.mode is not Mode.TRAIN:
+        if ckpt.kind is not CheckpointingKind.NONE and self.mode is not Mode.TRAIN:
             raise UsageError(f"--checkpointing applies to training; drop it for --mode {self.mode.value}")
-        if ckpt.kind == "auto" and not self.memory_budget_bytes:
+        if ckpt.kind is CheckpointingKind.AUTO and not self.memory_budget_bytes:
             raise UsageError("--checkpointing auto needs --memory-budget, e.g. --memory-budget 40GiB")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
             raise UsageError("--memory-budget must be positive, e.g. 40GiB")
@@ -567,7 +585,7 @@ class RunSpec:
                                                     or self.cuda_context_bytes < 0):
             raise UsageError(f"--cuda-context must be a size, e.g. 800MiB, got {self.cuda_context_bytes!r}")
         self._check_cuda_version()
-        if self.memory_budget_bytes is not None and ckpt.kind != "auto":
+        if self.memory_budget_bytes is not None and ckpt.kind is not CheckpointingKind.AUTO:
             raise UsageError("--memory-budget applies to --checkpointing auto only; add --checkpointing auto or "
                              "drop --memory-budget")
 

@@ -13,7 +13,8 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ModelLoadError, TraceError, UnsupportedOpError, UsageError
-from ..spec import DEFAULT_CHOICES, AttnImplementation, Device, KvDtype, Mode, Precision, RunSpec, Task
+from ..spec import (DEFAULT_CHOICES, AttnImplementation, CheckpointingKind, Device, KvDtype, Mode, Precision, RunSpec,
+                    Task)
 from .loading import ResolvedConfig
 from .checkpoint_headers import precision_for
 from .checkpointing import layer_stack
@@ -686,9 +687,9 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
     ckpt = spec.checkpointing
     if device != "meta":
         note = "built for real"
-    elif spec.replicate_layers and ckpt.kind in ("every", "nth") and ckpt.k > 1:
+    elif spec.replicate_layers and ckpt.kind in (CheckpointingKind.EVERY, CheckpointingKind.NTH) and ckpt.k > 1:
         note = f"checkpointing {ckpt} differs between layers: every layer traced"
-    elif spec.replicate_layers and ckpt.kind == "modules":
+    elif spec.replicate_layers and ckpt.kind is CheckpointingKind.MODULES:
         note = f"checkpointing {ckpt} may differ between layers: every layer traced"
     elif spec.replicate_layers:
         # a compiled step keeps two leading layers (replication.py): Inductor's first layer reuses no buffers
