@@ -391,12 +391,22 @@ DISPATCH_TOOLKIT = Bridge(
     (("torch.utils._python_dispatch", "TorchDispatchMode"), ("torch.utils._python_dispatch", "_disable_current_modes"),
      *(("torch.utils._pytree", name) for name in ("tree_flatten", "tree_unflatten", "tree_map", "tree_leaves")),
      ("torch._ops", "OpOverload"), ("torch._ops", "OpOverloadPacket"),
-     ("torch._subclasses.fake_tensor", "FakeTensorMode")), TORCH_WRITTEN_FOR,
+     ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+     ("torch._prims_common", "is_non_overlapping_and_dense_or_false")), TORCH_WRITTEN_FOR,
     "the names torch's own dispatch-mode code is written with, which the recorder, the CPU probe, the replay and the "
     "compiled tracer use the same way: `TorchDispatchMode` and `_disable_current_modes` "
     "(torch/utils/_python_dispatch.py), the pytree helpers (torch/utils/_pytree.py), the op classes `OpOverload` "
-    "and `OpOverloadPacket` (torch/_ops.py) and `FakeTensorMode` (torch/_subclasses/fake_tensor.py); checked "
-    "before a step is recorded", kind=BridgeKind.READ)
+    "and `OpOverloadPacket` (torch/_ops.py), `FakeTensorMode` (torch/_subclasses/fake_tensor.py) and the "
+    "recorder's dense-layout test (torch/_prims_common `is_non_overlapping_and_dense_or_false`); checked before a "
+    "step is recorded", kind=BridgeKind.READ)
+KERNEL_CHOICES = Bridge(
+    "kernel_choices", "torch",
+    (("torch", "_fused_sdp_choice"), ("torch", "_native_multi_head_attention"),
+     ("torch", "_transformer_encoder_layer_fwd")), TORCH_WRITTEN_FOR,
+    "tracer/kernels.py asks torch's own SDPA dispatch which CPU kernel it takes (`torch._fused_sdp_choice`, "
+    "sdp_utils_cpp.cpp `select_sdp_backend_cpp`) on tiny stand-ins, and knows nn.MultiheadAttention's and "
+    "nn.TransformerEncoderLayer's eval fast paths by their ops (`torch._native_multi_head_attention`, "
+    "`torch._transformer_encoder_layer_fwd`); checked before a step is recorded", kind=BridgeKind.READ)
 
 BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_CHECK, PADDING_MASK_CHECK,
                                PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION, MHA_FAST_PATH,
@@ -404,10 +414,10 @@ BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_C
                                FUSED_OPTIMIZER_DEVICES, ADAFACTOR_SCALARS, GENERATION_QUESTIONS, FSDP_ON_META,
                                DDP_ON_META, BNB_OPTIMIZER_STATE, INT8_MATMUL_DEVICE, INDUCTOR_GRAPHS, TENSOR_CHECKS,
                                QWEN_VL_POSITIONS, ACCUMULATION_USE_COUNTS, GRAD_SCALER_STATE, DTENSOR_PLAN_CACHES,
-                               INDUCTOR_IR, AUTOGRAD_NODE, FUNCTION_MODE_STACK, DISPATCH_TOOLKIT)
+                               INDUCTOR_IR, AUTOGRAD_NODE, FUNCTION_MODE_STACK, DISPATCH_TOOLKIT, KERNEL_CHOICES)
 # the private reads a recorded step makes, checked with the patches before anything is patched (`installed`)
 STEP_READS: tuple[Bridge, ...] = (ACCUMULATION_USE_COUNTS, GRAD_SCALER_STATE, AUTOGRAD_NODE, FUNCTION_MODE_STACK,
-                                  DISPATCH_TOOLKIT)
+                                  DISPATCH_TOOLKIT, KERNEL_CHOICES)
 
 
 def _installed_version(library: str) -> str:
