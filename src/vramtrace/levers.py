@@ -40,7 +40,7 @@ from typing import Callable
 from .planner import search_checkpointing
 from .search import MAX_RANKS, TraceSession, basis_text, compared_bytes, fewest_ranks, fits_budget
 from .errors import UsageError
-from .custom_inputs import IN_PROCESS_PREFIX, custom_ref
+from .custom_inputs import custom_ref
 from .spec import (BNB_OPTIMIZERS, OPTIMIZER_IMPLS, CheckpointingKind, Device, Mode, OptimizerImpl, OptimizerKind,
                    RunSpec)
 from .tables import Outcome
@@ -206,7 +206,7 @@ class LeverDiskCache:
         from pathlib import Path
 
         if (self.path is None or spec.device is not Device.CUDA or custom_ref(spec.model) is not None
-                or spec.step is not None or spec.trust_remote_code or spec.model.startswith(IN_PROCESS_PREFIX)):
+                or spec.step is not None or spec.trust_remote_code):  # custom_ref: an in-process module too
             return None
         if self._base_key is None:
             h = hashlib.sha256()

@@ -71,10 +71,8 @@ def analyze(spec: RunSpec | None = None, progress: Callable[[str], None] | None 
 
 
 def _analyze_model(spec, progress, levers, model, inputs, loss, options):
-    """`analyze(model=..., **options)`: the RunSpec from keywords; an nn.Module is registered for the duration
-    (`tracer.custom.in_process_module`) and the report names its class. Raises UsageError."""
-    from dataclasses import replace
-
+    """`analyze(model=..., **options)`: the RunSpec from keywords; an nn.Module travels in it as an
+    `InProcessModel` (`tracer.custom.in_process_model`), which the report names by its class. Raises UsageError."""
     from .errors import UsageError
 
     if spec is not None:
@@ -86,14 +84,12 @@ def _analyze_model(spec, progress, levers, model, inputs, loss, options):
             raise UsageError("inputs= and loss= go with an nn.Module; for a reference use RunSpec's inputs "
                              "(shape specs) or a file's example_inputs()/loss()")
         return analyze(_spec_from(model, options), progress, levers)
-    from .tracer.custom import in_process_module
+    from .tracer.custom import in_process_model
 
-    with in_process_module(model, inputs, loss) as ref:
-        report = analyze(_spec_from(ref, options), progress, levers)
-    return replace(report, model={**report.model, "ref": f"{type(model).__name__} (nn.Module passed to analyze)"})
+    return analyze(_spec_from(in_process_model(model, inputs, loss), options), progress, levers)
 
 
-def _spec_from(model: str, options: dict) -> RunSpec:
+def _spec_from(model, options: dict) -> RunSpec:
     try:
         return RunSpec(model, **{"seq": None, **options})  # seq: needed by text models only
     except TypeError as e:
@@ -110,9 +106,8 @@ def _eager_beside(spec: RunSpec):
     import pickle
 
     from .second_process import SecondProcess, cores
-    from .custom_inputs import IN_PROCESS_PREFIX
 
-    if not spec.compile or cores() < 2 or spec.model.startswith(IN_PROCESS_PREFIX):
+    if not spec.compile or cores() < 2 or spec.in_process is not None:
         return contextlib.nullcontext()
     try:
         return SecondProcess(_analyze_eager, spec)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .analysis.device import AllocConf, CudaContext, cuda_context_default, default_cuda_major
 from .errors import UsageError
-from .custom_inputs import InputSpec, custom_ref
+from .custom_inputs import InProcessModel, InputSpec, custom_ref
 from .gpus import GpuPreset, parse_gpu
 
 
@@ -385,7 +385,8 @@ class RunSpec:
     """What to analyse.
 
     model: a Hub id, a bundled id, a local directory holding config.json, a path to a config.json, or a custom
-        module `path/to/model.py:NAME` / `package.module:NAME` (an nn.Module class or a function returning one).
+        module `path/to/model.py:NAME` / `package.module:NAME` (an nn.Module class or a function returning one);
+        or an `InProcessModel`, the nn.Module passed to `analyze(model=...)` (`in_process`).
     batch, seq: the (B, S) of the int64 `input_ids` (and the symbols B, S of `inputs`); seq may be None for
         models without a sequence (vision models, custom inputs without S).
     inputs: `--input` texts for custom modules (`InputSpec` grammar).
@@ -456,7 +457,7 @@ class RunSpec:
         `list_mode_options`) are set while the graphs are compiled.
     """
 
-    model: str
+    model: str | InProcessModel
     batch: int
     seq: int | None
     mode: Mode = Mode.TRAIN
@@ -763,6 +764,11 @@ class RunSpec:
             if loop_options:
                 raise UsageError(f"--step runs your own step function as written: drop {', '.join(loop_options)} "
                                  "(write it in the function)")
+
+    @property
+    def in_process(self) -> InProcessModel | None:
+        """The nn.Module passed to `analyze(model=...)` that `model` carries, else None (a reference string)."""
+        return self.model if isinstance(self.model, InProcessModel) else None
 
     @property
     def effective_precision(self) -> Precision:
