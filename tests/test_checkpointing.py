@@ -146,7 +146,7 @@ def test_parse_checkpointing():
     for bad in ("every", "every:0", "layer", "nth:x", "layers:x"):
         with pytest.raises(UsageError, match="checkpointing"):
             Checkpointing.parse(bad)
-    with pytest.raises(UsageError, match="memory-budget"):
+    with pytest.raises(UsageError, match="memory_budget_bytes"):
         RunSpec("gpt2", batch=1, seq=8, checkpointing="auto")
     with pytest.raises(UsageError, match="inference"):
         RunSpec("gpt2", batch=1, seq=8, checkpointing="layers", mode="inference")

@@ -25,8 +25,9 @@ try:  # typer >= 0.2x vendors its own click, whose errors derive from the public
 except ImportError:  # pragma: no cover - older typer raises click's own errors
     from click import ClickException as ParseError
 
-from ..errors import UsageError, VramtraceError
+from ..errors import SpecError, UsageError, VramtraceError
 from .models import models_command
+from .options import flag_of
 from .run import Command, main_command
 from .serve import serve_command
 
@@ -104,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         _error(e, debug, "interrupted")
         return 1
+    except SpecError as e:  # a RunSpec field: worded as the option that sets it
+        _error(e, debug, e.worded(flag_of))
+        return 2
     except UsageError as e:
         _error(e, debug)
         return 2
