@@ -73,3 +73,22 @@ def test_report_repr_is_short_and_writes_json_and_html(tmp_path, capsys):
     assert (tmp_path / "r.html").read_text().startswith("<!DOCTYPE html>")
     print_report(report, width=100)
     assert "Peak allocated" in capsys.readouterr().out
+
+
+def test_a_module_travels_in_the_spec_by_identity_with_no_registry():
+    from vramtrace.custom_inputs import InProcessModel
+    from vramtrace.tracer.custom import in_process_model
+
+    net = convnet()
+    carried = in_process_model(net, {"x": "float32[B,3,32,32]"})
+    spec = RunSpec(carried, 2, None, device="cpu")
+    assert spec.in_process is carried and RunSpec("gpt2", 1, 8).in_process is None
+    # compared and hashed by identity: another carrier of the same module is another run (it may hold other inputs)
+    assert spec == RunSpec(carried, 2, None, device="cpu") and len({spec, RunSpec(carried, 2, None, device="cpu")}) == 1
+    assert spec != RunSpec(InProcessModel(net, carried.inputs), 2, None, device="cpu")
+    # nothing is registered for the duration of one analyze(): the spec traces again after it returned
+    first, again = analyze(spec, levers=False), analyze(spec, levers=False)
+    assert first.peak_allocated_bytes == again.peak_allocated_bytes > 0
+    assert first.model["ref"] == "ConvNet (nn.Module passed to analyze)"
+    with pytest.raises(UsageError, match="apply to transformers models, not custom modules"):
+        RunSpec(carried, 2, None, task="causal-lm")

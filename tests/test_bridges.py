@@ -142,7 +142,7 @@ def test_a_missing_target_is_a_bridge_error_and_nothing_is_patched(monkeypatch, 
     elif bridge is bridges.DDP_ON_META:  # applied to one DDP object
         with pytest.raises(BridgeError, match=name):
             feature_bridges.ddp_on_meta(object())
-    elif bridge is bridges.INDUCTOR_GRAPHS:  # checked before a torch.compile graph capture
+    elif bridge in (bridges.INDUCTOR_GRAPHS, bridges.INDUCTOR_IR):  # checked before a torch.compile graph capture
         from vramtrace.tracer.compiled import capture
 
         with pytest.raises(BridgeError, match=name):

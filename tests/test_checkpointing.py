@@ -12,7 +12,7 @@ from oracle import measure_cpu_peak
 from tolerance import assert_within
 from vramtrace import RunSpec, analyze, checkpointing_summary
 from vramtrace.errors import UsageError
-from vramtrace.spec import DEFAULT_SAVE_OPS, Checkpointing
+from vramtrace.spec import DEFAULT_SAVE_OPS, Checkpointing, CheckpointingKind
 from vramtrace.tracer.checkpointing import paste_snippet
 
 
@@ -136,10 +136,17 @@ def test_parse_checkpointing():
     assert Checkpointing.parse("selective:aten.mm").save_ops == ("aten.mm",)
     assert Checkpointing.parse("layers:reentrant") == Checkpointing("layers", reentrant=True)
     assert str(Checkpointing.parse("layers:reentrant")) == "layers:reentrant"
+    # the kind is an enum member, compared by identity; the text form (the report's run.checkpointing) round-trips
+    for text in ("none", "layers", "layers:reentrant", "every:3", "nth:2", "selective", "selective:aten.mm",
+                 "modules:blocks.*", "auto"):
+        ck = Checkpointing.parse(text)
+        assert ck.kind is CheckpointingKind(text.partition(":")[0]) and str(ck) == text
+    assert Checkpointing("NTH", 2).kind is CheckpointingKind.NTH
+    assert RunSpec("gpt2", batch=1, seq=8).checkpointing.kind is CheckpointingKind.NONE
     for bad in ("every", "every:0", "layer", "nth:x", "layers:x"):
         with pytest.raises(UsageError, match="checkpointing"):
             Checkpointing.parse(bad)
-    with pytest.raises(UsageError, match="memory-budget"):
+    with pytest.raises(UsageError, match="memory_budget_bytes"):
         RunSpec("gpt2", batch=1, seq=8, checkpointing="auto")
     with pytest.raises(UsageError, match="inference"):
         RunSpec("gpt2", batch=1, seq=8, checkpointing="layers", mode="inference")

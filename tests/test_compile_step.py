@@ -121,11 +121,11 @@ def test_lowered_graph_cache_keeps_the_probe_records_and_no_failure(tmp_path):
 
 
 @pytest.mark.parametrize("extra,message", [
-    ({"device": "cuda"}, "--compile is traced for --device cpu only"),
-    ({"device": "cpu", "mode": "inference"}, "--compile models a training step"),
-    ({"device": "cpu", "lora_rank": 8}, "--compile with --lora-rank is not traced yet"),
-    ({"device": "cpu", "optimizer": "adamw-8bit"}, "--compile with bitsandbytes' optimizer adamw-8bit"),
-    ({"device": "cpu", "compile_mode": "reduce-overhead"}, "unknown --compile-mode 'reduce-overhead'"),
+    ({"device": "cuda"}, "compile is traced for device cpu only"),
+    ({"device": "cpu", "mode": "inference"}, "compile models a training step"),
+    ({"device": "cpu", "lora_rank": 8}, "compile with lora_rank is not traced yet"),
+    ({"device": "cpu", "optimizer": "adamw-8bit"}, "compile with bitsandbytes' optimizer adamw-8bit"),
+    ({"device": "cpu", "compile_mode": "reduce-overhead"}, "unknown compile_mode 'reduce-overhead'"),
 ])
 def test_compile_refuses_what_it_does_not_trace(extra, message):
     with pytest.raises(UsageError, match=message):

@@ -344,3 +344,24 @@ def test_validate_cuda_without_a_gpu_refuses_before_tracing(monkeypatch):
     monkeypatch.setattr(vramtrace.pipeline, "analyze", lambda *a, **k: pytest.fail("traced before refusing"))
     with pytest.raises(UsageError, match="needs a CUDA GPU"):
         validate_mod.validate(RunSpec(TINY, batch=1, seq=8, device="cuda"))
+
+
+@pytest.mark.parametrize("options,api,cli", [
+    ({"batch": 0}, "batch must be a positive integer, got 0", "--batch must be a positive integer, got 0"),
+    ({"batch": 1, "seq": 8, "memory_budget_bytes": 2**30},
+     "memory_budget_bytes applies to checkpointing auto only; add checkpointing auto or drop memory_budget_bytes",
+     "--memory-budget applies to --checkpointing auto only; add --checkpointing auto or drop --memory-budget"),
+    ({"batch": 1, "seq": 8, "mode": "inference", "grad_accum": 2},
+     "grad_accum applies to training; drop it for mode inference",
+     "--grad-accum applies to training; drop it for --mode inference"),
+])
+def test_spec_errors_speak_the_api_and_the_cli_in_their_own_terms(options, api, cli, capsys):
+    """RunSpec's validation names fields (the Python API); the CLI names the options that set them."""
+    with pytest.raises(UsageError) as e:
+        analyze(model=TINY, **options)
+    assert str(e.value) == api
+    flags = {"batch": "--batch", "seq": "--seq", "memory_budget_bytes": "--memory-budget", "mode": "--mode",
+             "grad_accum": "--grad-accum"}
+    argv = [TINY] + [a for k, v in options.items() for a in (flags[k], "1GiB" if k == "memory_budget_bytes" else str(v))]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == f"Error: {cli}"

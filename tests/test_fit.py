@@ -248,7 +248,7 @@ def test_cuda_context_by_gpu_family_and_cuda_version():
     assert RunSpec(GPT2, batch=1, seq=8, gpu="V100-16GB").cuda_major == 12
     with pytest.raises(UsageError, match="--cuda-version 12"):
         RunSpec(GPT2, batch=1, seq=8, gpu="V100-16GB", cuda_version=13)
-    with pytest.raises(UsageError, match="--cuda-version"):
+    with pytest.raises(UsageError, match="cuda_version"):  # the API's words: the field
         RunSpec(GPT2, batch=1, seq=8, device="cpu", cuda_version=13)
     given = RunSpec(GPT2, batch=1, seq=8, cuda_version=12, cuda_context_bytes=600 * MiB).cuda_context_figure
     assert given.nbytes == 600 * MiB and given.source == "--cuda-context"

@@ -74,14 +74,14 @@ def test_encoder_decoder_cache_splits_self_and_cross_attention(cache):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"new_tokens": 4}, "--new-tokens, --cache and --kv-dtype apply to --mode generate"),
-    ({"kv_dtype": "fp8"}, "--new-tokens, --cache and --kv-dtype apply to --mode generate"),
-    ({"mode": "generate", "new_tokens": 4, "kv_dtype": "int3"}, "unknown --kv-dtype 'int3'"),
-    ({"mode": "generate", "new_tokens": 4, "kv_dtype": "fp8", "cache": "static"}, "a dynamic cache; drop --cache"),
-    ({"mode": "generate"}, "--mode generate needs --new-tokens"),
-    ({"mode": "generate", "new_tokens": 4, "cache": "paged"}, "unknown --cache 'paged'"),
-    ({"mode": "generate", "new_tokens": 0}, "--new-tokens must be a positive integer"),
-    ({"mode": "generate", "new_tokens": 2, "lora_rank": 8}, "--mode generate with --lora-rank is not supported"),
+    ({"new_tokens": 4}, "new_tokens, cache and kv_dtype apply to mode generate"),
+    ({"kv_dtype": "fp8"}, "new_tokens, cache and kv_dtype apply to mode generate"),
+    ({"mode": "generate", "new_tokens": 4, "kv_dtype": "int3"}, "unknown kv_dtype 'int3'"),
+    ({"mode": "generate", "new_tokens": 4, "kv_dtype": "fp8", "cache": "static"}, "a dynamic cache; drop cache"),
+    ({"mode": "generate"}, "mode generate needs new_tokens"),
+    ({"mode": "generate", "new_tokens": 4, "cache": "paged"}, "unknown cache 'paged'"),
+    ({"mode": "generate", "new_tokens": 0}, "new_tokens must be a positive integer"),
+    ({"mode": "generate", "new_tokens": 2, "lora_rank": 8}, "mode generate with lora_rank is not supported"),
 ])
 def test_bad_generation_options_are_usage_errors(kwargs, message):
     with pytest.raises(UsageError, match=message):

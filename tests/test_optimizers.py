@@ -61,7 +61,7 @@ def test_fused_has_no_foreach_temporaries_on_a_cuda_target():
 @pytest.mark.parametrize(("kwargs", "needle"), [
     (dict(optimizer="rmsprop", optimizer_impl="fused"), "rmsprop has no fused implementation"),
     (dict(optimizer="adafactor", optimizer_impl="foreach"), "adafactor has no foreach implementation"),
-    (dict(optimizer="adamw_torch_fused", optimizer_impl="foreach"), "drop --optimizer-impl foreach"),
+    (dict(optimizer="adamw_torch_fused", optimizer_impl="foreach"), "drop optimizer_impl foreach"),
     (dict(optimizer="galore_adamw_8bit"), "unsupported optimizer 'galore_adamw_8bit' .an HF Trainer optim name"),
     (dict(optimizer="adamw-8bit", optimizer_impl="fused"), "adamw-8bit has no fused implementation"),
     (dict(optimizer="lamb"), "unsupported optimizer 'lamb'; choose one of: adamw"),

@@ -151,10 +151,10 @@ def test_qlora_checkpoints_as_prepare_model_for_kbit_training_does_by_default():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"double_quant": True}, "--double-quant and --bnb-compute-dtype apply to --quantization"),
-    ({"quantization": "int3"}, "unknown --quantization 'int3'"),
-    ({"quantization": "nf4", "bnb_compute_dtype": "fp8"}, "unknown --bnb-compute-dtype 'fp8'"),
-    ({"quantization": "nf4", "fsdp": 2}, "--quantization with --fsdp, --tp or --ddp is not supported yet"),
+    ({"double_quant": True}, "double_quant and bnb_compute_dtype apply to quantization"),
+    ({"quantization": "int3"}, "unknown quantization 'int3'"),
+    ({"quantization": "nf4", "bnb_compute_dtype": "fp8"}, "unknown bnb_compute_dtype 'fp8'"),
+    ({"quantization": "nf4", "fsdp": 2}, "quantization with fsdp, tp or ddp is not supported yet"),
     ({"quantization": "int8", "double_quant": True}, "apply to the 4-bit types"),
 ])
 def test_bad_quantization_options_are_usage_errors(kwargs, message):

@@ -190,20 +190,20 @@ def test_an_initialized_process_group_is_left_alone():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"rank": 1}, "--rank applies to --fsdp N or --tp N"),
-    ({"reshard_after_forward": False}, "--reshard-after-forward, --fsdp-plan and --cpu-offload apply to --fsdp N"),
-    ({"cpu_offload": True}, "--reshard-after-forward, --fsdp-plan and --cpu-offload apply to --fsdp N"),
-    ({"fsdp": 2, "cpu_offload": True, "device": "cpu"}, "with --device cpu they are in host memory already"),
-    ({"fsdp": 2, "cpu_offload": True, "fsdp_plan": "transformers"}, "--cpu-offload .* needs --fsdp-plan layers"),
-    ({"fsdp": 2, "rank": 2}, "--rank must be in 0..1 for 2 ranks"),
-    ({"fsdp": 2, "tp": 2, "rank": 4}, "--rank must be in 0..3 for 4 ranks"),
-    ({"ddp": 2, "tp": 2}, "--ddp replicates the model on N ranks"),
-    ({"fsdp_plan": "transformers"}, "--reshard-after-forward, --fsdp-plan and --cpu-offload apply to --fsdp N"),
+    ({"rank": 1}, "rank applies to fsdp N or tp N"),
+    ({"reshard_after_forward": False}, "reshard_after_forward, fsdp_plan and cpu_offload apply to fsdp N"),
+    ({"cpu_offload": True}, "reshard_after_forward, fsdp_plan and cpu_offload apply to fsdp N"),
+    ({"fsdp": 2, "cpu_offload": True, "device": "cpu"}, "with device cpu they are in host memory already"),
+    ({"fsdp": 2, "cpu_offload": True, "fsdp_plan": "transformers"}, "cpu_offload .* needs fsdp_plan layers"),
+    ({"fsdp": 2, "rank": 2}, "rank must be in 0..1 for 2 ranks"),
+    ({"fsdp": 2, "tp": 2, "rank": 4}, "rank must be in 0..3 for 4 ranks"),
+    ({"ddp": 2, "tp": 2}, "ddp replicates the model on N ranks"),
+    ({"fsdp_plan": "transformers"}, "reshard_after_forward, fsdp_plan and cpu_offload apply to fsdp N"),
     ({"fsdp": 2, "fsdp_plan": "transformers", "reshard_after_forward": False}, "says per module whether"),
-    ({"fsdp": 2, "fsdp_plan": "deepspeed"}, "unknown --fsdp-plan 'deepspeed'"),
-    ({"fsdp": 2, "tp": 2, "mode": "inference"}, "--fsdp runs a training step on N ranks"),
-    ({"fsdp": 0}, "--fsdp must be a positive integer"),
-    ({"fsdp": 2, "mode": "inference"}, "--fsdp runs a training step on N ranks"),
+    ({"fsdp": 2, "fsdp_plan": "deepspeed"}, "unknown fsdp_plan 'deepspeed'"),
+    ({"fsdp": 2, "tp": 2, "mode": "inference"}, "fsdp runs a training step on N ranks"),
+    ({"fsdp": 0}, "fsdp must be a positive integer"),
+    ({"fsdp": 2, "mode": "inference"}, "fsdp runs a training step on N ranks"),
 ])
 def test_bad_sharding_options_are_usage_errors(kwargs, message):
     with pytest.raises(UsageError, match=message):
@@ -257,7 +257,7 @@ def test_ddp_matches_real_gloo_ranks(model, precision):
 
 
 def test_ddp_with_fsdp_is_a_usage_error():
-    with pytest.raises(UsageError, match="does not combine with --fsdp or --tp"):
+    with pytest.raises(UsageError, match="does not combine with fsdp or tp"):
         RunSpec(GPT2, batch=1, seq=8, fsdp=2, ddp=2)
 
 

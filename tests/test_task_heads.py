@@ -136,7 +136,7 @@ def test_task_errors(tmp_path, capsys):
     assert "BertForQuestionAnswering splits its logits into start and end" in capsys.readouterr().err
     assert main([bert, "--seq", "8", "--choices", "3"]) == 2  # --choices without a multiple-choice head
     assert "--choices applies to multiple-choice heads" in capsys.readouterr().err
-    with pytest.raises(UsageError, match="--choices applies"):
+    with pytest.raises(UsageError, match="choices applies"):
         RunSpec(bert, batch=1, seq=8, task="ner", choices=3)
 
 

@@ -325,6 +325,23 @@ INDUCTOR_GRAPHS = Bridge(
     "allocations, its buffers' IR classes for their layouts; `LoweredGraphCache` keys it by Inductor's own FX-graph "
     "cache key), report the outputs' strides to AOTAutograd's tracing context, and drop dynamo's cache entries of "
     "what it compiled (convert_frame's code trackers); checked before a capture starts", kind=BridgeKind.READ)
+INDUCTOR_IR = Bridge(
+    "inductor_ir", "torch",
+    ((_INDUCTOR + "graph", "GraphLowering.__init__"), (_INDUCTOR + "graph", "GraphLowering.freeze_runtime_asserts"),
+     (_INDUCTOR + "codegen.common", "CodegenSymbol.get_name"),
+     *((_INDUCTOR + "ir", "IRNode." + name) for name in (
+         "get_layout", "get_dtype", "get_size", "get_stride", "get_output_spec", "get_inputs_that_alias_output")),
+     *((_INDUCTOR + "ir", "Layout." + name) for name in ("size", "stride", "offset")),
+     (_INDUCTOR + "sizevars", "SizeVarAllocator.optimization_hint")), TORCH_WRITTEN_FOR,
+    "what tracer/inductor_code.py reads of a lowered graph (`cpu_allocations`, `_extern_workspaces`, "
+    "`_output_specs`): GraphLowering's buffers by name (`name_to_buffer`), its inputs, outputs and removed "
+    "buffers, the scheduler's nodes and the size hints of its symbols (`sizevars.optimization_hint`); each "
+    "buffer's name, layout (size, stride, offset), dtype, output spec and the inputs it aliases. Read unchecked: "
+    "`graph_outputs` (assigned in GraphLowering.output, an fx.Interpreter override), the boxes' `data` (a "
+    "dataclass field, no class attribute) and an extern kernel's `op_overload` and `python_kernel_name` (class "
+    "defaults None; read with getattr, a kernel without them is skipped); "
+    "checked with `inductor_graphs` before a capture starts", kind=BridgeKind.READ,
+    assigns=("name_to_buffer", "graph_input_names", "graph_inputs", "removed_buffers", "scheduler", "sizevars"))
 
 ACCUMULATION_USE_COUNTS = Bridge(
     "accumulation_use_counts", "torch",
@@ -357,15 +374,50 @@ DTENSOR_PLAN_CACHES = Bridge(
     "`_gen_transform_infos`) under keys that compare meshes by layout, not by process group: tracer/sharding.py "
     "`fake_rank` clears them after destroying its fake group (`clear_dtensor_caches`), so a later trace is not "
     "handed that group's name; checked before the group is made", kind=BridgeKind.READ)
+AUTOGRAD_NODE = Bridge(
+    "autograd_node", "torch", (("torch._C", "_current_autograd_node"),), TORCH_WRITTEN_FOR,
+    "`torch._C._current_autograd_node()`, the autograd Node the engine is running on this thread (None outside a "
+    "backward): tracer/recorder.py tells a backward op from a forward one by it and names its module from the "
+    "node's metadata, and learns which node's input buffer the next accumulation fills; tracer/compiled_step.py "
+    "spots the zeros a compiled backward (`CompiledFunctionBackward`) makes; checked before a step is recorded",
+    kind=BridgeKind.READ)
+FUNCTION_MODE_STACK = Bridge(
+    "function_mode_stack", "torch", (("torch.overrides", "_get_current_function_mode_stack"),), TORCH_WRITTEN_FOR,
+    "the thread's torch-function modes (torch/overrides.py `_get_current_function_mode_stack`): the autograd "
+    "engine runs a checkpointed forward's recompute without them, so tracer/trace.py pushes the kernel policy "
+    "again unless it is on the stack; checked before a step is recorded", kind=BridgeKind.READ)
+DISPATCH_TOOLKIT = Bridge(
+    "dispatch_toolkit", "torch",
+    (("torch.utils._python_dispatch", "TorchDispatchMode"), ("torch.utils._python_dispatch", "_disable_current_modes"),
+     *(("torch.utils._pytree", name) for name in ("tree_flatten", "tree_unflatten", "tree_map", "tree_leaves")),
+     ("torch._ops", "OpOverload"), ("torch._ops", "OpOverloadPacket"),
+     ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+     ("torch._prims_common", "is_non_overlapping_and_dense_or_false")), TORCH_WRITTEN_FOR,
+    "the names torch's own dispatch-mode code is written with, which the recorder, the CPU probe, the replay and the "
+    "compiled tracer use the same way: `TorchDispatchMode` and `_disable_current_modes` "
+    "(torch/utils/_python_dispatch.py), the pytree helpers (torch/utils/_pytree.py), the op classes `OpOverload` "
+    "and `OpOverloadPacket` (torch/_ops.py), `FakeTensorMode` (torch/_subclasses/fake_tensor.py) and the "
+    "recorder's dense-layout test (torch/_prims_common `is_non_overlapping_and_dense_or_false`); checked before a "
+    "step is recorded", kind=BridgeKind.READ)
+KERNEL_CHOICES = Bridge(
+    "kernel_choices", "torch",
+    (("torch", "_fused_sdp_choice"), ("torch", "_native_multi_head_attention"),
+     ("torch", "_transformer_encoder_layer_fwd")), TORCH_WRITTEN_FOR,
+    "tracer/kernels.py asks torch's own SDPA dispatch which CPU kernel it takes (`torch._fused_sdp_choice`, "
+    "sdp_utils_cpp.cpp `select_sdp_backend_cpp`) on tiny stand-ins, and knows nn.MultiheadAttention's and "
+    "nn.TransformerEncoderLayer's eval fast paths by their ops (`torch._native_multi_head_attention`, "
+    "`torch._transformer_encoder_layer_fwd`); checked before a step is recorded", kind=BridgeKind.READ)
 
 BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_CHECK, PADDING_MASK_CHECK,
                                PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION, MHA_FAST_PATH,
                                FUNCTIONAL_TORCH_FUNCTION_CHECK, GRAD_SCALER_FOUND_INF, CLIP_GRAD_FOREACH,
                                FUSED_OPTIMIZER_DEVICES, ADAFACTOR_SCALARS, GENERATION_QUESTIONS, FSDP_ON_META,
                                DDP_ON_META, BNB_OPTIMIZER_STATE, INT8_MATMUL_DEVICE, INDUCTOR_GRAPHS, TENSOR_CHECKS,
-                               QWEN_VL_POSITIONS, ACCUMULATION_USE_COUNTS, GRAD_SCALER_STATE, DTENSOR_PLAN_CACHES)
+                               QWEN_VL_POSITIONS, ACCUMULATION_USE_COUNTS, GRAD_SCALER_STATE, DTENSOR_PLAN_CACHES,
+                               INDUCTOR_IR, AUTOGRAD_NODE, FUNCTION_MODE_STACK, DISPATCH_TOOLKIT, KERNEL_CHOICES)
 # the private reads a recorded step makes, checked with the patches before anything is patched (`installed`)
-STEP_READS: tuple[Bridge, ...] = (ACCUMULATION_USE_COUNTS, GRAD_SCALER_STATE)
+STEP_READS: tuple[Bridge, ...] = (ACCUMULATION_USE_COUNTS, GRAD_SCALER_STATE, AUTOGRAD_NODE, FUNCTION_MODE_STACK,
+                                  DISPATCH_TOOLKIT, KERNEL_CHOICES)
 
 
 def _installed_version(library: str) -> str:

@@ -1,22 +1,48 @@
-"""Custom models: the reference `path/to/model.py:NAME` / `package.module:NAME` (`custom_ref`) and the grammar of
-their `--input NAME=DTYPE[DIMS][:LO..HI]` (`InputSpec`). Torch-free."""
+"""Custom models: the reference `path/to/model.py:NAME` / `package.module:NAME` (`custom_ref`), an nn.Module
+passed to `analyze(model=...)` (`InProcessModel`), and the grammar of their `--input NAME=DTYPE[DIMS][:LO..HI]`
+(`InputSpec`). Torch-free."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from .errors import UsageError
 
 _CUSTOM_REF = re.compile(r"^(?P<target>.+\.py|[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*):(?P<name>[A-Za-z_]\w*)$")
 
+# where an in-process module's config "comes from" (the report's model.config_location)
+IN_PROCESS_LOCATION = "nn.Module passed to analyze"
 
-IN_PROCESS_PREFIX = "vramtrace_in_process_"  # a module passed to analyze() (`tracer.custom.in_process_module`)
+
+@dataclass(frozen=True, eq=False, slots=True)
+class InProcessModel:
+    """An `nn.Module` passed to `analyze(model=module, inputs=..., loss=...)`, carried by `RunSpec.model` in place
+    of a reference string. `module`: built by the caller on the meta device, never changed (each build is a deep
+    copy, `tracer/custom.py::build_custom`); `inputs`: as a file's `example_inputs` returns them (a dict of keyword
+    arguments, a tuple or list of positional ones, or one tensor; each a meta tensor or a shape spec string);
+    `loss(output, *inputs)`: the training loss, or None (a file without `loss()`). Compared and hashed by identity
+    (`eq=False`): it holds objects of this process only. `str()`: the report's `model.ref`."""
+
+    module: Any
+    inputs: Any
+    loss: Callable | None = None
+
+    @property
+    def name(self) -> str:
+        """The module's class name."""
+        return type(self.module).__name__
+
+    def __str__(self) -> str:
+        return f"{self.name} ({IN_PROCESS_LOCATION})"
 
 
-def custom_ref(model: str) -> tuple[str, str] | None:
-    """(file or module, NAME) for a custom-module reference `path/to/model.py:NAME` or `package.module:NAME`,
-    else None (a Hub id, bundled id or path)."""
+def custom_ref(model: "str | InProcessModel") -> tuple[str, str] | None:
+    """(file or module, NAME) for a custom-module reference `path/to/model.py:NAME` or `package.module:NAME`
+    ((`IN_PROCESS_LOCATION`, class name) for an `InProcessModel`), else None (a Hub id, bundled id or path)."""
+    if isinstance(model, InProcessModel):
+        return IN_PROCESS_LOCATION, model.name
     m = _CUSTOM_REF.match(model.strip())
     return (m["target"], m["name"]) if m else None
 

@@ -41,8 +41,9 @@ from .planner import search_checkpointing
 from .report.sections import LeverCombination, LeverRow, LeversSummary, SkippedLever, SkipReason
 from .search import MAX_RANKS, TraceSession, basis_text, compared_bytes, fewest_ranks, fits_budget
 from .errors import UsageError
-from .custom_inputs import IN_PROCESS_PREFIX, custom_ref
-from .spec import BNB_OPTIMIZERS, OPTIMIZER_IMPLS, Device, Mode, OptimizerImpl, OptimizerKind, RunSpec
+from .custom_inputs import custom_ref
+from .spec import (BNB_OPTIMIZERS, OPTIMIZER_IMPLS, CheckpointingKind, Device, Mode, OptimizerImpl, OptimizerKind,
+                   RunSpec)
 from .tables import Outcome
 
 LORA_RANK = 16  # the LoRA lever's rank: peft's examples and HF's PEFT guides start at r=8..16
@@ -200,7 +201,7 @@ class LeverDiskCache:
         from pathlib import Path
 
         if (self.path is None or spec.device is not Device.CUDA or custom_ref(spec.model) is not None
-                or spec.step is not None or spec.trust_remote_code or spec.model.startswith(IN_PROCESS_PREFIX)):
+                or spec.step is not None or spec.trust_remote_code):  # custom_ref: an in-process module too
             return None
         if self._base_key is None:
             h = hashlib.sha256()
@@ -360,7 +361,7 @@ def _checkpointing(s: _Search, on: RunSpec) -> list[Lever]:
     """The checkpointing plans the planner's search traces (`planner.search_checkpointing`: selective, layers,
     and the fewest every_n_layers that fits), when the run has no checkpointing and a layer stack."""
     base = s.ev(on)
-    if on.mode is not Mode.TRAIN or on.checkpointing.kind != "none" or not base.num_layers:
+    if on.mode is not Mode.TRAIN or on.checkpointing.kind is not CheckpointingKind.NONE or not base.num_layers:
         return []
     seen: dict[str, Outcome] = {"none": base}
 
@@ -432,7 +433,8 @@ def _qlora(s: _Search, on: RunSpec) -> list[Lever]:
     changes = {"quantization": "nf4", "double_quant": True, "bnb_compute_dtype": "bf16"}
     if on.lora_rank is None:
         changes["lora_rank"] = LORA_RANK
-    if on.checkpointing.kind == "none":  # kept as it is: without the option QLoRA gets peft's default checkpointing
+    # kept as it is: without the option QLoRA gets peft's default checkpointing
+    if on.checkpointing.kind is CheckpointingKind.NONE:
         changes["checkpointing"] = "none"  # (spec.KBIT_TRAINING_CHECKPOINTING); another lever's setting wins
     return [s.lever("qlora", on, changes, (4, 1.0),
                     f"a different training: QLoRA, LoRA r={on.lora_rank or LORA_RANK} on 4-bit NF4 base weights "

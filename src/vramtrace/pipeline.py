@@ -9,7 +9,7 @@ from typing import Callable
 
 from .report.sections import ComparisonRow, LeversSummary, ModelInfo
 from .search import Trace, TraceSession
-from .spec import KBIT_TRAINING_CHECKPOINTING, Device, Mode, RunSpec
+from .spec import KBIT_TRAINING_CHECKPOINTING, CheckpointingKind, Device, Mode, RunSpec
 from .summaries import (adapters_summary, checkpointing_summary, compile_summary, cuda_context_summary, moe_summary,
                         ranks_text, sharding_summary, step_summary, target_warnings)
 
@@ -48,7 +48,7 @@ def analyze(spec: RunSpec | None = None, progress: Callable[[str], None] | None 
                          "analyze(model=..., batch=..., ...) without a spec")
     say = progress or (lambda _m: None)
     ckpt = spec.checkpointing
-    if ckpt.kind == "auto":
+    if ckpt.kind is CheckpointingKind.AUTO:
         from .planner import plan_checkpointing
 
         return plan_checkpointing(spec, _analyze_one, say)
@@ -62,7 +62,7 @@ def analyze(spec: RunSpec | None = None, progress: Callable[[str], None] | None 
             eager = _eager_report(spec, eager_job, say)
             compiled = done.session.traces[done.spec].tables.traced.compiled
             report = replace(report, eager=eager, compiled=compile_summary(report, compiled, eager))
-    if ckpt.kind == "none":
+    if ckpt.kind is CheckpointingKind.NONE:
         return report
     from .tracer.checkpointing import paste_snippet  # imports torch: after the config is resolved
 
@@ -72,10 +72,8 @@ def analyze(spec: RunSpec | None = None, progress: Callable[[str], None] | None 
 
 
 def _analyze_model(spec, progress, levers, model, inputs, loss, options):
-    """`analyze(model=..., **options)`: the RunSpec from keywords; an nn.Module is registered for the duration
-    (`tracer.custom.in_process_module`) and the report names its class. Raises UsageError."""
-    from dataclasses import replace
-
+    """`analyze(model=..., **options)`: the RunSpec from keywords; an nn.Module travels in it as an
+    `InProcessModel` (`tracer.custom.in_process_model`), which the report names by its class. Raises UsageError."""
     from .errors import UsageError
 
     if spec is not None:
@@ -87,14 +85,12 @@ def _analyze_model(spec, progress, levers, model, inputs, loss, options):
             raise UsageError("inputs= and loss= go with an nn.Module; for a reference use RunSpec's inputs "
                              "(shape specs) or a file's example_inputs()/loss()")
         return analyze(_spec_from(model, options), progress, levers)
-    from .tracer.custom import in_process_module
+    from .tracer.custom import in_process_model
 
-    with in_process_module(model, inputs, loss) as ref:
-        report = analyze(_spec_from(ref, options), progress, levers)
-    return replace(report, model=replace(report.model, ref=f"{type(model).__name__} (nn.Module passed to analyze)"))
+    return analyze(_spec_from(in_process_model(model, inputs, loss), options), progress, levers)
 
 
-def _spec_from(model: str, options: dict) -> RunSpec:
+def _spec_from(model, options: dict) -> RunSpec:
     try:
         return RunSpec(model, **{"seq": None, **options})  # seq: needed by text models only
     except TypeError as e:
@@ -111,9 +107,8 @@ def _eager_beside(spec: RunSpec):
     import pickle
 
     from .second_process import SecondProcess, cores
-    from .custom_inputs import IN_PROCESS_PREFIX
 
-    if not spec.compile or cores() < 2 or spec.model.startswith(IN_PROCESS_PREFIX):
+    if not spec.compile or cores() < 2 or spec.in_process is not None:
         return contextlib.nullcontext()
     try:
         return SecondProcess(_analyze_eager, spec)

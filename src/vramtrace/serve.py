@@ -215,7 +215,14 @@ def analyze_serve(spec: ServeSpec, progress: Callable[[str], None] | None = None
     serving dtype (vLLM's dtype 'auto': the config's fp16, else bf16), one inference forward of batch 1 ×
     max_num_batched_tokens packed as max_num_seqs requests with the dummy sampler (`RunSpec.serve_requests`),
     on the CUDA target of `spec.gpu` (512-byte blocks); with `spec.tp` > 1, rank 0 of transformers' tensor
-    parallelism over that many fake ranks (`RunSpec.tp`). Raises what `analyze` raises, and UsageError."""
+    parallelism over that many fake ranks (`RunSpec.tp`). Raises what `analyze` raises, and UsageError.
+
+    Not on `search.TraceSession`: a session keeps exact traces of sized variants of one run and refreezes the
+    caller's frozen heap after each, for searches that trace several sizes (fit, sweep, levers, the planner).
+    Serving traces one run once, at a size `plan` derives from the GPU's batch defaults, its dtype set here
+    (vLLM's 'auto', not `resolve_precision`'s rule), with no heap to refreeze and nothing to keep: a session
+    would add a cache and a heap that are never used. The config is resolved once here and the run built and
+    traced with `load_model` and `step_tables`, the same two calls `TraceSession.fresh` makes."""
     from .analysis.categories import Category
     from .spec import Mode, RunSpec
     from .tables import step_tables

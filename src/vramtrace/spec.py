@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from .analysis.device import AllocConf, CudaContext, cuda_context_default, default_cuda_major
-from .errors import UsageError
-from .custom_inputs import InputSpec, custom_ref
+from .errors import SpecError, UsageError
+from .custom_inputs import InProcessModel, InputSpec, custom_ref
 from .gpus import GpuPreset, parse_gpu
+from .optimizer_names import BNB_CLASS_NAMES, HF_OPTIM_NAMES, HF_UNTRACED_OPTIM_NAMES
+
+
+def _bad(template: str) -> SpecError:
+    """A SpecError whose message names RunSpec's fields as `{field}` (`RUN_SPEC_FIELDS`): the API's words, which the
+    CLI words as its options (cli/options.py `flag_of`)."""
+    return SpecError(template, RUN_SPEC_FIELDS)
 
 
 class _Choice(str, enum.Enum):
@@ -21,7 +28,7 @@ class _Choice(str, enum.Enum):
             return cls(str(value).lower())
         except ValueError as e:
             valid = ", ".join(m.value for m in cls)
-            raise UsageError(f"unknown {what} {value!r}; choose one of: {valid}") from e
+            raise _bad(f"unknown {what} {value!r}; choose one of: {valid}") from e
 
 
 class Mode(_Choice):
@@ -159,39 +166,6 @@ class OptimizerImpl(_Choice):
     FUSED = "fused"
 
 
-# HF Trainer's `optim` names (transformers/training_args.py::OptimizerNames) that name a torch or transformers
-# optimizer vramtrace builds: name -> (OptimizerKind value, OptimizerImpl value or None). The implementation follows
-# transformers/trainer_optimizer.py (`adamw_torch_fused` passes fused=True; the others leave torch's default).
-HF_OPTIM_NAMES = {
-    "adamw_torch": ("adamw", None), "adamw_torch_fused": ("adamw", "fused"), "adafactor": ("adafactor", None),
-    "sgd": ("sgd", None), "adagrad": ("adagrad", None), "rmsprop": ("rmsprop", None),
-    "adamw_bnb_8bit": ("adamw-8bit", None), "adamw_8bit": ("adamw-8bit", None),
-    "paged_adamw_8bit": ("paged-adamw-8bit", None), "paged_adamw_32bit": ("paged-adamw", None),
-    "lion_8bit": ("lion-8bit", None), "lion_32bit": ("lion-32bit", None), "paged_lion_32bit": ("paged-lion", None),
-    "paged_lion_8bit": ("paged-lion-8bit", None), "rmsprop_bnb": ("rmsprop-bnb", None),
-    "rmsprop_bnb_32bit": ("rmsprop-bnb", None), "rmsprop_bnb_8bit": ("rmsprop-bnb-8bit", None),
-    "ademamix": ("ademamix", None), "ademamix_8bit": ("ademamix-8bit", None),
-    "paged_ademamix_32bit": ("paged-ademamix", None), "paged_ademamix_8bit": ("paged-ademamix-8bit", None),
-}
-# HF Trainer's `optim` names (transformers 5.24, training_args.py::OptimizerNames) that build an optimizer vramtrace
-# does not trace: torchao's low-bit AdamW, XLA's and Ascend NPU's fused AdamW, torchdistx's AnyPrecisionAdamW, GaLore,
-# LOMO, GrokAdamW, schedule-free, APOLLO and optimi's StableAdamW. (`adamw_hf` was removed in transformers 5.)
-HF_UNTRACED_OPTIM_NAMES = frozenset({
-    "adamw_torch_xla", "adamw_torch_npu_fused", "adamw_anyprecision", "adamw_torch_4bit", "adamw_torch_8bit",
-    "galore_adamw", "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise", "galore_adamw_8bit_layerwise",
-    "galore_adafactor_layerwise", "lomo", "adalomo", "grokadamw", "schedule_free_radam", "schedule_free_adamw",
-    "schedule_free_sgd", "apollo_adamw", "apollo_adamw_layerwise", "stable_adamw",
-})
-# bitsandbytes' optimizer class names (bitsandbytes/optim/*.py), lower-cased, that name one of the kinds above; the
-# plain `AdamW`, `Adam`, `Lion`, `RMSprop` classes are left out: without a bit count they read as torch's optimizers
-BNB_CLASS_NAMES = {
-    "adam8bit": "adam-8bit", "adamw8bit": "adamw-8bit", "pagedadamw8bit": "paged-adamw-8bit",
-    "pagedadamw": "paged-adamw", "pagedadamw32bit": "paged-adamw", "lion8bit": "lion-8bit", "lion32bit": "lion-32bit",
-    "pagedlion": "paged-lion", "pagedlion32bit": "paged-lion", "pagedlion8bit": "paged-lion-8bit",
-    "rmsprop8bit": "rmsprop-bnb-8bit", "rmsprop32bit": "rmsprop-bnb", "ademamix8bit": "ademamix-8bit",
-    "ademamix32bit": "ademamix", "pagedademamix": "paged-ademamix", "pagedademamix32bit": "paged-ademamix",
-    "pagedademamix8bit": "paged-ademamix-8bit",
-}
 # Which implementations each optimizer has (torch/optim/*.py: a `foreach` and a `fused` argument, or neither for
 # transformers' Adafactor). torch.optim.RMSprop and Adafactor have no fused kernel.
 OPTIMIZER_IMPLS = {
@@ -309,48 +283,66 @@ _CKPT_USAGE = ("none, layers, layers:reentrant, every:K, nth:N, selective, selec
 KBIT_TRAINING_CHECKPOINTING = "layers:reentrant"
 
 
+class CheckpointingKind(_Choice):
+    """The kinds of activation checkpointing (`Checkpointing.kind`), named as `--checkpointing` writes them."""
+
+    NONE = "none"
+    LAYERS = "layers"  # each layer of the stack (transformers' gradient_checkpointing_enable)
+    EVERY = "every"  # K consecutive layers per segment
+    NTH = "nth"  # every N-th layer (transformers' `every_n_layers`)
+    SELECTIVE = "selective"  # each layer, saving the outputs of `save_ops`
+    MODULES = "modules"  # the submodules whose qualified name matches a pattern
+    AUTO = "auto"  # a planner picks one under a memory budget
+
+
 @dataclass(frozen=True, slots=True)
 class Checkpointing:
-    """An activation-checkpointing policy. kind: none | layers | every (K consecutive layers per segment) |
-    nth (every N-th layer, transformers' `every_n_layers`) | selective (save `save_ops`' outputs) | modules
-    (the submodules whose qualified name matches the fnmatch `pattern`, outermost match only) | auto (a planner
-    picks one under `RunSpec.memory_budget_bytes`). `k` is K or N. `reentrant` (layers only, 'layers:reentrant'):
-    torch.utils.checkpoint's reentrant variant (`use_reentrant=True`), else the non-reentrant one."""
+    """An activation-checkpointing policy. kind (`CheckpointingKind`): none | layers | every (K consecutive layers
+    per segment) | nth (every N-th layer, transformers' `every_n_layers`) | selective (save `save_ops`' outputs) |
+    modules (the submodules whose qualified name matches the fnmatch `pattern`, outermost match only) | auto (a
+    planner picks one under `RunSpec.memory_budget_bytes`); a kind's name is parsed too. `k` is K or N.
+    `reentrant` (layers only, 'layers:reentrant'): torch.utils.checkpoint's reentrant variant
+    (`use_reentrant=True`), else the non-reentrant one. Raises UsageError for an unknown kind."""
 
-    kind: str = "none"
+    kind: CheckpointingKind = CheckpointingKind.NONE
     k: int = 1
     save_ops: tuple[str, ...] = ()
     pattern: str = ""
     reentrant: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", CheckpointingKind.parse(self.kind, "checkpointing"))
 
     @classmethod
     def parse(cls, text: "str | Checkpointing") -> "Checkpointing":
         """Parse '--checkpointing' text. Raises UsageError listing the valid forms."""
         if isinstance(text, Checkpointing):
             return text
-        kind, _, arg = str(text).strip().partition(":")
-        kind = kind.lower()
-        if kind == "modules" and arg.strip():
-            return cls("modules", pattern=arg.strip())
-        if kind in ("none", "layers", "auto") and not arg:
+        K = CheckpointingKind
+        name, _, arg = str(text).strip().partition(":")
+        kind = K._value2member_map_.get(name.lower())
+        if kind is K.MODULES and arg.strip():
+            return cls(K.MODULES, pattern=arg.strip())
+        if kind in (K.NONE, K.LAYERS, K.AUTO) and not arg:
             return cls(kind)
-        if kind == "layers" and arg.strip().lower() == "reentrant":
-            return cls("layers", reentrant=True)
-        if kind == "selective":
+        if kind is K.LAYERS and arg.strip().lower() == "reentrant":
+            return cls(K.LAYERS, reentrant=True)
+        if kind is K.SELECTIVE:
             ops = tuple(o.strip() for o in arg.split(",") if o.strip()) if arg else DEFAULT_SAVE_OPS
-            return cls("selective", 1, ops)
-        if kind in ("every", "nth") and arg.isdigit() and int(arg) >= 1:
+            return cls(K.SELECTIVE, 1, ops)
+        if kind in (K.EVERY, K.NTH) and arg.isdigit() and int(arg) >= 1:
             return cls(kind, int(arg))
         raise UsageError(f"unknown checkpointing {text!r}; use {_CKPT_USAGE}")
 
     def __str__(self) -> str:
-        if self.kind in ("every", "nth"):
-            return f"{self.kind}:{self.k}"
-        if self.kind == "modules":
+        K, name = CheckpointingKind, self.kind.value
+        if self.kind in (K.EVERY, K.NTH):
+            return f"{name}:{self.k}"
+        if self.kind is K.MODULES:
             return f"modules:{self.pattern}"
-        if self.kind == "selective" and self.save_ops != DEFAULT_SAVE_OPS:
+        if self.kind is K.SELECTIVE and self.save_ops != DEFAULT_SAVE_OPS:
             return "selective:" + ",".join(self.save_ops)
-        return f"{self.kind}:reentrant" if self.reentrant else self.kind
+        return f"{name}:reentrant" if self.reentrant else name
 
 
 class MoeRouting(_Choice):
@@ -367,7 +359,8 @@ class RunSpec:
     """What to analyse.
 
     model: a Hub id, a bundled id, a local directory holding config.json, a path to a config.json, or a custom
-        module `path/to/model.py:NAME` / `package.module:NAME` (an nn.Module class or a function returning one).
+        module `path/to/model.py:NAME` / `package.module:NAME` (an nn.Module class or a function returning one);
+        or an `InProcessModel`, the nn.Module passed to `analyze(model=...)` (`in_process`).
     batch, seq: the (B, S) of the int64 `input_ids` (and the symbols B, S of `inputs`); seq may be None for
         models without a sequence (vision models, custom inputs without S).
     inputs: `--input` texts for custom modules (`InputSpec` grammar).
@@ -438,7 +431,7 @@ class RunSpec:
         `list_mode_options`) are set while the graphs are compiled.
     """
 
-    model: str
+    model: str | InProcessModel
     batch: int
     seq: int | None
     mode: Mode = Mode.TRAIN
@@ -498,19 +491,19 @@ class RunSpec:
             if v is None and name != "batch":
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+                raise _bad(f"{{{name}}} must be a positive integer, got {v!r}")
         object.__setattr__(self, "inputs", tuple(str(InputSpec.parse(t)) if not isinstance(t, InputSpec) else str(t)
                                                  for t in self.inputs))
         if self.inputs and custom_ref(self.model) is None:
-            raise UsageError("--input applies to custom modules (path/to/model.py:NAME); transformers models get "
-                             "their inputs from the config")
+            raise _bad("{inputs} applies to custom modules (path/to/model.py:NAME); transformers models get "
+                       "their inputs from the config")
         if self.lora_rank is None and (self.lora_alpha is not None or self.lora_targets
                                        or self.lora_dropout is not None):
-            raise UsageError("--lora-alpha, --lora-targets and --lora-dropout need --lora-rank")
+            raise _bad("{lora_alpha}, {lora_targets} and {lora_dropout} need {lora_rank}")
         if self.lora_dropout is not None and (isinstance(self.lora_dropout, bool)
                                               or not isinstance(self.lora_dropout, (int, float))
                                               or not 0 <= self.lora_dropout < 1):
-            raise UsageError(f"--lora-dropout must be a probability in [0, 1), e.g. 0.05; got {self.lora_dropout!r}")
+            raise _bad(f"{{lora_dropout}} must be a probability in [0, 1), e.g. 0.05; got {self.lora_dropout!r}")
         if self.task is not None:
             object.__setattr__(self, "task", Task.parse(self.task))
         if self.attn_implementation is not None:
@@ -518,12 +511,12 @@ class RunSpec:
                                AttnImplementation.parse(self.attn_implementation, "attention implementation"))
         self._check_custom_options()
         if self.choices is not None and self.task not in (None, Task.MULTIPLE_CHOICE):
-            raise UsageError(f"--choices applies to multiple-choice heads, not --task {self.task.value}")
+            raise _bad(f"{{choices}} applies to multiple-choice heads, not {{task}} {self.task.value}")
         object.__setattr__(self, "moe_routing", MoeRouting.parse(self.moe_routing, "MoE routing"))
         object.__setattr__(self, "mode", Mode.parse(self.mode, "mode"))
-        object.__setattr__(self, "cache", CacheKind.parse(self.cache, "--cache"))
-        object.__setattr__(self, "kv_dtype", KvDtype.parse(self.kv_dtype, "--kv-dtype"))
-        object.__setattr__(self, "fsdp_plan", FsdpPlan.parse(self.fsdp_plan, "--fsdp-plan"))
+        object.__setattr__(self, "cache", CacheKind.parse(self.cache, "{cache}"))
+        object.__setattr__(self, "kv_dtype", KvDtype.parse(self.kv_dtype, "{kv_dtype}"))
+        object.__setattr__(self, "fsdp_plan", FsdpPlan.parse(self.fsdp_plan, "{fsdp_plan}"))
         self._check_quantization()
         self._check_generate_options()
         self._check_serve_profile()
@@ -534,11 +527,11 @@ class RunSpec:
         object.__setattr__(self, "device", Device.parse(self.device, "device"))
         object.__setattr__(self, "gpu", parse_gpu(self.gpu).name)
         object.__setattr__(self, "loop", Loop.parse(self.loop, "loop"))
-        object.__setattr__(self, "zero_grad", ZeroGrad.parse(self.zero_grad, "--zero-grad value"))
+        object.__setattr__(self, "zero_grad", ZeroGrad.parse(self.zero_grad, "{zero_grad} value"))
         if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float))
                                                     and not isinstance(self.clip_grad_norm, bool)
                                                     and self.clip_grad_norm > 0):
-            raise UsageError(f"--clip-grad-norm must be a positive number, got {self.clip_grad_norm!r}")
+            raise _bad(f"{{clip_grad_norm}} must be a positive number, got {self.clip_grad_norm!r}")
         self._check_step_options()
         self._check_compile()
         if self.checkpointing is None:  # not given: none, or for QLoRA peft's default
@@ -546,36 +539,36 @@ class RunSpec:
             object.__setattr__(self, "checkpointing", KBIT_TRAINING_CHECKPOINTING if kbit_lora else "none")
         ckpt = Checkpointing.parse(self.checkpointing)
         object.__setattr__(self, "checkpointing", ckpt)
-        if ckpt.kind != "none" and self.mode is not Mode.TRAIN:
-            raise UsageError(f"--checkpointing applies to training; drop it for --mode {self.mode.value}")
-        if ckpt.kind == "auto" and not self.memory_budget_bytes:
-            raise UsageError("--checkpointing auto needs --memory-budget, e.g. --memory-budget 40GiB")
+        if ckpt.kind is not CheckpointingKind.NONE and self.mode is not Mode.TRAIN:
+            raise _bad(f"{{checkpointing}} applies to training; drop it for {{mode}} {self.mode.value}")
+        if ckpt.kind is CheckpointingKind.AUTO and not self.memory_budget_bytes:
+            raise _bad("{checkpointing} auto needs {memory_budget_bytes}, e.g. {memory_budget_bytes} 40GiB")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
-            raise UsageError("--memory-budget must be positive, e.g. 40GiB")
+            raise _bad("{memory_budget_bytes} must be positive, e.g. 40GiB")
         if self.gpu_memory_bytes is not None and (isinstance(self.gpu_memory_bytes, bool)
                                                   or not isinstance(self.gpu_memory_bytes, int)
                                                   or self.gpu_memory_bytes <= 0):
-            raise UsageError(f"--gpu-memory must be a positive size, e.g. 48GiB, got {self.gpu_memory_bytes!r}")
+            raise _bad(f"{{gpu_memory_bytes}} must be a positive size, e.g. 48GiB, got {self.gpu_memory_bytes!r}")
         object.__setattr__(self, "alloc_conf", AllocConf.parse(self.alloc_conf)
                            if not isinstance(self.alloc_conf, AllocConf) else self.alloc_conf)
         if self.device is not Device.CUDA and (self.cuda_context_bytes is not None or str(self.alloc_conf)
                                                or self.cuda_version is not None):
-            raise UsageError("--cuda-context, --cuda-version and --alloc-conf describe a CUDA device; drop them for "
-                             "--device cpu")
+            raise _bad("{cuda_context_bytes}, {cuda_version} and {alloc_conf} describe a CUDA device; drop them for "
+                       "{device} cpu")
         if self.cuda_context_bytes is not None and (isinstance(self.cuda_context_bytes, bool)
                                                     or not isinstance(self.cuda_context_bytes, int)
                                                     or self.cuda_context_bytes < 0):
-            raise UsageError(f"--cuda-context must be a size, e.g. 800MiB, got {self.cuda_context_bytes!r}")
+            raise _bad(f"{{cuda_context_bytes}} must be a size, e.g. 800MiB, got {self.cuda_context_bytes!r}")
         self._check_cuda_version()
-        if self.memory_budget_bytes is not None and ckpt.kind != "auto":
-            raise UsageError("--memory-budget applies to --checkpointing auto only; add --checkpointing auto or "
-                             "drop --memory-budget")
+        if self.memory_budget_bytes is not None and ckpt.kind is not CheckpointingKind.AUTO:
+            raise _bad("{memory_budget_bytes} applies to {checkpointing} auto only; add {checkpointing} auto or "
+                       "drop {memory_budget_bytes}")
 
     def _check_cuda_version(self) -> None:
         """Raise UsageError for a CUDA version other than 12 or 13, or CUDA 13 on a GPU it has no kernels for."""
         if self.cuda_version is not None and (isinstance(self.cuda_version, bool)
                                               or not isinstance(self.cuda_version, int)):
-            raise UsageError(f"--cuda-version must be 12 or 13, got {self.cuda_version!r}")
+            raise _bad(f"{{cuda_version}} must be 12 or 13, got {self.cuda_version!r}")
         if self.device is Device.CUDA:
             cuda_context_default(self.gpu_preset.sm, self.cuda_major)
 
@@ -584,10 +577,10 @@ class RunSpec:
         if custom_ref(self.model) is None:
             return
         if self.task is not None or self.attn_implementation is not None:
-            raise UsageError("--task and --attn-implementation apply to transformers models, not custom modules")
+            raise _bad("{task} and {attn_implementation} apply to transformers models, not custom modules")
         if self.use_cache is not None:  # no config to set use_cache on
-            raise UsageError("--use-cache sets a transformers config's use_cache; a custom module has no KV-cache "
-                             "option: drop --use-cache")
+            raise _bad("{use_cache} sets a transformers config's use_cache; a custom module has no KV-cache "
+                       "option: drop {use_cache}")
 
     def _resolve_optimizer(self) -> None:
         """Parse `optimizer` (also HF Trainer's names: `adamw_torch_fused` also sets the fused implementation) and
@@ -597,12 +590,12 @@ class RunSpec:
         impl = OptimizerImpl.parse(self.optimizer_impl, "optimizer implementation")
         if hf is not None and hf[1] is not None:
             if impl not in (OptimizerImpl.DEFAULT, OptimizerImpl(hf[1])):
-                raise UsageError(f"--optimizer {self.optimizer} is {kind.value} with --optimizer-impl {hf[1]}; drop "
-                                 f"--optimizer-impl {impl.value}")
+                raise _bad(f"{{optimizer}} {self.optimizer} is {kind.value} with {{optimizer_impl}} {hf[1]}; drop "
+                           f"{{optimizer_impl}} {impl.value}")
             impl = OptimizerImpl(hf[1])
         if impl not in OPTIMIZER_IMPLS[kind]:
-            raise UsageError(f"--optimizer {kind.value} has no {impl.value} implementation; use --optimizer-impl "
-                             f"{' or '.join(i.value for i in OPTIMIZER_IMPLS[kind])}")
+            raise _bad(f"{{optimizer}} {kind.value} has no {impl.value} implementation; use {{optimizer_impl}} "
+                       f"{' or '.join(i.value for i in OPTIMIZER_IMPLS[kind])}")
         object.__setattr__(self, "optimizer", kind)
         object.__setattr__(self, "optimizer_impl", impl)
 
@@ -610,39 +603,39 @@ class RunSpec:
         """Raise UsageError for generation options given without --mode generate, or missing with it."""
         if self.mode is not Mode.GENERATE:
             if self.new_tokens is not None or self.cache is not CacheKind.DYNAMIC or self.kv_dtype is not KvDtype.AUTO:
-                raise UsageError("--new-tokens, --cache and --kv-dtype apply to --mode generate; add it or drop them")
+                raise _bad("{new_tokens}, {cache} and {kv_dtype} apply to {mode} generate; add it or drop them")
             return
         if self.kv_dtype is not KvDtype.AUTO and self.cache is not CacheKind.DYNAMIC:
-            raise UsageError(f"--kv-dtype {self.kv_dtype.value} is transformers' QuantizedCache, a dynamic cache; drop "
-                             f"--cache {self.cache.value}")
+            raise _bad(f"{{kv_dtype}} {self.kv_dtype.value} is transformers' QuantizedCache, a dynamic cache; drop "
+                       f"{{cache}} {self.cache.value}")
         if self.new_tokens is None:
-            raise UsageError("--mode generate needs --new-tokens N (the prompt is --seq tokens)")
+            raise _bad("{mode} generate needs {new_tokens} N (the prompt is {seq} tokens)")
         if self.seq is None:
-            raise UsageError("--mode generate needs --seq S, the prompt length")
+            raise _bad("{mode} generate needs {seq} S, the prompt length")
         if custom_ref(self.model) is not None:
-            raise UsageError("--mode generate runs transformers' model.generate(); a custom module has none")
+            raise _bad("{mode} generate runs transformers' model.generate(); a custom module has none")
         if self.lora_rank is not None:
-            raise UsageError("--mode generate with --lora-rank is not supported yet (peft's generate wraps the "
-                             "model's); merge the adapter or drop --lora-rank")
+            raise _bad("{mode} generate with {lora_rank} is not supported yet (peft's generate wraps the "
+                       "model's); merge the adapter or drop {lora_rank}")
 
     def _check_quantization(self) -> None:
         if self.quantization is not None:
-            object.__setattr__(self, "quantization", Quantization.parse(self.quantization, "--quantization"))
+            object.__setattr__(self, "quantization", Quantization.parse(self.quantization, "{quantization}"))
         elif self.double_quant or self.bnb_compute_dtype is not None:
-            raise UsageError("--double-quant and --bnb-compute-dtype apply to --quantization nf4|fp4; add it or drop "
-                             "them")
+            raise _bad("{double_quant} and {bnb_compute_dtype} apply to {quantization} nf4|fp4; add it or drop "
+                       "them")
         if self.bnb_compute_dtype is not None and self.bnb_compute_dtype not in ("bf16", "fp16", "fp32"):
-            raise UsageError(f"unknown --bnb-compute-dtype {self.bnb_compute_dtype!r}; choose one of: bf16, fp16, fp32")
+            raise _bad(f"unknown {{bnb_compute_dtype}} {self.bnb_compute_dtype!r}; choose one of: bf16, fp16, fp32")
         if self.quantization is None:
             return
         if self.quantization is Quantization.INT8 and (self.double_quant or self.bnb_compute_dtype is not None):
-            raise UsageError("--double-quant and --bnb-compute-dtype apply to the 4-bit types (nf4, fp4), not to int8 "
-                             "(its matmuls compute in the input's dtype); drop them")
+            raise _bad("{double_quant} and {bnb_compute_dtype} apply to the 4-bit types (nf4, fp4), not to int8 "
+                       "(its matmuls compute in the input's dtype); drop them")
         if custom_ref(self.model) is not None:
-            raise UsageError("--quantization loads a transformers model through BitsAndBytesConfig; a custom module "
-                             "has no quantizer")
+            raise _bad("{quantization} loads a transformers model through BitsAndBytesConfig; a custom module "
+                       "has no quantizer")
         if self.fsdp is not None or self.tp is not None or self.ddp is not None:
-            raise UsageError("--quantization with --fsdp, --tp or --ddp is not supported yet; drop one")
+            raise _bad("{quantization} with {fsdp}, {tp} or {ddp} is not supported yet; drop one")
 
     @property
     def world(self) -> int | None:
@@ -657,94 +650,99 @@ class RunSpec:
         """Raise UsageError for sharding options that do not go together."""
         if self.ddp is not None:
             if self.fsdp is not None or self.tp is not None:
-                raise UsageError("--ddp replicates the model on N ranks; it does not combine with --fsdp or --tp "
-                                 "(use --fsdp M --tp N for a 2-D mesh)")
+                raise _bad("{ddp} replicates the model on N ranks; it does not combine with {fsdp} or {tp} "
+                           "(use {fsdp} M {tp} N for a 2-D mesh)")
             if (self.rank is not None or not self.reshard_after_forward or self.fsdp_plan is not FsdpPlan.LAYERS
                     or self.cpu_offload):
-                raise UsageError("--reshard-after-forward, --fsdp-plan, --cpu-offload and --rank apply to --fsdp N or "
-                                 "--tp N; drop them")
-            self._check_distributed("--ddp")
+                raise _bad("{reshard_after_forward}, {fsdp_plan}, {cpu_offload} and {rank} apply to {fsdp} N or "
+                           "{tp} N; drop them")
+            self._check_distributed("{ddp}")
             return
         if self.fsdp is None and (not self.reshard_after_forward or self.fsdp_plan is not FsdpPlan.LAYERS
                                   or self.cpu_offload):
-            raise UsageError("--reshard-after-forward, --fsdp-plan and --cpu-offload apply to --fsdp N; add it or "
-                             "drop them")
+            raise _bad("{reshard_after_forward}, {fsdp_plan} and {cpu_offload} apply to {fsdp} N; add it or "
+                       "drop them")
         if self.cpu_offload and (self.fsdp_plan is not FsdpPlan.LAYERS
                                  or Device.parse(self.device, "device") is not Device.CUDA):
-            raise UsageError("--cpu-offload moves FSDP2's shards from a GPU to host memory: it needs --fsdp-plan "
-                             "layers and a CUDA target (with --device cpu they are in host memory already)")
+            raise _bad("{cpu_offload} moves FSDP2's shards from a GPU to host memory: it needs {fsdp_plan} "
+                       "layers and a CUDA target (with {device} cpu they are in host memory already)")
         if self.fsdp_plan is FsdpPlan.TRANSFORMERS and not self.reshard_after_forward:
-            raise UsageError("--fsdp-plan transformers says per module whether it reshards after forward; drop "
-                             "--reshard-after-forward")
+            raise _bad("{fsdp_plan} transformers says per module whether it reshards after forward; drop "
+                       "{reshard_after_forward}")
         if self.world is None:
             if self.rank is not None:
-                raise UsageError("--rank applies to --fsdp N or --tp N; add one or drop it")
+                raise _bad("{rank} applies to {fsdp} N or {tp} N; add one or drop it")
             return
         if self.fsdp is not None or self.mode is Mode.TRAIN:  # TP alone also serves (inference, generate)
-            self._check_distributed("--fsdp" if self.fsdp is not None else "--tp")
+            self._check_distributed("{fsdp}" if self.fsdp is not None else "{tp}")
         elif custom_ref(self.model) is not None:
-            raise UsageError("--tp applies the transformers model's own plan; a custom module has none")
+            raise _bad("{tp} applies the transformers model's own plan; a custom module has none")
         if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int)
                                       or not 0 <= self.rank < self.world):
-            raise UsageError(f"--rank must be in 0..{self.world - 1} for {self.world} ranks, got {self.rank}")
+            raise _bad(f"{{rank}} must be in 0..{self.world - 1} for {self.world} ranks, got {self.rank}")
 
     def _check_distributed(self, option: str) -> None:
         if self.mode is not Mode.TRAIN:
-            raise UsageError(f"{option} runs a training step on N ranks; --mode {self.mode.value} is not supported "
-                             "with it yet")
+            raise _bad(f"{option} runs a training step on N ranks; {{mode}} {self.mode.value} is not supported "
+                       "with it yet")
         if custom_ref(self.model) is not None:
-            raise UsageError(f"{option} wraps a transformers model (its layer stack and plans); a custom module "
-                             f"({self.model}) has none: drop {option}, or use a transformers model")
+            raise _bad(f"{option} wraps a transformers model (its layer stack and plans); a custom module "
+                       f"({self.model}) has none: drop {option}, or use a transformers model")
         if self.step is not None:
-            raise UsageError(f"{option} runs vramtrace's own loop on each rank; --step {self.step} replaces it: drop "
-                             f"--step or {option}")
+            raise _bad(f"{option} runs vramtrace's own loop on each rank; {{step}} {self.step} replaces it: drop "
+                       f"{{step}} or {option}")
 
     def _check_serve_profile(self) -> None:
         if self.serve_requests is None:
             return
         if self.mode is not Mode.INFERENCE or self.batch != 1 or self.seq is None or self.serve_requests > self.seq:
-            raise UsageError("a serving profile run is one inference forward of batch 1 and at least as many "
-                             "tokens as requests")
+            raise _bad("a serving profile run is one inference forward of batch 1 and at least as many "
+                       "tokens as requests")
 
     def _check_compile(self) -> None:
         """--compile: what the compiled tracer (`tracer/compiled_step.py`) models, else a UsageError naming the
         option to drop."""
         if self.compile_mode not in COMPILE_MODES:
-            raise UsageError(f"unknown --compile-mode {self.compile_mode!r}; use {' or '.join(COMPILE_MODES)} (the "
-                             "CUDA-graph modes, reduce-overhead and max-autotune, are CUDA's)")
+            raise _bad(f"unknown {{compile_mode}} {self.compile_mode!r}; use {' or '.join(COMPILE_MODES)} (the "
+                       "CUDA-graph modes, reduce-overhead and max-autotune, are CUDA's)")
         if not self.compile:
             return
         if self.device is not Device.CPU:
-            raise UsageError("--compile is traced for --device cpu only: Inductor's CUDA graphs (Triton kernels, "
-                             "flash or memory-efficient SDPA) cannot be captured on a CPU-only torch; add --device cpu")
+            raise _bad("{compile} is traced for {device} cpu only: Inductor's CUDA graphs (Triton kernels, "
+                       "flash or memory-efficient SDPA) cannot be captured on a CPU-only torch; add {device} cpu")
         if self.mode is not Mode.TRAIN:
-            raise UsageError("--compile models a training step; drop --compile for --mode inference or generate")
-        for flag, value in (("--fsdp", self.fsdp), ("--tp", self.tp), ("--ddp", self.ddp),
-                            ("--quantization", self.quantization), ("--step", self.step),
-                            ("--lora-rank", self.lora_rank)):
+            raise _bad("{compile} models a training step; drop {compile} for {mode} inference or generate")
+        for flag, value in (("{fsdp}", self.fsdp), ("{tp}", self.tp), ("{ddp}", self.ddp),
+                            ("{quantization}", self.quantization), ("{step}", self.step),
+                            ("{lora_rank}", self.lora_rank)):
             if value is not None:
-                raise UsageError(f"--compile with {flag} is not traced yet; drop one of the two")
+                raise _bad(f"{{compile}} with {flag} is not traced yet; drop one of the two")
         if self.optimizer in BNB_OPTIMIZERS:  # their state setup reads values the fake twin does not have
-            raise UsageError(f"--compile with bitsandbytes' optimizer {self.optimizer.value} is not traced yet; use a "
-                             "torch.optim optimizer or drop --compile")
+            raise _bad(f"{{compile}} with bitsandbytes' optimizer {self.optimizer.value} is not traced yet; use a "
+                       "torch.optim optimizer or drop {compile}")
 
     def _check_step_options(self) -> None:
         """Raise UsageError for step options that would be silently ignored."""
         loop_options = [name for name, given in (
-            ("--loop", self.loop is not Loop.TRAINER), ("--grad-accum", self.grad_accum != 1),
-            ("--zero-grad", self.zero_grad is not ZeroGrad.NONE), ("--clip-grad-norm", self.clip_grad_norm is not None))
+            ("{loop}", self.loop is not Loop.TRAINER), ("{grad_accum}", self.grad_accum != 1),
+            ("{zero_grad}", self.zero_grad is not ZeroGrad.NONE), ("{clip_grad_norm}", self.clip_grad_norm is not None))
             if given]
         if self.mode is not Mode.TRAIN and (loop_options or self.step):
-            raise UsageError(f"{', '.join(loop_options + (['--step'] if self.step else []))} appl"
-                             f"{'ies' if len(loop_options) + bool(self.step) == 1 else 'y'} to training; drop "
-                             f"it for --mode {self.mode.value}")
+            raise _bad(f"{', '.join(loop_options + (['{step}'] if self.step else []))} appl"
+                       f"{'ies' if len(loop_options) + bool(self.step) == 1 else 'y'} to training; drop "
+                       f"it for {{mode}} {self.mode.value}")
         if self.step is not None:
             target = custom_ref(self.step)
             if target is None or not target[0].endswith(".py"):
-                raise UsageError(f"bad --step {self.step!r}; use path/to/file.py:FUNC")
+                raise _bad(f"bad {{step}} {self.step!r}; use path/to/file.py:FUNC")
             if loop_options:
-                raise UsageError(f"--step runs your own step function as written: drop {', '.join(loop_options)} "
-                                 "(write it in the function)")
+                raise _bad(f"{{step}} runs your own step function as written: drop {', '.join(loop_options)} "
+                           "(write it in the function)")
+
+    @property
+    def in_process(self) -> InProcessModel | None:
+        """The nn.Module passed to `analyze(model=...)` that `model` carries, else None (a reference string)."""
+        return self.model if isinstance(self.model, InProcessModel) else None
 
     @property
     def effective_precision(self) -> Precision:
@@ -767,7 +765,7 @@ class RunSpec:
         family and CUDA version (`device.cuda_context_default`). Raises UsageError (a CUDA version with no kernels
         for the GPU). CUDA target only."""
         if self.cuda_context_bytes is not None:
-            return CudaContext(self.cuda_context_bytes, "--cuda-context")
+            return CudaContext(self.cuda_context_bytes, "--cuda-context")  # the report's source, not an error
         preset, major = self.gpu_preset, self.cuda_major
         found = cuda_context_default(preset.sm, major)
         return CudaContext(found.nbytes, f"default for {preset.name} (sm{preset.sm}) with CUDA {major}"
@@ -789,3 +787,6 @@ class RunSpec:
         if self.device is Device.CUDA:
             return self.gpu_preset.name, self.gpu_preset.memory_bytes
         return None
+
+
+RUN_SPEC_FIELDS = frozenset(f.name for f in fields(RunSpec))  # the `{field}` names of a SpecError's template

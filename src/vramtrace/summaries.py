@@ -4,7 +4,7 @@ report's fields: bytes are ints), for `vramtrace.pipeline.analyze` and `vramtrac
 from __future__ import annotations
 
 from .report.sections import CheckpointingPlan, CheckpointingSummary, CompiledSummary, RecomputedOp
-from .spec import Device, Mode, RunSpec
+from .spec import CheckpointingKind, Device, Mode, RunSpec
 
 
 def compile_summary(report, graphs: dict, eager) -> CompiledSummary:
@@ -53,14 +53,14 @@ def checkpointed_modules(run: dict) -> str:
     from .spec import Checkpointing
 
     ckpt, L, stack = Checkpointing.parse(run["checkpointing"]), run.get("num_layers", 0), run.get("layer_stack", "")
-    if ckpt.kind == "none" or not L:
+    if ckpt.kind is CheckpointingKind.NONE or not L:
         return ""
-    if ckpt.kind == "nth":
+    if ckpt.kind is CheckpointingKind.NTH:
         idx = list(range(0, L, ckpt.k))
         return f"{stack}.{{{','.join(map(str, idx))}}} ({len(idx)} of {L} layers)"
-    if ckpt.kind == "every":
+    if ckpt.kind is CheckpointingKind.EVERY:
         return f"{stack}.{{0..{L - 1}}} in segments of {ckpt.k} layers ({-(-L // ckpt.k)} segments)"
-    if ckpt.kind == "selective":
+    if ckpt.kind is CheckpointingKind.SELECTIVE:
         return f"{stack}.{{0..{L - 1}}}, saving the outputs of {', '.join(ckpt.save_ops)}"
     return f"{stack}.{{0..{L - 1}}} (all {L} layers)"
 

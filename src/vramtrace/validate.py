@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from .errors import TraceError, UsageError, VramtraceError
-from .spec import Device, Mode, RunSpec
+from .spec import CheckpointingKind, Device, Mode, RunSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +184,7 @@ def validate(spec: RunSpec, progress: Callable[[str], None] | None = None) -> di
                          f"{format_bytes(free)} free; validate a smaller config or a smaller --batch")
     say("running the step for real")
     measured = spec
-    if spec.checkpointing.kind == "auto":  # the real run applies the plan the report chose
+    if spec.checkpointing.kind is CheckpointingKind.AUTO:  # the real run applies the plan the report chose
         measured = replace(spec, checkpointing=report.checkpointing.plan.chosen, memory_budget_bytes=None)
     m = measure_step(measured)
     out = {"device": m.device, "predicted_peak_allocated_bytes": report.peak_allocated_bytes,

@@ -20,13 +20,14 @@ import traceback
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-try:  # typer >= 0.2x vendors its own click
-    from typer._click import exceptions as click_exceptions
-except ImportError:  # pragma: no cover - older typer uses click itself
-    from click import exceptions as click_exceptions
+try:  # typer >= 0.2x vendors its own click, whose errors derive from the public typer.TyperException
+    from typer import TyperException as ParseError
+except ImportError:  # pragma: no cover - older typer raises click's own errors
+    from click import ClickException as ParseError
 
-from ..errors import UsageError, VramtraceError
+from ..errors import SpecError, UsageError, VramtraceError
 from .models import models_command
+from .options import flag_of
 from .run import Command, main_command
 from .serve import serve_command
 
@@ -98,12 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rv = cli(args=argv, standalone_mode=False, prog_name="vramtrace")
         return rv if isinstance(rv, int) else 0  # --help returns its exit code in non-standalone mode
-    except click_exceptions.ClickException as e:  # bad option, missing argument, not a number
+    except ParseError as e:  # bad option, missing argument, not a number
         _error(e, debug, f"{e.format_message()} (see vramtrace --help)")
         return 2
     except KeyboardInterrupt as e:
         _error(e, debug, "interrupted")
         return 1
+    except SpecError as e:  # a RunSpec field: worded as the option that sets it
+        _error(e, debug, e.worded(flag_of))
+        return 2
     except UsageError as e:
         _error(e, debug)
         return 2

@@ -12,6 +12,16 @@ from ..spec import (DEFAULT_CHOICES, TASK_ALIASES, AttnImplementation, CacheKind
                     OptimizerKind, Precision, Task)
 
 
+# RunSpec fields whose option is not `--` and the field's name with dashes (`flag_of`)
+FIELD_FLAGS = {"inputs": "--input", "memory_budget_bytes": "--memory-budget", "gpu_memory_bytes": "--gpu-memory",
+               "cuda_context_bytes": "--cuda-context"}
+
+
+def flag_of(field: str) -> str:
+    """The option that sets RunSpec's `field` (`--batch` for batch): how the CLI words a `SpecError`."""
+    return FIELD_FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
 def _choices(enum_cls) -> str:
     return "|".join(m.value for m in enum_cls)
 

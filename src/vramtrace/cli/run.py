@@ -13,11 +13,6 @@ from types import SimpleNamespace
 import typer
 from rich.console import Console
 
-try:  # typer >= 0.2x vendors its own click
-    from typer._click.core import ParameterSource
-except ImportError:  # pragma: no cover - older typer uses click itself
-    from click.core import ParameterSource
-
 from ..errors import UsageError
 from . import options as o
 
@@ -76,7 +71,8 @@ def _fit_axis(ctx: typer.Context, opts: SimpleNamespace) -> str:
     batch at a given --seq (or with neither, for models without a sequence), the sequence at a given --batch, the
     fewest FSDP ranks at both; "sweep" with --sweep. Raises UsageError for --sweep with either."""
     def given(name: str) -> bool:
-        return ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
+        # click's ParameterSource enum, by member name: typer >= 0.2x vendors click in a private module
+        return getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"
 
     has_seq, has_batch = given("seq"), given("batch")
     if opts.sweep_grid is not None:

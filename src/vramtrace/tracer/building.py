@@ -13,7 +13,8 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ModelLoadError, TraceError, UnsupportedOpError, UsageError
-from ..spec import DEFAULT_CHOICES, AttnImplementation, Device, KvDtype, Mode, Precision, RunSpec, Task
+from ..spec import (DEFAULT_CHOICES, AttnImplementation, CheckpointingKind, Device, KvDtype, Mode, Precision, RunSpec,
+                    Task)
 from .loading import ResolvedConfig
 from .checkpoint_headers import precision_for
 from .checkpointing import layer_stack
@@ -643,7 +644,10 @@ def load_model(spec: RunSpec, resolved: ResolvedConfig, device: str = "meta") ->
     """Build the model of `resolved` for `spec` on `device`: on the meta device (no weights, no memory) plus
     its 4-layer copy for tracing when the layers repeat (`layer_plan`); on 'cpu' or 'cuda' for real, with
     random weights and inputs (seed 0, the caller's RNG state untouched), as `vramtrace validate` runs it.
-    Freezing and LoRA (`adapters.apply_adapters`) are applied before the plan. Raises ModelLoadError, UsageError."""
+    Freezing and LoRA (`adapters.apply_adapters`) are applied before the plan. `spec.precision`: the run's, as
+    `search.resolve_precision` resolved it into the spec (a TraceSession, validate, serve); a spec whose precision
+    is not resolved (None or `stored`: a test or `fx_export` building from a bare RunSpec) gets
+    `checkpoint_headers.precision_for`'s here. Raises ModelLoadError, UsageError."""
     with quiet_transformers_logs(), seeded(device):
         return _load_model(spec, resolved, device)
 
@@ -651,7 +655,9 @@ def load_model(spec: RunSpec, resolved: ResolvedConfig, device: str = "meta") ->
 def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedModel:
     from .adapters import apply_adapters
 
-    precision = precision_for(spec, resolved)[0]  # --precision, `stored`, a local checkpoint's dtype, or the default
+    precision = spec.precision
+    if precision is None or precision is Precision.STORED:  # not resolved by search.resolve_precision
+        precision = precision_for(spec, resolved)[0]
     param_dtype, compute_dtype = weight_and_compute_dtype(precision)
     if resolved.source == "custom":
         from .custom import build_custom
@@ -686,9 +692,9 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
     ckpt = spec.checkpointing
     if device != "meta":
         note = "built for real"
-    elif spec.replicate_layers and ckpt.kind in ("every", "nth") and ckpt.k > 1:
+    elif spec.replicate_layers and ckpt.kind in (CheckpointingKind.EVERY, CheckpointingKind.NTH) and ckpt.k > 1:
         note = f"checkpointing {ckpt} differs between layers: every layer traced"
-    elif spec.replicate_layers and ckpt.kind == "modules":
+    elif spec.replicate_layers and ckpt.kind is CheckpointingKind.MODULES:
         note = f"checkpointing {ckpt} may differ between layers: every layer traced"
     elif spec.replicate_layers:
         # a compiled step keeps two leading layers (replication.py): Inductor's first layer reuses no buffers

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from .. import feature_bridges
 from ..errors import UsageError
-from ..spec import Checkpointing
+from ..spec import Checkpointing, CheckpointingKind
 
 Region = Callable[[Callable], Callable]
 
@@ -67,10 +67,10 @@ def apply_checkpointing(model: torch.nn.Module, ckpt: Checkpointing, wrap_region
                         layers: torch.nn.ModuleList | None = None) -> None:
     """Enable `ckpt` on `model` (a transformers PreTrainedModel; `layers` is its layer stack, needed for
     `every:K`). Raises UsageError when the model does not support checkpointing."""
-    if ckpt.kind == "none":
+    if ckpt.kind is CheckpointingKind.NONE:
         return
     kwargs: dict = {"use_reentrant": ckpt.reentrant}
-    if ckpt.kind == "modules":
+    if ckpt.kind is CheckpointingKind.MODULES:
         matched = matching_modules(model, ckpt.pattern)
         if not matched:
             raise UsageError(f"--checkpointing {ckpt}: no submodule's qualified name matches {ckpt.pattern!r} "
@@ -82,14 +82,15 @@ def apply_checkpointing(model: torch.nn.Module, ckpt: Checkpointing, wrap_region
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise UsageError(f"{type(model).__name__} does not support activation checkpointing in transformers; "
                          "use --checkpointing modules:PATTERN")
-    if ckpt.kind == "selective":
+    if ckpt.kind is CheckpointingKind.SELECTIVE:
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, save_ops_policy(ckpt.save_ops))
-    if ckpt.kind in ("layers", "nth", "selective"):
-        model.activation_checkpointing_enable(kwargs, every_n_layers=ckpt.k if ckpt.kind == "nth" else 1)
+    if ckpt.kind in (CheckpointingKind.LAYERS, CheckpointingKind.NTH, CheckpointingKind.SELECTIVE):
+        every_n = ckpt.k if ckpt.kind is CheckpointingKind.NTH else 1
+        model.activation_checkpointing_enable(kwargs, every_n_layers=every_n)
         if wrap_region is not None:
             feature_bridges.route_checkpoint_functions(model, _checkpoint_fn(wrap_region, **kwargs))
         return
-    if ckpt.kind == "every":
+    if ckpt.kind is CheckpointingKind.EVERY:
         if layers is None:
             raise UsageError("--checkpointing every:K needs a stack of identical layers; this model has none")
         if model.main_input_name == "input_ids":
@@ -179,7 +180,7 @@ def layer_stack(model: torch.nn.Module) -> torch.nn.ModuleList | None:
 
 def paste_snippet(ckpt: Checkpointing) -> str:
     """Python a user pastes after building `model` (transformers) to apply `ckpt` in their training code."""
-    if ckpt.kind == "modules":
+    if ckpt.kind is CheckpointingKind.MODULES:
         return ("import fnmatch, functools\n"
                 "from torch.utils.checkpoint import checkpoint\n"
                 "done = []\n"
@@ -187,10 +188,10 @@ def paste_snippet(ckpt: Checkpointing) -> str:
                 f"    if name and fnmatch.fnmatchcase(name, {ckpt.pattern!r}) and not any(name.startswith(d + '.') for d in done):\n"
                 "        done.append(name)\n"
                 "        m.forward = functools.partial(checkpoint, m.forward, use_reentrant=False)")
-    if ckpt.kind in ("layers", "nth"):
-        extra = f", every_n_layers={ckpt.k}" if ckpt.kind == "nth" else ""
+    if ckpt.kind in (CheckpointingKind.LAYERS, CheckpointingKind.NTH):
+        extra = f", every_n_layers={ckpt.k}" if ckpt.kind is CheckpointingKind.NTH else ""
         return f'model.activation_checkpointing_enable({{"use_reentrant": {ckpt.reentrant}}}{extra})'
-    if ckpt.kind == "selective":
+    if ckpt.kind is CheckpointingKind.SELECTIVE:
         ops = ", ".join(f"torch.ops.{o}" for o in ckpt.save_ops)
         return ("import functools, torch\n"
                 "from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts\n"

@@ -120,11 +120,12 @@ def compiled_twin(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
     a `probe.CpuWorkspaceProbe` measuring the extern kernels' CPU workspaces (`inductor_code.cpu_allocations`).
     `mode`: torch.compile's, whose Inductor options (torch/_inductor/__init__.py `list_mode_options`) are set while the
     graphs compile, as `_TorchCompileInductorWrapper.apply_mode` sets them (torch/__init__.py). Raises
-    BridgeError when a private Inductor name it uses is gone (`bridges.INDUCTOR_GRAPHS`), torch's errors when
-    dynamo or Inductor cannot compile the model."""
+    BridgeError when a private Inductor name it uses is gone (`bridges.INDUCTOR_GRAPHS`, `bridges.INDUCTOR_IR`),
+    torch's errors when dynamo or Inductor cannot compile the model."""
     from .. import bridges
 
     bridges.resolve(bridges.INDUCTOR_GRAPHS)
+    bridges.resolve(bridges.INDUCTOR_IR)
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
 

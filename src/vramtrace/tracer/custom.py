@@ -21,12 +21,10 @@ Importing the file runs it: vramtrace does this only for a file the user names o
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib
 import importlib.util
 import inspect
-import itertools
 import os
 import sys
 import types
@@ -37,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ModelLoadError, TraceError, UsageError
-from ..custom_inputs import IN_PROCESS_PREFIX, InputSpec, custom_ref
+from ..custom_inputs import IN_PROCESS_LOCATION, InProcessModel, InputSpec, custom_ref
 from ..spec import RunSpec
 
 
@@ -52,19 +50,14 @@ class CustomModel:
     location: str
 
 
-_IN_PROCESS: dict[str, Any] = {}  # target -> a namespace standing for a file: NAME, example_inputs, loss
-_IN_PROCESS_IDS = itertools.count(1)
-
-
-@contextlib.contextmanager
-def in_process_module(module: torch.nn.Module, inputs: Any = None, loss: Callable | None = None):
-    """Inside: a custom-module reference ("vramtrace_in_process_N:ClassName") for `module`, an `nn.Module` the
-    caller built on the meta device (`with torch.device("meta"): model = MyModel()`), that the tracer builds like
-    a file's NAME: each build is a deep copy (the caller's module is never changed). `inputs`, as
-    `example_inputs` would return them: a dict (keyword arguments), a tuple or list (positional) or one tensor;
-    each a meta tensor or a shape spec string "DTYPE[DIMS][:LO..HI]" (B and S: --batch and --seq). `loss(output,
-    *inputs)`: the training loss (default: `output.loss`, else the mean of the first output tensor).
-    Raises UsageError when `module` is not an nn.Module, has tensors off the meta device, or `inputs` is None."""
+def in_process_model(module: torch.nn.Module, inputs: Any = None, loss: Callable | None = None) -> InProcessModel:
+    """The `InProcessModel` carrying `module`, an `nn.Module` the caller built on the meta device (`with
+    torch.device("meta"): model = MyModel()`), for `RunSpec.model`: the tracer builds it like a file's NAME, each
+    build a deep copy (the caller's module is never changed). `inputs`, as `example_inputs` would return them: a
+    dict (keyword arguments), a tuple or list (positional) or one tensor; each a meta tensor or a shape spec string
+    "DTYPE[DIMS][:LO..HI]" (B and S: --batch and --seq). `loss(output, *inputs)`: the training loss (default:
+    `output.loss`, else the mean of the first output tensor). Raises UsageError when `module` is not an
+    nn.Module, has tensors off the meta device, or `inputs` is None."""
     if not isinstance(module, torch.nn.Module):
         raise UsageError(f"model= takes an nn.Module or a model reference string, not a {type(module).__name__}")
     off_meta = [(n, t.device) for n, t in [*module.named_parameters(), *module.named_buffers()]
@@ -75,25 +68,24 @@ def in_process_module(module: torch.nn.Module, inputs: Any = None, loss: Callabl
     if inputs is None:
         raise UsageError("analyze(model=<module>) needs inputs=: a dict of keyword arguments, a tuple of positional "
                          "ones or one tensor (meta tensors, or shape specs such as 'int64[B,S]:0..32000')")
-    name = type(module).__name__
-    target = f"{IN_PROCESS_PREFIX}{next(_IN_PROCESS_IDS)}"
-    namespace = {name: lambda: copy.deepcopy(module), "example_inputs": lambda batch, seq: inputs}
-    if loss is not None:
-        namespace["loss"] = loss
-    _IN_PROCESS[target] = types.SimpleNamespace(**namespace, __name__=target)
-    try:
-        yield f"{target}:{name}"
-    finally:
-        del _IN_PROCESS[target]
+    return InProcessModel(module, inputs, loss)
+
+
+def _in_process_namespace(carried: InProcessModel) -> types.SimpleNamespace:
+    """A namespace standing for a file that defines the carried module's NAME (a deep copy per build),
+    `example_inputs` and, when given, `loss`."""
+    namespace = {carried.name: lambda: copy.deepcopy(carried.module),
+                 "example_inputs": lambda batch, seq: carried.inputs}
+    if carried.loss is not None:
+        namespace["loss"] = carried.loss
+    return types.SimpleNamespace(**namespace, __name__=IN_PROCESS_LOCATION)
 
 
 def import_target(target: str, fresh: bool = False):
     """Import `target`: a `.py` file path or a dotted module name (found from the current directory too, as
-    `python -m` would), or a module registered by `in_process_module`. A file is imported once per process, or anew
+    `python -m` would). A file is imported once per process, or anew
     with `fresh` (its module globals start empty: a --step file's EMA copy). Raises ModelLoadError when it cannot
     be found or raises while importing."""
-    if target in _IN_PROCESS:
-        return _IN_PROCESS[target]
     if target.endswith(".py"):
         path = Path(target).expanduser().resolve()
         if not path.is_file():
@@ -182,7 +174,8 @@ def build_custom(spec: RunSpec, device: str, dtype: torch.dtype | None) -> Custo
     ref = custom_ref(spec.model)
     assert ref is not None
     target, name = ref
-    module = import_target(target)
+    carried = spec.in_process
+    module = import_target(target) if carried is None else _in_process_namespace(carried)
     obj = getattr(module, name, None)
     if obj is None:
         found = sorted(n for n, v in vars(module).items()

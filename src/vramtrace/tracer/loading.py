@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelLoadError
-from ..custom_inputs import custom_ref
+from ..custom_inputs import IN_PROCESS_LOCATION, InProcessModel, custom_ref
 from .checkpoint_headers import hub_header, local_header
 
 _CONFIG_DIR = resources.files("vramtrace.tracer") / "configs"
@@ -266,8 +266,11 @@ def _hub(ref: str) -> ResolvedConfig:
     raise ModelLoadError(f"Hub repo {ref!r} has neither config.json nor params.json; {hint}") from last
 
 
-def resolve_config(ref: str) -> ResolvedConfig:
-    """Resolve `ref` (local path, bundled id or Hub id) to a config dict. Raises ModelLoadError."""
+def resolve_config(ref: "str | InProcessModel") -> ResolvedConfig:
+    """Resolve `ref` (local path, bundled id or Hub id) to a config dict; a custom module (a reference, or the
+    `InProcessModel` of `analyze(model=<nn.Module>)`) has none. Raises ModelLoadError."""
+    if isinstance(ref, InProcessModel):
+        return ResolvedConfig(ref=str(ref), config={}, source="custom", location=IN_PROCESS_LOCATION)
     if not ref or not ref.strip():
         raise ModelLoadError("empty model reference; pass a Hub id, a bundled id or a path to a config.json")
     custom = custom_ref(ref)
