@@ -89,6 +89,6 @@ def test_a_module_travels_in_the_spec_by_identity_with_no_registry():
     # nothing is registered for the duration of one analyze(): the spec traces again after it returned
     first, again = analyze(spec, levers=False), analyze(spec, levers=False)
     assert first.peak_allocated_bytes == again.peak_allocated_bytes > 0
-    assert first.model["ref"] == "ConvNet (nn.Module passed to analyze)"
+    assert first.model.ref == "ConvNet (nn.Module passed to analyze)"
     with pytest.raises(UsageError, match="apply to transformers models, not custom modules"):
         RunSpec(carried, 2, None, task="causal-lm")

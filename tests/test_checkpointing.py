@@ -126,8 +126,8 @@ def test_a_policy_that_costs_memory_is_reported():
             self.recompute_overhead = self.recompute_flops / self.step_flops
 
     ck = checkpointing_summary(R(120, 50), R(100, 40, "none"), "")
-    assert len(ck["notes"]) == 2 and "raises the peak" in ck["notes"][0]
-    assert checkpointing_summary(R(90, 30), R(100, 40, "none"), "")["notes"] == []
+    assert len(ck.notes) == 2 and "raises the peak" in ck.notes[0]
+    assert checkpointing_summary(R(90, 30), R(100, 40, "none"), "").notes == ()
 
 
 def test_parse_checkpointing():
