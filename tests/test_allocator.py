@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES
+from seam import recording, step_tables
 from vramtrace.analysis.allocator import (AllocatorOOM, CachingAllocatorModel, ExpandableSegmentsModel,
                                           allocation_size, replay_steps, round_size)
 from vramtrace.analysis.categories import Category
@@ -93,13 +94,10 @@ def test_max_split_size_keeps_oversize_blocks_for_large_requests():
 @pytest.mark.parametrize("config", ["tiny-gpt2", "tiny-llama-gqa", "tiny-bert"])
 def test_replay_of_a_traced_step_reproduces_its_allocated_peak(config):
     from vramtrace import RunSpec
-    from vramtrace.tracer.building import load_model
-    from vramtrace.tracer.loading import resolve_config
     from vramtrace.analysis.storages import storage_table
-    from vramtrace.tracer.trace import trace_step
 
     spec = RunSpec(str(FIXTURES / f"{config}.json"), batch=4, seq=64)
-    traced = trace_step(spec, load_model(spec, resolve_config(spec.model)))
+    traced = recording(spec)
     rows = storage_table(traced.ops, traced.storages, traced.marks)
     first = build_timeline(traced.ops, rows, 0, traced.counted_devices, 512)
     steady = build_timeline(traced.ops, rows, 1, traced.counted_devices, 512)
@@ -250,12 +248,9 @@ def test_cublas_workspaces_are_born_at_their_threads_first_gemm():
     free block may hold it); in the steady step both are alive from the start."""
     from vramtrace import RunSpec
     from vramtrace.analysis.device import GEMM_OPS
-    from vramtrace.tables import step_tables
-    from vramtrace.tracer.building import load_model
-    from vramtrace.tracer.loading import resolve_config
 
     spec = RunSpec(str(FIXTURES / "tiny-llama-gqa.json"), batch=2, seq=32, gpu="H100-80GB")
-    tables = step_tables(spec, load_model(spec, resolve_config(spec.model)))
+    tables = step_tables(spec)
     ops = tables.traced.ops
     rows = [s for s in tables.table if s.category is Category.CUBLAS_WORKSPACE]
     assert [(ops[s.op_index].step, s.phase) for s in rows] == [(0, "forward"), (0, "backward")]

@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from conftest import FIXTURES
+from seam import loaded_model
 from vramtrace import RunSpec, analyze, bridges, feature_bridges
 from vramtrace.cli import main
 from vramtrace.errors import BridgeError, VramtraceError
@@ -187,11 +188,7 @@ def test_a_target_whose_absence_is_not_needed(monkeypatch):
 
 
 def test_checkpoint_functions_are_routed_or_the_error_names_the_attribute():
-    from vramtrace.tracer.building import load_model
-    from vramtrace.tracer.loading import resolve_config
-
-    spec = RunSpec(TINY_GPT2, batch=1, seq=8)
-    model = load_model(spec, resolve_config(spec.model)).model
+    model = loaded_model(RunSpec(TINY_GPT2, batch=1, seq=8)).model
     with pytest.raises(BridgeError, match="_gradient_checkpointing_func on GPT2LMHeadModel's modules"):
         feature_bridges.route_checkpoint_functions(model, lambda *a, **k: None)  # checkpointing not enabled
     model.activation_checkpointing_enable({"use_reentrant": False})

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES
+from seam import step_tables
 from oracle import measure_cpu_peak
 from vramtrace import RunSpec, analyze
 from vramtrace.cli import main
@@ -208,12 +209,9 @@ def test_the_main_verdict_replays_a_tiny_model_under_its_capacity():
     report says it fits there, by releasing the cache, where the old criterion (unbounded reserved <= capacity)
     said over; one byte less and the report names the allocation that runs out of memory."""
     from vramtrace.analysis.pressure import replay_at_capacity
-    from vramtrace.tables import step_tables
-    from vramtrace.tracer.building import load_model
-    from vramtrace.tracer.loading import resolve_config
 
     spec = RunSpec(LLAMA, batch=128, seq=32, cuda_context_bytes=0)
-    t = step_tables(spec, load_model(spec, resolve_config(LLAMA)))
+    t = step_tables(spec)
     first, steady = t.timeline(step=0), t.timeline()
     unbounded = analyze(spec, levers=False).peak_reserved_bytes
     lo, hi = steady.peak_bytes - 1, unbounded

@@ -10,13 +10,11 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._pytree import tree_leaves
 
 from conftest import FIXTURES
+from seam import recording
 from vramtrace import RunSpec
 from vramtrace.errors import TraceError
-from vramtrace.tracer.building import load_model
 from vramtrace.tracer.fx_export import to_fx_graph
-from vramtrace.tracer.loading import resolve_config
 from vramtrace.tracer.recorder import TensorArg
-from vramtrace.tracer.trace import trace_step
 
 CASES = {  # (fixture, run options, the phases of the step)
     "llama-cpu-bf16-checkpointed": (
@@ -30,7 +28,7 @@ CASES = {  # (fixture, run options, the phases of the step)
 def case(request):
     name, extra, phases = CASES[request.param]
     spec = RunSpec(str(FIXTURES / f"{name}.json"), batch=2, seq=16, **extra)
-    return trace_step(spec, load_model(spec, resolve_config(spec.model)), keep_args=True), phases
+    return recording(spec, keep_args=True), phases
 
 
 def test_one_node_per_op_with_the_recorded_outputs(case):
@@ -81,4 +79,4 @@ def test_graph_module_runs_under_fake_tensors(case):
 def test_trace_without_arguments_is_refused():
     spec = RunSpec(str(FIXTURES / "tiny-gpt2.json"), batch=1, seq=8)
     with pytest.raises(TraceError, match="keep_args=True"):
-        to_fx_graph(trace_step(spec, load_model(spec, resolve_config(spec.model))))
+        to_fx_graph(recording(spec))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import FIXTURES
+from seam import recording
 from oracle import measure_cpu_peak
 from tolerance import assert_within
 from vramtrace import RunSpec, analyze, feature_bridges
@@ -145,13 +146,8 @@ MISTRAL_SW = str(FIXTURES / "tiny-mistral-sw.json")  # sliding_window 8: Dynamic
 def test_rebuilt_decode_steps_equal_every_step_traced(model, cache, seq, new_tokens, precision):
     """Decode steps traced in part and rebuilt (tracer/decoding.py) give the recording of tracing every step: the
     same ops, storages, frees and SDPA calls, to the field."""
-    from vramtrace.tracer.building import load_model
-    from vramtrace.tracer.loading import resolve_config
-    from vramtrace.tracer.trace import trace_step
-
     spec = _spec(model, 2, cache, seq=seq, new_tokens=new_tokens, precision=precision)
-    loaded = load_model(spec, resolve_config(spec.model))
-    rebuilt, full = trace_step(spec, loaded), trace_step(spec, loaded, rebuild_decode=False)
+    rebuilt, full = recording(spec), recording(spec, rebuild_decode=False)
     assert "the rest rebuilt" in rebuilt.trace_note and "decode" not in full.trace_note
     assert rebuilt.ops == full.ops
     assert rebuilt.storages == full.storages

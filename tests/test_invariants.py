@@ -8,14 +8,12 @@ import math
 import pytest
 
 from conftest import FIXTURES
+from seam import recording
 from vramtrace import RunSpec, analyze
 from vramtrace.analysis.categories import PERSISTENT, Category
 from vramtrace.analysis.liveness import build_timeline
 from vramtrace.analysis.storages import storage_table
-from vramtrace.tracer.building import load_model
-from vramtrace.tracer.checkpointing import layer_stack
-from vramtrace.tracer.loading import resolve_config
-from vramtrace.tracer.trace import _record, trace_step
+from vramtrace.tracer.recorder import StepRecorder
 
 CONFIGS = ["tiny-gpt2", "tiny-llama-gqa", "tiny-bert"]
 
@@ -79,7 +77,7 @@ def _expected_curves(traced, rows, step, block, optimal):
 @pytest.mark.parametrize("config", CONFIGS)
 def test_timeline_invariants(config, device, loop, extra):
     spec = RunSpec(str(FIXTURES / f"{config}.json"), batch=2, seq=16, device=device, loop=loop, **extra)
-    traced = trace_step(spec, load_model(spec, resolve_config(spec.model)))
+    traced = recording(spec)
     rows = storage_table(traced.ops, traced.storages, traced.marks, loop)
     _check_records(traced, rows)
     block = 512 if device == "cuda" else 1
@@ -99,11 +97,15 @@ def test_timeline_invariants(config, device, loop, extra):
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_recorded_frees_are_the_finalizers(config):
-    """Each op's `frees` are exactly the storages whose finalizer fired after it; a storage is freed once."""
+def test_recorded_frees_are_the_finalizers(config, monkeypatch):
+    """Each op's `frees` are exactly the storages whose finalizer fired after it; a storage is freed once. The
+    recorder the trace made is kept when it stops listening (`StepRecorder.detach`, which writes the frees)."""
     spec = RunSpec(str(FIXTURES / f"{config}.json"), batch=2, seq=16, device="cpu", checkpointing="layers")
-    loaded = load_model(spec, resolve_config(spec.model))
-    rec, *_ = _record(spec, loaded.model, loaded, lambda _m: None, layer_stack(loaded.model))
+    recorders, detach = [], StepRecorder.detach
+    monkeypatch.setattr(StepRecorder, "detach", lambda self: (detach(self), recorders.append(self))[0])
+    recording(spec)
+    assert len(recorders) == 1
+    rec = recorders[0]
     freed_by_op = [sid for o in rec.ops for sid in o.frees]
     assert len(freed_by_op) == len(set(freed_by_op))
     assert {sid: o.index for o in rec.ops for sid in o.frees} == {

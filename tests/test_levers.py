@@ -20,15 +20,29 @@ from vramtrace.reports.terminal import render
 
 LLAMA, GPT2 = (str(FIXTURES / f"{c}.json") for c in ("tiny-llama-gqa", "tiny-gpt2"))
 BASE = ["--batch", "4", "--seq", "64", "--device", "cpu"]
-# the cost classes of the module docstring, by family (the optimizer's for-loop is class 1, its others 0)
-COST_CLASS = {"use_cache": 0, "optimizer_impl": 0, "optimizer_8bit": 1, "checkpointing": 2, "micro_batch": 3,
-              "lora": 4, "qlora": 4, "fsdp": 5}
+
+
+def _cli_json(args: list[str], tmp_path, capsys) -> dict:
+    out = tmp_path / "r.json"
+    assert main([LLAMA, *args, "--json", str(out), "-q", "--no-levers"]) == 0, capsys.readouterr().err
+    return json.loads(out.read_text())
 
 
 def _cli_peak(args: list[str], tmp_path, capsys) -> int:
-    out = tmp_path / "r.json"
-    assert main([LLAMA, *args, "--json", str(out), "-q", "--no-levers"]) == 0, capsys.readouterr().err
-    return json.loads(out.read_text())["peak_allocated_bytes"]
+    return _cli_json(args, tmp_path, capsys)["peak_allocated_bytes"]
+
+
+def _what_it_costs(run: dict, base: dict) -> tuple:
+    """What a lever costs the run, read from the JSON report of the run its options make (`run`) against the
+    base run's (`base`), most expensive first, as the ranking of vramtrace.levers' docstring orders it: more GPUs
+    (FSDP2's world), another training (other trainable parameters: LoRA, QLoRA), more micro-batches per optimizer
+    step, a forward re-run in the backward (the report's `checkpointing` entry names the regions) and the share of
+    the step's FLOPs it recomputes, another optimizer (8-bit states). Equal tuples: no order between them is
+    checked."""
+    recomputes = bool((run["checkpointing"] or {}).get("checkpointed"))
+    return (run["run"].get("fsdp", {}).get("world", 1), run["model"]["trainable_params"] != base["model"][
+        "trainable_params"], run["run"]["grad_accum"], recomputes, run["recompute_flops"] / run["step_flops"],
+        run["run"]["optimizer"] != base["run"]["optimizer"])
 
 
 def _spec(**kw) -> RunSpec:
@@ -53,12 +67,16 @@ def test_each_lever_is_the_run_its_options_make(just_over, tmp_path, capsys):
     # the run's checkpointing (none) kept: without the option QLoRA would checkpoint as peft does by default
     assert by_family["qlora"].options == ("--quantization nf4 --double-quant --bnb-compute-dtype bf16 "
                                              "--lora-rank 16 --checkpointing none")
-    assert [COST_CLASS[f] for f in families] == sorted(COST_CLASS[f] for f in families)
     ckpt = [lv.recompute_overhead for lv in levers.levers if lv.family == "checkpointing"]
     assert ckpt == sorted(ckpt) and ckpt[-1] > 0.1  # layers recomputes every layer's forward
+    base, costs = _cli_json(BASE, tmp_path, capsys), []
     for lv in levers.levers:
         assert lv.fits and lv.saves_bytes > 0
-        assert _cli_peak(BASE + lv.options.split(), tmp_path, capsys) == lv.peak_allocated_bytes, lv
+        run = _cli_json(BASE + lv.options.split(), tmp_path, capsys)
+        assert run["peak_allocated_bytes"] == lv.peak_allocated_bytes, lv
+        costs.append(_what_it_costs(run, base))
+    assert costs == sorted(costs), list(zip(families, costs))  # ranked cheapest first
+    assert len(set(costs)) >= 4  # the order is checked across 8-bit states, recompute, micro-batches, LoRA
     assert levers.combination is None  # a single lever is enough
 
 

@@ -71,12 +71,11 @@ def test_analyze_a_real_build_and_a_measured_step_leave_global_state_as_found():
 
 def test_peft_is_imported_only_for_lora(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` raises ImportError, as when not installed
-    from vramtrace.tracer.building import load_model
-    from vramtrace.tracer.loading import resolve_config
+    from seam import loaded_model
 
-    assert load_model(RunSpec(TINY_GPT2, batch=1, seq=8), resolve_config(TINY_GPT2)).params > 0
+    assert loaded_model(RunSpec(TINY_GPT2, batch=1, seq=8)).params > 0
     with pytest.raises(UsageError, match=re.escape("--lora-rank needs peft: pip install 'vramtrace[lora]'")):
-        load_model(RunSpec(TINY_GPT2, batch=1, seq=8, lora_rank=4), resolve_config(TINY_GPT2))
+        loaded_model(RunSpec(TINY_GPT2, batch=1, seq=8, lora_rank=4))
     assert main([TINY_GPT2, "--batch", "1", "--seq", "8", "--lora-rank", "4"]) == 2
     assert capsys.readouterr().err == "Error: --lora-rank needs peft: pip install 'vramtrace[lora]'\n"
 

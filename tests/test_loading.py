@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from seam import loaded_model
 from vramtrace import RunSpec
 from vramtrace.errors import ModelLoadError
-from vramtrace.tracer.building import load_model
 from vramtrace.tracer.loading import meta_params_to_hf, resolve_config
 
 # Published parameter counts (model cards / the issue), not computed by vramtrace.
@@ -25,9 +25,8 @@ EXPECTED = {
 
 @pytest.mark.parametrize("ref", sorted(EXPECTED))
 def test_bundled_param_counts_exact(ref):
-    resolved = resolve_config(ref)
-    assert resolved.source == "bundled"
-    assert load_model(RunSpec(ref, 1, 8), resolved).params == EXPECTED[ref]
+    assert resolve_config(ref).source == "bundled"
+    assert loaded_model(RunSpec(ref, 1, 8)).params == EXPECTED[ref]
 
 
 def test_meta_params_json_llama2_7b():
@@ -39,9 +38,8 @@ def test_meta_params_json_llama2_7b():
 def test_local_dir_and_params_json(tmp_path):
     (tmp_path / "params.json").write_text(json.dumps(
         {"dim": 4096, "multiple_of": 256, "n_heads": 32, "n_layers": 32, "norm_eps": 1e-05, "vocab_size": -1}))
-    resolved = resolve_config(str(tmp_path))
-    assert resolved.source == "local"
-    assert load_model(RunSpec(str(tmp_path), 1, 8), resolved).params == EXPECTED["meta-llama/Llama-2-7b"]
+    assert resolve_config(str(tmp_path)).source == "local"
+    assert loaded_model(RunSpec(str(tmp_path), 1, 8)).params == EXPECTED["meta-llama/Llama-2-7b"]
 
 
 @pytest.mark.parametrize("content,needle", [
@@ -53,14 +51,14 @@ def test_bad_configs(tmp_path, content, needle):
     p = tmp_path / "config.json"
     p.write_text(content)
     with pytest.raises(ModelLoadError, match=needle):
-        load_model(RunSpec(str(p), 1, 8), resolve_config(str(p)))
+        loaded_model(RunSpec(str(p), 1, 8))
 
 
 def test_remote_code_refused_without_flag(tmp_path):
     p = tmp_path / "config.json"
     p.write_text(json.dumps({"model_type": "llama", "auto_map": {"AutoConfig": "evil.Config"}}))
     with pytest.raises(ModelLoadError, match="--trust-remote-code"):
-        load_model(RunSpec(str(p), 1, 8), resolve_config(str(p)))
+        loaded_model(RunSpec(str(p), 1, 8))
 
 
 def test_missing_path():
@@ -84,4 +82,4 @@ def test_unknown_hub_id_offline(monkeypatch):
     ("gpt2-medium", 354_823_168), ("gpt2-large", 774_030_080), ("gpt2-xl", 1_557_611_200),
 ])
 def test_bundled_parameter_counts(ref, params):
-    assert load_model(RunSpec(ref, batch=1, seq=8), resolve_config(ref)).params == params
+    assert loaded_model(RunSpec(ref, batch=1, seq=8)).params == params

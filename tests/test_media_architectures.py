@@ -11,11 +11,11 @@ import json
 import pytest
 
 from oracle import measure_cpu_peak
+from seam import loaded_model
 from tolerance import assert_within
 from vramtrace import RunSpec, analyze
 from vramtrace.cli import main
 from vramtrace.errors import UsageError
-from vramtrace.tracer.building import load_model
 from vramtrace.tracer.loading import resolve_config
 
 TINY = dict(num_hidden_layers=2)
@@ -124,7 +124,7 @@ def test_whisper_input_features_have_the_feature_extractors_shape(tmp_path):
     from transformers import WhisperFeatureExtractor
 
     path = _whisper(tmp_path)
-    loaded = load_model(RunSpec(path, batch=2, seq=16, mode="inference", device="cpu"), resolve_config(path))
+    loaded = loaded_model(RunSpec(path, batch=2, seq=16, mode="inference", device="cpu"))
     shapes = {name: shape for name, _, shape in loaded.input_summary()}
     real = WhisperFeatureExtractor(feature_size=80)([np.zeros(16000, np.float32)] * 2, sampling_rate=16000,
                                                     return_tensors="pt").input_features

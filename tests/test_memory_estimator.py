@@ -20,12 +20,10 @@ from torch._inductor.fx_passes.memory_estimator import build_memory_profile
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import FIXTURES
+from seam import step_tables
 from vramtrace import RunSpec
 from vramtrace.analysis.categories import PERSISTENT
 from vramtrace.analysis.liveness import interval, round_block
-from vramtrace.tables import step_tables
-from vramtrace.tracer.building import load_model
-from vramtrace.tracer.loading import resolve_config
 
 
 def _op(*reads):
@@ -83,7 +81,7 @@ def storage_graph(tables) -> tuple[fx.Graph, set[fx.Node]]:
 def test_graph_optimal_peak_equals_pytorchs_memory_estimator(fixture, device, precision, checkpointing):
     spec = RunSpec(str(FIXTURES / fixture), batch=2, seq=32, device=device, precision=precision,
                    checkpointing=checkpointing)
-    tables = step_tables(spec, load_model(spec, resolve_config(spec.model)))
+    tables = step_tables(spec)
     graph, releasable = storage_graph(tables)
     profile = build_memory_profile(graph, lambda n: n in releasable)
     optimal = tables.timeline(optimal=True)

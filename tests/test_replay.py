@@ -10,10 +10,8 @@ import textwrap
 import pytest
 
 from conftest import FIXTURES
+from seam import recording
 from vramtrace import RunSpec
-from vramtrace.tracer.building import load_model
-from vramtrace.tracer.loading import resolve_config
-from vramtrace.tracer.trace import trace_step
 
 CASES = [
     ("tiny-gpt2", dict()),
@@ -27,10 +25,7 @@ CASES = [
 
 
 def _both(spec: RunSpec):
-    resolved = resolve_config(spec.model)
-    full = trace_step(spec, load_model(spec, resolved), replay_steady=False)
-    replayed = trace_step(spec, load_model(spec, resolved))
-    return full, replayed
+    return recording(spec, replay_steady=False), recording(spec)
 
 
 def _assert_same(full, replayed) -> None:

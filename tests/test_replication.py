@@ -15,15 +15,13 @@ from hypothesis import strategies as st
 
 from conftest import FIXTURES, deep_config
 from oracle import measure_cpu_peak
+from seam import loaded_model, recording
 from tolerance import assert_within
 from vramtrace import RunSpec, analyze
 from vramtrace.analysis.liveness import build_timeline
-from vramtrace.tracer.building import load_model
-from vramtrace.tracer.loading import resolve_config
 from vramtrace.tracer.records import RecOp, RecStorage
 from vramtrace.tracer.replication import LayerPlan, NotPeriodic, canonical_frees, replicate_layers
 from vramtrace.analysis.storages import storage_table
-from vramtrace.tracer.trace import trace_step
 
 
 # -- hand-built records --------------------------------------------------------------------------------------
@@ -154,10 +152,7 @@ VARIANTS = [dict(device="cuda", precision="bf16-mixed"), dict(device="cpu", prec
 @pytest.mark.parametrize("config", ["tiny-gpt2", "tiny-llama-gqa", "tiny-bert"])
 def test_replicated_trace_equals_full_trace(tmp_path, config, variant):
     spec = RunSpec(deep_config(tmp_path, config, 7), batch=2, seq=16, **variant)
-    resolved = resolve_config(spec.model)
-    fast = trace_step(spec, load_model(spec, resolved))
-    full = trace_step(dataclasses.replace(spec, replicate_layers=False), load_model(
-        dataclasses.replace(spec, replicate_layers=False), resolved))
+    fast, full = recording(spec), recording(dataclasses.replace(spec, replicate_layers=False))
     assert fast.trace_note.startswith("traced 4 of 7 layers"), fast.trace_note
     assert [(o.name, o.phase, o.module) for o in fast.ops] == [(o.name, o.phase, o.module) for o in full.ops]
     assert fast.marks == full.marks
@@ -182,7 +177,7 @@ def test_alternating_layer_types_trace_every_layer(tmp_path):
     path = tmp_path / "alternating.json"
     path.write_text(json.dumps(cfg))
     spec = RunSpec(str(path), batch=1, seq=8)
-    loaded = load_model(spec, resolve_config(spec.model))
+    loaded = loaded_model(spec)
     assert loaded.layer_plan is None and "layer_types" in loaded.replication_note
 
 

@@ -6,10 +6,12 @@ the trace against the tensors vLLM's profile run makes."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from conftest import FIXTURES
+from seam import step_tables
 from vramtrace import RunSpec
 from vramtrace.cli import main
 from vramtrace.errors import UsageError
@@ -20,22 +22,31 @@ LLAMA31_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value
               "max_position_embeddings": 131072, "vocab_size": 128256}
 
 
-def test_llama31_8b_on_l40s_worked_by_hand():
-    """With a profile peak of 15 GiB (weights 14.96 GiB): requested = ceil(47577038848 × 0.92) = 43770875741;
-    available = requested - 15 GiB - 256 MiB - 512 MiB; a block is 32 layers × 2 × 16 × 8 × 128 × 2 B = 2 MiB;
-    8192 tokens need 512 blocks."""
-    r = plan(ServeSpec("x", gpu="L40S", max_model_len=8192), lambda t, s: (15 * 2**30, 16060522496, "mlp"),
-             LLAMA31_8B, 2)
-    assert (r["max_num_batched_tokens"], r["max_num_seqs"]) == (2048, 256)  # L40S is below 70 GiB
-    assert r["requested_bytes"] == 43770875741
-    available = 43770875741 - 15 * 2**30 - 256 * 2**20 - 512 * 2**20
-    assert r["available_kv_bytes"] == available and r["bytes_per_block"] == 2 * 2**20
-    assert r["num_blocks"] == available // (2 * 2**20) and r["blocks_per_request"] == 512
+def test_llama31_8b_worked_by_hand():
+    """vLLM's budget for Llama-3.1-8B's config on a 44 GiB device (`--gpu-memory`; below 70 GiB: the L40S tier's
+    batch defaults 2048/256), with a profile peak of 15 GiB (weights 14.96 GiB), 256 MiB of non-PyTorch memory and
+    512 MiB of CUDA graphs, worked here from vLLM 0.33's formulas: requested = ceil(total × 0.92), vLLM's default
+    gpu_memory_utilization (vllm/config/cache.py); available = requested - peak - non-PyTorch - CUDA graphs; a
+    block is layers × 2 (K and V) × 16 tokens (vLLM's default block size) × KV heads × head size × 2 B (bf16),
+    32 × 2 × 16 × 8 × 128 × 2 B = 2 MiB; 8192 tokens need 8192 / 16 = 512 blocks; block 0 is the null block."""
+    total, peak = 44 * 2**30, 15 * 2**30
+    head_size = LLAMA31_8B["hidden_size"] // LLAMA31_8B["num_attention_heads"]
+    block = LLAMA31_8B["num_hidden_layers"] * 2 * 16 * LLAMA31_8B["num_key_value_heads"] * head_size * 2
+    assert block == 2 * 2**20
+    terms = dict(gpu="L40S", gpu_memory_bytes=total, max_model_len=8192, non_torch_bytes=256 * 2**20,
+                 cudagraph_bytes=512 * 2**20)
+    r = plan(ServeSpec("x", **terms), lambda t, s: (peak, 16060522496, "mlp"), LLAMA31_8B, 2)
+    assert (r["max_num_batched_tokens"], r["max_num_seqs"]) == (2048, 256)
+    requested = math.ceil(total * 0.92)
+    assert r["requested_bytes"] == requested
+    available = requested - peak - 256 * 2**20 - 512 * 2**20
+    assert r["available_kv_bytes"] == available and r["bytes_per_block"] == block
+    assert r["num_blocks"] == available // block and r["blocks_per_request"] == 8192 // 16
     assert r["max_concurrency"] == r["num_blocks"] / 512 and r["kv_cache_tokens"] == int(r["num_blocks"] / 512 * 8192)
-    assert r["longest_by_kv_bytes"] == (available - 2 * 2**20) // (2 * 2**20) * 16
-    fp8 = plan(ServeSpec("x", gpu="L40S", max_model_len=8192, kv_cache_dtype="fp8", enforce_eager=True),
-               lambda t, s: (15 * 2**30, 16060522496, "mlp"), LLAMA31_8B, 2)
-    assert fp8["bytes_per_block"] == 2**20 and fp8["cudagraph_bytes"] == 0
+    assert r["longest_by_kv_bytes"] == (available - block) // block * 16
+    fp8 = plan(ServeSpec("x", **terms, kv_cache_dtype="fp8", enforce_eager=True),
+               lambda t, s: (peak, 16060522496, "mlp"), LLAMA31_8B, 2)
+    assert fp8["bytes_per_block"] == block // 2 and fp8["cudagraph_bytes"] == 0  # 1 B per element; no graphs
 
 
 def test_batch_defaults_follow_the_gpu_tier():
@@ -56,14 +67,10 @@ def test_a_long_max_model_len_that_does_not_fit_says_so():
 def test_the_profile_run_trace_holds_vllms_tensors():
     """The traced forward keeps logits for R rows only, the dummy sampler's fp32 (R, V) copies exist, and the
     runner's (M, V) int32 bin counts are alive from the start."""
-    from vramtrace.tables import step_tables
-    from vramtrace.tracer.building import load_model
-    from vramtrace.tracer.loading import resolve_config
-
     cfg = json.loads((FIXTURES / "tiny-llama-gqa.json").read_text())
     V, T, R = cfg["vocab_size"], 40, 8  # T: not the hidden size (64), so shapes tell them apart
     spec = RunSpec(LLAMA, batch=1, seq=T, mode="inference", precision="bf16", serve_requests=R)
-    tables = step_tables(spec, load_model(spec, resolve_config(LLAMA)))
+    tables = step_tables(spec)
     shapes = [(s.shape, s.dtype) for s in tables.traced.storages]
     assert ((R, V), "bfloat16") in shapes  # the lm_head's output: R rows (a matmul over (R, hidden))
     assert not any(V in shape and T in shape for shape, _ in shapes)  # no logits for every token

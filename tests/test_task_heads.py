@@ -10,12 +10,11 @@ import torch
 import oracle
 from conftest import FIXTURES
 from oracle import measure_cpu_peak
+from seam import loaded_model
 from tolerance import assert_within
 from vramtrace import RunSpec, analyze
 from vramtrace.cli import main
 from vramtrace.errors import ModelLoadError, UsageError
-from vramtrace.tracer.building import load_model
-from vramtrace.tracer.loading import resolve_config
 
 MODELS = {"tiny-bert": "Bert", "tiny-roberta": "Roberta", "tiny-llama-gqa": "Llama"}
 HEADS = {"sequence-classification": "ForSequenceClassification", "token-classification": "ForTokenClassification",
@@ -65,7 +64,7 @@ def test_multiple_choice_matches_real_cpu_run(tmp_path, config, choices):
 
 
 def _meta_inputs(spec: RunSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    loaded = load_model(spec, resolve_config(spec.model))
+    loaded = loaded_model(spec)
     return {k: (tuple(v.shape), v.dtype) for k, v in loaded.inputs.items() if isinstance(v, torch.Tensor)}
 
 
@@ -127,8 +126,7 @@ def test_task_errors(tmp_path, capsys):
                  "causal-lm", "text-generation", "fill-mask", "text2text-generation", "image-classification"):
         assert name in err
     with pytest.raises(ModelLoadError, match=r"model_type 'llama' has no multiple-choice head"):
-        load_model(RunSpec(FIXTURES.joinpath("tiny-llama-gqa.json").as_posix(), batch=1, seq=8, task="multiple-choice"),
-                   resolve_config(str(FIXTURES / "tiny-llama-gqa.json")))
+        loaded_model(RunSpec(FIXTURES.joinpath("tiny-llama-gqa.json").as_posix(), batch=1, seq=8, task="multiple-choice"))
     assert main([bert, "--seq", "8", "--task", "seq2seq-lm"]) == 1
     err = capsys.readouterr().err
     assert "model_type 'bert' has no seq2seq-lm head" in err and len(err.strip().splitlines()) == 1
@@ -181,7 +179,7 @@ def test_config_key_flex_attention_is_refused(tmp_path):
     """The config's own attn_implementation is checked too: no trace failure deep in torch."""
     path = head_config(tmp_path, "tiny-llama-gqa", "LlamaForCausalLM", attn_implementation="flex_attention")
     with pytest.raises(ModelLoadError, match="flex_attention cannot be traced"):
-        load_model(RunSpec(path, batch=1, seq=8), resolve_config(path))
+        loaded_model(RunSpec(path, batch=1, seq=8))
 
 
 def test_unknown_attn_implementation_is_a_usage_error(capsys):
@@ -197,17 +195,23 @@ def test_unknown_attn_implementation_is_a_usage_error(capsys):
     ("bert", "question-answering", "AutoModelForQuestionAnswering", "BertForQuestionAnswering"),
     ("deit", "image-classification", "AutoModelForImageClassification", "DeiTForImageClassification"),  # 2 mapped
 ])
-def test_the_class_built_follows_transformers_auto_tables(model_type, task, auto, built):
+def test_the_class_built_follows_transformers_auto_tables(tmp_path, model_type, task, auto, built):
     """Without `architectures`, the class built is the one transformers' Auto class maps the model_type to (its
-    `MODEL_FOR_*_MAPPING_NAMES`; for several, the first, as `auto_factory._get_model_class` picks); a model_type
-    the task's Auto class does not map is a ModelLoadError naming the task."""
+    `MODEL_FOR_*_MAPPING_NAMES`; for several, the first, as `auto_factory._get_model_class` picks): the class the
+    Auto class itself builds from the same config; a model_type the task's Auto class does not map is a
+    ModelLoadError naming the task."""
     import transformers
 
-    from vramtrace.spec import Task
-    from vramtrace.tracer.building import _model_class
+    def saved(model_type: str) -> str:
+        config = transformers.AutoConfig.for_model(model_type)
+        config.architectures = []  # none named (None: transformers 5.24's `_get_model_class` fails for a model_type
+        config.save_pretrained(tmp_path / model_type)  # mapped to two classes, DeiT's; so does building it)
+        return str(tmp_path / model_type / "config.json")
 
-    config = transformers.AutoConfig.for_model(model_type)
-    cls, name = _model_class(config, False, Task(task) if task else None)
-    assert (cls, name) == (getattr(transformers, auto), built)
+    path = saved(model_type)
+    with torch.device("meta"):
+        real = getattr(transformers, auto).from_config(transformers.AutoConfig.from_pretrained(path))
+    loaded = loaded_model(RunSpec(path, batch=1, seq=8, task=task))
+    assert type(loaded.model).__name__ == loaded.architecture == type(real).__name__ == built
     with pytest.raises(ModelLoadError, match="ctc head"):
-        _model_class(transformers.AutoConfig.for_model("bert"), False, Task.CTC)
+        loaded_model(RunSpec(saved("bert"), batch=1, seq=8, task="ctc"))

@@ -4,8 +4,9 @@ assemble the MemoryReport; the checkpointing baseline and planner, the lever sea
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from .report.sections import ComparisonRow, LeversSummary, ModelInfo
 from .search import Trace, TraceSession
@@ -53,8 +54,8 @@ def analyze(spec: RunSpec | None = None, progress: Callable[[str], None] | None 
 
         return plan_checkpointing(spec, _analyze_one, say)
     with _eager_beside(spec) as eager_job:
-        with _FrozenHeap() as heap:
-            done = _analyze_one_frozen(spec, say, heap)
+        with trace_session(spec, say) as session:
+            done = _analyze_one_frozen(session)
             report = done.report
             if levers and report.fit is not None and not report.fit.fits:
                 report = replace(report, levers=_levers(done))
@@ -122,9 +123,8 @@ def _analyze_eager(spec: RunSpec):
     second time with `--use-cache false` (`run["use_cache_false_peak_bytes"]` is left out)."""
     from dataclasses import replace
 
-    with _FrozenHeap() as heap:
-        done = _analyze_one_frozen(replace(spec, compile=False), lambda _msg: None, heap, use_cache_variant=False)
-    return done.report
+    with trace_session(replace(spec, compile=False)) as session:
+        return _analyze_one_frozen(session, use_cache_variant=False).report
 
 
 def _eager_report(spec: RunSpec, job, say: Callable[[str], None]):
@@ -204,6 +204,23 @@ class _FrozenHeap:
             gc.unfreeze()
 
 
+@contextmanager
+def trace_session(spec: RunSpec, progress: Callable[[str], None] | None = None) -> Iterator[TraceSession]:
+    """A context holding the `search.TraceSession` of `spec` with the garbage collector's heap frozen
+    (`_FrozenHeap`, restored on exit): `spec.model`'s config resolved (before torch is imported, saying
+    "resolving config" to `progress` first) and the run's precision resolved into `session.spec`. Every
+    `analyze` opens one; so do the tests that need more than a MemoryReport (the seam they use, issue 40):
+    `session.load(spec)` builds the model on meta (`tracer.building.LoadedModel`), `session.record(spec, loaded)`
+    traces its step (`tables.StepTables`: the recording's ops and storages, the storage table, its timelines),
+    `session.trace(spec)` both, kept per spec; a variant of the trace (`tracer.trace.trace_step`'s
+    `replay_steady`, `rebuild_decode`, `keep_args`) is `trace_step(spec, session.load(spec), ...)`. Raises
+    ModelLoadError (bad model reference or config)."""
+    say = progress or (lambda _m: None)
+    say("resolving config")
+    with _FrozenHeap() as heap:
+        yield TraceSession.start(spec, say, heap)
+
+
 @dataclass(frozen=True, slots=True)
 class Analysed:
     """What `_analyze_one_frozen` made: the MemoryReport, the spec it reports (precision resolved; the worst rank
@@ -250,8 +267,8 @@ def _use_cache_false_peak(session: TraceSession, spec: RunSpec) -> int:
 
 
 def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
-    with _FrozenHeap() as heap:
-        return _analyze_one_frozen(spec, say, heap).report
+    with trace_session(spec, say) as session:
+        return _analyze_one_frozen(session).report
 
 
 def _trace_worst_rank(session: TraceSession, spec: RunSpec, loaded) -> tuple[RunSpec, object, dict]:
@@ -274,19 +291,17 @@ def _trace_worst_rank(session: TraceSession, spec: RunSpec, loaded) -> tuple[Run
     return replace(spec, rank=worst[0]), tables[worst], rank_peaks
 
 
-def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _FrozenHeap,
-                        use_cache_variant: bool = True) -> Analysed:
-    """The MemoryReport of `spec`, with the spec it reports and the session of its traces (`Analysed`).
-    `use_cache_variant`: when the config's KV cache is live at the peak, the step is traced again with use_cache
-    false (`run["use_cache_false_peak_bytes"]`; `_use_cache_false_peak`)."""
+def _analyze_one_frozen(session: TraceSession, use_cache_variant: bool = True) -> Analysed:
+    """The MemoryReport of the session's spec (`trace_session`), with the spec it reports and the session of its
+    traces (`Analysed`). `use_cache_variant`: when the config's KV cache is live at the peak, the step is traced
+    again with use_cache false (`run["use_cache_false_peak_bytes"]`; `_use_cache_false_peak`)."""
     from .analysis.storages import loop_peaks as loops_peaks
     from .analysis.summary import summarize
 
-    say("resolving config")  # before torch is imported: a bad model reference answers at once
-    session = TraceSession.start(spec, say, heap)
+    say = session.say
     say("building model on meta")
     loaded = session.load(session.spec)
-    heap.refreeze()  # torch, transformers and the model are built: out of the collector's way
+    session.heap.refreeze()  # torch, transformers and the model are built: out of the collector's way
     spec, main, rank_peaks = _trace_worst_rank(session, session.spec, loaded)
     say("liveness analysis")
     traced, steady = main.traced, main.timeline()
