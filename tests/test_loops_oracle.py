@@ -116,9 +116,9 @@ def test_use_cache_false_peak_is_a_real_run(tmp_path, precision):
     assert quiet.peak_allocated_bytes == off
     assert "use_cache_false_peak_bytes" not in quiet.run and kv_cache_note(quiet) == ""
     # --compile's eager comparison is the same step, not traced again without the cache: nothing shows that figure
-    from vramtrace.pipeline import _analyze_eager
+    from vramtrace.pipeline import analyze_eager
 
-    eager = _analyze_eager(RunSpec(model, compile=True, **base))
+    eager = analyze_eager(RunSpec(model, compile=True, **base))
     assert eager.peak_allocated_bytes == r.peak_allocated_bytes and "use_cache_false_peak_bytes" not in eager.run
 
 

@@ -1,11 +1,11 @@
-"""The CPU workspace probe's runs at reduced sizes (tracer/probe.py `CpuWorkspaceProbe`, `_reduced`): a large op's
+"""The CPU workspace probe's runs at reduced sizes (tracer/probe.py `CpuWorkspaceProbe`, `at_reduced_sizes`): a large op's
 workspace extrapolated from three reduced sizes must equal the one measured at full size, and an op whose
 workspace is not affine in the reduced dimension must be measured at full size."""
 
 import pytest
 import torch
 
-from vramtrace.tracer.probe import CpuWorkspaceProbe, _reduced
+from vramtrace.tracer.probe import CpuWorkspaceProbe, at_reduced_sizes
 
 aten = torch.ops.aten
 
@@ -22,11 +22,11 @@ def _both(func, args, kwargs=None):
 def test_reduced_tensors_keep_their_dimension_order_and_broadcasts():
     t = torch.empty(2048, 512, device="meta").t()  # (512, 2048), strides (1, 512)
     e = torch.empty(512, 1, device="meta").expand(512, 2048)
-    r, re = _reduced((t, e), {2048: 128})
+    r, re = at_reduced_sizes((t, e), {2048: 128})
     assert r.shape == (512, 128) and r.stride() == (1, 512)
     assert re.shape == (512, 128) and re.stride() == (1, 0)
-    assert _reduced(([2048, 3],), {2048: 128}) == ([128, 3],)
-    assert _reduced((torch.empty(4096, device="meta")[::2],), {2048: 128}) is None  # a strided slice: not dense
+    assert at_reduced_sizes(([2048, 3],), {2048: 128}) == ([128, 3],)
+    assert at_reduced_sizes((torch.empty(4096, device="meta")[::2],), {2048: 128}) is None  # a strided slice: not dense
 
 
 def test_an_upcast_copy_is_extrapolated_exactly():
@@ -216,7 +216,7 @@ def test_a_dtensor_op_is_probed_as_the_local_op_each_rank_runs(monkeypatch):
         probe = CpuWorkspaceProbe()
         ws, got = probe(aten.add.Tensor, (a, b), {}, out)
         assert got is out and ws == 4 * 1024 * 4
-        assert probe_module._dtensor_local_op(aten.add.Tensor, (a, sharded(torch.float32, 1)), {}, out) is None
+        assert probe_module.dtensor_local_op(aten.add.Tensor, (a, sharded(torch.float32, 1)), {}, out) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

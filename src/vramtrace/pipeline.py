@@ -102,7 +102,7 @@ def _spec_from(model, options: dict) -> RunSpec:
 
 def _eager_beside(spec: RunSpec):
     """A context: for a `--compile` spec on a machine with two or more cores, the `SecondProcess` computing the
-    eager step's report (`_analyze_eager`) while this process traces the compiled one; else None. A model passed
+    eager step's report (`analyze_eager`) while this process traces the compiled one; else None. A model passed
     as an nn.Module lives in this process only, so its eager step is traced here."""
     import contextlib
     import pickle
@@ -112,12 +112,12 @@ def _eager_beside(spec: RunSpec):
     if not spec.compile or cores() < 2 or spec.in_process is not None:
         return contextlib.nullcontext()
     try:
-        return SecondProcess(_analyze_eager, spec)
+        return SecondProcess(analyze_eager, spec)
     except (OSError, ValueError, pickle.PicklingError):  # no process can be started here (ValueError: no pass_fds
         return contextlib.nullcontext()  # off POSIX), or the spec holds an object of this process only: traced here
 
 
-def _analyze_eager(spec: RunSpec):
+def analyze_eager(spec: RunSpec):
     """The MemoryReport of `spec`'s step without torch.compile (the `compiled` comparison's eager side). Only its
     timeline and figures are shown (`compile_summary`, the HTML report's second page), so the step is not traced a
     second time with `--use-cache false` (`run["use_cache_false_peak_bytes"]` is left out)."""
@@ -128,7 +128,7 @@ def _analyze_eager(spec: RunSpec):
 
 
 def _eager_report(spec: RunSpec, job, say: Callable[[str], None]):
-    """`_analyze_eager(spec)`: the second process's answer when `job` runs it, else traced here (also when the
+    """`analyze_eager(spec)`: the second process's answer when `job` runs it, else traced here (also when the
     second process ended without an answer)."""
     if job is not None:
         say("the same step without torch.compile (in a second process)")
@@ -137,7 +137,7 @@ def _eager_report(spec: RunSpec, job, say: Callable[[str], None]):
         except ChildProcessError:
             pass
     say("the same step without torch.compile")
-    return _analyze_eager(spec)
+    return analyze_eager(spec)
 
 
 COMPARED_POLICIES = ("none", "layers", "selective")

@@ -114,7 +114,7 @@ class CpuWorkspaceProbe:
             # an op on host tensors only (a vision-language model's image grid, tracer/vlm.py) ran for real: its
             # outputs hold the values the model reads, and are not relaid by a run on zeros
             return 0, out
-        local = _dtensor_local_op(func, args, kwargs, out)
+        local = dtensor_local_op(func, args, kwargs, out)
         if local is not None:
             return self(func, *local)[0], out
         gloo = GLOO_TEMPORARY.get(func)
@@ -223,7 +223,7 @@ class CpuWorkspaceProbe:
         query = SCRATCHPAD_QUERIES.get(func)
         found, answered = [], query is not None
         for sizes, x in cuts:
-            reduced = tuple(_reduced(tree, sizes) for tree in (args, kwargs, out))
+            reduced = tuple(at_reduced_sizes(tree, sizes) for tree in (args, kwargs, out))
             w = self._reduced_run(func, *reduced, autocast)
             if w is None:
                 return None
@@ -248,11 +248,11 @@ class CpuWorkspaceProbe:
         4096 x 4096 matmul at 1/4, 4.3 GFLOP, takes 4.3 s on this AVX2 machine)."""
         if _reduced_bytes((args, kwargs, out), sizes) > REDUCED_RUN_BYTES:
             return False
-        r_args, r_kwargs, r_out = (_reduced(tree, sizes) for tree in (args, kwargs, out))
+        r_args, r_kwargs, r_out = (at_reduced_sizes(tree, sizes) for tree in (args, kwargs, out))
         return r_args is not None and op_flops(func, r_args, r_kwargs, r_out) <= self.reduce_above_flops
 
     def _reduced_run(self, func, r_args, r_kwargs, r_out, autocast) -> int | None:
-        """The workspace of one run of `func` on its arguments cut to reduced sizes (`_reduced`: meta, None where a
+        """The workspace of one run of `func` on its arguments cut to reduced sizes (`at_reduced_sizes`: meta, None where a
         tensor could not be cut), or None (not cut, it failed, or its outputs are not the reduced meta outputs)."""
         if any(x is None for x in (r_args, r_kwargs, r_out)):
             return None
@@ -288,7 +288,7 @@ class CpuWorkspaceProbe:
         return peak, out
 
 
-def _dtensor_local_op(func, args, kwargs, out) -> tuple | None:
+def dtensor_local_op(func, args, kwargs, out) -> tuple | None:
     """(args, kwargs, out) of the local op a DTensor op runs on each rank: every DTensor replaced by its local tensor
     (torch.distributed.tensor's dispatch runs `func` on the local shards, torch/distributed/tensor/_dispatch.py
     `OpDispatcher.dispatch`), when `func` on the local tensors (meta) gives outputs shaped as the DTensor outputs'
@@ -334,7 +334,7 @@ def op_flops(func, args, kwargs, out) -> int:
     return int(flop_rule(*args, **kwargs, out_val=out)) if flop_rule is not None else 0
 
 
-def _reduced(tree, sizes: dict[int, int]):
+def at_reduced_sizes(tree, sizes: dict[int, int]):
     """`tree` (an op's arguments or outputs, meta tensors) with every tensor dimension whose size is a key of
     `sizes`, and every such int in a list of sizes, cut to its value; each tensor keeps its dimension order (its
     strides are those of a dense tensor laid out in the original order; broadcast dimensions keep stride 0). None
