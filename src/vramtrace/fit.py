@@ -34,7 +34,7 @@ from .errors import UsageError
 from .report.data import to_data
 from .report.sections import LeversSummary
 from .spec import Device, RunSpec
-from .search import MAX_RANKS, SEQ_STEP, Curve, TraceSession, aligned, fewest_ranks, largest, same_bytes, within
+from .search import MAX_RANKS, SEQ_STEP, Curve, TraceSession, aligned, fewest_ranks, frozen_session, largest, same_bytes, within
 
 BATCH_NODES = (2, 3, 4)  # not 1: at batch 1 some reshapes are views, at 2 and more copies
 MAX_BATCH = 1 << 20  # the search's upper end for the batch axis
@@ -133,8 +133,6 @@ def fit(spec: RunSpec, axis: str, capacity_bytes: int | None = None, headroom: f
     [0, 1)). When not even the smallest size fits and `levers` is true, the result's `levers` says what makes it
     fit (`vramtrace.levers`). Raises UsageError (bad axis, capacity or headroom; the CPU target without a
     capacity), and what `analyze` raises."""
-    from .pipeline import _FrozenHeap
-
     say = progress or (lambda _m: None)
     if axis not in ("batch", "seq", "fsdp"):
         raise UsageError(f"fit searches 'batch', 'seq' or 'fsdp', got {axis!r}")
@@ -153,8 +151,8 @@ def fit(spec: RunSpec, axis: str, capacity_bytes: int | None = None, headroom: f
     if budget <= 0:
         raise UsageError(f"the capacity less --headroom leaves nothing beside the CUDA context "
                          f"({spec.cuda_context:,} bytes; --cuda-context sets it)")
-    with _FrozenHeap() as heap:
-        return _fit(spec, axis, capacity_bytes, budget, cuda, say, heap, levers)
+    with frozen_session(spec, say) as session:
+        return _fit(session, axis, capacity_bytes, budget, cuda, levers)
 
 
 WALK = 16  # sizes the search walks down from the allocated bound before it bisects on the replay's verdict
@@ -221,8 +219,7 @@ class _Search:
         return best, bound
 
 
-def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, heap, levers: bool) -> FitResult:
-    session = TraceSession.start(spec, say, heap)
+def _fit(session: TraceSession, axis: str, capacity: int, budget: int, cuda: bool, levers: bool) -> FitResult:
     if axis == "fsdp":
         return _fit_ranks(session, capacity, budget, cuda)
     s = _Search(session, axis, cuda, budget)
@@ -250,7 +247,7 @@ def _fit(spec: RunSpec, axis: str, capacity: int, budget: int, cuda: bool, say, 
         except _NotPolynomial as e:
             why = f"a storage's bytes are not an integer at {axis} {e.x}: not polynomial"
     if not method:
-        say(f"bisection by exact traces ({why})")
+        session.say(f"bisection by exact traces ({why})")
         best, bound = s.best_size(limit, True)
         method = f"bisection by exact traces ({why})"
     return _result(s, spec, capacity, limit, best, bound, method, levers)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from .report.sections import ComparisonRow, LeversSummary, ModelInfo
-from .search import Trace, TraceSession
+from .search import Trace, TraceSession, frozen_session
 from .spec import KBIT_TRAINING_CHECKPOINTING, CheckpointingKind, Device, Mode, RunSpec
 from .summaries import (adapters_summary, checkpointing_summary, compile_summary, cuda_context_summary, moe_summary,
                         ranks_text, sharding_summary, step_summary, target_warnings)
@@ -172,42 +172,12 @@ def compare(spec: RunSpec, policies=COMPARED_POLICIES, progress: Callable[[str],
     return with_comparison(compare_reports(spec, policies, progress), policies)
 
 
-class _FrozenHeap:
-    """While open, the objects that existed at `__enter__` and at each `refreeze()` are moved out of the cyclic
-    garbage collector's reach (`gc.freeze`); on exit they are put back (`gc.unfreeze`). When the caller had frozen
-    objects itself it does nothing, so the collector's state is left as it was.
-
-    A trace makes and drops hundreds of thousands of small objects, so the collector runs full (generation 2)
-    collections, each walking every object torch and transformers hold (~0.3 s for Llama-2-7b's analysis). Frozen,
-    those are not walked; the objects the trace makes are collected as before (some storages are held by
-    reference cycles, e.g. selective checkpointing's caches, and die when the collector runs, as in the real
-    step: pausing the collector instead kept them alive and over-predicted those runs by up to 11%)."""
-
-    def __enter__(self):
-        import gc
-
-        self.owner = gc.get_freeze_count() == 0
-        self.refreeze()
-        return self
-
-    def refreeze(self) -> None:
-        """Freeze what exists now as well (call after torch and transformers have been imported)."""
-        import gc
-
-        if self.owner:
-            gc.freeze()
-
-    def __exit__(self, *exc) -> None:
-        import gc
-
-        if self.owner:
-            gc.unfreeze()
 
 
 @contextmanager
 def trace_session(spec: RunSpec, progress: Callable[[str], None] | None = None) -> Iterator[TraceSession]:
     """A context holding the `search.TraceSession` of `spec` with the garbage collector's heap frozen
-    (`_FrozenHeap`, restored on exit): `spec.model`'s config resolved (before torch is imported, saying
+    (`search.FrozenHeap`, restored on exit): `spec.model`'s config resolved (before torch is imported, saying
     "resolving config" to `progress` first) and the run's precision resolved into `session.spec`. Every
     `analyze` opens one; so do the tests that need more than a MemoryReport (the seam they use, issue 40):
     `session.load(spec)` builds the model on meta (`tracer.building.LoadedModel`), `session.record(spec, loaded)`
@@ -217,8 +187,8 @@ def trace_session(spec: RunSpec, progress: Callable[[str], None] | None = None) 
     ModelLoadError (bad model reference or config)."""
     say = progress or (lambda _m: None)
     say("resolving config")
-    with _FrozenHeap() as heap:
-        yield TraceSession.start(spec, say, heap)
+    with frozen_session(spec, say) as session:
+        yield session
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from .errors import UsageError
-from .search import SEQ_STEP, Curve, TraceSession, aligned, same_bytes, within
+from .search import SEQ_STEP, Curve, TraceSession, aligned, frozen_session, same_bytes, within
 from .spec import Device, RunSpec
 
 MAX_POINTS = 10_000
@@ -67,14 +67,12 @@ def sweep(spec: RunSpec, batches: tuple[int, ...], seqs: tuple[int, ...], headro
           progress: Callable[[str], None] | None = None) -> SweepResult:
     """The peak of `spec` at every (batch, seq) of `batches` × `seqs`, checked against `spec.capacity` less
     `headroom` and the CUDA context when there is one. Raises UsageError, and what `analyze` raises."""
-    from .pipeline import _FrozenHeap
-
     say = progress or (lambda _m: None)
     budget = None
     if spec.capacity is not None:
         budget = int(spec.capacity[1] * (1 - headroom)) - spec.cuda_context
-    with _FrozenHeap() as heap:
-        return _sweep(_Grid(TraceSession.start(spec, say, heap), budget), batches, seqs)
+    with frozen_session(spec, say) as session:
+        return _sweep(_Grid(session, budget), batches, seqs)
 
 
 class _Grid:
