@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .report.sections import ComparisonRow, LeversSummary, ModelInfo
+from .report.sections import ComparisonRow, CpuKernels, LeversSummary, ModelInfo, RunInfo
 from .search import Trace, TraceSession
 from .spec import KBIT_TRAINING_CHECKPOINTING, Device, Mode, RunSpec
 from .summaries import (adapters_summary, checkpointing_summary, compile_summary, cuda_context_summary, moe_summary,
@@ -345,40 +345,35 @@ def _model_info(resolved, loaded, traced) -> ModelInfo:
         checkpoint=checkpoint)
 
 
-def _run_info(spec: RunSpec, precision_source: str, loaded, main, steady, step: dict, sharding: dict) -> dict:
+def _run_info(spec: RunSpec, precision_source: str, loaded, main, steady, step: dict, sharding: dict) -> RunInfo:
     """The report's `run` section: the run's settings and the figures of its traced step (`step`:
     `step_summary`'s, `sharding`: `sharding_summary`'s entries)."""
     traced, table = main.traced, main.table
-    run_info = {
-        "mode": spec.mode.value, "precision": loaded.precision.value, "precision_source": precision_source,
-        "optimizer": spec.optimizer.value,
-        "optimizer_impl": spec.optimizer_impl.value, "device": spec.device.value, "gpu": spec.gpu_preset.name,
-        "batch": spec.batch, "seq": spec.seq, "checkpointing": str(spec.checkpointing),
-        "checkpointing_source": "prepare_model_for_kbit_training's default" if spec.quantization is not None
-        and spec.lora_rank is not None and str(spec.checkpointing) == KBIT_TRAINING_CHECKPOINTING else "",
-        "num_layers": loaded.num_layers, "layer_stack": loaded.layer_stack_path,
-        "allocator_block_bytes": main.block, "num_ops": len(traced.ops), "trace": traced.trace_note,
-        "inputs": [f"{n}={d}{list(s)}" for n, d, s in loaded.input_summary()] if loaded.task == "custom" else [],
-        **step, **sharding,
-        "adapters": adapters_summary(spec), "image_size": loaded.image_size,
-        **({"images": loaded.images} if loaded.images else {}), **moe_summary(spec, loaded.model),
-        "compile": spec.compile, "compile_mode": spec.compile_mode if spec.compile else None,
-        **cuda_context_summary(spec),
-    }
+    generation = {}
     if spec.mode is Mode.GENERATE:
         from .analysis.summary import generation_summary
 
-        run_info.update(generation_summary(traced.ops, table, steady, spec.batch, spec.seq, spec.new_tokens,
-                                            loaded.task == "seq2seq-lm"))
+        generation = generation_summary(traced.ops, table, steady, spec.batch, spec.seq, spec.new_tokens,
+                                        loaded.task == "seq2seq-lm")
+    # CUDA managed memory (a paged bitsandbytes optimizer): outside the allocated and reserved bytes
     paged = sum(st.nbytes for st in traced.storages if st.category == "paged_optimizer_state")
-    if paged:  # CUDA managed memory (a paged bitsandbytes optimizer): outside the allocated and reserved bytes
-        run_info["paged_optimizer_state_bytes"] = paged
-    if traced.cpu_environment:
-        run_info["cpu_kernels"] = dict(traced.cpu_environment)
-    warnings = target_warnings(spec, loaded.precision.value)
-    if warnings:
-        run_info["warnings"] = warnings
-    return run_info
+    return RunInfo(
+        mode=spec.mode.value, precision=loaded.precision.value, precision_source=precision_source,
+        optimizer=spec.optimizer.value,
+        optimizer_impl=spec.optimizer_impl.value, device=spec.device.value, gpu=spec.gpu_preset.name,
+        batch=spec.batch, seq=spec.seq, checkpointing=str(spec.checkpointing),
+        checkpointing_source="prepare_model_for_kbit_training's default" if spec.quantization is not None
+        and spec.lora_rank is not None and str(spec.checkpointing) == KBIT_TRAINING_CHECKPOINTING else "",
+        num_layers=loaded.num_layers, layer_stack=loaded.layer_stack_path,
+        allocator_block_bytes=main.block, num_ops=len(traced.ops), trace=traced.trace_note,
+        inputs=tuple(f"{n}={d}{list(s)}" for n, d, s in loaded.input_summary()) if loaded.task == "custom" else (),
+        **step, **sharding,
+        adapters=adapters_summary(spec), image_size=None if loaded.image_size is None else tuple(loaded.image_size), images=loaded.images or None,
+        **moe_summary(spec, loaded.model),
+        compile=spec.compile, compile_mode=spec.compile_mode if spec.compile else None,
+        **cuda_context_summary(spec), **generation, paged_optimizer_state_bytes=paged or None,
+        cpu_kernels=CpuKernels(**dict(traced.cpu_environment)) if traced.cpu_environment else None,
+        warnings=tuple(target_warnings(spec, loaded.precision.value)))
 
 
 def _gpu_info(spec: RunSpec) -> dict | None:
