@@ -124,7 +124,7 @@ def _eager_beside(spec: RunSpec):
 def _analyze_eager(spec: RunSpec):
     """The MemoryReport of `spec`'s step without torch.compile (the `compiled` comparison's eager side). Only its
     timeline and figures are shown (`compile_summary`, the HTML report's second page), so the step is not traced a
-    second time with `--use-cache false` (`run["use_cache_false_peak_bytes"]` is left out)."""
+    second time with `--use-cache false` (`run.use_cache_false_peak_bytes` is None)."""
     from dataclasses import replace
 
     with _FrozenHeap() as heap:
@@ -283,7 +283,7 @@ def _analyze_one_frozen(spec: RunSpec, say: Callable[[str], None], heap: _Frozen
                         use_cache_variant: bool = True) -> Analysed:
     """The MemoryReport of `spec`, with the spec it reports and the session of its traces (`Analysed`).
     `use_cache_variant`: when the config's KV cache is live at the peak, the step is traced again with use_cache
-    false (`run["use_cache_false_peak_bytes"]`; `_use_cache_false_peak`)."""
+    false (`run.use_cache_false_peak_bytes`; `_use_cache_false_peak`)."""
     from .analysis.storages import loop_peaks as loops_peaks
     from .analysis.summary import summarize
 
@@ -358,9 +358,8 @@ def _run_info(spec: RunSpec, precision_source: str, loaded, main, steady, step: 
     # CUDA managed memory (a paged bitsandbytes optimizer): outside the allocated and reserved bytes
     paged = sum(st.nbytes for st in traced.storages if st.category == "paged_optimizer_state")
     return RunInfo(
-        mode=spec.mode.value, precision=loaded.precision.value, precision_source=precision_source,
-        optimizer=spec.optimizer.value,
-        optimizer_impl=spec.optimizer_impl.value, device=spec.device.value, gpu=spec.gpu_preset.name,
+        mode=spec.mode, precision=loaded.precision, precision_source=precision_source, optimizer=spec.optimizer,
+        optimizer_impl=spec.optimizer_impl, device=spec.device, gpu=spec.gpu_preset.name,
         batch=spec.batch, seq=spec.seq, checkpointing=str(spec.checkpointing),
         checkpointing_source="prepare_model_for_kbit_training's default" if spec.quantization is not None
         and spec.lora_rank is not None and str(spec.checkpointing) == KBIT_TRAINING_CHECKPOINTING else "",
@@ -368,7 +367,8 @@ def _run_info(spec: RunSpec, precision_source: str, loaded, main, steady, step: 
         allocator_block_bytes=main.block, num_ops=len(traced.ops), trace=traced.trace_note,
         inputs=tuple(f"{n}={d}{list(s)}" for n, d, s in loaded.input_summary()) if loaded.task == "custom" else (),
         **step, **sharding,
-        adapters=adapters_summary(spec), image_size=None if loaded.image_size is None else tuple(loaded.image_size), images=loaded.images or None,
+        adapters=adapters_summary(spec), images=loaded.images or None,
+        image_size=None if loaded.image_size is None else tuple(loaded.image_size),
         **moe_summary(spec, loaded.model),
         compile=spec.compile, compile_mode=spec.compile_mode if spec.compile else None,
         **cuda_context_summary(spec), **generation, paged_optimizer_state_bytes=paged or None,

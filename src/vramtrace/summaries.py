@@ -97,13 +97,13 @@ def step_summary(spec: RunSpec, loop_peaks: dict[str, int], use_cache_false_peak
     (micro-batches, effective batch), zero_grad, clipping, the KV cache switch, each loop's peak bytes, and the
     peak bytes of the same step traced with use_cache false (when the config's KV cache is live at the peak)."""
     if spec.mode is Mode.GENERATE:
-        return {"new_tokens": spec.new_tokens, "cache": spec.cache.value, "kv_dtype": spec.kv_dtype.value,
+        return {"new_tokens": spec.new_tokens, "cache": spec.cache, "kv_dtype": spec.kv_dtype,
                 "total_length": spec.seq + spec.new_tokens}
     if spec.mode is not Mode.TRAIN:
         return {}
     out = {"loop": spec.loop.value if spec.step is None else f"--step {spec.step}",
            "grad_accum": spec.grad_accum, "effective_batch": spec.batch * spec.grad_accum,
-           "zero_grad": spec.zero_grad.value, "clip_grad_norm": spec.clip_grad_norm}
+           "zero_grad": spec.zero_grad, "clip_grad_norm": spec.clip_grad_norm}
     if spec.use_cache is not None:
         out["use_cache"] = spec.use_cache
     if loop_peaks:
@@ -151,7 +151,7 @@ def sharding_summary(spec: RunSpec, rank_peaks: dict[str, int], host_peak: int |
                            rank_peaks=peaks if spec.fsdp is None else None)
     if spec.fsdp is not None:
         out["fsdp"] = FsdpInfo(world=spec.fsdp, reshard_after_forward=spec.reshard_after_forward, rank=spec.rank,
-                               global_batch=global_batch, plan=spec.fsdp_plan.value, rank_peaks=peaks,
+                               global_batch=global_batch, plan=spec.fsdp_plan, rank_peaks=peaks,
                                host_peak_bytes=host_peak)
     return out
 

@@ -4,8 +4,8 @@ e.g. a saved JSON report, -> the dataclass) for every dataclass of the report.
 The JSON object of a dataclass has its fields' names as keys in the fields' declared order (json.dumps keeps it,
 so the order is part of the report's bytes). A field declared with `omittable()` is left out of the JSON when its
 value is absent (`Omit.NONE`: None; `Omit.EMPTY`: None or an empty str/tuple/list/dict; `Omit.UNSET`: the `UNSET`
-sentinel, so that None is written as null), and reads back as its default when the key is missing; a field declared with `not_serialized()` is never written nor read. Enums are
-written as their values, tuples as lists.
+sentinel, so that None is written as null), and reads back as its default when the key is missing; a field
+declared with `not_serialized()` is never written nor read. Enums are written as their values, tuples as lists.
 """
 
 from __future__ import annotations

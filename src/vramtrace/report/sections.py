@@ -6,10 +6,9 @@ A field made with `omittable()` is absent from the JSON on the paths that do not
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from .data import OMIT, SCHEMA_TYPE, UNSET, Omit, omittable
+from .data import UNSET, Omit, omittable
 from ..spec import CacheKind, Device, FsdpPlan, KvDtype, Mode, OptimizerImpl, OptimizerKind, Precision, ZeroGrad
 
 _FROZEN = dict(frozen=True, slots=True, kw_only=True)
@@ -231,14 +230,6 @@ class LeversSummary:
     cached: int | None = omittable()
 
 
-def _holds(values: type[enum.Enum], when: Omit | None = None) -> Any:
-    """A str field holding a value of the enum `values` (its JSON Schema: that enum); omittable when `when`."""
-    metadata: dict[str, Any] = {SCHEMA_TYPE: values if when is None else values | None}
-    if when is None:
-        return field(metadata=metadata)
-    return field(default=None, metadata={**metadata, OMIT: when})
-
-
 @dataclass(**_FROZEN)
 class DdpInfo:
     """The run's `ddp` entry (summaries.py `sharding_summary`): DDP's ranks; `global_batch`: per-rank batch ×
@@ -269,7 +260,7 @@ class FsdpInfo:
     reshard_after_forward: bool
     rank: int | None
     global_batch: int
-    plan: str = _holds(FsdpPlan)
+    plan: FsdpPlan
     rank_peaks: dict[str, int] | None = omittable()
     host_peak_bytes: int | None = omittable()
 
@@ -293,19 +284,19 @@ class CpuKernels:
 @dataclass(**_FROZEN)
 class RunInfo:
     """The report's `run` section (pipeline.py `_run_info`): the run's settings and its traced step's figures.
-    Enum-valued settings hold the enum's value (a str). Paths that do not produce an entry leave it out:
-    the train step's entries (summaries.py `step_summary`; `clip_grad_norm` is written, null or not, in train runs
+    Enum-valued settings hold the spec's enums (str enums: format them by `.value`). Paths that do not produce an
+    entry leave it out: the train step's entries (summaries.py `step_summary`; `clip_grad_norm` is written, null or not, in train runs
     only), a generation's (`new_tokens` .. `total_length`, and analysis/summary.py `generation_summary`'s figures),
     the sharding entries (`sharding_summary`), the mixture-of-experts ones (`moe_summary`), the CUDA context's
     (`cuda_context_summary`), `images` (a vision-language model's per sample), `paged_optimizer_state_bytes` (a
     paged bitsandbytes optimizer's state in CUDA managed memory), `cpu_kernels` (CPU target), `warnings`."""
 
-    mode: str = _holds(Mode)
-    precision: str = _holds(Precision)
+    mode: Mode
+    precision: Precision
     precision_source: str
-    optimizer: str = _holds(OptimizerKind)
-    optimizer_impl: str = _holds(OptimizerImpl)
-    device: str = _holds(Device)
+    optimizer: OptimizerKind
+    optimizer_impl: OptimizerImpl
+    device: Device
     gpu: str
     batch: int
     seq: int | None
@@ -320,14 +311,14 @@ class RunInfo:
     loop: str | None = omittable()  # a `Loop` value, or '--step FILE:FUNCTION'
     grad_accum: int | None = omittable()
     effective_batch: int | None = omittable()
-    zero_grad: str | None = _holds(ZeroGrad, Omit.NONE)
+    zero_grad: ZeroGrad | None = omittable()
     clip_grad_norm: float | None = omittable(Omit.UNSET, UNSET)
     use_cache: bool | None = omittable()
     loop_peaks: dict[str, int] | None = omittable(Omit.EMPTY)
     use_cache_false_peak_bytes: int | None = omittable()
     new_tokens: int | None = omittable()
-    cache: str | None = _holds(CacheKind, Omit.NONE)
-    kv_dtype: str | None = _holds(KvDtype, Omit.NONE)
+    cache: CacheKind | None = omittable()
+    kv_dtype: KvDtype | None = omittable()
     total_length: int | None = omittable()
     ddp: DdpInfo | None = omittable()
     tp: TpInfo | None = omittable()

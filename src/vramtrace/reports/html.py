@@ -153,10 +153,11 @@ def _summary(report: MemoryReport, label: str) -> dict:
                  + f", weights {m.param_dtype}, compute {m.compute_dtype}"
                  + (f"; {r.adapters}" if r.adapters else "")
                  + (f"; checkpoint: {m.checkpoint.note}" if m.checkpoint else ""),
-        "run": f"{r.mode}, {r.precision}, optimizer {r.optimizer} ({r.optimizer_impl}), batch {r.batch}"
+        "run": f"{r.mode.value}, {r.precision.value}, optimizer {r.optimizer.value} ({r.optimizer_impl.value}), "
+               f"batch {r.batch}"
                + (f" × seq {r.seq}" if r.seq else "")
                + image_text(r)
-               + f", target {r.device}" + (f" ({r.gpu})" if r.device == "cuda" else "")
+               + f", target {r.device.value}" + (f" ({r.gpu})" if r.device == "cuda" else "")
                + f", checkpointing {r.checkpointing}"
                + (f", MoE routing {r.moe_routing}" if r.moe_layers else ""),
         "peak": format_bytes(report.peak_allocated_bytes),

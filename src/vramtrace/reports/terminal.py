@@ -149,16 +149,16 @@ def _header(report: MemoryReport) -> Table:
     if r.inputs:
         head.add_row("inputs", ", ".join(r.inputs))
     head.add_row("dtypes", f"weights {m.param_dtype}, compute {m.compute_dtype}"
-                 + (f"; precision {r.precision}: {escape(r.precision_source)}" if r.precision_source else ""))
+                 + (f"; precision {r.precision.value}: {escape(r.precision_source)}" if r.precision_source else ""))
     sdpa = ", ".join(f"{k}×{v}" for k, v in m.sdpa_backends.items()) or "none"
     head.add_row("attention", f"{m.attn_implementation} (SDPA backend: {sdpa})")
     if r.mode == "generate":
-        head.add_row("run", f"generate, {r.precision}, batch {r.batch} × prompt {r.seq} + {r.new_tokens} "
-                            f"new tokens (greedy), {r.cache} cache" + image_text(r)
-                            + (f" in {r.kv_dtype} (QuantizedCache)" if r.kv_dtype not in (None, "auto") else ""))
+        head.add_row("run", f"generate, {r.precision.value}, batch {r.batch} × prompt {r.seq} + {r.new_tokens} "
+                            f"new tokens (greedy), {r.cache.value} cache" + image_text(r)
+                            + (f" in {r.kv_dtype.value} (QuantizedCache)" if r.kv_dtype not in (None, "auto") else ""))
     else:
-        optimizer = (f"optimizer {r.optimizer} ({r.optimizer_impl}), " if r.mode == "train" else "")
-        head.add_row("run", f"{r.mode}, {r.precision}, {optimizer}"
+        optimizer = (f"optimizer {r.optimizer.value} ({r.optimizer_impl.value}), " if r.mode == "train" else "")
+        head.add_row("run", f"{r.mode.value}, {r.precision.value}, {optimizer}"
                             f"batch {r.batch}" + (f" × seq {r.seq}" if r.seq else "")
                      + image_text(r)
                      + f", checkpointing {r.checkpointing}"
@@ -175,7 +175,7 @@ def _header(report: MemoryReport) -> Table:
         head.add_row("paged state", f"{format_bytes(r.paged_optimizer_state_bytes)} of optimizer state in CUDA "
                                     "managed memory (bitsandbytes' paged optimizer): outside the allocator, not in "
                                     "the peak; resident on the GPU while it has room, paged to host RAM when not")
-    target = f"{r.device}" + (f" ({r.gpu}, 512 B blocks)" if r.device == "cuda" else " (no rounding)")
+    target = f"{r.device.value}" + (f" ({r.gpu}, 512 B blocks)" if r.device == "cuda" else " (no rounding)")
     head.add_row("target", target)
     if r.trace:
         head.add_row("trace", f"{r.num_ops:,} aten ops; {r.trace}")
