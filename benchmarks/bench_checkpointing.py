@@ -32,7 +32,7 @@ def main() -> None:
         ck = r.checkpointing
         overhead = 0.0 if ck is None else ck.recompute_overhead
         plan = None if ck is None else ck.plan
-        note = r.run["trace"]
+        note = r.run.trace
         if policy == "auto" and plan is not None:
             over = f", over by {format_bytes(plan.over_budget_bytes)}" if not plan.fits else ""
             note = plan.verdict + over

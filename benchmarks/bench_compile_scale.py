@@ -74,7 +74,7 @@ def quick() -> None:
         start = time.perf_counter()
         spec = RunSpec("meta-llama/Llama-2-7b", batch=4, seq=2048, device="cpu", compile=True, use_cache=use_cache)
         report = vramtrace.analyze(spec, levers=False)
-        print(f"no probe, use_cache {use_cache}: {time.perf_counter() - start:.1f} s; {report.run['trace']}")
+        print(f"no probe, use_cache {use_cache}: {time.perf_counter() - start:.1f} s; {report.run.trace}")
 
 
 if __name__ == "__main__":

@@ -28,4 +28,4 @@ def test_architecture_matches_real_cpu_step(arch, mode, tmp_path):
     assert_within(report.peak_allocated_bytes, measured, 0.01)
     assert not report.unresolved
     if arch in ("vit", "resnet", "clip"):
-        assert report.run["image_size"] == [32, 32]
+        assert report.run.image_size == (32, 32)

@@ -47,17 +47,17 @@ def test_stored_dtype_is_the_weight_dtype_and_counts_match(tmp_path):
     _checkpoint(tmp_path, torch.bfloat16)
     spec = RunSpec(str(tmp_path), batch=2, seq=16, device="cpu", mode="inference")
     report = analyze(spec)
-    assert report.run["precision"] == "bf16" and report.model.param_dtype == "bfloat16"
+    assert report.run.precision == "bf16" and report.model.param_dtype == "bfloat16"
     assert report.model.checkpoint.matches is True
     fp32 = _checkpoint(tmp_path, torch.float32)
     assert fp32 == report.params
     report32 = analyze(spec)
-    assert report32.run["precision"] == "fp32"
+    assert report32.run.precision == "fp32"
     measured = measure_cpu_peak(RunSpec(str(tmp_path), batch=2, seq=16, device="cpu", mode="inference",
                                         precision="fp32"))
     assert_within(report32.peak_allocated_bytes, measured, 0.01)
     # an explicit --precision wins over the stored dtype
-    assert analyze(RunSpec(str(tmp_path), batch=2, seq=16, device="cpu", precision="bf16-mixed")).run["precision"] == "bf16-mixed"
+    assert analyze(RunSpec(str(tmp_path), batch=2, seq=16, device="cpu", precision="bf16-mixed")).run.precision == "bf16-mixed"
 
 
 def test_mismatch_is_reported(tmp_path, capsys):

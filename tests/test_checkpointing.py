@@ -4,6 +4,7 @@ plan applied to a real model, and the policy's effect on activation bytes."""
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 
@@ -80,7 +81,7 @@ def test_segments_and_every_nth_layer_match_real_run(tmp_path, policy):
 def test_replicated_layers_checkpointing_matches_real_run(tmp_path):
     spec = RunSpec(deep_config(tmp_path, "tiny-gpt2", 6), batch=4, seq=64, device="cpu", precision="fp32",
                    checkpointing="layers")
-    assert analyze(spec).run["trace"].startswith("traced 4 of 6 layers")
+    assert analyze(spec).run.trace.startswith("traced 4 of 6 layers")
     _within_1pct(spec)
 
 
@@ -122,7 +123,8 @@ def test_a_policy_that_costs_memory_is_reported():
     class R:
         def __init__(self, peak, act, policy="selective"):
             self.peak_allocated_bytes, self.activation_bytes = peak, act
-            self.run, self.recompute_flops, self.step_flops = {"checkpointing": policy}, 10, 100
+            self.run = SimpleNamespace(checkpointing=policy, num_layers=0, layer_stack="")
+            self.recompute_flops, self.step_flops = 10, 100
             self.recompute_overhead = self.recompute_flops / self.step_flops
 
     ck = checkpointing_summary(R(120, 50), R(100, 40, "none"), "")

@@ -145,7 +145,7 @@ def test_replicated_compiled_step_equals_every_layer_compiled(tmp_path, monkeypa
                    use_cache=use_cache, compile=True)
     said: list[str] = []
     replicated = analyze(spec, said.append, levers=False)
-    assert "compiled and traced 5 of 6 layers; layer 2 replicated" in replicated.run["trace"]
+    assert "compiled and traced 5 of 6 layers; layer 2 replicated" in replicated.run.trace
     assert "the same step without torch.compile (in a second process)" in said
     monkeypatch.setattr("vramtrace.second_process.cores", lambda: 1)
     said.clear()
@@ -170,7 +170,7 @@ def test_max_autotune_mode_matches_real_compiled_step():
     spec = RunSpec(str(FIXTURES / "tiny-llama-gqa.json"), batch=2, seq=64, device="cpu", precision="bf16-mixed",
                    use_cache=False, compile=True, compile_mode="max-autotune-no-cudagraphs")
     report = analyze(spec, levers=False)
-    assert "mode max-autotune-no-cudagraphs" in report.run["trace"]
-    assert report.run["compile_mode"] == "max-autotune-no-cudagraphs"
+    assert "mode max-autotune-no-cudagraphs" in report.run.trace
+    assert report.run.compile_mode == "max-autotune-no-cudagraphs"
     measured = measure_cpu_peak(spec)
     assert_within(report.peak_allocated_bytes, measured, 0.001)

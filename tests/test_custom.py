@@ -118,7 +118,7 @@ def test_lora_matches_real_peft_run(dropout):
     lora = report.model.trainable_params
     h, inter, kv, layers = 64, 176, 32, 2  # tiny-llama-gqa: hidden 64, intermediate 176, 2 kv heads of 16
     assert lora == layers * 8 * ((h + h) + (h + kv) + (inter + h))  # r * (in + out) per adapted linear
-    assert report.run["adapters"].startswith("peft LoRA r=8" + (", dropout 0.05" if dropout else " on"))
+    assert report.run.adapters.startswith("peft LoRA r=8" + (", dropout 0.05" if dropout else " on"))
     grads = [t for t in report.tensors if t.category == Category.GRADIENT]
     assert grads and all("lora_" in t.name for t in grads)  # frozen base weights get no gradient
 

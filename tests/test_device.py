@@ -50,8 +50,8 @@ def test_device_total_is_reserved_plus_the_cuda_context():
     default = analyze(RunSpec(LLAMA, batch=2, seq=32), levers=False)
     # issue 39's H100 (sm90, CUDA 13.0, driver 580): 663-769 MiB measured across 20 processes; the default takes the
     # largest, and the report says where it comes from
-    assert default.fit.cuda_context_bytes == default.run["cuda_context_bytes"] == 769 * MiB
-    assert default.run["cuda_version"] == 13 and "measured" in default.run["cuda_context_source"]
+    assert default.fit.cuda_context_bytes == default.run.cuda_context_bytes == 769 * MiB
+    assert default.run.cuda_version == 13 and "measured" in default.run.cuda_context_source
 
 
 def test_the_verdict_names_the_allocation_that_fails():
@@ -136,8 +136,8 @@ def test_gpu_presets_and_the_bf16_warning(capsys):
     with pytest.raises(UsageError, match="--gpu-memory"):
         parse_gpu("A800")
     t4 = analyze(RunSpec(LLAMA, batch=1, seq=16, gpu="T4"))
-    assert any("no native bf16" in w for w in t4.run["warnings"])
-    assert "warnings" not in analyze(RunSpec(LLAMA, batch=1, seq=16, gpu="T4", precision="fp16-mixed")).run
-    assert "warnings" not in analyze(RunSpec(LLAMA, batch=1, seq=16, gpu="A10")).run
+    assert any("no native bf16" in w for w in t4.run.warnings)
+    assert not analyze(RunSpec(LLAMA, batch=1, seq=16, gpu="T4", precision="fp16-mixed")).run.warnings
+    assert not analyze(RunSpec(LLAMA, batch=1, seq=16, gpu="A10")).run.warnings
     assert main([LLAMA, "--batch", "1", "--seq", "16", "--alloc-conf", "garbage_collection_threshold:2"]) == 2
     assert "bad --alloc-conf entry" in capsys.readouterr().err

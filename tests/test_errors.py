@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -260,9 +261,9 @@ def test_hub_id_online_keeps_the_default_precision(monkeypatch):
     monkeypatch.setattr(loading, "_hub", lambda ref: ResolvedConfig(ref, json.loads(Path(TINY).read_text()), "hub",
                                                                      "cache", header))
     report = analyze(RunSpec("acme/tiny-llama", batch=1, seq=8, device="cpu"))
-    assert report.run["precision"] == "bf16-mixed" and "stores bfloat16" in report.run["precision_source"]
+    assert report.run.precision == "bf16-mixed" and "stores bfloat16" in report.run.precision_source
     stored = analyze(RunSpec("acme/tiny-llama", batch=1, seq=8, device="cpu", precision="stored"))
-    assert stored.run["precision"] == "bf16" and stored.model.param_dtype == "bfloat16"
+    assert stored.run.precision == "bf16" and stored.model.param_dtype == "bfloat16"
 
 
 def test_precision_stored_on_a_bundled_id_is_a_usage_error(capsys):
@@ -304,7 +305,7 @@ class _Report:
     peak_allocated_bytes: int
     peak_reserved_bytes: int | None
     recompute_flops: int
-    run: dict = field(default_factory=dict)
+    run: SimpleNamespace = field(default_factory=SimpleNamespace)
     activation_bytes: int = 0
     recompute_overhead: float = 0.0
     peak_phase: str = "forward"
@@ -321,8 +322,8 @@ def test_budget_is_compared_on_the_fit_basis(reserved, basis):
 
     def analyze_one(spec, say):
         alloc, res, flops = peaks[str(spec.checkpointing)]
-        return _Report(alloc, res if reserved else None, flops, run={"checkpointing": str(spec.checkpointing),
-                                                                      "num_layers": 1})
+        return _Report(alloc, res if reserved else None, flops, run=SimpleNamespace(
+            checkpointing=str(spec.checkpointing), num_layers=1, layer_stack=""))
 
     spec = RunSpec(TINY, 1, 8, checkpointing="auto", memory_budget_bytes=100)
     report = plan_checkpointing(spec, analyze_one, lambda _m: None)

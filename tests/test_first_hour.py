@@ -51,8 +51,8 @@ def test_a_composite_config_says_every_layer_traced_without_none(tmp_path):
                  vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                     image_size=16, patch_size=8)).save_pretrained(tmp_path)
     report = analyze(RunSpec(str(tmp_path), batch=2, seq=16, device="cpu", mode="inference"))
-    assert "None" not in report.run["trace"]
-    assert "every layer traced (the config has no num_hidden_layers)" in report.run["trace"]
+    assert "None" not in report.run.trace
+    assert "every layer traced (the config has no num_hidden_layers)" in report.run.trace
 
 
 @pytest.mark.parametrize("args,message", [

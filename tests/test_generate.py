@@ -44,7 +44,7 @@ def test_the_peak_moves_from_the_prefill_to_the_decode_steps_as_real_runs_do():
     long_prompt, many_tokens = _spec(LLAMA, 2, "dynamic", seq=48, new_tokens=2), _spec(LLAMA, 2, "dynamic", seq=2,
                                                                                           new_tokens=40)
     a, b = analyze(long_prompt), analyze(many_tokens)
-    assert a.run["peak_in"] == "prefill" and b.run["peak_in"].startswith("decode step")
+    assert a.run.peak_in == "prefill" and b.run.peak_in.startswith("decode step")
     for spec, report in ((long_prompt, a), (many_tokens, b)):
         assert abs(report.peak_allocated_bytes - measure_cpu_peak(spec)) <= 0.001 * report.peak_allocated_bytes
 
@@ -56,9 +56,9 @@ def test_kv_cache_bytes_per_token_are_the_configs(cache):
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2  # bf16
     report = analyze(RunSpec(LLAMA, batch=3, seq=5, mode="generate", new_tokens=7, cache=cache, device="cpu"))
-    assert report.run["kv_bytes_per_token"] == per_token
-    assert report.run["kv_tokens_per_request"] == 5 + 7 - 1
-    assert report.run["kv_cache_bytes_at_end"] >= 3 * 11 * per_token
+    assert report.run.kv_bytes_per_token == per_token
+    assert report.run.kv_tokens_per_request == 5 + 7 - 1
+    assert report.run.kv_cache_bytes_at_end >= 3 * 11 * per_token
     assert report.breakdown_at_peak["optimizer_state"] == 0 and report.breakdown_at_peak["gradient"] == 0
 
 
@@ -70,8 +70,8 @@ def test_encoder_decoder_cache_splits_self_and_cross_attention(cache):
     per_token = 2 * cfg["num_decoder_layers"] * cfg["num_heads"] * cfg["d_kv"] * 2  # bf16
     report = analyze(RunSpec(T5, batch=3, seq=5, mode="generate", new_tokens=7, cache=cache, device="cpu"))
     r = report.run
-    assert (r["kv_tokens_per_request"], r["kv_bytes_per_token"]) == (7, per_token)
-    assert r["kv_cross_attention_bytes"] == 3 * 5 * per_token and r["kv_cross_bytes_per_token"] == per_token
+    assert (r.kv_tokens_per_request, r.kv_bytes_per_token) == (7, per_token)
+    assert r.kv_cross_attention_bytes == 3 * 5 * per_token and r.kv_cross_bytes_per_token == per_token
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -99,7 +99,7 @@ def test_fp8_quantized_cache_matches_a_real_cpu_generate(model, batch, seq, new_
     report = analyze(spec)
     real = measure_cpu_peak(spec)
     assert_within(report.peak_allocated_bytes, real, 0.001)
-    assert report.run["kv_dtype"] == "fp8"
+    assert report.run.kv_dtype == "fp8"
 
 
 def test_fp8_cache_keeps_one_byte_per_element():
@@ -107,7 +107,7 @@ def test_fp8_cache_keeps_one_byte_per_element():
     cfg = json.loads((FIXTURES / "tiny-llama-gqa.json").read_text())
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     report = analyze(RunSpec(LLAMA, batch=3, seq=5, mode="generate", new_tokens=7, kv_dtype="fp8", device="cpu"))
-    assert report.run["kv_bytes_per_token"] == 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim
+    assert report.run.kv_bytes_per_token == 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim
 
 
 def test_fp8_cache_on_an_encoder_decoder_is_a_usage_error(capsys):
@@ -171,5 +171,5 @@ def test_sliding_window_generate_matches_a_real_cpu_generate(batch, cache):
     spec = _spec(MISTRAL_SW, batch, cache, seq=4, new_tokens=20)
     report = analyze(spec)
     real = measure_cpu_peak(spec)
-    assert "the rest rebuilt" in report.run["trace"]
+    assert "the rest rebuilt" in report.run.trace
     assert_within(report.peak_allocated_bytes, real, 0.001)

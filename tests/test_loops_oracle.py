@@ -49,12 +49,12 @@ def test_script_loop_as_a_step_file_traces_as_derived():
     literal = analyze(RunSpec(GPT2, step=str(STEPS / "script_loop.py") + ":train_step", **base))
     assert literal.peak_allocated_bytes == derived.peak_allocated_bytes
     # the script loop keeps the previous logits alive into the next forward: above the trainer loop here
-    assert derived.run["loop_peaks"]["script"] == derived.peak_allocated_bytes > derived.run["loop_peaks"]["trainer"]
+    assert derived.run.loop_peaks["script"] == derived.peak_allocated_bytes > derived.run.loop_peaks["trainer"]
 
 
 def test_gradient_accumulation_reports_the_micro_step_and_the_effective_batch():
     r = analyze(RunSpec(GPT2, batch=2, seq=48, device="cpu", precision="fp32", grad_accum=3))
-    assert r.run["effective_batch"] == 6 and 0 <= r.peak_micro_step < 3
+    assert r.run.effective_batch == 6 and 0 <= r.peak_micro_step < 3
     # micro-steps 2..N run with the accumulated gradients alive
     assert r.peak_micro_step > 0
 
@@ -106,7 +106,7 @@ def test_use_cache_false_peak_is_a_real_run(tmp_path, precision):
     base = dict(batch=2, seq=64, device="cpu", precision=precision)
     r = analyze(RunSpec(model, **base))
     assert r.breakdown_at_peak["kv_cache"] > 0
-    off = r.run["use_cache_false_peak_bytes"]
+    off = r.run.use_cache_false_peak_bytes
     measured = _measured_in_a_fresh_process(model, use_cache=False, **base)
     assert_within(off, measured, TOL)
     saved = r.peak_allocated_bytes - off
@@ -114,12 +114,12 @@ def test_use_cache_false_peak_is_a_real_run(tmp_path, precision):
     assert f"--use-cache false peaks at {format_bytes(off)} (saves " in kv_cache_note(r)
     quiet = analyze(RunSpec(model, use_cache=False, **base))
     assert quiet.peak_allocated_bytes == off
-    assert "use_cache_false_peak_bytes" not in quiet.run and kv_cache_note(quiet) == ""
+    assert quiet.run.use_cache_false_peak_bytes is None and kv_cache_note(quiet) == ""
     # --compile's eager comparison is the same step, not traced again without the cache: nothing shows that figure
     from vramtrace.pipeline import analyze_eager
 
     eager = analyze_eager(RunSpec(model, compile=True, **base))
-    assert eager.peak_allocated_bytes == r.peak_allocated_bytes and "use_cache_false_peak_bytes" not in eager.run
+    assert eager.peak_allocated_bytes == r.peak_allocated_bytes and eager.run.use_cache_false_peak_bytes is None
 
 
 def test_no_use_cache_line_when_the_cache_is_not_live_at_the_peak():
@@ -131,4 +131,4 @@ def test_no_use_cache_line_when_the_cache_is_not_live_at_the_peak():
 
     r = analyze(RunSpec(LLAMA, batch=2, seq=48, device="cpu", precision="bf16-mixed", attn_implementation="eager"))
     assert r.peak_phase == "backward" and r.breakdown_at_peak.get("kv_cache", 0) == 0
-    assert "use_cache_false_peak_bytes" not in r.run and kv_cache_note(r) == ""
+    assert r.run.use_cache_false_peak_bytes is None and kv_cache_note(r) == ""

@@ -149,7 +149,7 @@ def test_whisper_generate_matches_a_real_cpu_generate(tmp_path, overrides, seq, 
                    device="cpu", **{"precision": "fp32", **extra})
     report = _matches_real(spec)
     if new_tokens == 40:  # the case checks the decode steps, not only the encoder
-        assert report.run["peak_in"].startswith("decode step")
+        assert report.run.peak_in.startswith("decode step")
 
 
 @pytest.mark.parametrize("seq,new_tokens,needle", [("4", "8", "pass --seq 1"),

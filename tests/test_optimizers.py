@@ -53,7 +53,7 @@ def test_fused_has_no_foreach_temporaries_on_a_cuda_target():
     base = dict(batch=1, seq=4, precision="fp32")
     foreach = analyze(RunSpec(GPT2, **base))
     fused = analyze(RunSpec(GPT2, optimizer="adamw_torch_fused", **base))
-    assert foreach.run["optimizer_impl"] == "default" and fused.run["optimizer_impl"] == "fused"
+    assert foreach.run.optimizer_impl == "default" and fused.run.optimizer_impl == "fused"
     assert fused.peak_allocated_bytes < foreach.peak_allocated_bytes
     assert foreach.peak_phase == "optimizer"
 

@@ -37,8 +37,8 @@ def test_report_names_the_onednn_isa_in_effect():
     from vramtrace import RunSpec, analyze
 
     report = analyze(RunSpec(str(FIXTURES / "tiny-gpt2.json"), batch=1, seq=8, device="cpu", mode="inference"))
-    cpu = report.run["cpu_kernels"]
-    assert cpu["onednn_max_isa"] == (os.environ.get("ONEDNN_MAX_CPU_ISA") or "(all the CPU has)")
-    assert cpu["threads"] >= 1 and cpu["torch"]
+    cpu = report.run.cpu_kernels
+    assert cpu.onednn_max_isa == (os.environ.get("ONEDNN_MAX_CPU_ISA") or "(all the CPU has)")
+    assert cpu.threads >= 1 and cpu.torch
     if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":
-        assert cpu["aten_capability"] == "AVX2"
+        assert cpu.aten_capability == "AVX2"

@@ -46,7 +46,7 @@ def test_cpu_kernel_output_layouts_replace_the_meta_kernels():
     report = analyze(spec)
     stats = [t for t in report.tensors if t.op == "aten.native_layer_norm.default" and list(t.shape) == [2, 32, 1]]
     assert stats and {t.dtype for t in stats} == {"bfloat16"}
-    assert "native_layer_norm" in report.run["cpu_kernels"]["relaid_outputs"]
+    assert "native_layer_norm" in report.run.cpu_kernels.relaid_outputs
     cuda = analyze(RunSpec(str(FIXTURES / "tiny-bert.json"), batch=2, seq=32, precision="bf16"))
     assert {t.dtype for t in cuda.tensors if t.op == "aten.native_layer_norm.default"
             and list(t.shape) == [2, 32, 1]} == {"float32"}

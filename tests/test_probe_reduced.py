@@ -90,8 +90,8 @@ def test_a_step_with_every_large_op_extrapolated_predicts_the_measured_peak(monk
         monkeypatch.setattr(probe_module, "REDUCE_ABOVE_FLOPS", above)
         reports[above] = vramtrace.analyze(spec, levers=False)
     reduced, full = reports[0], reports[1 << 62]
-    assert "extrapolated_workspaces" in reduced.run["cpu_kernels"]
-    assert "extrapolated_workspaces" not in full.run["cpu_kernels"]
+    assert reduced.run.cpu_kernels.extrapolated_workspaces is not None
+    assert full.run.cpu_kernels.extrapolated_workspaces is None
     assert reduced.peak_allocated_bytes == full.peak_allocated_bytes
 
 

@@ -131,7 +131,7 @@ def test_int8_on_cuda_multiplies_in_int8_and_dequantizes_for_the_input_gradient(
     up = [t for t in report.tensors if t.op == "bitsandbytes.int8_mixed_scaled_mm.default" and t.phase == "forward"
           and t.module.endswith("layers.0.mlp.up_proj") and t.name == "kernel workspace"]
     assert [t.bytes for t in up] == [-(-32 * 176 * 4 // 512) * 512 + -(-32 * 176 * 2 // 512) * 512]
-    assert any("outlier" in w for w in report.run["warnings"])
+    assert any("outlier" in w for w in report.run.warnings)
 
 
 def test_the_cli_prints_the_quantization_categories(capsys):
@@ -201,10 +201,10 @@ def test_paged_optimizer_state_is_managed_memory_on_a_cuda_target(tmp_path):
     paged = analyze(RunSpec(str(path), optimizer="paged-adamw-8bit", **kw))
     unpaged = analyze(RunSpec(str(path), optimizer="adamw-8bit", **kw))
     managed = 2 * 2 * 2048 * 64  # embeddings and lm_head, state1 and state2, one byte each
-    assert paged.run["paged_optimizer_state_bytes"] == managed
-    assert "paged_optimizer_state_bytes" not in unpaged.run
+    assert paged.run.paged_optimizer_state_bytes == managed
+    assert unpaged.run.paged_optimizer_state_bytes is None
     assert unpaged.breakdown_at_peak["optimizer_state"] - paged.breakdown_at_peak["optimizer_state"] == managed
     # AdEMAMix: its two stacked first moments (`_get_state_double_buffer`) and its second moment, paged too
     ademamix = analyze(RunSpec(str(path), optimizer="paged_ademamix_8bit", **kw))
-    assert ademamix.run["paged_optimizer_state_bytes"] == 3 * managed // 2
+    assert ademamix.run.paged_optimizer_state_bytes == 3 * managed // 2
 

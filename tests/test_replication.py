@@ -184,7 +184,7 @@ def test_alternating_layer_types_trace_every_layer(tmp_path):
 def test_replicated_prediction_matches_profiler(tmp_path):
     spec = RunSpec(deep_config(tmp_path, "tiny-llama-gqa", 6), batch=2, seq=32, device="cpu", precision="fp32")
     report = analyze(spec)
-    assert report.run["trace"].startswith("traced 4 of 6 layers")
+    assert report.run.trace.startswith("traced 4 of 6 layers")
     measured = measure_cpu_peak(spec)
     assert_within(report.peak_allocated_bytes, measured, 0.01)
 

@@ -15,7 +15,7 @@ import pytest
 
 from vramtrace import RunSpec, analyze
 from vramtrace.analysis.summary import MemoryReport
-from vramtrace.report.data import Omit, from_data, omittable, to_data
+from vramtrace.report.data import UNSET, Omit, from_data, omittable, to_data
 from vramtrace.report.sections import FitVerdict, LeversSummary, SkippedLever, SkipReason
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,6 +45,7 @@ RUNS = {
     "checkpointing": dict(model=GPT2, batch=2, seq=16, device="cpu", checkpointing="layers"),
     "auto-plan": dict(model=LLAMA, batch=2, seq=16, device="cpu", checkpointing="auto", memory_budget_bytes=1024),
     "levers": dict(model=LLAMA, batch=2, seq=16, precision="fp32", gpu_memory_bytes=2 << 20),  # does not fit
+    "fsdp-cpu": dict(model=LLAMA, batch=2, seq=16, device="cpu", fsdp=2),  # run.fsdp, run.cpu_kernels
 }
 
 
@@ -61,8 +62,11 @@ def test_real_reports_validate_and_read_back(validator, report):
     errors = [f"{list(e.path)}: {e.message}" for e in validator.iter_errors(data)]
     assert not errors, errors[:5]
     section = {"cuda-target": "allocator", "generate": "run", "checkpointing": "checkpointing",
-               "auto-plan": "checkpointing", "levers": "levers"}[name]
+               "auto-plan": "checkpointing", "levers": "levers", "fsdp-cpu": "run"}[name]
     assert data[section] is not None  # the run exercises the section it is here for
+    assert name != "generate" or data["run"]["peak_in"] and "clip_grad_norm" not in data["run"]
+    assert name != "fsdp-cpu" or data["run"]["fsdp"]["world"] == 2 and data["run"]["cpu_kernels"]["threads"] >= 1
+    assert name != "checkpointing" or data["run"]["clip_grad_norm"] is None  # a train run writes it, as null
     back = MemoryReport.from_dict(data)
     assert json.dumps(back.to_dict()) == text
     assert back == dataclasses.replace(r, eager=None)
@@ -73,6 +77,8 @@ def test_the_schema_rejects_unknown_keys(validator, report):
     data = r.to_dict()
     assert not validator.is_valid({**data, "peak_bytes": 1})
     assert not validator.is_valid({**data, "model": {**data["model"], "layers": 2}})
+    assert not validator.is_valid({**data, "run": {**data["run"], "layers": 2}})
+    assert not validator.is_valid({**data, "run": {**data["run"], "mode": "training"}})  # not a Mode value
     assert not validator.is_valid({**data, "tensors": [{**data["tensors"][0], "owner": "x"}]})
     assert not validator.is_valid({**data, "peak_allocated_bytes": 1.5})
 
@@ -81,6 +87,8 @@ def test_the_reader_rejects_unknown_keys_and_values():
     data = analyze(RunSpec(GPT2, batch=1, seq=8, device="cpu", mode="inference")).to_dict()
     with pytest.raises(TypeError, match="ModelInfo has no field 'layers'"):
         MemoryReport.from_dict({**data, "model": {**data["model"], "layers": 2}})
+    with pytest.raises(TypeError, match="RunInfo has no field 'layers'"):
+        MemoryReport.from_dict({**data, "run": {**data["run"], "layers": 2}})
     with pytest.raises(TypeError, match="missing"):
         MemoryReport.from_dict({k: v for k, v in data.items() if k != "peak_step"})
 
@@ -129,3 +137,11 @@ def test_omit_rules():
     assert to_data(Row(a=1, b=(), c="")) == {"a": 1, "c": ""}
     assert to_data(Row(a=1, b=("x",))) == {"a": 1, "b": ["x"]}
     assert from_data(Row, {"a": 1, "b": ["x"]}) == Row(a=1, b=("x",))
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Step:
+        clip: float | None = omittable(Omit.UNSET, UNSET)
+
+    assert to_data(Step()) == {} and from_data(Step, {}) == Step()  # not set: left out
+    assert to_data(Step(clip=None)) == {"clip": None} and from_data(Step, {"clip": None}) == Step(clip=None)
+    assert to_data(Step(clip=1.0)) == {"clip": 1.0}

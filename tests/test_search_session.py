@@ -35,7 +35,7 @@ def test_session_traces_each_spec_once_and_refreezes():
     assert again is first and said == ["trace at 3"] and heap.refrozen == 1
     real = analyze(RunSpec(LLAMA, batch=3, seq=32), levers=False)
     assert first.tables.peaks()[0] == real.peak_allocated_bytes
-    assert first.num_layers == real.run["num_layers"]
+    assert first.num_layers == real.run.num_layers
 
 
 class FailingSession(TraceSession):

@@ -16,6 +16,7 @@ from tolerance import assert_within
 from vramtrace import RunSpec, analyze
 from vramtrace.cli import main
 from vramtrace.errors import TraceError, UsageError
+from vramtrace.report.sections import DdpInfo, TpInfo
 from vramtrace.tracer.recorder import RESIZE_OP, StepRecorder
 from vramtrace.tracer.sharding import fake_rank, local_shape, rank_classes
 
@@ -72,7 +73,7 @@ def test_transformers_fsdp_plan_on_a_2d_mesh_matches_real_gloo_ranks():
           "fsdp_plan": "transformers"}
     real = measure_cpu_peak_ranks(RunSpec(LLAMA, **kw))
     report = analyze(RunSpec(LLAMA, **kw))
-    assert set(report.run["fsdp"]["rank_peaks"]) == {"0-3"}  # every rank holds the same shapes here
+    assert set(report.run.fsdp.rank_peaks) == {"0-3"}  # every rank holds the same shapes here
     # On a CPU with native bf16 (avx512_bf16) this was 1.5% high until the probe ran a DTensor op's local op:
     # gate_proj's weight-gradient mm was probed at the weight's global size, (176, 32)^T @ (32, 64), whose oneDNN
     # scratchpad is 61,568 B at one thread; each rank runs (88, 32)^T @ (32, 64), 33,408 B (docs/accuracy.md).
@@ -91,7 +92,7 @@ def test_tp_shards_the_parameters_by_the_plan():
     report = analyze(RunSpec(LLAMA, batch=2, seq=16, device="cpu", precision="fp32", tp=2, rank=1))
     norms = 64 * 4 * (2 * 2 + 1)  # 2 layers × 2 RMSNorms + the final one, fp32
     assert report.breakdown_at_peak["parameter"] == (report.params * 4 - norms) // 2 + norms
-    assert report.run["tp"] == {"world": 2, "rank": 1, "global_batch": 2}
+    assert report.run.tp == TpInfo(world=2, rank=1, global_batch=2)
 
 
 def test_replicated_2d_stack_equals_every_layer_traced(tmp_path):
@@ -101,7 +102,7 @@ def test_replicated_2d_stack_equals_every_layer_traced(tmp_path):
     a = analyze(RunSpec(deep, batch=2, seq=16, device="cpu", precision="bf16-mixed", rank=0, **kw))
     b = analyze(RunSpec(deep, batch=2, seq=16, device="cpu", precision="bf16-mixed", rank=0, replicate_layers=False,
                         **kw))
-    assert a.run["trace"].startswith("traced 4 of 6 layers")
+    assert a.run.trace.startswith("traced 4 of 6 layers")
     assert a.peak_allocated_bytes == b.peak_allocated_bytes
     assert a.breakdown_at_peak == b.breakdown_at_peak
 
@@ -109,12 +110,12 @@ def test_replicated_2d_stack_equals_every_layer_traced(tmp_path):
 def test_the_report_shows_the_largest_rank_class_and_each_class_peak(tmp_path):
     """3 ranks over dims of 64: ranks 0 and 1 hold 22 rows, rank 2 holds 20: two classes, both traced."""
     report = analyze(_spec(LLAMA, "fp32", fsdp=3))
-    f = report.run["fsdp"]
-    assert set(f["rank_peaks"]) == {"0-1", "2"} and f["rank"] == 0
-    assert report.peak_allocated_bytes == f["rank_peaks"]["0-1"] > f["rank_peaks"]["2"]
-    assert f["global_batch"] == 2 * 3
+    f = report.run.fsdp
+    assert set(f.rank_peaks) == {"0-1", "2"} and f.rank == 0
+    assert report.peak_allocated_bytes == f.rank_peaks["0-1"] > f.rank_peaks["2"]
+    assert f.global_batch == 2 * 3
     shown = analyze(_spec(LLAMA, "fp32", fsdp=3, rank=2))
-    assert shown.peak_allocated_bytes == f["rank_peaks"]["2"]
+    assert shown.peak_allocated_bytes == f.rank_peaks["2"]
 
 
 def test_sharding_categories_hold_what_fsdp_allocates():
@@ -138,7 +139,7 @@ def test_cpu_offload_keeps_shards_gradients_and_optimizer_state_in_host_memory()
     shards = sum(t.bytes for t in on_gpu.tensors if t.category == "parameter")
     state = sum(t.bytes for t in on_gpu.tensors if t.category == "optimizer_state")
     assert all(offload.breakdown_at_peak[c] == 0 for c in ("parameter", "gradient", "optimizer_state"))
-    assert offload.run["fsdp"]["host_peak_bytes"] >= shards + state
+    assert offload.run.fsdp.host_peak_bytes >= shards + state
     copies = [t for t in offload.tensors if t.name == "shard copied from host memory"]
     assert {t.category for t in copies} == {"collective_buffers"}
     for phase in ("forward", "backward"):
@@ -151,7 +152,7 @@ def test_replicated_sharded_stack_equals_every_layer_traced(tmp_path, precision,
     deep = deep_config(tmp_path, "tiny-llama-gqa", 8)
     a = analyze(_spec(deep, precision, reshard, rank=rank, fsdp=world))
     b = analyze(_spec(deep, precision, reshard, rank=rank, fsdp=world, replicate_layers=False))
-    assert a.run["trace"].startswith("traced 4 of 8 layers")
+    assert a.run.trace.startswith("traced 4 of 8 layers")
     assert a.peak_allocated_bytes == b.peak_allocated_bytes
     assert a.breakdown_at_peak == b.breakdown_at_peak
 
@@ -249,7 +250,7 @@ def test_ddp_matches_real_gloo_ranks(model, precision):
     spec = RunSpec(model, batch=2, seq=16, device="cpu", precision=precision, ddp=2)
     real = measure_cpu_peak_ranks(spec)
     report = analyze(spec)
-    assert report.run["ddp"] == {"world": 2, "global_batch": 4}
+    assert report.run.ddp == DdpInfo(world=2, global_batch=4)
     for measured in real:
         assert_within(report.peak_allocated_bytes, measured, 0.005, real)
     params = report.params * 4  # fp32 weights (bf16-mixed keeps them in fp32 too)

@@ -34,7 +34,7 @@ def test_vlm_step_matches_a_real_cpu_step(model, mode):
     real = measure_cpu_peak(spec)
     assert_within(report.peak_allocated_bytes, real, 0.001)
     assert not report.unresolved
-    assert report.run["image_size"] == [56, 56] and report.run["images"] == 1
+    assert report.run.image_size == (56, 56) and report.run.images == 1
 
 
 def test_two_images_per_sample_match_a_real_cpu_step():
@@ -42,7 +42,7 @@ def test_two_images_per_sample_match_a_real_cpu_step():
     report = analyze(spec)
     real = measure_cpu_peak(spec)
     assert_within(report.peak_allocated_bytes, real, 0.001)
-    assert report.run["images"] == 2
+    assert report.run.images == 2
 
 
 def test_the_vision_tower_is_measured():
@@ -80,7 +80,7 @@ def test_the_cli_reports_images_and_refuses_what_does_not_fit(tmp_path, capsys):
 def test_training_builds_no_kv_cache_error_for_a_vlm():
     """The use_cache lever traces the step again with use_cache false: a VLM's use_cache is in its text config."""
     report = analyze(_spec(QWEN2_VL, "train", use_cache=False))
-    assert report.run["use_cache"] is False
+    assert report.run.use_cache is False
 
 
 def test_the_language_models_layers_are_replicated_as_traced_in_full(tmp_path):
@@ -92,5 +92,5 @@ def test_the_language_models_layers_are_replicated_as_traced_in_full(tmp_path):
     path.write_text(json.dumps(cfg))
     shallow = analyze(_spec(str(path), "train"))
     full = analyze(_spec(str(path), "train", replicate_layers=False))
-    assert shallow.run["trace"].startswith("traced 4 of 6 layers")
+    assert shallow.run.trace.startswith("traced 4 of 6 layers")
     assert shallow.peak_allocated_bytes == full.peak_allocated_bytes

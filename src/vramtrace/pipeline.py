@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from .report.sections import ComparisonRow, LeversSummary, ModelInfo
+from .report.sections import ComparisonRow, CpuKernels, LeversSummary, ModelInfo, RunInfo
 from .search import Trace, TraceSession, frozen_session
 from .spec import KBIT_TRAINING_CHECKPOINTING, CheckpointingKind, Device, Mode, RunSpec
 from .summaries import (adapters_summary, checkpointing_summary, compile_summary, cuda_context_summary, moe_summary,
@@ -120,7 +120,7 @@ def _eager_beside(spec: RunSpec):
 def analyze_eager(spec: RunSpec):
     """The MemoryReport of `spec`'s step without torch.compile (the `compiled` comparison's eager side). Only its
     timeline and figures are shown (`compile_summary`, the HTML report's second page), so the step is not traced a
-    second time with `--use-cache false` (`run["use_cache_false_peak_bytes"]` is left out)."""
+    second time with `--use-cache false` (`run.use_cache_false_peak_bytes` is None)."""
     from dataclasses import replace
 
     with trace_session(replace(spec, compile=False)) as session:
@@ -264,7 +264,7 @@ def _trace_worst_rank(session: TraceSession, spec: RunSpec, loaded) -> tuple[Run
 def _analyze_one_frozen(session: TraceSession, use_cache_variant: bool = True) -> Analysed:
     """The MemoryReport of the session's spec (`trace_session`), with the spec it reports and the session of its
     traces (`Analysed`). `use_cache_variant`: when the config's KV cache is live at the peak, the step is traced
-    again with use_cache false (`run["use_cache_false_peak_bytes"]`; `_use_cache_false_peak`)."""
+    again with use_cache false (`run.use_cache_false_peak_bytes`; `_use_cache_false_peak`)."""
     from .analysis.storages import loop_peaks as loops_peaks
     from .analysis.summary import summarize
 
@@ -325,40 +325,35 @@ def _model_info(resolved, loaded, traced) -> ModelInfo:
         checkpoint=checkpoint)
 
 
-def _run_info(spec: RunSpec, precision_source: str, loaded, main, steady, step: dict, sharding: dict) -> dict:
+def _run_info(spec: RunSpec, precision_source: str, loaded, main, steady, step: dict, sharding: dict) -> RunInfo:
     """The report's `run` section: the run's settings and the figures of its traced step (`step`:
     `step_summary`'s, `sharding`: `sharding_summary`'s entries)."""
     traced, table = main.traced, main.table
-    run_info = {
-        "mode": spec.mode.value, "precision": loaded.precision.value, "precision_source": precision_source,
-        "optimizer": spec.optimizer.value,
-        "optimizer_impl": spec.optimizer_impl.value, "device": spec.device.value, "gpu": spec.gpu_preset.name,
-        "batch": spec.batch, "seq": spec.seq, "checkpointing": str(spec.checkpointing),
-        "checkpointing_source": "prepare_model_for_kbit_training's default" if spec.quantization is not None
-        and spec.lora_rank is not None and str(spec.checkpointing) == KBIT_TRAINING_CHECKPOINTING else "",
-        "num_layers": loaded.num_layers, "layer_stack": loaded.layer_stack_path,
-        "allocator_block_bytes": main.block, "num_ops": len(traced.ops), "trace": traced.trace_note,
-        "inputs": [f"{n}={d}{list(s)}" for n, d, s in loaded.input_summary()] if loaded.task == "custom" else [],
-        **step, **sharding,
-        "adapters": adapters_summary(spec), "image_size": loaded.image_size,
-        **({"images": loaded.images} if loaded.images else {}), **moe_summary(spec, loaded.model),
-        "compile": spec.compile, "compile_mode": spec.compile_mode if spec.compile else None,
-        **cuda_context_summary(spec),
-    }
+    generation = {}
     if spec.mode is Mode.GENERATE:
         from .analysis.summary import generation_summary
 
-        run_info.update(generation_summary(traced.ops, table, steady, spec.batch, spec.seq, spec.new_tokens,
-                                            loaded.task == "seq2seq-lm"))
+        generation = generation_summary(traced.ops, table, steady, spec.batch, spec.seq, spec.new_tokens,
+                                        loaded.task == "seq2seq-lm")
+    # CUDA managed memory (a paged bitsandbytes optimizer): outside the allocated and reserved bytes
     paged = sum(st.nbytes for st in traced.storages if st.category == "paged_optimizer_state")
-    if paged:  # CUDA managed memory (a paged bitsandbytes optimizer): outside the allocated and reserved bytes
-        run_info["paged_optimizer_state_bytes"] = paged
-    if traced.cpu_environment:
-        run_info["cpu_kernels"] = dict(traced.cpu_environment)
-    warnings = target_warnings(spec, loaded.precision.value)
-    if warnings:
-        run_info["warnings"] = warnings
-    return run_info
+    return RunInfo(
+        mode=spec.mode, precision=loaded.precision, precision_source=precision_source, optimizer=spec.optimizer,
+        optimizer_impl=spec.optimizer_impl, device=spec.device, gpu=spec.gpu_preset.name,
+        batch=spec.batch, seq=spec.seq, checkpointing=str(spec.checkpointing),
+        checkpointing_source="prepare_model_for_kbit_training's default" if spec.quantization is not None
+        and spec.lora_rank is not None and str(spec.checkpointing) == KBIT_TRAINING_CHECKPOINTING else "",
+        num_layers=loaded.num_layers, layer_stack=loaded.layer_stack_path,
+        allocator_block_bytes=main.block, num_ops=len(traced.ops), trace=traced.trace_note,
+        inputs=tuple(f"{n}={d}{list(s)}" for n, d, s in loaded.input_summary()) if loaded.task == "custom" else (),
+        **step, **sharding,
+        adapters=adapters_summary(spec), images=loaded.images or None,
+        image_size=None if loaded.image_size is None else tuple(loaded.image_size),
+        **moe_summary(spec, loaded.model),
+        compile=spec.compile, compile_mode=spec.compile_mode if spec.compile else None,
+        **cuda_context_summary(spec), **generation, paged_optimizer_state_bytes=paged or None,
+        cpu_kernels=CpuKernels(**dict(traced.cpu_environment)) if traced.cpu_environment else None,
+        warnings=tuple(target_warnings(spec, loaded.precision.value)))
 
 
 def _gpu_info(spec: RunSpec) -> dict | None:

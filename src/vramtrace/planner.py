@@ -50,7 +50,7 @@ def plan_checkpointing(spec: RunSpec, analyze_one: Callable, say: Callable[[str]
     def fits(policy: str) -> bool:
         return fits_budget(evaluate(policy), budget)
 
-    search_checkpointing(evaluate("none").run.get("num_layers") or 0, fits, evaluate)
+    search_checkpointing(evaluate("none").run.num_layers or 0, fits, evaluate)
     candidates = [(p, r) for p, r in seen.items() if fits_budget(r, budget)]
     if candidates:
         policy, chosen = min(candidates, key=lambda pr: (pr[1].recompute_flops, compared_bytes(pr[1])))

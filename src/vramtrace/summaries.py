@@ -3,7 +3,8 @@ report's fields: bytes are ints), for `vramtrace.pipeline.analyze` and `vramtrac
 
 from __future__ import annotations
 
-from .report.sections import CheckpointingPlan, CheckpointingSummary, CompiledSummary, RecomputedOp
+from .report.sections import (CheckpointingPlan, CheckpointingSummary, CompiledSummary, DdpInfo, FsdpInfo,
+                              RecomputedOp, RunInfo, TpInfo)
 from .spec import CheckpointingKind, Device, Mode, RunSpec
 
 
@@ -35,7 +36,7 @@ def checkpointing_summary(report, base, snippet: str, plan: CheckpointingPlan | 
     if report.activation_bytes > base.activation_bytes:
         notes.append("this policy keeps more activation bytes than none")
     return CheckpointingSummary(
-        policy=str(report.run["checkpointing"]),
+        policy=str(report.run.checkpointing),
         peak_allocated_bytes=report.peak_allocated_bytes,
         peak_allocated_bytes_without=base.peak_allocated_bytes,
         activation_bytes=report.activation_bytes,
@@ -48,11 +49,11 @@ def checkpointing_summary(report, base, snippet: str, plan: CheckpointingPlan | 
         plan=plan)
 
 
-def checkpointed_modules(run: dict) -> str:
+def checkpointed_modules(run: RunInfo) -> str:
     """Which modules a policy checkpoints, e.g. 'model.layers.{0,4,8} (3 of 12 layers)'."""
     from .spec import Checkpointing
 
-    ckpt, L, stack = Checkpointing.parse(run["checkpointing"]), run.get("num_layers", 0), run.get("layer_stack", "")
+    ckpt, L, stack = Checkpointing.parse(run.checkpointing), run.num_layers, run.layer_stack
     if ckpt.kind is CheckpointingKind.NONE or not L:
         return ""
     if ckpt.kind is CheckpointingKind.NTH:
@@ -96,13 +97,13 @@ def step_summary(spec: RunSpec, loop_peaks: dict[str, int], use_cache_false_peak
     (micro-batches, effective batch), zero_grad, clipping, the KV cache switch, each loop's peak bytes, and the
     peak bytes of the same step traced with use_cache false (when the config's KV cache is live at the peak)."""
     if spec.mode is Mode.GENERATE:
-        return {"new_tokens": spec.new_tokens, "cache": spec.cache.value, "kv_dtype": spec.kv_dtype.value,
+        return {"new_tokens": spec.new_tokens, "cache": spec.cache, "kv_dtype": spec.kv_dtype,
                 "total_length": spec.seq + spec.new_tokens}
     if spec.mode is not Mode.TRAIN:
         return {}
     out = {"loop": spec.loop.value if spec.step is None else f"--step {spec.step}",
            "grad_accum": spec.grad_accum, "effective_batch": spec.batch * spec.grad_accum,
-           "zero_grad": spec.zero_grad.value, "clip_grad_norm": spec.clip_grad_norm}
+           "zero_grad": spec.zero_grad, "clip_grad_norm": spec.clip_grad_norm}
     if spec.use_cache is not None:
         out["use_cache"] = spec.use_cache
     if loop_peaks:
@@ -132,27 +133,26 @@ def ranks_text(ranks: tuple[int, ...]) -> str:
 
 
 def sharding_summary(spec: RunSpec, rank_peaks: dict[str, int], host_peak: int | None = None) -> dict:
-    """The report's `run` entries of a distributed step: {'fsdp': {world, reshard_after_forward, plan (`FsdpPlan`),
-    rank (the one reported), global_batch (per-rank batch × data-parallel ranks × gradient accumulation),
-    rank_peaks (bytes per rank class traced, when every class was), host_peak_bytes (with --cpu-offload: the
-    steady step's peak of the reported rank's storages in host memory)}, 'tp': {world (TP ranks), rank, global_batch,
-    rank_peaks}} (with --fsdp M --tp N both, the fsdp entry's world is M and rank_peaks sit in it) or {'ddp':
-    {world, global_batch}}; {} on one device."""
+    """The report's `run` entries of a distributed step, by `RunInfo` field: {'fsdp': `FsdpInfo` (world,
+    reshard_after_forward, plan (`FsdpPlan`), rank (the one reported), global_batch (per-rank batch × data-parallel
+    ranks × gradient accumulation), rank_peaks (bytes per rank class traced, when every class was), host_peak_bytes
+    (with --cpu-offload: the steady step's peak of the reported rank's storages in host memory)), 'tp': `TpInfo`
+    (world (TP ranks), rank, global_batch, rank_peaks)} (with --fsdp M --tp N both, the fsdp entry's world is M and
+    rank_peaks sit in it) or {'ddp': `DdpInfo` (world, global_batch)}; {} on one device."""
     if spec.ddp is not None:
-        return {"ddp": {"world": spec.ddp, "global_batch": spec.batch * spec.ddp * spec.grad_accum}}
+        return {"ddp": DdpInfo(world=spec.ddp, global_batch=spec.batch * spec.ddp * spec.grad_accum)}
     if spec.world is None:
         return {}
-    out = {}
+    out: dict = {}
     global_batch = spec.batch * (spec.fsdp or 1) * spec.grad_accum
+    peaks = rank_peaks or None
     if spec.tp is not None:
-        out["tp"] = {"world": spec.tp, "rank": spec.rank, "global_batch": global_batch}
+        out["tp"] = TpInfo(world=spec.tp, rank=spec.rank, global_batch=global_batch,
+                           rank_peaks=peaks if spec.fsdp is None else None)
     if spec.fsdp is not None:
-        out["fsdp"] = {"world": spec.fsdp, "reshard_after_forward": spec.reshard_after_forward, "rank": spec.rank,
-                       "global_batch": global_batch, "plan": spec.fsdp_plan.value}
-    if rank_peaks:
-        out["fsdp" if spec.fsdp is not None else "tp"]["rank_peaks"] = rank_peaks
-    if host_peak is not None:
-        out["fsdp"]["host_peak_bytes"] = host_peak
+        out["fsdp"] = FsdpInfo(world=spec.fsdp, reshard_after_forward=spec.reshard_after_forward, rank=spec.rank,
+                               global_batch=global_batch, plan=spec.fsdp_plan, rank_peaks=peaks,
+                               host_peak_bytes=host_peak)
     return out
 
 

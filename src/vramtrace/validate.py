@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from .errors import TraceError, UsageError, VramtraceError
+from .report.data import to_data
 from .spec import CheckpointingKind, Device, Mode, RunSpec
 
 
@@ -194,5 +195,5 @@ def validate(spec: RunSpec, progress: Callable[[str], None] | None = None) -> di
         out.update({"predicted_peak_reserved_bytes": report.peak_reserved_bytes,
                     "measured_peak_reserved_bytes": m.peak_reserved_bytes,
                     "reserved_error": (report.peak_reserved_bytes - m.peak_reserved_bytes) / m.peak_reserved_bytes})
-    out["run"] = report.run
+    out["run"] = to_data(report.run)
     return out

@@ -10,8 +10,9 @@ from .allocator import replay_steps
 from .liveness import Timeline, round_block
 from ..report.data import SCHEMA_TYPE, from_data, not_serialized, to_data
 from ..report.sections import (AllocatorSummary, CheckpointingSummary, ComparisonRow, CompiledSummary, FitVerdict,
-                               LeversSummary, ModelInfo)
+                               LeversSummary, ModelInfo, RunInfo)
 from ..units import format_bytes
+from ..spec import Mode
 
 SCHEMA_VERSION = 1
 
@@ -49,7 +50,7 @@ class MemoryReport:
     report's key order (`report.data.to_data`); `eager` is not in the JSON."""
 
     model: ModelInfo
-    run: dict[str, Any]
+    run: RunInfo
     params: int
     peak_allocated_bytes: int
     first_step_peak_allocated_bytes: int
@@ -241,7 +242,7 @@ def _cuda_summary(first: Timeline, steady: Timeline, gpu: dict[str, Any], storag
     return est, allocator, fit
 
 
-def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: tuple, storages: tuple,
+def summarize(*, model: ModelInfo, run: RunInfo, params: int, ops: tuple, storages: tuple,
               steady: Timeline, first: Timeline, graph_optimal: Timeline, gpu: dict[str, Any] | None,
               top_n: int = 10, unresolved: tuple[str, ...] = ()) -> MemoryReport:
     """Build the MemoryReport from the steady-state, first-step and graph-optimal timelines. With a `gpu`
@@ -288,7 +289,7 @@ def summarize(*, model: dict[str, Any], run: dict[str, Any], params: int, ops: t
         graph_optimal_peak_bytes=graph_optimal.peak_bytes,
         peak_step=peak, peak_phase=str(peak_op.phase), peak_op=peak_op.name, peak_module=peak_op.module,
         peak_micro_step=peak_op.micro,
-        breakdown_at_peak=breakdown, phases=_phase_marks(steady, ops, run.get("mode") == "generate", (peak, remainder)),
+        breakdown_at_peak=breakdown, phases=_phase_marks(steady, ops, run.mode is Mode.GENERATE, (peak, remainder)),
         top_tensors=top, tensors=tuple(rows),
         num_steps=len(steady.steps), fit=fit, activation_bytes=activation, step_flops=step_flops,
         recompute_flops=recompute_flops, peak_reserved_bytes=reserved, allocator=allocator,

@@ -3,9 +3,9 @@ e.g. a saved JSON report, -> the dataclass) for every dataclass of the report.
 
 The JSON object of a dataclass has its fields' names as keys in the fields' declared order (json.dumps keeps it,
 so the order is part of the report's bytes). A field declared with `omittable()` is left out of the JSON when its
-value is absent (`Omit.NONE`: None; `Omit.EMPTY`: None or an empty str/tuple/list/dict), and reads back as its
-default when the key is missing; a field declared with `not_serialized()` is never written nor read. Enums are
-written as their values, tuples as lists.
+value is absent (`Omit.NONE`: None; `Omit.EMPTY`: None or an empty str/tuple/list/dict; `Omit.UNSET`: the `UNSET`
+sentinel, so that None is written as null), and reads back as its default when the key is missing; a field
+declared with `not_serialized()` is never written nor read. Enums are written as their values, tuples as lists.
 """
 
 from __future__ import annotations
@@ -27,11 +27,19 @@ class Omit(enum.Enum):
     NONE = "none"  # when its value is None
     EMPTY = "empty"  # when its value is None or empty ('', (), [], {})
     ALWAYS = "always"  # never written, never read (e.g. an object beside the report, not data)
+    UNSET = "unset"  # when its value is the `UNSET` sentinel (its default): None is still written, as null
+
+
+class _Unset(enum.Enum):
+    UNSET = "unset"
+
+
+UNSET = _Unset.UNSET  # the default of an `Omit.UNSET` field: "not set on this path", unlike None (written as null)
 
 
 def omittable(when: Omit = Omit.NONE, default: Any = None) -> Any:
     """A dataclass field left out of the JSON when absent (see `Omit`); `default` is what a missing key reads as
-    (an immutable value: None, '', ())."""
+    (an immutable value: None, '', (), or `UNSET` with `Omit.UNSET`)."""
     return dataclasses.field(default=default, metadata={OMIT: when})
 
 
@@ -46,6 +54,8 @@ def omit_rule(f: dataclasses.Field) -> Omit | None:
 
 
 def _absent(value: Any, rule: Omit) -> bool:
+    if rule is Omit.UNSET:
+        return value is UNSET
     if rule is Omit.ALWAYS or value is None:
         return True
     return rule is Omit.EMPTY and isinstance(value, (str, tuple, list, dict)) and not value

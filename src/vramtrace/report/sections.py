@@ -8,7 +8,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from .data import Omit, omittable
+from .data import UNSET, Omit, omittable
+from ..spec import CacheKind, Device, FsdpPlan, KvDtype, Mode, OptimizerImpl, OptimizerKind, Precision, ZeroGrad
 
 _FROZEN = dict(frozen=True, slots=True, kw_only=True)
 
@@ -227,3 +228,120 @@ class LeversSummary:
     traces: int
     skipped: tuple[SkippedLever, ...] = omittable(Omit.EMPTY, ())
     cached: int | None = omittable()
+
+
+@dataclass(**_FROZEN)
+class DdpInfo:
+    """The run's `ddp` entry (summaries.py `sharding_summary`): DDP's ranks; `global_batch`: per-rank batch ×
+    ranks × gradient accumulation."""
+
+    world: int
+    global_batch: int
+
+
+@dataclass(**_FROZEN)
+class TpInfo:
+    """The run's `tp` entry (summaries.py `sharding_summary`): the tensor-parallel ranks, the rank reported, the
+    global batch; `rank_peaks`: peak bytes per rank class traced (here when there is no FSDP)."""
+
+    world: int
+    rank: int | None
+    global_batch: int
+    rank_peaks: dict[str, int] | None = omittable()
+
+
+@dataclass(**_FROZEN)
+class FsdpInfo:
+    """The run's `fsdp` entry (summaries.py `sharding_summary`): FSDP2's data-parallel ranks and plan, the rank
+    reported, the global batch; `rank_peaks`: peak bytes per rank class traced, when every class was;
+    `host_peak_bytes`: with --cpu-offload, the steady step's peak of the rank's storages in host memory."""
+
+    world: int
+    reshard_after_forward: bool
+    rank: int | None
+    global_batch: int
+    plan: FsdpPlan
+    rank_peaks: dict[str, int] | None = omittable()
+    host_peak_bytes: int | None = omittable()
+
+
+@dataclass(**_FROZEN)
+class CpuKernels:
+    """The run's `cpu_kernels` entry on the CPU target (tracer/trace.py `_cpu_kernels`, tracer/profiling.py
+    `cpu_environment`): what its kernel workspaces depend on; `relaid_outputs`, `extrapolated_workspaces`: only
+    when some op's output was laid out as the CPU kernel does, or its workspace extrapolated."""
+
+    cpu: str
+    cpu_flags: str
+    onednn_max_isa: str
+    aten_capability: str
+    threads: int
+    torch: str
+    relaid_outputs: str | None = omittable()
+    extrapolated_workspaces: str | None = omittable()
+
+
+@dataclass(**_FROZEN)
+class RunInfo:
+    """The report's `run` section (pipeline.py `_run_info`): the run's settings and its traced step's figures.
+    Enum-valued settings hold the spec's enums (str enums: format them by `.value`). Paths that do not produce an
+    entry leave it out: the train step's entries (summaries.py `step_summary`; `clip_grad_norm` is written, null or not, in train runs
+    only), a generation's (`new_tokens` .. `total_length`, and analysis/summary.py `generation_summary`'s figures),
+    the sharding entries (`sharding_summary`), the mixture-of-experts ones (`moe_summary`), the CUDA context's
+    (`cuda_context_summary`), `images` (a vision-language model's per sample), `paged_optimizer_state_bytes` (a
+    paged bitsandbytes optimizer's state in CUDA managed memory), `cpu_kernels` (CPU target), `warnings`."""
+
+    mode: Mode
+    precision: Precision
+    precision_source: str
+    optimizer: OptimizerKind
+    optimizer_impl: OptimizerImpl
+    device: Device
+    gpu: str
+    batch: int
+    seq: int | None
+    checkpointing: str
+    checkpointing_source: str
+    num_layers: int
+    layer_stack: str
+    allocator_block_bytes: int
+    num_ops: int
+    trace: str
+    inputs: tuple[str, ...]
+    loop: str | None = omittable()  # a `Loop` value, or '--step FILE:FUNCTION'
+    grad_accum: int | None = omittable()
+    effective_batch: int | None = omittable()
+    zero_grad: ZeroGrad | None = omittable()
+    clip_grad_norm: float | None = omittable(Omit.UNSET, UNSET)
+    use_cache: bool | None = omittable()
+    loop_peaks: dict[str, int] | None = omittable(Omit.EMPTY)
+    use_cache_false_peak_bytes: int | None = omittable()
+    new_tokens: int | None = omittable()
+    cache: CacheKind | None = omittable()
+    kv_dtype: KvDtype | None = omittable()
+    total_length: int | None = omittable()
+    ddp: DdpInfo | None = omittable()
+    tp: TpInfo | None = omittable()
+    fsdp: FsdpInfo | None = omittable()
+    adapters: str
+    image_size: tuple[int, ...] | None
+    images: int | None = omittable()
+    moe_layers: int | None = omittable()
+    moe_experts_implementation: str | None = omittable()
+    moe_routing: str | None = omittable()
+    compile: bool
+    compile_mode: str | None
+    cuda_version: int | None = omittable()
+    cuda_context_bytes: int | None = omittable()
+    cuda_context_source: str | None = omittable()
+    peak_in: str | None = omittable()  # 'prefill' or 'decode step k of N - 1'
+    prefill_peak_bytes: int | None = omittable()
+    decode_peak_bytes: int | None = omittable()
+    kv_cache_bytes_at_end: int | None = omittable()
+    kv_tokens_per_request: int | None = omittable()
+    kv_bytes_per_token: int | None = omittable()
+    kv_cross_attention_bytes: int | None = omittable()
+    kv_cross_bytes_per_token: int | None = omittable()
+    paged_optimizer_state_bytes: int | None = omittable()
+    cpu_kernels: CpuKernels | None = omittable()
+    warnings: tuple[str, ...] = omittable(Omit.EMPTY, ())

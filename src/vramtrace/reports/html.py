@@ -23,6 +23,7 @@ from ..analysis.categories import Category
 from ..analysis.summary import MemoryReport
 from ..report.sections import LeversSummary
 from ..units import format_bytes
+from ..spec import Device
 from .json_report import write_output
 from .terminal import image_text
 
@@ -151,14 +152,15 @@ def _summary(report: MemoryReport, label: str) -> dict:
         "model": f"{m.ref}: {m.architecture}, {report.params:,} parameters"
                  + (f" ({m.trainable_params:,} trainable)" if m.trainable_params != report.params else "")
                  + f", weights {m.param_dtype}, compute {m.compute_dtype}"
-                 + (f"; {r['adapters']}" if r.get("adapters") else "")
+                 + (f"; {r.adapters}" if r.adapters else "")
                  + (f"; checkpoint: {m.checkpoint.note}" if m.checkpoint else ""),
-        "run": f"{r['mode']}, {r['precision']}, optimizer {r['optimizer']} ({r['optimizer_impl']}), batch {r['batch']}"
-               + (f" × seq {r['seq']}" if r.get("seq") else "")
+        "run": f"{r.mode.value}, {r.precision.value}, optimizer {r.optimizer.value} ({r.optimizer_impl.value}), "
+               f"batch {r.batch}"
+               + (f" × seq {r.seq}" if r.seq else "")
                + image_text(r)
-               + f", target {r['device']}" + (f" ({r['gpu']})" if r["device"] == "cuda" else "")
-               + f", checkpointing {r['checkpointing']}"
-               + (f", MoE routing {r['moe_routing']}" if r.get("moe_layers") else ""),
+               + f", target {r.device.value}" + (f" ({r.gpu})" if r.device is Device.CUDA else "")
+               + f", checkpointing {r.checkpointing}"
+               + (f", MoE routing {r.moe_routing}" if r.moe_layers else ""),
         "peak": format_bytes(report.peak_allocated_bytes),
         "peak_exact": f"{report.peak_allocated_bytes:,} bytes",
         "peak_step": report.peak_step,
@@ -221,7 +223,7 @@ def render_html(reports: list[MemoryReport], labels: list[str] | None = None) ->
     """The HTML page for one report, or several side by side on one scale (a comparison)."""
     from .._version import __version__
 
-    labels = labels or [f"{r.run['checkpointing']}" if len(reports) > 1 else r.model.ref for r in reports]
+    labels = labels or [f"{r.run.checkpointing}" if len(reports) > 1 else r.model.ref for r in reports]
     data = {"categories": [c.value for c in CATEGORY_COLORS], "colors": list(CATEGORY_COLORS.values()),
             "reports": [_payload(r, label) for r, label in zip(reports, labels)]}
     # no "<" at all inside the data block, so no name can end the script or open a comment

@@ -12,7 +12,10 @@ from rich.text import Text
 from ..analysis.aggregate import layer_totals, live_groups
 from ..analysis.categories import OPTIONAL
 from ..analysis.summary import MemoryReport
+from ..report.data import UNSET
+from ..report.sections import RunInfo
 from ..units import format_bytes, format_count, format_flops
+from ..spec import Device, Mode
 
 _CATEGORY_LABELS = {
     "parameter": "parameters", "gradient": "gradients", "optimizer_state": "optimizer state",
@@ -25,52 +28,52 @@ _CATEGORY_LABELS = {
     "paged_optimizer_state": "paged optimizer state (CUDA managed memory)",
     "allocator_remainder": "allocator: unsplit block remainders",
 }
-def sharding_line(r: dict) -> str:
+def sharding_line(r: RunInfo) -> str:
     """'FSDP2 over 8 ranks (reshard after forward), per rank: rank 0 shown (ranks 0-6 3.10 GiB, 7 2.90 GiB);
     global batch 32', or 'tensor parallel over 2 ranks (transformers' plan), ...', or both for a 2-D mesh, from
     the report's run entries."""
-    f, tp = r.get("fsdp"), r.get("tp")
+    f, tp = r.fsdp, r.tp
     parts = []
     if f:
-        how = ("transformers' FSDP plan" if f.get("plan") == "transformers"
-               else f"{'reshard' if f['reshard_after_forward'] else 'no reshard'} after forward")
-        if "host_peak_bytes" in f:
-            how += (f", CPU offload: shards, gradients and optimizer state in {format_bytes(f['host_peak_bytes'])} "
+        how = ("transformers' FSDP plan" if f.plan == "transformers"
+               else f"{'reshard' if f.reshard_after_forward else 'no reshard'} after forward")
+        if f.host_peak_bytes is not None:
+            how += (f", CPU offload: shards, gradients and optimizer state in {format_bytes(f.host_peak_bytes)} "
                     "of pinned host memory at most, not in the peak")
-        parts.append(f"FSDP2 over {f['world']} ranks ({how})")
+        parts.append(f"FSDP2 over {f.world} ranks ({how})")
     if tp:
-        parts.append(f"tensor parallel over {tp['world']} ranks (transformers' plan)")
+        parts.append(f"tensor parallel over {tp.world} ranks (transformers' plan)")
     shown = f or tp
-    text = " × ".join(parts) + f"; per rank, rank {shown['rank']} shown"
-    if len(shown.get("rank_peaks", {})) > 1:
-        text += " (" + ", ".join(f"ranks {k} {format_bytes(v)}" for k, v in shown["rank_peaks"].items()) + ")"
-    return text + f"; global batch {shown['global_batch']}"
+    text = " × ".join(parts) + f"; per rank, rank {shown.rank} shown"
+    if len(shown.rank_peaks or {}) > 1:
+        text += " (" + ", ".join(f"ranks {k} {format_bytes(v)}" for k, v in shown.rank_peaks.items()) + ")"
+    return text + f"; global batch {shown.global_batch}"
 
 
 _LOOP_CODE = {"trainer": "output released before backward", "function": "outputs kept until train_step returns",
               "script": "outputs kept until the next forward returns"}
 
 
-def step_line(r: dict) -> str:
+def step_line(r: RunInfo) -> str:
     """'loop trainer (output released before backward); grad-accum 4 (effective batch 16); ...' or ''."""
-    if "loop" not in r:
+    if r.loop is None:
         return ""
-    parts = [r["loop"] if r["loop"].startswith("--step") else f"loop {r['loop']} ({_LOOP_CODE[r['loop']]})"]
-    if r.get("grad_accum", 1) > 1:
-        parts.append(f"grad-accum {r['grad_accum']} (effective batch {r['effective_batch']})")
-    parts.append("zero_grad(set_to_none=" + ("True)" if r.get("zero_grad") == "none" else "False)"))
-    if r.get("clip_grad_norm") is not None:
-        parts.append(f"clip_grad_norm_ {r['clip_grad_norm']:g}")
-    if "use_cache" in r:
-        parts.append(f"use_cache {r['use_cache']}")
+    parts = [r.loop if r.loop.startswith("--step") else f"loop {r.loop} ({_LOOP_CODE[r.loop]})"]
+    if (r.grad_accum or 1) > 1:
+        parts.append(f"grad-accum {r.grad_accum} (effective batch {r.effective_batch})")
+    parts.append("zero_grad(set_to_none=" + ("True)" if r.zero_grad == "none" else "False)"))
+    if r.clip_grad_norm is not None and r.clip_grad_norm is not UNSET:
+        parts.append(f"clip_grad_norm_ {r.clip_grad_norm:g}")
+    if r.use_cache is not None:
+        parts.append(f"use_cache {r.use_cache}")
     return "; ".join(parts)
 
 
-def loop_notes(r: dict, peak: int) -> list[str]:
+def loop_notes(r: RunInfo, peak: int) -> list[str]:
     """One line per other loop whose peak differs: '--loop script (...) peaks at X (+Y)'."""
     out = []
-    for loop, other in (r.get("loop_peaks") or {}).items():
-        if loop != r.get("loop") and other != peak:
+    for loop, other in (r.loop_peaks or {}).items():
+        if loop != r.loop and other != peak:
             sign = "+" if other > peak else "-"
             out.append(f"--loop {loop} ({_LOOP_CODE[loop]}) peaks at {format_bytes(other)} "
                        f"({sign}{format_bytes(abs(other - peak))})")
@@ -79,12 +82,12 @@ def loop_notes(r: dict, peak: int) -> list[str]:
 
 def kv_cache_note(report: MemoryReport) -> str:
     """What the KV cache a training forward builds holds at the peak, and the peak of the same step traced with
-    `--use-cache false` (`run["use_cache_false_peak_bytes"]`: a second trace, since with the cache off the
+    `--use-cache false` (`run.use_cache_false_peak_bytes`: a second trace, since with the cache off the
     attention's own key/value tensors live as long as its locals and saved tensors keep them, so the saving is
     not the cache's bytes); '' unless the config's cache is live at the peak."""
     kv = report.breakdown_at_peak.get("kv_cache", 0)
-    off = report.run.get("use_cache_false_peak_bytes")
-    if off is None or report.run.get("use_cache") is False:
+    off = report.run.use_cache_false_peak_bytes
+    if off is None or report.run.use_cache is False:
         return ""
     diff = report.peak_allocated_bytes - off
     saves = (f"saves {format_bytes(diff)}" if diff > 0 else "saves nothing" if diff == 0
@@ -97,12 +100,12 @@ def _shape(shape) -> str:
     return "(" + ", ".join(str(d) for d in shape) + ")"
 
 
-def image_text(r: dict) -> str:
+def image_text(r: RunInfo) -> str:
     """', image H×W' of the run's images, ', N images H×W per sample' for a vision-language model, else ''."""
-    if not r.get("image_size"):
+    if not r.image_size:
         return ""
-    size = "×".join(map(str, r["image_size"]))
-    n = r.get("images")
+    size = "×".join(map(str, r.image_size))
+    n = r.images
     return f", {n} image{'s' * (n > 1)} {size} per sample" if n else f", image {size}"
 
 
@@ -142,46 +145,46 @@ def _header(report: MemoryReport) -> Table:
         dtypes = ", ".join(f"{k} {v:,}" for k, v in ck.dtypes.items())
         head.add_row("checkpoint", f"{ck.files} {ck.source} file(s): {dtypes}; "
                      + (ck.note if ck.matches else f"[bold red]{escape(ck.note)}[/]"))
-    if r.get("adapters"):
-        head.add_row("adapters", r["adapters"])
-    if r.get("inputs"):
-        head.add_row("inputs", ", ".join(r["inputs"]))
+    if r.adapters:
+        head.add_row("adapters", r.adapters)
+    if r.inputs:
+        head.add_row("inputs", ", ".join(r.inputs))
     head.add_row("dtypes", f"weights {m.param_dtype}, compute {m.compute_dtype}"
-                 + (f"; precision {r['precision']}: {escape(r['precision_source'])}" if r.get("precision_source") else ""))
+                 + (f"; precision {r.precision.value}: {escape(r.precision_source)}" if r.precision_source else ""))
     sdpa = ", ".join(f"{k}×{v}" for k, v in m.sdpa_backends.items()) or "none"
     head.add_row("attention", f"{m.attn_implementation} (SDPA backend: {sdpa})")
-    if r["mode"] == "generate":
-        head.add_row("run", f"generate, {r['precision']}, batch {r['batch']} × prompt {r['seq']} + {r['new_tokens']} "
-                            f"new tokens (greedy), {r['cache']} cache" + image_text(r)
-                            + (f" in {r['kv_dtype']} (QuantizedCache)" if r.get("kv_dtype", "auto") != "auto" else ""))
+    if r.mode is Mode.GENERATE:
+        head.add_row("run", f"generate, {r.precision.value}, batch {r.batch} × prompt {r.seq} + {r.new_tokens} "
+                            f"new tokens (greedy), {r.cache.value} cache" + image_text(r)
+                            + (f" in {r.kv_dtype.value} (QuantizedCache)" if r.kv_dtype not in (None, "auto") else ""))
     else:
-        optimizer = (f"optimizer {r['optimizer']} ({r['optimizer_impl']}), " if r["mode"] == "train" else "")
-        head.add_row("run", f"{r['mode']}, {r['precision']}, {optimizer}"
-                            f"batch {r['batch']}" + (f" × seq {r['seq']}" if r.get("seq") else "")
+        optimizer = (f"optimizer {r.optimizer.value} ({r.optimizer_impl.value}), " if r.mode is Mode.TRAIN else "")
+        head.add_row("run", f"{r.mode.value}, {r.precision.value}, {optimizer}"
+                            f"batch {r.batch}" + (f" × seq {r.seq}" if r.seq else "")
                      + image_text(r)
-                     + f", checkpointing {r['checkpointing']}"
-                     + (f" ({r['checkpointing_source']})" if r.get("checkpointing_source") else "")
-                     + (f", MoE routing {r['moe_routing']}" if r.get("moe_layers") else ""))
+                     + f", checkpointing {r.checkpointing}"
+                     + (f" ({r.checkpointing_source})" if r.checkpointing_source else "")
+                     + (f", MoE routing {r.moe_routing}" if r.moe_layers else ""))
     if step_line(r):
         head.add_row("step", escape(step_line(r)))
-    if r.get("fsdp") or r.get("tp"):
+    if r.fsdp or r.tp:
         head.add_row("sharding", sharding_line(r))
-    if r.get("ddp"):
-        head.add_row("sharding", f"DDP over {r['ddp']['world']} ranks (every rank holds the whole model and one "
-                                 f"set of gradient buckets); per rank; global batch {r['ddp']['global_batch']}")
-    if r.get("paged_optimizer_state_bytes"):
-        head.add_row("paged state", f"{format_bytes(r['paged_optimizer_state_bytes'])} of optimizer state in CUDA "
+    if r.ddp:
+        head.add_row("sharding", f"DDP over {r.ddp.world} ranks (every rank holds the whole model and one "
+                                 f"set of gradient buckets); per rank; global batch {r.ddp.global_batch}")
+    if r.paged_optimizer_state_bytes:
+        head.add_row("paged state", f"{format_bytes(r.paged_optimizer_state_bytes)} of optimizer state in CUDA "
                                     "managed memory (bitsandbytes' paged optimizer): outside the allocator, not in "
                                     "the peak; resident on the GPU while it has room, paged to host RAM when not")
-    target = f"{r['device']}" + (f" ({r['gpu']}, 512 B blocks)" if r["device"] == "cuda" else " (no rounding)")
+    target = f"{r.device.value}" + (f" ({r.gpu}, 512 B blocks)" if r.device is Device.CUDA else " (no rounding)")
     head.add_row("target", target)
-    if r.get("trace"):
-        head.add_row("trace", f"{r['num_ops']:,} aten ops; {r['trace']}")
-    if r.get("cpu_kernels"):
-        c = r["cpu_kernels"]
-        head.add_row("CPU kernels", f"measured on {c['cpu']} ({c['cpu_flags'] or 'no AVX flags'}), oneDNN ISA "
-                     f"{c['onednn_max_isa']}, ATen {c['aten_capability']}, {c['threads']} threads, torch {c['torch']}")
-    for warning in r.get("warnings", ()):
+    if r.trace:
+        head.add_row("trace", f"{r.num_ops:,} aten ops; {r.trace}")
+    if r.cpu_kernels:
+        c = r.cpu_kernels
+        head.add_row("CPU kernels", f"measured on {c.cpu} ({c.cpu_flags or 'no AVX flags'}), oneDNN ISA "
+                     f"{c.onednn_max_isa}, ATen {c.aten_capability}, {c.threads} threads, torch {c.torch}")
+    for warning in r.warnings:
         head.add_row("warning", Text(warning, style="bold yellow"))
     return head
 
@@ -195,20 +198,20 @@ def _render_peak(report: MemoryReport, console: Console) -> None:
     if report.peak_reserved_bytes is not None:
         peak.append(f"   reserved: {format_bytes(report.peak_reserved_bytes)} (caching-allocator model)")
     first = (f"first step (optimizer state created lazily): {format_bytes(report.first_step_peak_allocated_bytes)}   "
-             if report.run["mode"] == "train" else "")
+             if report.run.mode is Mode.TRAIN else "")
     extra = Text(f"{first}graph-optimal (last-use freeing): {format_bytes(report.graph_optimal_peak_bytes)}",
                  style="dim")
-    if report.run.get("grad_accum", 1) > 1:
-        where.append(f" (micro-step {report.peak_micro_step + 1} of {report.run['grad_accum']})")
-    if report.run.get("peak_in"):
+    if (report.run.grad_accum or 1) > 1:
+        where.append(f" (micro-step {report.peak_micro_step + 1} of {report.run.grad_accum})")
+    if report.run.peak_in:
         r = report.run
-        where.append(f" ({r['peak_in']})")
-        extra = Text(f"prefill peak {format_bytes(r['prefill_peak_bytes'])}   decode peak "
-                     f"{format_bytes(r['decode_peak_bytes'])}   KV cache at the end {format_bytes(r['kv_cache_bytes_at_end'])}"
-                     f" ({r['batch']} × {r['kv_tokens_per_request']:,} tokens, {format_bytes(r['kv_bytes_per_token'])} "
-                     "per token per request" + (f"; cross-attention {format_bytes(r['kv_cross_attention_bytes'])}, "
-                                                f"{format_bytes(r['kv_cross_bytes_per_token'])} per prompt token"
-                                                if "kv_cross_attention_bytes" in r else "") + ")", style="dim")
+        where.append(f" ({r.peak_in})")
+        extra = Text(f"prefill peak {format_bytes(r.prefill_peak_bytes)}   decode peak "
+                     f"{format_bytes(r.decode_peak_bytes)}   KV cache at the end {format_bytes(r.kv_cache_bytes_at_end)}"
+                     f" ({r.batch} × {r.kv_tokens_per_request:,} tokens, {format_bytes(r.kv_bytes_per_token)} "
+                     "per token per request" + (f"; cross-attention {format_bytes(r.kv_cross_attention_bytes)}, "
+                                                f"{format_bytes(r.kv_cross_bytes_per_token)} per prompt token"
+                                                if r.kv_cross_attention_bytes is not None else "") + ")", style="dim")
     loops = [Text(line, style="yellow") for line in loop_notes(report.run, report.peak_allocated_bytes)
              + [kv_cache_note(report)] if line]
     console.print(Panel(Group(peak, where, extra, *loops, Text(f"timeline {sparkline(report)}  (max per column, 0 "
@@ -225,7 +228,7 @@ def _render_tables(report: MemoryReport, console: Console) -> None:
     bd.add_column("share", justify="right")
     total = max(report.peak_allocated_bytes, 1)
     for cat, b in sorted(report.breakdown_at_peak.items(), key=lambda kv: -kv[1]):
-        if not b and (cat in OPTIONAL or report.run["mode"] != "train"):  # no gradient, no optimizer state rows
+        if not b and (cat in OPTIONAL or report.run.mode is not Mode.TRAIN):  # no gradient, no optimizer state rows
             continue
         bd.add_row(_CATEGORY_LABELS.get(cat, cat), format_bytes(b), f"{100 * b / total:.1f}%")
     wf = Table(title="Step waterfall (predicted)", title_justify="left")

@@ -99,8 +99,8 @@ def _other_data(report: MemoryReport) -> dict[str, Any]:
     run = report.run
     data: dict[str, Any] = {
         "generator": f"vramtrace {__version__}", "model": report.model.ref,
-        "mode": run.get("mode", ""), "batch": run.get("batch"), "seq": run.get("seq"),
-        "device": run.get("device", ""), "predicted_peak_allocated_bytes": report.peak_allocated_bytes,
+        "mode": run.mode.value, "batch": run.batch, "seq": run.seq,
+        "device": run.device.value, "predicted_peak_allocated_bytes": report.peak_allocated_bytes,
         "peak_step": report.peak_step, "num_steps": report.num_steps,
         "time": f"synthetic: one timeline step = {STEP_US} us of trace time (ts = step index); steps have no "
                 "duration",
