@@ -15,7 +15,7 @@ from ..analysis.summary import MemoryReport
 from ..report.data import UNSET
 from ..report.sections import RunInfo
 from ..units import format_bytes, format_count, format_flops
-from ..spec import Device, Mode
+from ..spec import Device, Mode, ZeroGrad
 
 _CATEGORY_LABELS = {
     "parameter": "parameters", "gradient": "gradients", "optimizer_state": "optimizer state",
@@ -61,7 +61,7 @@ def step_line(r: RunInfo) -> str:
     parts = [r.loop if r.loop.startswith("--step") else f"loop {r.loop} ({_LOOP_CODE[r.loop]})"]
     if (r.grad_accum or 1) > 1:
         parts.append(f"grad-accum {r.grad_accum} (effective batch {r.effective_batch})")
-    parts.append("zero_grad(set_to_none=" + ("True)" if r.zero_grad == "none" else "False)"))
+    parts.append("zero_grad(set_to_none=" + ("True)" if r.zero_grad is ZeroGrad.NONE else "False)"))
     if r.clip_grad_norm is not None and r.clip_grad_norm is not UNSET:
         parts.append(f"clip_grad_norm_ {r.clip_grad_norm:g}")
     if r.use_cache is not None:
