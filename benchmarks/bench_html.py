@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from vramtrace import RunSpec, analyze
-from vramtrace.reports.html import render_html
+from vramtrace.render.html import render_html
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ SCHEMA_ID = "https://github.com/vramtrace/vramtrace/docs/report.schema.json"
 
 def generated() -> str:
     """The schema's text, as written to docs/report.schema.json."""
-    from vramtrace.analysis.summary import SCHEMA_VERSION, MemoryReport
+    from vramtrace.report.summary import SCHEMA_VERSION, MemoryReport
     from vramtrace.report.schema import json_schema
 
     schema = json_schema(MemoryReport, title=f"vramtrace report (schema_version {SCHEMA_VERSION})",

@@ -16,8 +16,8 @@ from pathlib import Path
 from rich.console import Console
 
 from vramtrace import RunSpec, analyze
-from vramtrace.reports.html import render_html
-from vramtrace.reports.terminal import render
+from vramtrace.render.html import render_html
+from vramtrace.render.terminal import render
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "configs" / "tiny-llama-gqa.json"

@@ -268,7 +268,7 @@ def test_a_reports_peak_allocated_holds_the_unsplit_remainders(tmp_path):
     segment (`get_allocation_size`: 2 MiB rounding) whose 499,712 B rest, at most kSmallSize, is not split off
     (`should_split`) and counts as allocated. The breakdown, the JSON and the trace events say so."""
     from vramtrace import RunSpec, analyze
-    from vramtrace.reports.trace_events import trace_events_of
+    from vramtrace.render.trace_events import trace_events_of
 
     cfg = json.loads((FIXTURES / "tiny-gpt2.json").read_text())
     path = tmp_path / "gpt2-47200.json"

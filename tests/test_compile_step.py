@@ -18,7 +18,7 @@ from oracle import measure_cpu_peak
 from tolerance import assert_within
 from vramtrace import RunSpec, analyze
 from vramtrace.errors import UsageError
-from vramtrace.reports.html import render_html
+from vramtrace.render.html import render_html
 from vramtrace.tracer import compiled
 from vramtrace.tracer.compiled import GraphProgram, run_program
 from vramtrace.tracer.probe import CpuWorkspaceProbe

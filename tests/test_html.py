@@ -23,8 +23,8 @@ from goldens import HTML_DATA, embedded_data, html_data, html_report
 from vramtrace import RunSpec, analyze
 from vramtrace.report.data import from_data
 from vramtrace.report.sections import LeversSummary
-from vramtrace.reports.html import render_html
-from vramtrace.reports.snapshot import snapshot_of
+from vramtrace.render.html import render_html
+from vramtrace.render.snapshot import snapshot_of
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 

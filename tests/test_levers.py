@@ -16,7 +16,7 @@ from oracle import measure_cpu_peak
 from vramtrace import RunSpec, analyze
 from vramtrace.cli import main
 from vramtrace.fit import fit
-from vramtrace.reports.terminal import render
+from vramtrace.render.terminal import render
 
 LLAMA, GPT2 = (str(FIXTURES / f"{c}.json") for c in ("tiny-llama-gqa", "tiny-gpt2"))
 BASE = ["--batch", "4", "--seq", "64", "--device", "cpu"]

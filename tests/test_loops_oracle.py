@@ -99,7 +99,7 @@ def test_use_cache_false_peak_is_a_real_run(tmp_path, precision):
     live at the peak the report gives the peak of the same step with --use-cache false, and a real run with the
     cache off measures it: in bf16-mixed the saving is the fp32 cache (autocast's cat promotes it); in fp32 SDPA
     saves the cache's tensors for the backward, so without it the same bytes are saved and it saves nothing."""
-    from vramtrace.reports.terminal import kv_cache_note
+    from vramtrace.render.terminal import kv_cache_note
     from vramtrace.units import format_bytes
 
     model = _deeper_llama(tmp_path)
@@ -127,7 +127,7 @@ def test_no_use_cache_line_when_the_cache_is_not_live_at_the_peak():
     the cache, and no cache storage is saved for the backward (eager attention's `repeat_kv` copies are): no line.
     With SDPA and transformers >= 5.24 the bf16 value cache is itself the tensor SDPA saves (5.24 keeps the values'
     own dtype in `DynamicLayer.lazy_initialization`; 5.23 cast them to the keys' fp32), so it is live there."""
-    from vramtrace.reports.terminal import kv_cache_note
+    from vramtrace.render.terminal import kv_cache_note
 
     r = analyze(RunSpec(LLAMA, batch=2, seq=48, device="cpu", precision="bf16-mixed", attn_implementation="eager"))
     assert r.peak_phase == "backward" and r.breakdown_at_peak.get("kv_cache", 0) == 0

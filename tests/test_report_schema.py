@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from vramtrace import RunSpec, analyze
-from vramtrace.analysis.summary import MemoryReport
+from vramtrace.report.summary import MemoryReport
 from vramtrace.report.data import UNSET, Omit, from_data, omittable, to_data
 from vramtrace.report.sections import FitVerdict, LeversSummary, SkippedLever, SkipReason
 
@@ -95,7 +95,7 @@ def test_the_reader_rejects_unknown_keys_and_values():
 
 def test_a_saved_report_reads_back_or_fails_in_one_line(tmp_path):
     from vramtrace.errors import ReportWriteError
-    from vramtrace.reports.json_report import read_json_report, write_json
+    from vramtrace.render.json_report import read_json_report, write_json
 
     r = analyze(RunSpec(GPT2, batch=1, seq=8, device="cpu", mode="inference", gpu_memory_bytes=1 << 40))
     path = tmp_path / "r.json"

@@ -1,4 +1,4 @@
-"""The terminal report (reports/terminal.py): golden renders at 80 and 120 columns, the by-layer aggregation,
+"""The terminal report (render/terminal.py): golden renders at 80 and 120 columns, the by-layer aggregation,
 FLOPs in human units, no optimizer lines for inference."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import pytest
 from conftest import FIXTURES
 from vramtrace import RunSpec, analyze
 from vramtrace.cli import main
-from vramtrace.reports.trace_events import trace_events_of
+from vramtrace.render.trace_events import trace_events_of
 
 TINY = str(FIXTURES / "tiny-llama-gqa.json")
 

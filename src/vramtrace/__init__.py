@@ -12,7 +12,7 @@ from .pipeline import COMPARED_POLICIES, analyze, compare, compare_reports, with
 from .spec import KBIT_TRAINING_CHECKPOINTING, Device, Mode, RunSpec  # the first: importable here before pipeline.py
 from .summaries import (adapters_summary, checkpointed_modules, checkpointing_summary, compile_summary,
                         cuda_context_summary, moe_summary, sharding_summary, step_summary, target_warnings)
-from .reports.output import print_report, report_json, write_html
+from .render.output import print_report, report_json, write_html
 
 __all__ = ["analyze", "compare", "compare_reports", "with_comparison", "RunSpec", "VramtraceError", "__version__",
            "print_report", "report_json", "write_html"]

@@ -266,7 +266,7 @@ def _analyze_one_frozen(session: TraceSession, use_cache_variant: bool = True) -
     traces (`Analysed`). `use_cache_variant`: when the config's KV cache is live at the peak, the step is traced
     again with use_cache false (`run.use_cache_false_peak_bytes`; `_use_cache_false_peak`)."""
     from .analysis.storages import loop_peaks as loops_peaks
-    from .analysis.summary import summarize
+    from .report.summary import summarize
 
     say = session.say
     say("building model on meta")
@@ -331,7 +331,7 @@ def _run_info(spec: RunSpec, precision_source: str, loaded, main, steady, step: 
     traced, table = main.traced, main.table
     generation = {}
     if spec.mode is Mode.GENERATE:
-        from .analysis.summary import generation_summary
+        from .report.summary import generation_summary
 
         generation = generation_summary(traced.ops, table, steady, spec.batch, spec.seq, spec.new_tokens,
                                         loaded.task == "seq2seq-lm")

@@ -15,7 +15,7 @@ the fewest recompute FLOPs. Because each answer is traced, a plan reported as fi
 only miss a cheaper plan if the peak were not monotone in c. When nothing fits, the report gives the floor: the
 lowest peak among the plans traced, and by how much it misses, and no snippet to apply.
 
-The budget is compared on the basis of the fit verdict (`analysis/summary.py`): for a CUDA target the peak
+The budget is compared on the basis of the fit verdict (`report/summary.py`): for a CUDA target the peak
 reserved bytes of the caching-allocator model (what must fit on the device), for the CPU the peak allocated
 bytes. `plan['basis']` names it.
 """

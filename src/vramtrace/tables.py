@@ -127,7 +127,7 @@ class Outcome:
 
 def outcome(tables: StepTables, num_layers: int, cuda: bool) -> Outcome:
     """The `Outcome` of an exact trace (`step_tables`) of a model whose stack has `num_layers` layers."""
-    from .analysis.summary import flops
+    from .report.summary import flops
 
     steady = tables.timeline()
     allocated, reserved, at = steady.peak_bytes, None, steady.peak_step

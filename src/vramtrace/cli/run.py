@@ -87,7 +87,7 @@ def _fit_axis(ctx: typer.Context, opts: SimpleNamespace) -> str:
 def _check_usage(opts: SimpleNamespace, fit_axis: str | None, validate_run: bool) -> bool:
     """The combinations of options no command accepts, as UsageError; checks the output paths are writable.
     Returns `quiet` (also true when an output goes to stdout, which then carries that output alone)."""
-    from ..reports.json_report import check_writable
+    from ..render.json_report import check_writable
 
     if opts.compare_policies and opts.checkpointing is not None and opts.checkpointing.strip().lower() != "none":
         raise UsageError("--compare traces none, layers and selective itself; drop --checkpointing, or drop --compare")
@@ -155,7 +155,7 @@ def _run_spec(opts: SimpleNamespace):
 def _execute(opts: SimpleNamespace, fit_axis: str | None, validate_run: bool) -> None:
     """Re-render saved reports, or trace: sweep, fit, validate, or the main run (with --compare: three policies)."""
     from ..pipeline import COMPARED_POLICIES, analyze, compare_reports, with_comparison
-    from ..reports.json_report import read_json_report
+    from ..render.json_report import read_json_report
 
     saved = [read_json_report(m) for m in opts.model]
     if all(r is not None for r in saved):  # re-render saved reports, no trace
@@ -186,8 +186,8 @@ def _execute(opts: SimpleNamespace, fit_axis: str | None, validate_run: bool) ->
 def _render(reports: list, labels: list[str], opts: SimpleNamespace) -> None:
     """Every output of a run: the terminal report (unless quiet), then --json, --html, --snapshot, --trace-events.
     The one place the CLI calls the renderers of a MemoryReport."""
-    from ..reports.json_report import write_json
-    from ..reports.terminal import render
+    from ..render.json_report import write_json
+    from ..render.terminal import render
 
     report = reports[0]
     if not opts.quiet and opts.json_path != "-":
@@ -195,15 +195,15 @@ def _render(reports: list, labels: list[str], opts: SimpleNamespace) -> None:
     if opts.json_path is not None:
         write_json(report, opts.json_path)
     if opts.html_path is not None:
-        from ..reports.html import write_html
+        from ..render.html import write_html
 
         write_html(reports, opts.html_path, labels if len(reports) > 1 else None)
     if opts.snapshot_path is not None:
-        from ..reports.snapshot import write_snapshot
+        from ..render.snapshot import write_snapshot
 
         write_snapshot(report, opts.snapshot_path)
     if opts.trace_events_path is not None:
-        from ..reports.trace_events import write_trace_events
+        from ..render.trace_events import write_trace_events
 
         write_trace_events(report, opts.trace_events_path)
 
@@ -239,7 +239,7 @@ def _validate(spec, json_path: str | None, quiet: bool, err: Console) -> None:
     """`vramtrace validate MODEL ...`: predicted vs measured on the local device (vramtrace.validate)."""
     from rich.table import Table
 
-    from ..reports.json_report import write_json
+    from ..render.json_report import write_json
     from ..units import format_bytes
     from ..validate import validate
 
@@ -262,7 +262,7 @@ def _fit(spec, axis: str, headroom: str | None, json_path: str | None, quiet: bo
          levers: bool = True, html_path: str | None = None) -> None:
     """`vramtrace fit MODEL ...`: the largest batch (or sequence) that fits (vramtrace.fit)."""
     from ..fit import fit
-    from ..reports.fit import render_fit
+    from ..render.fit import render_fit
     from ..units import parse_fraction
 
     share = parse_fraction(headroom, "--headroom") if headroom is not None else 0.0
@@ -272,7 +272,7 @@ def _fit(spec, axis: str, headroom: str | None, json_path: str | None, quiet: bo
     _emit(spec, result, target, render_fit, json_path, quiet)
     if html_path is not None:
         from ..errors import ReportWriteError
-        from ..reports.fit import render_fit_html
+        from ..render.fit import render_fit_html
 
         try:
             Path(html_path).expanduser().write_text(render_fit_html(result, spec.model, target), encoding="utf-8")
@@ -282,7 +282,7 @@ def _fit(spec, axis: str, headroom: str | None, json_path: str | None, quiet: bo
 
 def _sweep(spec, grid: str, headroom: str | None, json_path: str | None, quiet: bool, err: Console) -> None:
     """`vramtrace fit MODEL --sweep BxS ...`: the peak over a grid (vramtrace.sweep)."""
-    from ..reports.fit import render_sweep
+    from ..render.fit import render_sweep
     from ..sweep import parse_grid, sweep
     from ..units import parse_fraction
 
@@ -297,7 +297,7 @@ def _sweep(spec, grid: str, headroom: str | None, json_path: str | None, quiet: 
 def _emit(spec, result, target: str, render, json_path: str | None, quiet: bool) -> None:
     """A fit or sweep result: `render(result, console, model, target)` on the terminal (unless --quiet or the JSON
     goes to stdout), and the JSON report with the model, device and target."""
-    from ..reports.json_report import write_json
+    from ..render.json_report import write_json
 
     if not quiet and json_path != "-":
         render(result, Console(), spec.model, target)

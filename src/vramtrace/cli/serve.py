@@ -36,8 +36,8 @@ def serve_command(
 ) -> None:
     """`vramtrace serve MODEL --gpu G --max-model-len L`: the KV blocks and the maximum concurrency a
     paged-attention server (vLLM 0.33) finds on that GPU, each term of its computation shown."""
-    from ..reports.json_report import write_json
-    from ..reports.serve import render_serve
+    from ..render.json_report import write_json
+    from ..render.serve import render_serve
     from ..serve import ServeSpec, analyze_serve
     from ..units import parse_bytes
 

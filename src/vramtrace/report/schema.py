@@ -1,5 +1,5 @@
 """The JSON Schema (draft 2020-12) of the JSON report, generated from the report's dataclasses (`report.sections`,
-analysis/summary.py `MemoryReport`) by walking their fields and type hints. docs/report.schema.json is its output
+report/summary.py `MemoryReport`) by walking their fields and type hints. docs/report.schema.json is its output
 (scripts/gen_schema.py writes it; tests/test_report_schema.py checks it is up to date)."""
 
 from __future__ import annotations

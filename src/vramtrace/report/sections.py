@@ -50,7 +50,7 @@ class ModelInfo:
 
 @dataclass(**_FROZEN)
 class FitVerdict:
-    """The report's `fit` section (analysis/summary.py `_cuda_fit`; on the CPU target given a capacity, the verdict
+    """The report's `fit` section (report/summary.py `_cuda_fit`; on the CPU target given a capacity, the verdict
     on peak allocated bytes, without the CUDA-only fields). `headroom_bytes` is negative when it does not fit;
     `oom`: PyTorch's out-of-memory message for the allocation that finds no memory, or ''."""
 
@@ -70,7 +70,7 @@ class FitVerdict:
 
 @dataclass(**_FROZEN)
 class AllocatorSummary:
-    """The report's `allocator` section on a CUDA target (analysis/summary.py `_cuda_summary`): the caching-allocator
+    """The report's `allocator` section on a CUDA target (report/summary.py `_cuda_summary`): the caching-allocator
     model and its figures. `reserved_steps`: (graph step, reserved bytes) where the steady step's reserved bytes
     change; `note`: only for an allocator setting that is not modelled."""
 
@@ -286,7 +286,7 @@ class RunInfo:
     """The report's `run` section (pipeline.py `_run_info`): the run's settings and its traced step's figures.
     Enum-valued settings hold the spec's enums (str enums: format them by `.value`). Paths that do not produce an
     entry leave it out: the train step's entries (summaries.py `step_summary`; `clip_grad_norm` is written, null or not, in train runs
-    only), a generation's (`new_tokens` .. `total_length`, and analysis/summary.py `generation_summary`'s figures),
+    only), a generation's (`new_tokens` .. `total_length`, and report/summary.py `generation_summary`'s figures),
     the sharding entries (`sharding_summary`), the mixture-of-experts ones (`moe_summary`), the CUDA context's
     (`cuda_context_summary`), `images` (a vision-language model's per sample), `paged_optimizer_state_bytes` (a
     paged bitsandbytes optimizer's state in CUDA managed memory), `cpu_kernels` (CPU target), `warnings`."""

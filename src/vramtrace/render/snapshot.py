@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pickle
 
-from ..analysis.summary import MemoryReport
+from ..report.summary import MemoryReport
 from .json_report import write_output
 
 _BASE_ADDRESS = 0x7F0000000000

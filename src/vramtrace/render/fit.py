@@ -165,7 +165,7 @@ def render_fit_html(result, model: str, target: str) -> str:
              "reserved": format_bytes(p.peak_reserved_bytes) if p.peak_reserved_bytes is not None else "",
              "fits": p.fits, "how": "traced" if p.exact else "interpolated"} for p in r.curve]
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
-    template = env.from_string((resources.files("vramtrace.reports") / "templates" / "fit.html.j2")
+    template = env.from_string((resources.files("vramtrace.render") / "templates" / "fit.html.j2")
                                .read_text(encoding="utf-8"))
     return template.render(
         title=f"{model} on {target}{other}", answer=answer, method=f"fits: {r.basis}; {r.method}; {r.traces} exact "

@@ -11,7 +11,7 @@ from rich.text import Text
 
 from ..analysis.aggregate import layer_totals, live_groups
 from ..analysis.categories import OPTIONAL
-from ..analysis.summary import MemoryReport
+from ..report.summary import MemoryReport
 from ..report.data import UNSET
 from ..report.sections import RunInfo
 from ..units import format_bytes, format_count, format_flops

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..analysis.summary import MemoryReport
+from ..report.summary import MemoryReport
 from ..errors import ReportWriteError
 
 

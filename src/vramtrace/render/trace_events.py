@@ -27,7 +27,7 @@ import json
 from typing import Any
 
 from ..analysis.categories import Category
-from ..analysis.summary import MemoryReport
+from ..report.summary import MemoryReport
 from .json_report import write_output
 
 PID = 1

@@ -20,7 +20,7 @@ from markupsafe import Markup
 
 from ..analysis.aggregate import live_groups, module_pattern, owner, stack_pattern
 from ..analysis.categories import Category
-from ..analysis.summary import MemoryReport
+from ..report.summary import MemoryReport
 from ..report.sections import LeversSummary
 from ..units import format_bytes
 from ..spec import Device
@@ -228,7 +228,7 @@ def render_html(reports: list[MemoryReport], labels: list[str] | None = None) ->
             "reports": [_payload(r, label) for r, label in zip(reports, labels)]}
     # no "<" at all inside the data block, so no name can end the script or open a comment
     data_json = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")
-    pkg = resources.files("vramtrace.reports") / "templates"
+    pkg = resources.files("vramtrace.render") / "templates"
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     template = env.from_string((pkg / "report.html.j2").read_text(encoding="utf-8"))
     return template.render(title=" vs ".join(labels), version=__version__,

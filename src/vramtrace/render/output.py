@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from ..analysis.summary import MemoryReport
+from ..report.summary import MemoryReport
 from . import html, json_report, terminal
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .categories import Category
-from .allocator import replay_steps
-from .liveness import Timeline, round_block
+from ..analysis.categories import Category
+from ..analysis.allocator import replay_steps
+from ..analysis.liveness import Timeline, round_block
 from ..report.data import SCHEMA_TYPE, from_data, not_serialized, to_data
 from ..report.sections import (AllocatorSummary, CheckpointingSummary, ComparisonRow, CompiledSummary, FitVerdict,
                                LeversSummary, ModelInfo, RunInfo)
@@ -139,7 +139,7 @@ def _cuda_fit(first: Timeline, steady: Timeline, gpu: dict, est, storages) -> Fi
     (`pressure.replay_at_capacity`, CUDACachingAllocator.cpp `malloc`'s release-and-retry path); it fits iff
     neither step runs out of memory. `est` is the unbounded replay. headroom_bytes: the capacity the replay never
     reserved when it fits, else minus what the unbounded replay needs beyond the device."""
-    from .pressure import replay_at_capacity
+    from ..analysis.pressure import replay_at_capacity
 
     context = gpu.get("cuda_context_bytes", 0)
     verdict = replay_at_capacity(first, steady, gpu["memory_bytes"] - context, gpu.get("alloc_conf"), est)

@@ -1,1 +1,0 @@
-"""Renderers: they take a MemoryReport (plain data) and never import torch."""
