@@ -105,7 +105,7 @@ def _read_checkpointing(r: Reading) -> None:
     if gc in ("offload", "offload_disk"):
         r.warn("gradient_checkpointing", f"{gc} moves the checkpointed activations to "
                f"{'the CPU' if gc == 'offload' else 'disk'} (activation_offloading); not modelled: the prediction "
-               "keeps them on the GPU")
+               "keeps them on the GPU", "checkpointing")
     r.set("checkpointing", checkpointing_of(bool(gc), reentrant), "gradient_checkpointing")
 
 
@@ -133,7 +133,7 @@ def _read_adapter(r: Reading, torch_dtype: str) -> None:
         r.set("lora_alpha", float(r.get("lora_alpha")), "lora_alpha")
     else:
         r.warn("lora_alpha", "absent: axolotl passes None to peft's LoraConfig (unverified); the prediction uses "
-                             "peft's default (alpha does not change memory)")
+                             "peft's default (alpha does not change memory)", "lora_alpha")
     r.set("lora_dropout", float(r.get("lora_dropout", 0.0)), "lora_dropout")  # validate_lora_dropout: 0.0
     modules = r.get("lora_target_modules")
     if r.get("lora_target_linear", False):
@@ -175,4 +175,4 @@ def _read_distributed(r: Reading) -> None:
         flags = "--fsdp N" + ("" if config.get("reshard_after_forward", True) else " --reshard-after-forward false")
         flags += " --cpu-offload" if config.get("offload_params") else ""
         r.warn("fsdp_config", f"FSDP2 over the launch's N GPUs, which this file does not name: add {flags} "
-                              "(without it the prediction is for one GPU)")
+                              "(without it the prediction is for one GPU)", "fsdp")

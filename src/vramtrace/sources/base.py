@@ -19,7 +19,7 @@ class SourceFormat(str, enum.Enum):
 @dataclass(frozen=True, slots=True)
 class SourceEntry:
     """One RunSpec field set by a file. option: the RunSpec field's name (`batch`, `seq`, ...); value: what it is
-    set to, as RunSpec takes it (an int, a str, a tuple of str, a bool); file: the file's name as given; key: the
+    set to, as RunSpec takes it (an int, a str, a tuple of str, a bool); file: the file's name (no directory); key: the
     file's key(s) it came from, `+`-joined when several decide it (`adapter+load_in_4bit`), with ` (default)` when
     the key is absent and the project's default decides."""
 
@@ -34,13 +34,15 @@ class Source:
     """One file read by `read_source`. path: as given; format: the detected `SourceFormat`; model: the model it
     names (axolotl `base_model`, LLaMA-Factory `model_name_or_path`), None for formats that hold none; settings:
     the RunSpec fields it sets, in reading order; warnings: one line per key that changes memory and that
-    vramtrace does not model (the prediction is made without it)."""
+    vramtrace does not model (the prediction is made without it); warning_fields: for each warning, the RunSpec
+    field that, given on the command line, makes it moot (None: none does)."""
 
     path: str
     format: SourceFormat
     model: str | None
     settings: tuple[SourceEntry, ...]
     warnings: tuple[str, ...]
+    warning_fields: tuple[str | None, ...] = ()
 
 
 @dataclass
@@ -51,7 +53,7 @@ class Reading:
     file: str
     data: Mapping[str, Any]
     entries: list[SourceEntry] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
+    warnings: list[tuple[str, str | None]] = field(default_factory=list)
     used: set[str] = field(default_factory=set)
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -75,9 +77,10 @@ class Reading:
         self.entries = [e for e in self.entries if e.option != option]  # a later reading of the file wins
         self.entries.append(SourceEntry(option, value, self.file, named))
 
-    def warn(self, key: str, text: str) -> None:
-        """One warning line: `FILE: KEY: text`."""
-        self.warnings.append(f"{self.file}: {key}: {text}")
+    def warn(self, key: str, text: str, field: str | None = None) -> None:
+        """One warning line, `FILE: KEY: text`; `field`: the RunSpec field that, given on the command line, makes
+        it moot."""
+        self.warnings.append((f"{self.file}: {key}: {text}", field))
 
     def check_rest(self, harmless: frozenset[str], warned: Mapping[str, Any], project: str) -> None:
         """Every key not read yet: a key of `warned` (key -> the project's default) whose value is not the

@@ -26,7 +26,7 @@ def read_attn(r: Reading, name: str, key: str) -> None:
         r.set("attn_implementation", value, key)
     else:
         r.warn(key, f"{name!r} is not modelled (vramtrace has {', '.join(m.value for m in AttnImplementation)}); "
-                    "the prediction uses transformers' default, sdpa")
+                    "the prediction uses transformers' default, sdpa", "attn_implementation")
 
 
 def read_optimizer(r: Reading, name: str, key: str) -> None:
@@ -36,7 +36,8 @@ def read_optimizer(r: Reading, name: str, key: str) -> None:
     try:
         OptimizerKind.parse(str(name))
     except UsageError:
-        r.warn(key, f"{name!r} is not traced by vramtrace; the prediction uses adamw (torch.optim.AdamW)")
+        r.warn(key, f"{name!r} is not traced by vramtrace; the prediction uses adamw (torch.optim.AdamW)",
+               "optimizer")
         return
     r.set("optimizer", str(name), key)
 
@@ -47,7 +48,8 @@ def read_compile(r: Reading, target: Target, on: bool, key: str, mode: str | Non
     if not on:
         return
     if target.cuda:
-        r.warn(key, "vramtrace traces torch.compile for --device cpu only; the prediction is the eager step")
+        r.warn(key, "vramtrace traces torch.compile for --device cpu only; the prediction is the eager step",
+               "compile")
         return
     r.set("compile", True, key)
     if mode not in (None, "default"):
@@ -55,4 +57,4 @@ def read_compile(r: Reading, target: Target, on: bool, key: str, mode: str | Non
             r.set("compile_mode", mode, "torch_compile_mode")
         else:
             r.warn("torch_compile_mode", f"{mode!r} is not traced (vramtrace has {', '.join(COMPILE_MODES)}); the "
-                                         "prediction uses the default mode")
+                                         "prediction uses the default mode", "compile_mode")

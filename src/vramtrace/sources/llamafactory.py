@@ -91,7 +91,7 @@ def _read_precision(r: Reading, tuning: str, bf16_gpu: bool) -> str:
         r.set("precision", f"{half}-mixed" if tuning == "full" else f"{half}-autocast", half, "finetuning_type")
         return half
     r.warn("bf16", "neither bf16 nor fp16: the Trainer runs no autocast and the weights keep the checkpoint's "
-                   "dtype, which this file does not give; add --precision (default bf16-mixed)")
+                   "dtype, which this file does not give; add --precision (default bf16-mixed)", "precision")
     return "bf16" if bf16_gpu else "fp16"  # extras/misc.py infer_optim_dtype, for a bf16 checkpoint
 
 
@@ -143,4 +143,5 @@ def _read_attention(r: Reading) -> None:
     if value in names:
         read_attn(r, names[value], "flash_attn")
     elif value != "auto":
-        r.warn("flash_attn", f"{value!r} is not modelled; the prediction uses transformers' default, sdpa")
+        r.warn("flash_attn", f"{value!r} is not modelled; the prediction uses transformers' default, sdpa",
+               "attn_implementation")

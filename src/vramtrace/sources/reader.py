@@ -66,15 +66,18 @@ def read_source(path: str | Path, target: Target = Target()) -> Source:
         training_args.read(r, target)
     else:
         accelerate.read(r)
-    return Source(name, fmt, None if model is None else str(model), tuple(r.entries), tuple(r.warnings))
+    return Source(name, fmt, None if model is None else str(model), tuple(r.entries),
+                  tuple(line for line, _ in r.warnings), tuple(field for _, field in r.warnings))
 
 
 def merge_sources(sources: Iterable[Source], cli_given: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[
-        SourceEntry, ...]]:
-    """The RunSpec keyword arguments of `sources` and the entries that decided them: a later file overrides an
-    earlier one field by field, and a field in `cli_given` (the options typed on the command line, or the
-    keyword arguments of `spec_from`) overrides every file and is not listed as a source. The model is the last
-    file's that names one, unless `cli_given` has `model`."""
+        SourceEntry, ...], tuple[str, ...]]:
+    """The RunSpec keyword arguments of `sources`, the entries that decided them and the files' warnings: a later
+    file overrides an earlier one field by field, and a field in `cli_given` (the options typed on the command
+    line, or the keyword arguments of `spec_from`, with their values) overrides every file and is not listed as a
+    source; a warning about a field in `cli_given` is dropped (the command line decided it). The model is the
+    last file's that names one, unless `cli_given` has `model`."""
+    sources = list(sources)
     winners: dict[str, SourceEntry] = {}
     model: tuple[str, str] | None = None
     for source in sources:
@@ -91,7 +94,9 @@ def merge_sources(sources: Iterable[Source], cli_given: Mapping[str, Any]) -> tu
                                   for e in entries) else "model_name_or_path"
         entries.insert(0, SourceEntry("model", model[0], model[1], key))
     kwargs.update(cli_given)
-    return kwargs, tuple(entries)
+    warnings = tuple(dict.fromkeys(line for s in sources for line, field in zip(s.warnings, s.warning_fields)
+                                   if field not in cli_given))
+    return kwargs, tuple(entries), warnings
 
 
 def target_of(device: str = "cuda", gpu: str = "H100-80GB") -> Target:
@@ -111,13 +116,11 @@ def spec_from(*paths: str | Path, **overrides: Any):
     from ..spec import RunSpec
 
     target = target_of(overrides.get("device", "cuda"), overrides.get("gpu", "H100-80GB"))
-    sources = [read_source(p, target) for p in paths]
-    kwargs, entries = merge_sources(sources, overrides)
+    kwargs, entries, warnings = merge_sources([read_source(p, target) for p in paths], overrides)
     missing = [name for name in ("model", "seq") if name not in kwargs]
     if missing:
         raise UsageError(f"{' and '.join(missing)} not in {', '.join(map(str, paths))}: pass "
                          f"{' and '.join(f'{m}=...' for m in missing)}")
     kwargs.setdefault("batch", 1)
-    warnings = tuple(dict.fromkeys(w for s in sources for w in s.warnings))
     return RunSpec(**kwargs, sources=entries, source_warnings=warnings)
 

@@ -64,10 +64,10 @@ def _read_precision(r: Reading) -> None:
         if r.get(key, False):
             r.set("precision", f"{key}-autocast", key)
             r.warn(key, f"read as {key} weights under autocast (from_pretrained's default dtype 'auto' on a {key} "
-                        f"checkpoint); for weights loaded in fp32 add --precision {key}-mixed")
+                        f"checkpoint); for weights loaded in fp32 add --precision {key}-mixed", "precision")
             return
     r.warn("bf16", "bf16 and fp16 are false: no autocast, the weights keep the dtype the script loads them in, "
-                   "which this file does not give; add --precision fp32|bf16|fp16 (default bf16-mixed)")
+                   "which this file does not give; add --precision fp32|bf16|fp16 (default bf16-mixed)", "precision")
 
 
 def _read_checkpointing(r: Reading) -> None:
@@ -85,7 +85,7 @@ def _read_checkpointing(r: Reading) -> None:
     reentrant = False if kwargs is None else kwargs.get("use_reentrant", True)
     if on and kwargs and kwargs.get("offload"):
         r.warn(f"{prefix}_checkpointing_kwargs", "offload (save_on_cpu) is not modelled: the prediction keeps the "
-                                                 "checkpoints on the GPU")
+                                                 "checkpoints on the GPU", "checkpointing")
     every = int((kwargs or {}).get("every_n_layers", 1))
     r.set("checkpointing", checkpointing_of(on, reentrant, every), f"{prefix}_checkpointing",
           f"{prefix}_checkpointing_kwargs")
@@ -105,4 +105,4 @@ def _read_fsdp(r: Reading) -> None:
     flags = "--fsdp N" + ("" if config.get("reshard_after_forward", True) else " --reshard-after-forward false")
     flags += " --cpu-offload" if config.get("cpu_offload") or config.get("offload_params") else ""
     r.warn("fsdp", f"FSDP over the launch's N GPUs, which this file does not name: add {flags} (without it the "
-                   "prediction is for one GPU)")
+                   "prediction is for one GPU)", "fsdp")
