@@ -211,3 +211,15 @@ def test_cli_from_training_arguments_end_to_end(tmp_path, capsys):
     assert r.returncode == 2
     assert r.stderr == ("Error: the --from files give no MODEL and no --seq (TrainingArguments and accelerate files "
                         "hold neither): add MODEL and --seq on the command line\n")
+
+
+def test_llamafactory_under_an_accelerate_fsdp2_launch_checkpoints_non_reentrant():
+    """LLaMA-Factory's checkpointing.py forces use_reentrant_gc False when accelerate launches FSDP2
+    (FSDP_VERSION=2); an FSDP1 launch (no fsdp_version) keeps its reentrant default."""
+    lora = EXAMPLES / "llamafactory" / "train_lora__qwen3_lora_sft.yaml"
+    fsdp2 = EXAMPLES / "accelerate" / "llamafactory__fsdp2_config.yaml"
+    fsdp1 = EXAMPLES / "accelerate" / "llamafactory__fsdp_config.yaml"
+    assert _load(fsdp2)["fsdp_config"]["fsdp_version"] == 2 and "fsdp_version" not in _load(fsdp1)["fsdp_config"]
+    spec = spec_from(lora, fsdp2, model=TINY, device="cpu")
+    assert str(spec.checkpointing) == "layers" and spec.fsdp == _load(fsdp2)["num_processes"]
+    assert str(spec_from(lora, fsdp1, model=TINY, device="cpu").checkpointing) == "layers:reentrant"

@@ -56,6 +56,7 @@ def _read_fsdp_config(r: Reading, raw: dict) -> None:
     config = {k.removeprefix("fsdp_"): v for k, v in raw.items()}
     key = {k.removeprefix("fsdp_"): f"fsdp_config.{k}" for k in raw}.get
     version = int(config.get("version", 1))
+    r.launch_env["FSDP_VERSION"] = str(version)  # utils/launch.py:304-333
     if version == 1:
         r.warn("fsdp_config", "no fsdp_version: 2, so accelerate launches FSDP1 (launch.py:514), which vramtrace "
                               "reads as FSDP2's layout (same shards; FSDP1's flat-parameter buffers differ)")

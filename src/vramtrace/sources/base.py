@@ -35,7 +35,8 @@ class Source:
     names (axolotl `base_model`, LLaMA-Factory `model_name_or_path`), None for formats that hold none; settings:
     the RunSpec fields it sets, in reading order; warnings: one line per key that changes memory and that
     vramtrace does not model (the prediction is made without it); warning_fields: for each warning, the RunSpec
-    field that, given on the command line, makes it moot (None: none does)."""
+    field that, given on the command line, makes it moot (None: none does); launch_env: the environment an
+    accelerate config makes `accelerate launch` export that another file's project reads (`FSDP_VERSION`)."""
 
     path: str
     format: SourceFormat
@@ -43,6 +44,7 @@ class Source:
     settings: tuple[SourceEntry, ...]
     warnings: tuple[str, ...]
     warning_fields: tuple[str | None, ...] = ()
+    launch_env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -55,6 +57,7 @@ class Reading:
     entries: list[SourceEntry] = field(default_factory=list)
     warnings: list[tuple[str, str | None]] = field(default_factory=list)
     used: set[str] = field(default_factory=set)
+    launch_env: dict[str, str] = field(default_factory=dict)
 
     def get(self, key: str, default: Any = None) -> Any:
         """The file's value of `key` (None in the file counts as absent), marking it read."""

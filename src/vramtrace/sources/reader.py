@@ -67,7 +67,8 @@ def read_source(path: str | Path, target: Target = Target()) -> Source:
     else:
         accelerate.read(r)
     return Source(name, fmt, None if model is None else str(model), tuple(r.entries),
-                  tuple(line for line, _ in r.warnings), tuple(field for _, field in r.warnings))
+                  tuple(line for line, _ in r.warnings), tuple(field for _, field in r.warnings),
+                  tuple(r.launch_env.items()))
 
 
 def merge_sources(sources: Iterable[Source], cli_given: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[
@@ -86,6 +87,7 @@ def merge_sources(sources: Iterable[Source], cli_given: Mapping[str, Any]) -> tu
             winners[entry.option] = entry
         if source.model is not None:
             model = (source.model, Path(source.path).name)
+    _fsdp2_non_reentrant(sources, winners)
     kwargs = {option: entry.value for option, entry in winners.items() if option not in cli_given}
     entries = [entry for option, entry in winners.items() if option not in cli_given]
     if model is not None and "model" not in cli_given:
@@ -97,6 +99,18 @@ def merge_sources(sources: Iterable[Source], cli_given: Mapping[str, Any]) -> tu
     warnings = tuple(dict.fromkeys(line for s in sources for line, field in zip(s.warnings, s.warning_fields)
                                    if field not in cli_given))
     return kwargs, tuple(entries), warnings
+
+
+def _fsdp2_non_reentrant(sources: list[Source], winners: dict[str, SourceEntry]) -> None:
+    """LLaMA-Factory forces `use_reentrant_gc` False under an accelerate FSDP2 launch (model/model_utils/
+    checkpointing.py:160-176, `ACCELERATE_USE_FSDP` and `FSDP_VERSION=2`): its `layers:reentrant` becomes
+    `layers` when an accelerate file launches FSDP2."""
+    ckpt = winners.get("checkpointing")
+    lf_files = {Path(s.path).name for s in sources if s.format is SourceFormat.LLAMAFACTORY}
+    fsdp2 = [s for s in sources if dict(s.launch_env).get("FSDP_VERSION") == "2"]
+    if ckpt is not None and ckpt.file in lf_files and ckpt.value == "layers:reentrant" and fsdp2:
+        winners["checkpointing"] = SourceEntry("checkpointing", "layers", ckpt.file,
+                                               f"{ckpt.key}+{Path(fsdp2[-1].path).name}:fsdp_version")
 
 
 def target_of(device: str = "cuda", gpu: str = "H100-80GB") -> Target:
