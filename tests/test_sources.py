@@ -207,6 +207,13 @@ def test_cli_from_training_arguments_end_to_end(tmp_path, capsys):
     assert sources["batch"] == {"option": "batch", "value": 2, "file": "args.json",
                                 "key": "per_device_train_batch_size"}
     assert "grad_accum" not in sources and "precision" not in sources and r.stderr == ""
+    accelerate = tmp_path / "acc.yml"  # a later file sets the precision the first one left open
+    accelerate.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nmixed_precision: bf16\n")
+    r = run_cli(capsys, TINY, "--from", ta, "--from", accelerate, "--seq", "16", "--device", "cpu", "--json", "-")
+    run = json.loads(r.stdout)["run"]
+    assert run["precision"] == "bf16-mixed" and run["precision_source"] == "--from acc.yml (mixed_precision)"
+    assert {"option": "precision", "value": "bf16-mixed", "file": "acc.yml", "key": "mixed_precision"} in run["sources"]
+    assert r.stderr == ""  # args.json's warning about its precision is moot: acc.yml sets it
     r = run_cli(capsys, "--from", ta, "--device", "cpu")
     assert r.returncode == 2
     assert r.stderr == ("Error: the --from files give no MODEL and no --seq (TrainingArguments and accelerate files "

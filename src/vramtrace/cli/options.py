@@ -26,8 +26,8 @@ def _choices(enum_cls) -> str:
     return "|".join(m.value for m in enum_cls)
 
 
-ModelArg = Annotated[Optional[list[str]], typer.Argument(help="Hub id, bundled id (e.g. meta-llama/Llama-2-7b), local dir or "
-    "config.json, custom module path/model.py:NAME or package.module:NAME; "
+ModelArg = Annotated[Optional[list[str]], typer.Argument(help="Hub id, bundled id (e.g. meta-llama/Llama-2-7b), "
+    "local dir or config.json, custom module path/model.py:NAME or package.module:NAME; "
     "or saved --json reports to re-render (several: compared); optional with a --from file naming the model",
     show_default=False)]
 BatchOpt = Annotated[int, typer.Option("--batch", "-b", help="batch size B of input_ids (B, S)")]

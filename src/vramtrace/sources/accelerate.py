@@ -73,7 +73,8 @@ def _read_fsdp_config(r: Reading, raw: dict) -> None:
     if config.get("offload_params") in (True, "true", "TRUE"):
         r.set("cpu_offload", True, key("offload_params"))
     if config.get("activation_checkpointing") in (True, "true", "TRUE"):
-        r.set("checkpointing", "layers", key("activation_checkpointing"))  # accelerate's checkpoint_wrapper, non-reentrant
+        # accelerate's checkpoint_wrapper on each layer: non-reentrant
+        r.set("checkpointing", "layers", key("activation_checkpointing"))
     policy = str(config.get("auto_wrap_policy", "NO_WRAP")).upper()
     if policy != "TRANSFORMER_BASED_WRAP":
         r.warn("fsdp_config", f"auto_wrap_policy {policy} is not modelled; read as TRANSFORMER_BASED_WRAP (each "

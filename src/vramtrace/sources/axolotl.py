@@ -32,21 +32,20 @@ WARNED = {
     "context_parallel_size": 1, "sequence_parallel_degree": 1, "tensor_parallel_size": 1, "gptq": False,
     "chunked_cross_entropy": False, "tiled_mlp": False, "neftune_noise_alpha": None, "lora_model_dir": None,
     "peft_autocast_adapter_dtype": None, "embeddings_skip_upcast": False, "multipack_real_batches": False,
-    "reward_model": False, "process_reward_model": False, "float16": False, "bfloat16": False,
+    "reward_model": False, "process_reward_model": False,
 }
 
 
 def read(r: Reading, target: Target) -> str | None:
-    """Read an axolotl mapping into `r`; returns `base_model`. Raises UsageError
-    for what axolotl 0.21 itself refuses (both `flash_attention` and `attn_implementation`). `target.bf16` stands
+    """Read an axolotl mapping into `r`; returns `base_model`. Raises UsageError for what axolotl 0.21 itself
+    refuses (both `flash_attention` and `attn_implementation`; an adapter without `lora_r`). `target.bf16` stands
     for axolotl's `transformers.utils.is_torch_bf16_gpu_available()` (axolotl/cli/config.py:369)."""
     r.set("recipe", "axolotl", "base_model")
-    r.mark("base_model", "load_in_8bit")
+    r.mark("base_model", "pad_to_sequence_len")  # the padding rule below holds with it or without
     r.set("batch", int(r.get("micro_batch_size", 1)), "micro_batch_size")  # schemas/training.py:117
     # sequence_len default 512 (schemas/config.py:706); rows are padded to a multiple of 64 (collator
     # pad_to_multiple_of = 64 * ceil(sequence_len / 64), core/builders/causal.py:390-401): the longest row
     r.set("seq", round_up(int(r.get("sequence_len", 512)), 64), "sequence_len")
-    r.has("pad_to_sequence_len")
     r.set("grad_accum", int(r.get("gradient_accumulation_steps", 1)), "gradient_accumulation_steps")
     torch_dtype = _read_precision(r, target.bf16)
     read_optimizer(r, r.get("optimizer", "adamw_torch_fused"), "optimizer")  # schemas/training.py:162
@@ -59,6 +58,9 @@ def read(r: Reading, target: Target) -> str | None:
     _read_attention(r)
     if r.get("sample_packing", False):  # schemas/config.py:729
         r.set("packing", True, "sample_packing")
+    if r.get("torch_compile") == "auto":
+        r.warn("torch_compile", "auto: axolotl decides at run time whether to compile; the prediction is the eager "
+                                "step (add --compile with --device cpu to trace it compiled)", "compile")
     read_compile(r, target, r.get("torch_compile", False) is True, "torch_compile", r.get("torch_compile_mode"))
     r.set("use_cache", False, "use_cache")  # HF Trainer: model.config.use_cache = args.use_cache (False)
     _read_distributed(r)

@@ -76,7 +76,7 @@ def merge_sources(sources: Iterable[Source], cli_given: Mapping[str, Any]) -> tu
     """The RunSpec keyword arguments of `sources`, the entries that decided them and the files' warnings: a later
     file overrides an earlier one field by field, and a field in `cli_given` (the options typed on the command
     line, or the keyword arguments of `spec_from`, with their values) overrides every file and is not listed as a
-    source; a warning about a field in `cli_given` is dropped (the command line decided it). The model is the
+    source; a warning about a field in `cli_given` or set by another file is dropped (that decided it). The model is the
     last file's that names one, unless `cli_given` has `model`."""
     sources = list(sources)
     winners: dict[str, SourceEntry] = {}
@@ -96,8 +96,11 @@ def merge_sources(sources: Iterable[Source], cli_given: Mapping[str, Any]) -> tu
                                   for e in entries) else "model_name_or_path"
         entries.insert(0, SourceEntry("model", model[0], model[1], key))
     kwargs.update(cli_given)
+    def moot(field: str | None, file: str) -> bool:  # decided by the command line or by another file
+        return field in cli_given or (field in winners and winners[field].file != file)
+
     warnings = tuple(dict.fromkeys(line for s in sources for line, field in zip(s.warnings, s.warning_fields)
-                                   if field not in cli_given))
+                                   if not moot(field, Path(s.path).name)))
     return kwargs, tuple(entries), warnings
 
 
