@@ -57,6 +57,7 @@ def read(r: Reading, target: Target) -> str | None:
     _read_quantization(r, compute_dtype)
     _read_attention(r)
     read_compile(r, target, bool(r.get("torch_compile", False)), "torch_compile", r.get("torch_compile_mode"))
+    r.mark("use_cache")  # LLaMA-Factory's own use_cache is for generation; training sets it False:
     r.set("use_cache", False, "use_cache")  # prepare_model_for_training: model.config.use_cache = False
     if r.has("deepspeed"):
         r.warn("deepspeed", DEEPSPEED_WARNING)
