@@ -103,14 +103,14 @@ def test_compare_and_checkpointing_json(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, usage, needles", [
-    (["--help"], "vramtrace [OPTIONS] {model}...", ["--batch", "--compare", "--json"]),
-    (["fit", "--help"], "vramtrace fit [OPTIONS] {model}...", ["--headroom", "--sweep", "--seq"]),
-    (["validate", "-h"], "vramtrace validate [OPTIONS] {model}...", ["--seq", "--json"]),
+    (["--help"], "vramtrace [OPTIONS] [model]...", ["--batch", "--compare", "--json"]),
+    (["fit", "--help"], "vramtrace fit [OPTIONS] [model]...", ["--headroom", "--sweep", "--seq"]),
+    (["validate", "-h"], "vramtrace validate [OPTIONS] [model]...", ["--seq", "--json"]),
     (["serve", "--help"], "vramtrace serve [OPTIONS] {model}", ["--max-model-len", "--kv-cache-dtype"]),
 ])
 def test_each_command_has_its_own_help(args, usage, needles, capsys):
     """Real subcommands: each `--help` names its own command on the usage line and lists its options; the main
-    run's has no command word, as it is typed."""
+    run's has no command word, as it is typed. MODEL is optional (`[model]`) where a --from file may name it."""
     p = run_cli(capsys, *args)
     assert p.returncode == 0 and p.stderr == ""
     assert f"Usage: {usage}" in " ".join(p.stdout.split())

@@ -353,7 +353,7 @@ def _run_info(spec: RunSpec, precision_source: str, loaded, main, steady, step: 
         compile=spec.compile, compile_mode=spec.compile_mode if spec.compile else None,
         **cuda_context_summary(spec), **generation, paged_optimizer_state_bytes=paged or None,
         cpu_kernels=CpuKernels(**dict(traced.cpu_environment)) if traced.cpu_environment else None,
-        warnings=tuple(target_warnings(spec, loaded.precision.value)))
+        sources=spec.sources, warnings=tuple(target_warnings(spec, loaded.precision.value)) + spec.source_warnings)
 
 
 def _gpu_info(spec: RunSpec) -> dict | None:

@@ -5,12 +5,16 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from .analysis.device import AllocConf, CudaContext, cuda_context_default, default_cuda_major
 from .errors import SpecError, UsageError
 from .custom_inputs import InProcessModel, InputSpec, custom_ref
 from .gpus import GpuPreset, parse_gpu
 from .optimizer_names import BNB_CLASS_NAMES, HF_OPTIM_NAMES, HF_UNTRACED_OPTIM_NAMES
+
+if TYPE_CHECKING:
+    from .sources.base import SourceEntry
 
 
 def _bad(template: str) -> SpecError:
@@ -87,6 +91,10 @@ class Precision(_Choice):
     FP16 = "fp16"
     BF16_MIXED = "bf16-mixed"
     FP16_MIXED = "fp16-mixed"
+    # weights in bf16/fp16 as from_pretrained(dtype=...) loads them, the step under torch.autocast(dtype): HF
+    # Trainer's bf16=True/fp16=True on a model loaded in that dtype (issue 41)
+    BF16_AUTOCAST = "bf16-autocast"
+    FP16_AUTOCAST = "fp16-autocast"
     # pure precision in the checkpoint's stored dtype (its safetensors headers); resolved to one of the above
     # before the model is built (tracer/checkpoint_headers.py::precision_for)
     STORED = "stored"
@@ -94,6 +102,13 @@ class Precision(_Choice):
     @property
     def is_mixed(self) -> bool:
         return self in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+
+
+class Recipe(_Choice):
+    """How a training framework builds the model (`--recipe`); None: transformers' and peft's defaults."""
+
+    AXOLOTL = "axolotl"
+    LLAMAFACTORY = "llamafactory"
 
 
 class OptimizerKind(_Choice):
@@ -429,6 +444,10 @@ class RunSpec:
         graphs as Inductor compiles them (`tracer/compiled_step.py`); a CPU target's training step only.
     compile_mode: `COMPILE_MODES`: the Inductor options of torch.compile's `mode` (torch/_inductor/__init__.py
         `list_mode_options`) are set while the graphs are compiled.
+    sources: the fields set by training config files (`vramtrace.sources.spec_from`, `--from`), each a
+        `SourceEntry` (field, value, file, key); reported as `run.sources`.
+    source_warnings: one line per key of those files that changes memory and is not modelled; added to the
+        report's `run.warnings`.
     """
 
     model: str | InProcessModel
@@ -483,6 +502,10 @@ class RunSpec:
     rank: int | None = None
     compile: bool = False
     compile_mode: str = "default"
+    recipe: Recipe | None = None
+    packing: bool = False
+    sources: tuple[SourceEntry, ...] = ()
+    source_warnings: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq", "lora_rank", "image_size", "images", "choices", "grad_accum", "new_tokens",
@@ -517,6 +540,8 @@ class RunSpec:
         object.__setattr__(self, "cache", CacheKind.parse(self.cache, "{cache}"))
         object.__setattr__(self, "kv_dtype", KvDtype.parse(self.kv_dtype, "{kv_dtype}"))
         object.__setattr__(self, "fsdp_plan", FsdpPlan.parse(self.fsdp_plan, "{fsdp_plan}"))
+        if self.recipe is not None:
+            object.__setattr__(self, "recipe", Recipe.parse(self.recipe, "{recipe}"))
         self._check_quantization()
         self._check_generate_options()
         self._check_serve_profile()

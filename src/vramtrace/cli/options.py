@@ -26,9 +26,10 @@ def _choices(enum_cls) -> str:
     return "|".join(m.value for m in enum_cls)
 
 
-ModelArg = Annotated[list[str], typer.Argument(help="Hub id, bundled id (e.g. meta-llama/Llama-2-7b), local dir or "
-    "config.json, custom module path/model.py:NAME or package.module:NAME; "
-    "or saved --json reports to re-render (several: compared)")]
+ModelArg = Annotated[Optional[list[str]], typer.Argument(help="Hub id, bundled id (e.g. meta-llama/Llama-2-7b), "
+    "local dir or config.json, custom module path/model.py:NAME or package.module:NAME; "
+    "or saved --json reports to re-render (several: compared); optional with a --from file naming the model",
+    show_default=False)]
 BatchOpt = Annotated[int, typer.Option("--batch", "-b", help="batch size B of input_ids (B, S)")]
 SeqOpt = Annotated[Optional[int], typer.Option("--seq", "-s", help="sequence length S (required for text models); "
     "Whisper-style models: the decoder's tokens; wav2vec2-style models: audio "
@@ -179,3 +180,7 @@ HeadroomOpt = Annotated[Optional[str], typer.Option("--headroom", help="`vramtra
     "capacity free, e.g. 5% [default: 0%]")]
 SweepGridOpt = Annotated[Optional[str], typer.Option("--sweep", help="`vramtrace fit`: the peak over a grid of "
     "batches x sequences, e.g. 1,2,4,8x512,1024,2048")]
+FromOpt = Annotated[list[str], typer.Option("--from", help="a training config file whose settings the run takes "
+    "(repeatable; a later file wins, options typed here win over files): axolotl or LLaMA-Factory YAML, "
+    "TrainingArguments JSON, accelerate config YAML (format read from the content; see docs/sources/)",
+    show_default=False)]

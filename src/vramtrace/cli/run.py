@@ -15,6 +15,7 @@ from rich.console import Console
 
 from ..errors import UsageError
 from . import options as o
+from .from_files import apply_sources
 
 
 class Command(str, Enum):
@@ -27,7 +28,7 @@ class Command(str, Enum):
 
 def main_command(
     ctx: typer.Context,
-    model: o.ModelArg, batch: o.BatchOpt = 1, seq: o.SeqOpt = None, inputs: o.InputsOpt = (),
+    model: o.ModelArg = None, batch: o.BatchOpt = 1, seq: o.SeqOpt = None, inputs: o.InputsOpt = (),
     image_size: o.ImageSizeOpt = None, images: o.ImagesOpt = None, task: o.TaskOpt = None,
     choices: o.ChoicesOpt = None, attn_implementation: o.AttnImplementationOpt = None, mode: o.ModeOpt = "train",
     precision: o.PrecisionOpt = None, optimizer: o.OptimizerOpt = "adamw",
@@ -49,6 +50,7 @@ def main_command(
     trust_remote_code: o.TrustRemoteCodeOpt = False, trace_every_layer: o.TraceEveryLayerOpt = False,
     quiet: o.QuietOpt = False, debug: o.DebugOpt = False, gpu_memory: o.GpuMemoryOpt = None,
     no_levers: o.NoLeversOpt = False, headroom: o.HeadroomOpt = None, sweep_grid: o.SweepGridOpt = None,
+    from_files: o.FromOpt = (),
 ) -> None:
     """Predict the peak memory of one training step (or inference forward) from a meta-device trace.
 
@@ -60,6 +62,7 @@ def main_command(
     """
     del debug  # read by main() from the arguments, so that it also covers errors raised while parsing them
     opts = SimpleNamespace(**{k: v for k, v in locals().items() if k != "ctx"})
+    apply_sources(ctx, opts)
     command = next((c for c in Command if c.value == ctx.command.name), Command.RUN)
     fit_axis = _fit_axis(ctx, opts) if command is Command.FIT else None
     opts.quiet = _check_usage(opts, fit_axis, validate_run=command is Command.VALIDATE)
@@ -149,7 +152,8 @@ def _run_spec(opts: SimpleNamespace):
         alloc_conf=opts.alloc_conf, new_tokens=opts.new_tokens, cache=opts.cache, kv_dtype=opts.kv_dtype,
         fsdp=opts.fsdp, reshard_after_forward=_bool_option(opts.reshard_after_forward, "--reshard-after-forward"),
         rank=opts.rank, ddp=opts.ddp, tp=opts.tp, fsdp_plan=opts.fsdp_plan, cpu_offload=opts.cpu_offload,
-        compile=opts.compile_model, compile_mode=opts.compile_mode)
+        compile=opts.compile_model, compile_mode=opts.compile_mode,
+        sources=opts.sources, source_warnings=opts.source_warnings, **opts.source_fields)
 
 
 def _execute(opts: SimpleNamespace, fit_axis: str | None, validate_run: bool) -> None:

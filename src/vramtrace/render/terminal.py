@@ -127,6 +127,14 @@ def render(report: MemoryReport, console: Console) -> None:
         render_levers(report.levers, console)
 
 
+def sources_by_file(sources) -> dict[str, list[str]]:
+    """The RunSpec fields each `--from` file set (`run.sources`), by file in the order they first appear."""
+    out: dict[str, list[str]] = {}
+    for entry in sources:
+        out.setdefault(entry.file, []).append(entry.option)
+    return out
+
+
 def _header(report: MemoryReport) -> Table:
     """The header grid: model, parameters, checkpoint, dtypes, attention, the run, sharding, target, warnings."""
     m, r = report.model, report.run
@@ -135,6 +143,8 @@ def _header(report: MemoryReport) -> Table:
     head.add_column()
     source = "custom module" if m.config_source == "custom" else f"{m.config_source} config"
     head.add_row("model", f"{m.ref}  [dim]({source})[/]")
+    for file, options in sources_by_file(r.sources).items():
+        head.add_row("from", escape(f"{file}: {', '.join(options)}"))
     head.add_row("architecture", f"{m.architecture} ({m.model_type}, {m.task})")
     trainable = m.trainable_params
     head.add_row("parameters", format_count(report.params) + ("" if trainable == report.params else

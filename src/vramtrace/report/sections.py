@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from .data import UNSET, Omit, omittable
 from ..spec import CacheKind, Device, FsdpPlan, KvDtype, Mode, OptimizerImpl, OptimizerKind, Precision, ZeroGrad
+from ..sources.base import SourceEntry
 
 _FROZEN = dict(frozen=True, slots=True, kw_only=True)
 
@@ -289,7 +290,8 @@ class RunInfo:
     only), a generation's (`new_tokens` .. `total_length`, and report/summary.py `generation_summary`'s figures),
     the sharding entries (`sharding_summary`), the mixture-of-experts ones (`moe_summary`), the CUDA context's
     (`cuda_context_summary`), `images` (a vision-language model's per sample), `paged_optimizer_state_bytes` (a
-    paged bitsandbytes optimizer's state in CUDA managed memory), `cpu_kernels` (CPU target), `warnings`."""
+    paged bitsandbytes optimizer's state in CUDA managed memory), `cpu_kernels` (CPU target), `sources` (the
+    fields set by `--from` files, vramtrace.sources), `warnings`."""
 
     mode: Mode
     precision: Precision
@@ -344,4 +346,5 @@ class RunInfo:
     kv_cross_bytes_per_token: int | None = omittable()
     paged_optimizer_state_bytes: int | None = omittable()
     cpu_kernels: CpuKernels | None = omittable()
+    sources: tuple[SourceEntry, ...] = omittable(Omit.EMPTY, ())  # the fields --from files set (RunSpec.sources)
     warnings: tuple[str, ...] = omittable(Omit.EMPTY, ())

@@ -55,7 +55,10 @@ def apply_adapters(spec: RunSpec, model: torch.nn.Module, device: str) -> torch.
     if spec.lora_alpha is not None:
         kwargs["lora_alpha"] = spec.lora_alpha
     if spec.lora_targets:
-        kwargs["target_modules"] = list(spec.lora_targets)
+        # peft's "all-linear" shorthand is a str, not a module name (peft/tuners/tuners_utils.py
+        # _maybe_include_all_linear_layers: every Linear but the output layer)
+        targets = list(spec.lora_targets)
+        kwargs["target_modules"] = "all-linear" if targets == ["all-linear"] else targets
     if spec.quantization is not None:
         # QLoRA: what `prepare_model_for_kbit_training` does to a quantized model before `get_peft_model`
         # (peft/utils/other.py): every parameter frozen, the unquantized fp16/bf16 ones (norms, embeddings,

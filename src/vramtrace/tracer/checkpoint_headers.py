@@ -121,7 +121,7 @@ def precision_for(spec: RunSpec, resolved) -> tuple[Precision, str]:
     """The precision to build `spec`'s model with, and where it came from (the report's `run.precision_source`).
     `resolved` is the `loading.ResolvedConfig` of `spec.model`; its `checkpoint` header, if any, is read here.
 
-    - `--precision fp32|bf16|fp16|bf16-mixed|fp16-mixed`: as given.
+    - `--precision fp32|bf16|fp16|bf16-mixed|fp16-mixed`: as given (or as a `--from` file sets it, `spec.sources`).
     - `--precision stored`: pure precision in the checkpoint's stored dtype (the dtype holding the most elements
       of its safetensors headers: a local directory's files, or a Hub repo's when the Hub answers).
     - no `--precision`, a local directory with safetensors: the stored dtype (the weights as they are on disk).
@@ -148,7 +148,8 @@ def precision_for(spec: RunSpec, resolved) -> tuple[Precision, str]:
         return (Precision(PRECISION_OF_DTYPE[header.dtype]),
                 f"--precision stored: the {header.source} checkpoint stores {header.dtype}")
     if spec.precision is not None:
-        return spec.precision, "--precision"
+        given = [e for e in spec.sources if e.option == "precision"]  # set by a --from file (vramtrace.sources)
+        return spec.precision, f"--from {given[-1].file} ({given[-1].key})" if given else "--precision"
     if resolved.source == "local" and header is not None and header.dtype in PRECISION_OF_DTYPE:
         return (Precision(PRECISION_OF_DTYPE[header.dtype]),
                 f"the {header.source} checkpoint stores {header.dtype} (local directory, no --precision)")
