@@ -16,8 +16,8 @@ What is read from the trainer (transformers 5.24):
   under autocast and its half-precision outputs are copied to fp32);
 - `args`: `gradient_accumulation_steps`, `bf16`/`fp16` with the weights' dtype -> precision (fp32 weights:
   bf16-mixed / fp16-mixed; bf16 or fp16 weights: bf16-autocast / fp16-autocast), `optim` (HF names,
-  `optimizer_names.HF_OPTIM_NAMES`), `max_grad_norm` > 0 -> `clip_grad_norm` (the Trainer clips when it is > 0,
-  `Trainer._inner_training_loop`), `activation_checkpointing` (`gradient_checkpointing` before 5.23) and its kwargs
+  `optimizer_names.HF_OPTIM_NAMES`), `max_grad_norm` -> `clip_grad_norm` (`clip_of`: inf when it is 0, the
+  norm the Trainer still takes), `activation_checkpointing` (`gradient_checkpointing` before 5.23) and its kwargs
   (None or {}: non-reentrant, `Trainer.train` passes `kwargs or None`; `every_n_layers` N > 1: `nth:N`);
 - the device: the model's. A CUDA model: the preset named by `torch.cuda.get_device_name()` (`gpus.preset_for_device`)
   and as capacity what this process may still use, `mem_get_info()` free + `memory_reserved()` + the CUDA context
@@ -43,6 +43,7 @@ from transformers import TrainerCallback
 from ..errors import UsageError, WouldNotFit
 from ..pipeline import analyze
 from ..spec import Precision, RunSpec
+from ..tracer.custom import in_process_model
 from ..units import format_bytes, parse_bytes
 
 LOG = logging.getLogger("vramtrace")
@@ -145,6 +146,24 @@ def meta_inputs(batch: Mapping, seq: int | None, num_items: bool) -> tuple[dict[
     if num_items and "labels" in batch:
         inputs["num_items_in_batch"] = torch.empty((), dtype=torch.int64, device="meta")
     return inputs, (seq if seq is not None else length)
+
+
+def loop_held(inputs: dict[str, Any], grad_accum: int, device: str, grad_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What HF Trainer's loop keeps alive through a step besides the batch the model is fed, as meta tensors by
+    name (transformers 5.24 `Trainer._run_epoch`, accelerate 1.15 `DataLoaderShard.__iter__`):
+    - `get_batch_samples` fetches the step's `gradient_accumulation_steps` micro-batches before its first
+      micro-step and the list holds them to the step's end: N - 1 batches besides the one fed;
+    - accelerate's `DataLoaderShard` iterates one batch ahead ("to check when we are at the end"), in host memory
+      (it moves a batch to the device when it yields it): one more batch on the CPU target;
+    - the previous step's `tr_loss_step` (`loss.detach()`, an fp32 scalar) until the next `training_step` returns,
+      and its `grad_norm` (the total norm `clip_of` takes, a scalar of the gradients' dtype) until the next one: counted
+      through the step (what each of them is replaced by lives to the step's end in its place)."""
+    batches = grad_accum - 1 + (device == "cpu")
+    held = {f"Trainer batch +{i + 1}: {key}": torch.empty_like(t) for i in range(batches)
+            for key, t in inputs.items() if isinstance(t, torch.Tensor) and key != "num_items_in_batch"}
+    held["Trainer tr_loss_step"] = torch.empty((), dtype=torch.float32, device="meta")
+    held["Trainer grad_norm"] = torch.empty((), dtype=grad_dtype, device="meta")
+    return held
 
 
 def precision_of(model: torch.nn.Module, args) -> Precision:
@@ -260,9 +279,16 @@ def trainer_spec(model: torch.nn.Module, args, batch: Mapping, *, seq: int | Non
     options = dict(batch=args.per_device_train_batch_size, seq=length, precision=precision_of(model, args),
                    optimizer=str(getattr(args.optim, "value", args.optim)),
                    grad_accum=args.gradient_accumulation_steps, checkpointing=checkpointing_of(model, args),
-                   clip_grad_norm=float(args.max_grad_norm) if args.max_grad_norm and args.max_grad_norm > 0 else None,
+                   clip_grad_norm=clip_of(args),
                    **target_of(model, device, gpu, gpu_memory, headroom))
     return options, inputs
+
+
+def clip_of(args) -> float:
+    """`clip_grad_norm` of the Trainer's step: `max_grad_norm` when > 0, else inf: without clipping the Trainer
+    still takes the norm for its logs as `clip_grad_norm_(model.parameters(), float("inf"))` (transformers/trainer.py
+    `Trainer._get_grad_norm`), the same ops as a clip."""
+    return float(args.max_grad_norm) if args.max_grad_norm and args.max_grad_norm > 0 else float("inf")
 
 
 def trainer_loss(precision: Precision):
@@ -295,8 +321,10 @@ def predict(model: torch.nn.Module, args, dataloader, *, on_oom_risk: OomRisk | 
     copied = meta_copy(model)
     if getattr(copied, "is_gradient_checkpointing", False):  # the policy is applied again by the trace, which
         copied.gradient_checkpointing_disable()  # routes each checkpointed region through its recorder
-    report = analyze(model=copied, inputs=inputs, loss=trainer_loss(options["precision"]),
-                     levers=risk is not OomRisk.IGNORE, **options)
+    trainable = [p.dtype for p in model.parameters() if p.requires_grad]
+    held = loop_held(inputs, options["grad_accum"], options["device"], trainable[0] if trainable else torch.float32)
+    spec = RunSpec(in_process_model(copied, inputs, trainer_loss(options["precision"]), held), **options)
+    report = analyze(spec, levers=risk is not OomRisk.IGNORE)
     if json_path is not None:
         from ..render.output import report_json
 

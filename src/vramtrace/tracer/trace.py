@@ -311,7 +311,8 @@ def _register_step_state(rec: StepRecorder, spec: RunSpec, model: torch.nn.Modul
                          optimizer) -> dict[int, str]:
     """Register what is alive when the step starts, in this order: parameters (host memory under FSDP2's CPU
     offload), a quantized model's weights' categories, the optimizer's state made in `__init__` (Adagrad's `sum`
-    and `step`, not lazily), buffers, inputs. Returns the parameters' names by id."""
+    and `step`, not lazily), buffers, inputs, the tensors the loop holds (`LoadedModel.held`). Returns the
+    parameters' names by id."""
     for n, p in model.named_parameters():
         rec.register_existing(p, Category.PARAMETER, n)
         if spec.cpu_offload:  # FSDP2's CPUOffloadPolicy: every parameter's shard in host memory
@@ -330,7 +331,8 @@ def _register_step_state(rec: StepRecorder, spec: RunSpec, model: torch.nn.Modul
                         rec.offload(v)
     for n, b in model.named_buffers():
         rec.register_existing(b, Category.INPUT, n)
-    for n, t in [*loaded.inputs.items(), *((f"args[{i}]", a) for i, a in enumerate(loaded.args))]:
+    for n, t in [*loaded.inputs.items(), *((f"args[{i}]", a) for i, a in enumerate(loaded.args)),
+                 *loaded.held.items()]:
         if isinstance(t, torch.Tensor):
             rec.register_existing(t, Category.INPUT, n)
     return weight_names
