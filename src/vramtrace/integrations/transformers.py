@@ -197,7 +197,7 @@ def checkpointing_of(model: torch.nn.Module, args) -> str:
     kwargs = (getattr(args, "activation_checkpointing_kwargs", None)
               or getattr(args, "gradient_checkpointing_kwargs", None) or {})
     if not on:
-        if not getattr(model, "is_gradient_checkpointing", False):
+        if not _checkpointed(model):
             return "none"
         funcs = [m._gradient_checkpointing_func for m in model.modules()
                  if getattr(m, "_gradient_checkpointing_func", None) is not None]
@@ -216,6 +216,14 @@ def checkpointing_of(model: torch.nn.Module, args) -> str:
                              "use_reentrant=False or every_n_layers=1")
         return f"nth:{every}"
     return "layers:reentrant" if reentrant else "layers"
+
+
+def _checkpointed(model: torch.nn.Module) -> bool:
+    """Whether the model's layers run under activation checkpointing (`is_activation_checkpointing`, transformers
+    >= 5.23; before, `is_gradient_checkpointing`)."""
+    if hasattr(type(model), "is_activation_checkpointing") or hasattr(model, "activation_checkpointing_enable"):
+        return bool(getattr(model, "is_activation_checkpointing", False))
+    return bool(getattr(model, "is_gradient_checkpointing", False))
 
 
 def _not_modelled(args) -> list[str]:
@@ -319,8 +327,9 @@ def predict(model: torch.nn.Module, args, dataloader, *, on_oom_risk: OomRisk | 
     options, inputs = trainer_spec(model, args, batch, seq=seq, device=device, gpu=gpu, gpu_memory=gpu_memory,
                                    headroom=headroom)
     copied = meta_copy(model)
-    if getattr(copied, "is_gradient_checkpointing", False):  # the policy is applied again by the trace, which
-        copied.gradient_checkpointing_disable()  # routes each checkpointed region through its recorder
+    if _checkpointed(copied):  # the trace applies the policy again, routing each checkpointed region through its
+        disable = getattr(copied, "activation_checkpointing_disable", None) or copied.gradient_checkpointing_disable
+        disable()  # recorder
     trainable = [p.dtype for p in model.parameters() if p.requires_grad]
     held = loop_held(inputs, options["grad_accum"], options["device"], trainable[0] if trainable else torch.float32)
     spec = RunSpec(in_process_model(copied, inputs, trainer_loss(options["precision"]), held), **options)
