@@ -118,6 +118,8 @@ def test_callback_predicts_the_real_steady_step(tmp_path, case):
     trainer(tmp_path, tiny_llama(lora), [predict, measure], **args).train()
     assert predict.report is not None and measure.peak is not None
     assert_within(predict.report.peak_allocated_bytes, measure.peak, 0.001, case)
+    print(f"\n{case}: predicted {predict.report.peak_allocated_bytes:,} B, measured {measure.peak:,} B "
+          f"({predict.report.peak_allocated_bytes - measure.peak:+,} B)")  # pytest -s: docs/integrations.md's table
 
 
 def test_check_without_a_callback_gives_the_callbacks_figure_and_leaves_the_model_alone(tmp_path):
@@ -133,6 +135,12 @@ def test_check_without_a_callback_gives_the_callbacks_figure_and_leaves_the_mode
     t.train()
     assert report.peak_allocated_bytes == predict.report.peak_allocated_bytes
     assert report.run.batch == 2 and report.run.seq == SEQ
+
+
+def test_a_cpu_trainer_checked_for_a_gpu(tmp_path):
+    report = vramtrace.check(trainer(tmp_path, tiny_llama()), device="cuda", gpu="A100-40GB", on_oom_risk="ignore")
+    assert report.run.device == "cuda" and report.fit.gpu == "A100-40GB" and report.fit.fits
+    assert report.peak_reserved_bytes >= report.peak_allocated_bytes
 
 
 def test_meta_copy_allocates_nothing_and_keeps_types_and_requires_grad():
