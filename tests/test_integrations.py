@@ -34,7 +34,14 @@ class MeasureStep(TrainerCallback):
         self.peak, self.steps_begun, self._prof = None, 0, None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.start = oracle.storage_bytes([*model.parameters(), *model.buffers()])
+        alive = [*model.parameters(), *model.buffers()]
+        for p in model.parameters():  # bitsandbytes' QuantState: absmax, code, offset, and its nested state
+            state = getattr(p, "quant_state", None)
+            while state is not None:
+                alive += [t for t in (getattr(state, k, None) for k in ("absmax", "code", "offset"))
+                          if isinstance(t, torch.Tensor)]
+                state = getattr(state, "state2", None)
+        self.start = oracle.storage_bytes(alive)
         self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
         self._prof.__enter__()
 
@@ -81,9 +88,19 @@ class Rows(torch.utils.data.Dataset):
         return self.rows[i]
 
 
-def tiny_llama(lora: bool = False):
+def tiny_llama(lora: bool = False, qlora_dir=None):
+    """The tiny Llama (seed 0); with `lora` a peft LoRA r=8 on it; with `qlora_dir` saved there and loaded back in
+    4-bit NF4 (bitsandbytes), `prepare_model_for_kbit_training` (its default: reentrant checkpointing), LoRA r=8."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(FIXTURES / "tiny-llama-gqa.json"))
+    if qlora_dir is not None:
+        import peft
+        from transformers import BitsAndBytesConfig
+
+        model.save_pretrained(qlora_dir)
+        model = AutoModelForCausalLM.from_pretrained(qlora_dir, device_map="cpu", quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4"))
+        return peft.get_peft_model(peft.prepare_model_for_kbit_training(model), peft.LoraConfig(r=8))
     if lora:
         import peft
 
@@ -105,17 +122,21 @@ CASES = {
     "checkpointing": {"activation_checkpointing": True},  # 5.24's name of gradient_checkpointing
     "grad-accum-2": {"gradient_accumulation_steps": 2},
     "lora": {"lora": True},
+    "qlora": {"qlora": True},
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_callback_predicts_the_real_steady_step(tmp_path, case):
     args = dict(CASES[case])
-    lora = args.pop("lora", False)
-    if lora:
+    lora, qlora = args.pop("lora", False), args.pop("qlora", False)
+    if lora or qlora:
         pytest.importorskip("peft", reason="LoRA needs the [lora] extra (peft)")
+    if qlora:
+        pytest.importorskip("bitsandbytes", reason="QLoRA needs the [quant] extra (bitsandbytes)")
     predict, measure = VramtraceCallback(), MeasureStep()
-    trainer(tmp_path, tiny_llama(lora), [predict, measure], **args).train()
+    model = tiny_llama(lora, qlora_dir=tmp_path / "saved" if qlora else None)
+    trainer(tmp_path, model, [predict, measure], **args).train()
     assert predict.report is not None and measure.peak is not None
     assert_within(predict.report.peak_allocated_bytes, measure.peak, 0.001, case)
     print(f"\n{case}: predicted {predict.report.peak_allocated_bytes:,} B, measured {measure.peak:,} B "
@@ -141,6 +162,20 @@ def test_a_cpu_trainer_checked_for_a_gpu(tmp_path):
     report = vramtrace.check(trainer(tmp_path, tiny_llama()), device="cuda", gpu="A100-40GB", on_oom_risk="ignore")
     assert report.run.device == "cuda" and report.fit.gpu == "A100-40GB" and report.fit.fits
     assert report.peak_reserved_bytes >= report.peak_allocated_bytes
+
+
+def test_meta_copy_of_a_qlora_model_keeps_params4bit_and_allocates_nothing(tmp_path):
+    pytest.importorskip("peft", reason="LoRA needs the [lora] extra (peft)")
+    bnb = pytest.importorskip("bitsandbytes", reason="QLoRA needs the [quant] extra (bitsandbytes)")
+    model = tiny_llama(qlora_dir=tmp_path)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        copied = meta_copy(model)
+    assert sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() > 0) == 0
+    real = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
+    twin = copied.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
+    assert type(twin) is bnb.nn.Params4bit and twin.device.type == "meta" and twin.shape == real.shape
+    assert twin.quant_state.absmax.device.type == "meta" and twin.quant_type == real.quant_type == "nf4"
+    assert real.device.type == "cpu" and real.quant_state.absmax.device.type == "cpu"
 
 
 def test_meta_copy_allocates_nothing_and_keeps_types_and_requires_grad():

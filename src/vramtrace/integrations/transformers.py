@@ -61,13 +61,17 @@ class OomRisk(str, enum.Enum):
 def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A deep copy of `model` whose parameters, buffers and tensor attributes are meta tensors of the same shape,
     strides, dtype, class (peft's layers, bitsandbytes' `Params4bit` with its `quant_state` tensors) and
-    `requires_grad`: nothing is copied to real memory. Tied weights stay tied. accelerate's forward wrapper
-    (`_original_forward`, set by `Accelerator.prepare_model` under mixed precision) is dropped from the copy: its
-    forward is the class's (the check applies autocast itself)."""
+    `requires_grad`: nothing is copied to real memory. Tied weights stay tied. Every tensor's meta twin is in the
+    deepcopy memo before anything is copied (a `Params4bit` refers to its module, whose copy must find the twin).
+    accelerate's forward wrapper (`_original_forward`, set by `Accelerator.prepare_model` under mixed precision) is
+    dropped from the copy: its forward is the class's (the check applies autocast itself)."""
     memo: dict[int, Any] = {}
+    subclassed: list[tuple[torch.Tensor, torch.Tensor]] = []
     for module in model.modules():
         for value in [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]:
-            _remember(value, memo, depth=0)
+            _remember(value, memo, subclassed, depth=0)
+    for original, twin in subclassed:
+        vars(twin).update(copy.deepcopy(vars(original), memo))  # bitsandbytes' quant_state, blocksize, module, ...
     copied = copy.deepcopy(model, memo)
     for module in copied.modules():
         if "_original_forward" in vars(module):
@@ -76,27 +80,23 @@ def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copied
 
 
-def _remember(value: Any, memo: dict[int, Any], depth: int) -> None:
+def _remember(value: Any, memo: dict[int, Any], subclassed: list, depth: int) -> None:
     """Put a meta twin of `value` (a tensor, or the tensors among an object's attributes, two levels deep: a
-    quant_state and its nested state2) into `memo`."""
+    quant_state and its nested state2) into `memo`; a parameter with attributes goes to `subclassed` too."""
     if isinstance(value, torch.Tensor):
-        if id(value) not in memo:
-            memo[id(value)] = _meta_twin(value, memo)
+        if id(value) in memo:
+            return
+        meta = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device="meta")
+        if isinstance(value, torch.nn.Parameter):
+            meta = torch.Tensor._make_subclass(type(value), meta, value.requires_grad)
+            if vars(value):
+                subclassed.append((value, meta))
+        memo[id(value)] = meta
+        for v in list(vars(value).values()):
+            _remember(v, memo, subclassed, depth + 1)
     elif depth < 3 and hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, type)):
         for v in list(vars(value).values()):
-            if isinstance(v, torch.Tensor) or (depth < 2 and hasattr(v, "__dict__")):
-                _remember(v, memo, depth + 1)
-
-
-def _meta_twin(t: torch.Tensor, memo: dict[int, Any]) -> torch.Tensor:
-    meta = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
-    if not isinstance(t, torch.nn.Parameter):
-        return meta
-    twin = torch.Tensor._make_subclass(type(t), meta, t.requires_grad)
-    for v in vars(t).values():
-        _remember(v, memo, depth=1)
-    vars(twin).update(copy.deepcopy(vars(t), memo))  # bitsandbytes' quant_state, blocksize, quant_type, ...
-    return twin
+            _remember(v, memo, subclassed, depth + 1)
 
 
 def accepts_loss_kwargs(model: torch.nn.Module) -> bool:
@@ -190,8 +190,9 @@ def precision_of(model: torch.nn.Module, args) -> Precision:
 def checkpointing_of(model: torch.nn.Module, args) -> str:
     """The `--checkpointing` policy the Trainer applies: `args.activation_checkpointing` (transformers >= 5.23;
     before, `gradient_checkpointing`) with its kwargs as `Trainer.train` passes them (`every_n_layers` and
-    `offload` popped, the rest `or None`, None being non-reentrant in `PreTrainedModel.activation_checkpointing_enable`);
-    else the model's own when its layers were checkpointed by the user; else 'none'. Raises UsageError for kwargs
+    `offload` popped, the rest `or None`, None being non-reentrant in
+    `PreTrainedModel.activation_checkpointing_enable`); else the model's own when its layers were checkpointed
+    before (peft's `prepare_model_for_kbit_training`: reentrant); else 'none'. Raises UsageError for kwargs
     vramtrace does not model (`offload`, a `context_fn`, ...)."""
     on = getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)
     kwargs = (getattr(args, "activation_checkpointing_kwargs", None)
@@ -202,6 +203,9 @@ def checkpointing_of(model: torch.nn.Module, args) -> str:
         funcs = [m._gradient_checkpointing_func for m in model.modules()
                  if getattr(m, "_gradient_checkpointing_func", None) is not None]
         kwargs = dict(getattr(funcs[0], "keywords", {}) if funcs else {})
+        # enabled with kwargs {} (peft's prepare_model_for_kbit_training): checkpoint() without use_reentrant warns
+        # and runs reentrant in torch 2.13 (torch/utils/checkpoint.py `checkpoint`)
+        kwargs.setdefault("use_reentrant", True)
     kwargs = dict(kwargs)
     every = kwargs.pop("every_n_layers", 1)
     offload = kwargs.pop("offload", False)

@@ -317,8 +317,8 @@ def _register_step_state(rec: StepRecorder, spec: RunSpec, model: torch.nn.Modul
         rec.register_existing(p, Category.PARAMETER, n)
         if spec.cpu_offload:  # FSDP2's CPUOffloadPolicy: every parameter's shard in host memory
             rec.offload(p)
-    if spec.quantization is not None:
-        from .quantization import categorise
+    if spec.quantization is not None or spec.in_process is not None:  # a module passed in (a Trainer's QLoRA
+        from .quantization import categorise  # model, integrations/transformers.py) may hold bitsandbytes weights
 
         categorise(model, rec.register_existing)
     weight_names = {id(p): n for n, p in model.named_parameters()}
