@@ -98,8 +98,8 @@ def tiny_llama(lora: bool = False, qlora_dir=None):
         from transformers import BitsAndBytesConfig
 
         model.save_pretrained(qlora_dir)
-        model = AutoModelForCausalLM.from_pretrained(qlora_dir, device_map="cpu", quantization_config=BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4"))
+        nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+        model = AutoModelForCausalLM.from_pretrained(qlora_dir, device_map="cpu", quantization_config=nf4)
         return peft.get_peft_model(peft.prepare_model_for_kbit_training(model), peft.LoraConfig(r=8))
     if lora:
         import peft
@@ -164,13 +164,18 @@ def test_a_cpu_trainer_checked_for_a_gpu(tmp_path):
     assert report.peak_reserved_bytes >= report.peak_allocated_bytes
 
 
+def allocated_bytes(prof) -> int:
+    """The bytes the profiled code allocated (its `[memory]` events' allocations, frees not subtracted)."""
+    return sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() > 0)
+
+
 def test_meta_copy_of_a_qlora_model_keeps_params4bit_and_allocates_nothing(tmp_path):
     pytest.importorskip("peft", reason="LoRA needs the [lora] extra (peft)")
     bnb = pytest.importorskip("bitsandbytes", reason="QLoRA needs the [quant] extra (bitsandbytes)")
     model = tiny_llama(qlora_dir=tmp_path)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         copied = meta_copy(model)
-    assert sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() > 0) == 0
+    assert allocated_bytes(prof) == 0
     real = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
     twin = copied.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
     assert type(twin) is bnb.nn.Params4bit and twin.device.type == "meta" and twin.shape == real.shape
@@ -183,8 +188,7 @@ def test_meta_copy_allocates_nothing_and_keeps_types_and_requires_grad():
     model = tiny_llama(lora=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         copied = meta_copy(model)
-    allocated = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() > 0]
-    assert sum(allocated) == 0
+    assert allocated_bytes(prof) == 0
     real, meta = dict(model.named_parameters()), dict(copied.named_parameters())
     assert real.keys() == meta.keys()
     for n, p in meta.items():
@@ -245,10 +249,10 @@ def test_checkpointing_from_the_arguments():
         checkpointing_of(model, _args(activation_checkpointing=True, activation_checkpointing_kwargs={"offload": True}))
 
 
-@pytest.mark.parametrize("name, preset", [("NVIDIA H100 80GB HBM3", "H100-80GB"), ("NVIDIA H100 NVL", "H100-NVL"),
-                                          ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("NVIDIA A100 80GB PCIe", "A100-80GB"),
-                                          ("NVIDIA GeForce RTX 4090", "RTX4090"), ("NVIDIA L40S", "L40S"),
-                                          ("NVIDIA L4", "L4"), ("Tesla T4", "T4"), ("NVIDIA H200", "H200")])
+@pytest.mark.parametrize("name, preset", [
+    ("NVIDIA H100 80GB HBM3", "H100-80GB"), ("NVIDIA H100 NVL", "H100-NVL"), ("NVIDIA A100-SXM4-40GB", "A100-40GB"),
+    ("NVIDIA A100 80GB PCIe", "A100-80GB"), ("NVIDIA GeForce RTX 4090", "RTX4090"), ("NVIDIA L40S", "L40S"),
+    ("NVIDIA L4", "L4"), ("Tesla T4", "T4"), ("NVIDIA H200", "H200")])
 def test_device_names_map_to_presets(name, preset):
     assert preset_for_device(name).name == preset
 
