@@ -128,29 +128,42 @@ def first_batch(dataloader, batch_size: int) -> Mapping:
     return batch
 
 
-def meta_inputs(batch: Mapping, seq: int | None, num_items: bool) -> tuple[dict[str, Any], int | None]:
-    """(the model's keyword inputs as meta tensors, the sequence length): each tensor of `batch` on meta; with
-    `seq`, dimension 1 of each tensor that has the collated length replaced by `seq`; `num_items_in_batch` (an
-    int64 scalar) when `num_items` and the batch has labels."""
+def meta_inputs(batch: Mapping, batch_size: int, seq: int | None, num_items: bool
+                ) -> tuple[dict[str, Any], int | None]:
+    """(the model's keyword inputs, the sequence length): each tensor of `batch` as a shape spec
+    `DTYPE[DIMS]` (`custom_inputs.InputSpec`) whose dimension 0 is B when it is the batch size and dimension 1 is S
+    when it is the collated sequence length, so that a lever changing --batch or --seq changes them too; with
+    `seq`, S is `seq` instead of the collated length; `num_items_in_batch` (an int64 scalar) when `num_items` and
+    the batch has labels. A value that is None is left out. Raises UsageError for any other non-tensor value."""
+    from ..custom_inputs import INPUT_DTYPES
+
     ids = batch.get("input_ids", next(v for v in batch.values() if isinstance(v, torch.Tensor)))
     length = ids.shape[1] if ids.dim() >= 2 else None
     inputs: dict[str, Any] = {}
     for key, value in batch.items():
-        if not isinstance(value, torch.Tensor):
-            inputs[key] = value
+        if value is None:
             continue
-        shape = list(value.shape)
-        if seq is not None and length is not None and len(shape) >= 2 and shape[1] == length:
-            shape[1] = seq
-        inputs[key] = torch.empty(shape, dtype=value.dtype, device="meta")
+        if not isinstance(value, torch.Tensor):
+            raise UsageError(f"the collated batch's {key!r} is a {type(value).__name__}, not a tensor: vramtrace's "
+                             "Trainer check feeds tensors only")
+        dtype = str(value.dtype).removeprefix("torch.")
+        if dtype not in INPUT_DTYPES:
+            inputs[key] = torch.empty(value.shape, dtype=value.dtype, device="meta")
+            continue
+        dims = [str(d) for d in value.shape]
+        if dims and value.shape[0] == batch_size:
+            dims[0] = "B"
+        if len(dims) >= 2 and length is not None and value.shape[1] == length:
+            dims[1] = "S"
+        inputs[key] = f"{dtype}[{','.join(dims)}]"
     if num_items and "labels" in batch:
-        inputs["num_items_in_batch"] = torch.empty((), dtype=torch.int64, device="meta")
+        inputs["num_items_in_batch"] = "int64[]"
     return inputs, (seq if seq is not None else length)
 
 
-def loop_held(inputs: dict[str, Any], grad_accum: int, device: str, grad_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """What HF Trainer's loop keeps alive through a step besides the batch the model is fed, as meta tensors by
-    name (transformers 5.24 `Trainer._run_epoch`, accelerate 1.15 `DataLoaderShard.__iter__`):
+def loop_held(inputs: dict[str, Any], grad_accum: int, device: str, grad_dtype: torch.dtype) -> dict[str, Any]:
+    """What HF Trainer's loop keeps alive through a step besides the batch the model is fed, as shape specs (or
+    meta tensors) by name (transformers 5.24 `Trainer._run_epoch`, accelerate 1.15 `DataLoaderShard.__iter__`):
     - `get_batch_samples` fetches the step's `gradient_accumulation_steps` micro-batches before its first
       micro-step and the list holds them to the step's end: N - 1 batches besides the one fed;
     - accelerate's `DataLoaderShard` iterates one batch ahead ("to check when we are at the end"), in host memory
@@ -159,9 +172,9 @@ def loop_held(inputs: dict[str, Any], grad_accum: int, device: str, grad_dtype: 
       and its `grad_norm` (the total norm `clip_of` takes, a scalar of the gradients' dtype) until the next one: counted
       through the step (what each of them is replaced by lives to the step's end in its place)."""
     batches = grad_accum - 1 + (device == "cpu")
-    held = {f"Trainer batch +{i + 1}: {key}": torch.empty_like(t) for i in range(batches)
-            for key, t in inputs.items() if isinstance(t, torch.Tensor) and key != "num_items_in_batch"}
-    held["Trainer tr_loss_step"] = torch.empty((), dtype=torch.float32, device="meta")
+    held = {f"Trainer batch +{i + 1}: {key}": t for i in range(batches)
+            for key, t in inputs.items() if key != "num_items_in_batch"}
+    held["Trainer tr_loss_step"] = "float32[]"
     held["Trainer grad_norm"] = torch.empty((), dtype=grad_dtype, device="meta")
     return held
 
@@ -287,7 +300,7 @@ def trainer_spec(model: torch.nn.Module, args, batch: Mapping, *, seq: int | Non
     """(RunSpec's options, the model's meta keyword inputs) of the Trainer's step: see the module docstring."""
     for line in _not_modelled(args):
         LOG.warning("vramtrace: not modelled: %s", line)
-    inputs, length = meta_inputs(batch, seq, accepts_loss_kwargs(model))
+    inputs, length = meta_inputs(batch, args.per_device_train_batch_size, seq, accepts_loss_kwargs(model))
     options = dict(batch=args.per_device_train_batch_size, seq=length, precision=precision_of(model, args),
                    optimizer=str(getattr(args.optim, "value", args.optim)),
                    grad_accum=args.gradient_accumulation_steps, checkpointing=checkpointing_of(model, args),

@@ -58,8 +58,9 @@ def in_process_model(module: torch.nn.Module, inputs: Any = None, loss: Callable
     build a deep copy (the caller's module is never changed). `inputs`, as `example_inputs` would return them: a
     dict (keyword arguments), a tuple or list (positional) or one tensor; each a meta tensor or a shape spec string
     "DTYPE[DIMS][:LO..HI]" (B and S: --batch and --seq). `loss(output, *inputs)`: the training loss (default:
-    `output.loss`, else the mean of the first output tensor). `held`: meta tensors by name the caller's loop keeps
-    alive through the step besides the inputs (counted from the step's start, never passed to the model). Raises
+    `output.loss`, else the mean of the first output tensor). `held`: meta tensors or shape specs by name that the
+    caller's loop keeps alive through the step besides the inputs (counted from the step's start, never passed to
+    the model). Raises
     UsageError when `module` is not an nn.Module, has tensors off the meta device, `inputs` is None or `held`
     holds anything but meta tensors."""
     if not isinstance(module, torch.nn.Module):
@@ -72,8 +73,9 @@ def in_process_model(module: torch.nn.Module, inputs: Any = None, loss: Callable
     if inputs is None:
         raise UsageError("analyze(model=<module>) needs inputs=: a dict of keyword arguments, a tuple of positional "
                          "ones or one tensor (meta tensors, or shape specs such as 'int64[B,S]:0..32000')")
-    if held and any(not isinstance(t, torch.Tensor) or t.device.type != "meta" for t in held.values()):
-        raise UsageError("held= takes meta tensors by name (torch.empty(shape, dtype=..., device='meta'))")
+    if held and any(not isinstance(t, str) and (not isinstance(t, torch.Tensor) or t.device.type != "meta")
+                    for t in held.values()):
+        raise UsageError("held= takes meta tensors or shape specs such as 'int64[B,S]' by name")
     return InProcessModel(module, inputs, loss, dict(held) if held else None)
 
 
@@ -236,4 +238,6 @@ def build_custom(spec: RunSpec, device: str, dtype: torch.dtype | None) -> Custo
             return value
     else:
         loss = output_loss
-    return CustomModel(model, args, kwargs, loss, target, dict(carried.held or {}) if carried is not None else {})
+    held = {n: _as_input(v, f"held[{n!r}]", spec.batch, spec.seq, device)
+            for n, v in ((carried.held or {}) if carried is not None else {}).items()}
+    return CustomModel(model, args, kwargs, loss, target, held)
