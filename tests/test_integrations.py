@@ -76,10 +76,10 @@ class MeasureStep(TrainerCallback):
 class Rows(torch.utils.data.Dataset):
     """Fixed-length causal-LM rows (input_ids, labels), drawn once."""
 
-    def __init__(self):
+    def __init__(self, seq: int = SEQ):
         g = torch.Generator().manual_seed(0)
-        self.rows = [{"input_ids": torch.randint(0, VOCAB, (SEQ,), generator=g),
-                      "labels": torch.randint(0, VOCAB, (SEQ,), generator=g)} for _ in range(ROWS)]
+        self.rows = [{"input_ids": torch.randint(0, VOCAB, (seq,), generator=g),
+                      "labels": torch.randint(0, VOCAB, (seq,), generator=g)} for _ in range(ROWS)]
 
     def __len__(self):
         return len(self.rows)
@@ -108,11 +108,11 @@ def tiny_llama(lora: bool = False, qlora_dir=None):
     return model
 
 
-def trainer(tmp_path, model, callbacks=(), **args) -> Trainer:
+def trainer(tmp_path, model, callbacks=(), seq: int = SEQ, **args) -> Trainer:
     defaults = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, report_to="none",
                     use_cpu=True, save_strategy="no", logging_strategy="no", optim="adamw_torch",
                     disable_tqdm=True)
-    return Trainer(model=model, args=TrainingArguments(**{**defaults, **args}), train_dataset=Rows(),
+    return Trainer(model=model, args=TrainingArguments(**{**defaults, **args}), train_dataset=Rows(seq),
                    callbacks=list(callbacks))
 
 
@@ -156,6 +156,15 @@ def test_check_without_a_callback_gives_the_callbacks_figure_and_leaves_the_mode
     t.train()
     assert report.peak_allocated_bytes == predict.report.peak_allocated_bytes
     assert report.run.batch == 2 and report.run.seq == SEQ
+
+
+def test_seq_replaces_the_collated_length(tmp_path):
+    """check(trainer of 64-token rows, seq=32) predicts the real step of a trainer of 32-token rows."""
+    predicted = vramtrace.check(trainer(tmp_path, tiny_llama()), seq=32, on_oom_risk="ignore")
+    measure = MeasureStep()
+    trainer(tmp_path, tiny_llama(), [measure], seq=32).train()
+    assert predicted.run.seq == 32
+    assert_within(predicted.peak_allocated_bytes, measure.peak, 0.001, "seq=32")
 
 
 def test_a_cpu_trainer_checked_for_a_gpu(tmp_path):
