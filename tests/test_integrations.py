@@ -165,6 +165,7 @@ def test_seq_replaces_the_collated_length(tmp_path):
     trainer(tmp_path, tiny_llama(), [measure], seq=32).train()
     assert predicted.run.seq == 32
     assert_within(predicted.peak_allocated_bytes, measure.peak, 0.001, "seq=32")
+    print(f"\nseq=32: predicted {predicted.peak_allocated_bytes:,} B, measured {measure.peak:,} B")
 
 
 def test_a_cpu_trainer_checked_for_a_gpu(tmp_path):
