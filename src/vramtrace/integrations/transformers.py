@@ -22,7 +22,11 @@ What is read from the trainer (transformers 5.24):
 - the device: the model's. A CUDA model: the preset named by `torch.cuda.get_device_name()` (`gpus.preset_for_device`)
   and as capacity what this process may still use, `mem_get_info()` free + `memory_reserved()` + the CUDA context
   vramtrace assumes (the context is counted in the peak); a CPU model: the CPU target (a verdict only with
-  `gpu_memory`).
+  `gpu_memory`);
+- what the Trainer's loop holds besides the batch it feeds (`loop_held`): the step's other micro-batches,
+  accelerate's batch ahead on the CPU target, the previous step's loss and gradient norm scalars.
+A quantized model (QLoRA) keeps its bitsandbytes weights in the copy; the trace counts them and their constants
+from the step's start (`tracer/trace.py` registers an in-process model's quantized weights).
 Not modelled (a warning line each, the prediction goes on): `label_smoothing_factor`, more than one GPU
 (DataParallel), DeepSpeed and FSDP (`args.deepspeed`, `args.fsdp`), `torch_compile`. A `compute_loss_func` or an
 overridden `compute_loss` is not seen: the loss is the model's own.
@@ -42,7 +46,7 @@ from transformers import TrainerCallback
 
 from ..errors import UsageError, WouldNotFit
 from ..pipeline import analyze
-from ..spec import Precision, RunSpec
+from ..spec import Device, Precision, RunSpec
 from ..tracer.custom import in_process_model
 from ..units import format_bytes, parse_bytes
 
@@ -161,7 +165,7 @@ def meta_inputs(batch: Mapping, batch_size: int, seq: int | None, num_items: boo
     return inputs, (seq if seq is not None else length)
 
 
-def loop_held(inputs: dict[str, Any], grad_accum: int, device: str, grad_dtype: torch.dtype) -> dict[str, Any]:
+def loop_held(inputs: dict[str, Any], grad_accum: int, device: Device, grad_dtype: torch.dtype) -> dict[str, Any]:
     """What HF Trainer's loop keeps alive through a step besides the batch the model is fed, as shape specs (or
     meta tensors) by name (transformers 5.24 `Trainer._run_epoch`, accelerate 1.15 `DataLoaderShard.__iter__`):
     - `get_batch_samples` fetches the step's `gradient_accumulation_steps` micro-batches before its first
@@ -171,7 +175,7 @@ def loop_held(inputs: dict[str, Any], grad_accum: int, device: str, grad_dtype: 
     - the previous step's `tr_loss_step` (`loss.detach()`, an fp32 scalar) until the next `training_step` returns,
       and its `grad_norm` (the total norm `clip_of` takes, a scalar of the gradients' dtype) until the next one: counted
       through the step (what each of them is replaced by lives to the step's end in its place)."""
-    batches = grad_accum - 1 + (device == "cpu")
+    batches = grad_accum - 1 + (device is Device.CPU)
     held = {f"Trainer batch +{i + 1}: {key}": t for i in range(batches)
             for key, t in inputs.items() if key != "num_items_in_batch"}
     held["Trainer tr_loss_step"] = "float32[]"
@@ -271,10 +275,10 @@ def target_of(model: torch.nn.Module, device: str | None, gpu: str | None, gpu_m
         raise UsageError(f"headroom must be a fraction in [0, 1), e.g. 0.05; got {headroom!r}")
     first = next(model.parameters(), None)
     where = first.device if first is not None else torch.device("cpu")
-    device = device or ("cuda" if where.type == "cuda" else "cpu")
+    target = Device.parse(device, "device") if device else Device.CUDA if where.type == "cuda" else Device.CPU
     capacity = parse_bytes(gpu_memory, "gpu_memory") if isinstance(gpu_memory, str) else gpu_memory
-    out: dict[str, Any] = {"device": device}
-    if device == "cuda":
+    out: dict[str, Any] = {"device": target}
+    if target is Device.CUDA:
         if gpu is None and where.type == "cuda":
             found = preset_for_device(torch.cuda.get_device_name(where))
             if found is None:
