@@ -193,6 +193,27 @@ def test_meta_copy_of_a_qlora_model_keeps_params4bit_and_allocates_nothing(tmp_p
     assert real.device.type == "cpu" and real.quant_state.absmax.device.type == "cpu"
 
 
+def test_a_cuda_model_is_checked_on_its_gpu_with_what_the_process_may_use(monkeypatch):
+    """The device name picks the preset; the capacity is mem_get_info's free bytes plus what this process has
+    reserved plus the CUDA context the verdict counts (the context is in the predicted figure)."""
+    from vramtrace import RunSpec
+    from vramtrace.integrations.transformers import target_of
+
+    gib = 1 << 30
+    cuda0 = torch.device("cuda", 0)
+    model = type("OnCuda", (), {"parameters": lambda self: iter([type("P", (), {"device": cuda0})()])})()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-40GB")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 40 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * gib)
+    target = target_of(model, None, None, None, 0.0)
+    context = RunSpec("m", 1, None, gpu="A100-40GB", cuda_version=target.get("cuda_version")).cuda_context
+    assert target["gpu"] == "A100-40GB" and target["gpu_memory_bytes"] == 12 * gib + context > 12 * gib
+    assert target_of(model, None, None, None, 0.5)["gpu_memory_bytes"] == (12 * gib + context) // 2
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce GTX 1080")
+    with pytest.raises(UsageError, match="pass gpu="):
+        target_of(model, None, None, None, 0.0)
+
+
 def test_meta_copy_allocates_nothing_and_keeps_types_and_requires_grad():
     pytest.importorskip("peft", reason="LoRA needs the [lora] extra (peft)")
     model = tiny_llama(lora=True)
