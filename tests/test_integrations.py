@@ -9,6 +9,7 @@ accumulation, over all its micro-steps)."""
 
 from __future__ import annotations
 
+import json
 
 import pytest
 import torch
@@ -121,6 +122,7 @@ CASES = {
     "bf16-mixed": {"bf16": True},
     "checkpointing": {"activation_checkpointing": True},  # 5.24's name of gradient_checkpointing
     "grad-accum-2": {"gradient_accumulation_steps": 2},
+    "fused-adamw": {"optim": "adamw_torch_fused"},  # TrainingArguments' default optim
     "lora": {"lora": True},
     "qlora": {"qlora": True},
 }
@@ -242,8 +244,10 @@ def test_raise_stops_before_the_first_step_naming_a_lever(tmp_path):
 def test_warn_logs_the_peak_and_a_warning(tmp_path, caplog):
     t = trainer(tmp_path, tiny_llama())
     with caplog.at_level("INFO", logger="vramtrace"):
-        report = vramtrace.check(t, gpu_memory=1 << 20)
+        report = vramtrace.check(t, gpu_memory=1 << 20, json_path=str(tmp_path / "report.json"))
     assert not report.fit.fits
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["peak_allocated_bytes"] == report.peak_allocated_bytes and saved["fit"]["fits"] is False
     assert any("predicted peak" in r.message and r.levelname == "INFO" for r in caplog.records)
     assert any("does not fit" in r.message and r.levelname == "WARNING" for r in caplog.records)
 
