@@ -252,6 +252,11 @@ def test_warn_logs_the_peak_and_a_warning(tmp_path, caplog):
     assert any("does not fit" in r.message and r.levelname == "WARNING" for r in caplog.records)
 
 
+def test_an_unknown_on_oom_risk_is_a_usage_error():
+    with pytest.raises(UsageError, match="unknown on_oom_risk 'explode'; choose one of: warn, raise, ignore"):
+        VramtraceCallback(on_oom_risk="explode")
+
+
 def _args(**kw):
     base = dict(bf16=False, fp16=False, activation_checkpointing=False, activation_checkpointing_kwargs=None,
                 gradient_checkpointing=False, gradient_checkpointing_kwargs=None)

@@ -62,6 +62,15 @@ class OomRisk(str, enum.Enum):
     IGNORE = "ignore"
 
 
+def oom_risk(value: OomRisk | str) -> OomRisk:
+    """`value` as an OomRisk. Raises UsageError naming the choices."""
+    try:
+        return OomRisk(value)
+    except ValueError:
+        raise UsageError(f"unknown on_oom_risk {value!r}; choose one of: "
+                         f"{', '.join(r.value for r in OomRisk)}") from None
+
+
 def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A deep copy of `model` whose parameters, buffers and tensor attributes are meta tensors of the same shape,
     strides, dtype, class (peft's layers, bitsandbytes' `Params4bit` with its `quant_state` tensors) and
@@ -301,7 +310,8 @@ def target_of(model: torch.nn.Module, device: str | None, gpu: str | None, gpu_m
 def trainer_spec(model: torch.nn.Module, args, batch: Mapping, *, seq: int | None = None, device: str | None = None,
                  gpu: str | None = None, gpu_memory: int | str | None = None, headroom: float = 0.0
                  ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(RunSpec's options, the model's meta keyword inputs) of the Trainer's step: see the module docstring."""
+    """(RunSpec's options, the model's keyword inputs as shape specs) of the Trainer's step: see the module
+    docstring."""
     for line in _not_modelled(args):
         LOG.warning("vramtrace: not modelled: %s", line)
     inputs, length = meta_inputs(batch, args.per_device_train_batch_size, seq, accepts_loss_kwargs(model))
@@ -343,7 +353,7 @@ def predict(model: torch.nn.Module, args, dataloader, *, on_oom_risk: OomRisk | 
     docstring says what is read), logged to the `vramtrace` logger; with `on_oom_risk` 'raise' a step that does not
     fit raises `WouldNotFit` naming the levers that fit, with 'warn' it logs a warning. `json_path`: also write the
     JSON report there. Raises UsageError (what the check cannot model), WouldNotFit, and analyze's errors."""
-    risk = OomRisk(on_oom_risk) if isinstance(on_oom_risk, str) else on_oom_risk
+    risk = oom_risk(on_oom_risk)
     batch = first_batch(dataloader, args.per_device_train_batch_size)
     options, inputs = trainer_spec(model, args, batch, seq=seq, device=device, gpu=gpu, gpu_memory=gpu_memory,
                                    headroom=headroom)
@@ -415,7 +425,7 @@ class VramtraceCallback(TrainerCallback):
     def __init__(self, on_oom_risk: OomRisk | str = OomRisk.WARN, seq: int | None = None, headroom: float = 0.0,
                  device: str | None = None, gpu: str | None = None, gpu_memory: int | str | None = None,
                  json_path: str | None = None):
-        self.options = dict(on_oom_risk=OomRisk(on_oom_risk), seq=seq, headroom=headroom, device=device, gpu=gpu,
+        self.options = dict(on_oom_risk=oom_risk(on_oom_risk), seq=seq, headroom=headroom, device=device, gpu=gpu,
                             gpu_memory=gpu_memory, json_path=json_path)
         self.report = None
 
