@@ -22,12 +22,15 @@ class InProcessModel:
     of a reference string. `module`: built by the caller on the meta device, never changed (each build is a deep
     copy, `tracer/custom.py::build_custom`); `inputs`: as a file's `example_inputs` returns them (a dict of keyword
     arguments, a tuple or list of positional ones, or one tensor; each a meta tensor or a shape spec string);
-    `loss(output, *inputs)`: the training loss, or None (a file without `loss()`). Compared and hashed by identity
+    `loss(output, *inputs)`: the training loss, or None (a file without `loss()`); `held`: meta tensors or shape
+    specs by name that the caller's loop keeps alive through the whole step besides the inputs (HF Trainer's prefetched batches,
+    `integrations/transformers.py`), or None. Compared and hashed by identity
     (`eq=False`): it holds objects of this process only. `str()`: the report's `model.ref`."""
 
     module: Any
     inputs: Any
     loss: Callable | None = None
+    held: dict | None = None
 
     @property
     def name(self) -> str:

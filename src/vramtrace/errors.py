@@ -48,5 +48,10 @@ class BridgeError(VramtraceError):
     version; the message names the symbol, the installed version and the versions the bridge was written for."""
 
 
+class WouldNotFit(VramtraceError):
+    """The predicted step does not fit the device (`integrations.transformers`, on_oom_risk='raise'); the message
+    names the levers that make it fit."""
+
+
 class ReportWriteError(VramtraceError):
     """A report file could not be written."""

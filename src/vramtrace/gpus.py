@@ -72,3 +72,23 @@ def parse_gpu(name: str) -> GpuPreset:
         raise UsageError(f"unknown GPU {name!r}; choose one of: {valid} (or give any device's capacity with "
                          "--gpu-memory, e.g. 48GiB)")
     return GPU_PRESETS[key]
+
+
+# Words of `torch.cuda.get_device_name()` (e.g. "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB") naming a preset,
+# most specific first: each entry's words must all appear in the name (upper-cased, '-' and '_' read as spaces).
+_DEVICE_NAME_WORDS = (
+    (("H100", "NVL"), "H100-NVL"), (("H100",), "H100-80GB"), (("H200",), "H200"), (("B200",), "B200"),
+    (("A100", "40GB"), "A100-40GB"), (("A100",), "A100-80GB"), (("A6000",), "A6000"), (("L40S",), "L40S"),
+    (("A10G",), "A10G"), (("A10",), "A10"), (("L4",), "L4"), (("4090",), "RTX4090"), (("3090",), "RTX3090"),
+    (("V100", "16GB"), "V100-16GB"), (("V100",), "V100-32GB"), (("T4",), "T4"),
+)
+
+
+def preset_for_device(name: str) -> GpuPreset | None:
+    """The preset of a CUDA device named `name` as `torch.cuda.get_device_name()` reports it, or None when no
+    preset matches (then the caller names one, or gives the capacity)."""
+    words = set(name.upper().replace("-", " ").replace("_", " ").split())
+    for needed, preset in _DEVICE_NAME_WORDS:
+        if all(w in words for w in needed):
+            return GPU_PRESETS[preset.lower()]
+    return None

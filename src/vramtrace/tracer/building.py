@@ -7,7 +7,7 @@ import copy
 import io
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -58,6 +58,7 @@ class LoadedModel:
     loss: Callable[[Any], torch.Tensor] = output_loss
     precision: Precision = Precision.BF16_MIXED  # effective: --precision, else the checkpoint's dtype, else the default
     vlm: VlmLayout | None = None  # a vision-language model's images (tracer/vlm.py), else None
+    held: dict[str, torch.Tensor] = field(default_factory=dict)  # alive through the step, not inputs of the model
 
     def input_summary(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype, shape) of each tensor input, positional ones named args[i]."""
@@ -672,7 +673,7 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
             architecture=type(built.model).__name__, model_type="custom", params=total, trainable_params=trainable,
             param_dtype=param_dtype, compute_dtype=compute_dtype, attn_implementation="custom",
             replication_note="custom module: every layer traced", num_layers=len(stack) if stack is not None else 0,
-            layer_stack_path=_path_of(model, stack))
+            layer_stack_path=_path_of(model, stack), held=built.held)
     config = build_config(resolved, spec.trust_remote_code)
     if spec.use_cache is not None:  # a VLM's use_cache is its text config's, the one its language model reads
         if not hasattr(text_config := config.get_text_config(), "use_cache"):

@@ -28,7 +28,7 @@ import inspect
 import os
 import sys
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,16 +48,21 @@ class CustomModel:
     kwargs: dict[str, torch.Tensor]
     loss: Callable[[Any], torch.Tensor]
     location: str
+    held: dict[str, torch.Tensor] = field(default_factory=dict)  # alive through the step, not passed to the model
 
 
-def in_process_model(module: torch.nn.Module, inputs: Any = None, loss: Callable | None = None) -> InProcessModel:
+def in_process_model(module: torch.nn.Module, inputs: Any = None, loss: Callable | None = None,
+                     held: dict | None = None) -> InProcessModel:
     """The `InProcessModel` carrying `module`, an `nn.Module` the caller built on the meta device (`with
     torch.device("meta"): model = MyModel()`), for `RunSpec.model`: the tracer builds it like a file's NAME, each
     build a deep copy (the caller's module is never changed). `inputs`, as `example_inputs` would return them: a
     dict (keyword arguments), a tuple or list (positional) or one tensor; each a meta tensor or a shape spec string
     "DTYPE[DIMS][:LO..HI]" (B and S: --batch and --seq). `loss(output, *inputs)`: the training loss (default:
-    `output.loss`, else the mean of the first output tensor). Raises UsageError when `module` is not an
-    nn.Module, has tensors off the meta device, or `inputs` is None."""
+    `output.loss`, else the mean of the first output tensor). `held`: meta tensors or shape specs by name that the
+    caller's loop keeps alive through the step besides the inputs (counted from the step's start, never passed to
+    the model). Raises
+    UsageError when `module` is not an nn.Module, has tensors off the meta device, `inputs` is None or `held`
+    holds anything but meta tensors."""
     if not isinstance(module, torch.nn.Module):
         raise UsageError(f"model= takes an nn.Module or a model reference string, not a {type(module).__name__}")
     off_meta = [(n, t.device) for n, t in [*module.named_parameters(), *module.named_buffers()]
@@ -68,7 +73,10 @@ def in_process_model(module: torch.nn.Module, inputs: Any = None, loss: Callable
     if inputs is None:
         raise UsageError("analyze(model=<module>) needs inputs=: a dict of keyword arguments, a tuple of positional "
                          "ones or one tensor (meta tensors, or shape specs such as 'int64[B,S]:0..32000')")
-    return InProcessModel(module, inputs, loss)
+    if held and any(not isinstance(t, str) and (not isinstance(t, torch.Tensor) or t.device.type != "meta")
+                    for t in held.values()):
+        raise UsageError("held= takes meta tensors or shape specs such as 'int64[B,S]' by name")
+    return InProcessModel(module, inputs, loss, dict(held) if held else None)
 
 
 def _in_process_namespace(carried: InProcessModel) -> types.SimpleNamespace:
@@ -230,4 +238,6 @@ def build_custom(spec: RunSpec, device: str, dtype: torch.dtype | None) -> Custo
             return value
     else:
         loss = output_loss
-    return CustomModel(model, args, kwargs, loss, target)
+    held = {n: _as_input(v, f"held[{n!r}]", spec.batch, spec.seq, device)
+            for n, v in ((carried.held or {}) if carried is not None else {}).items()}
+    return CustomModel(model, args, kwargs, loss, target, held)

@@ -311,13 +311,14 @@ def _register_step_state(rec: StepRecorder, spec: RunSpec, model: torch.nn.Modul
                          optimizer) -> dict[int, str]:
     """Register what is alive when the step starts, in this order: parameters (host memory under FSDP2's CPU
     offload), a quantized model's weights' categories, the optimizer's state made in `__init__` (Adagrad's `sum`
-    and `step`, not lazily), buffers, inputs. Returns the parameters' names by id."""
+    and `step`, not lazily), buffers, inputs, the tensors the loop holds (`LoadedModel.held`). Returns the
+    parameters' names by id."""
     for n, p in model.named_parameters():
         rec.register_existing(p, Category.PARAMETER, n)
         if spec.cpu_offload:  # FSDP2's CPUOffloadPolicy: every parameter's shard in host memory
             rec.offload(p)
-    if spec.quantization is not None:
-        from .quantization import categorise
+    if spec.quantization is not None or spec.in_process is not None:  # a module passed in (a Trainer's QLoRA
+        from .quantization import categorise  # model, integrations/transformers.py) may hold bitsandbytes weights
 
         categorise(model, rec.register_existing)
     weight_names = {id(p): n for n, p in model.named_parameters()}
@@ -330,7 +331,8 @@ def _register_step_state(rec: StepRecorder, spec: RunSpec, model: torch.nn.Modul
                         rec.offload(v)
     for n, b in model.named_buffers():
         rec.register_existing(b, Category.INPUT, n)
-    for n, t in [*loaded.inputs.items(), *((f"args[{i}]", a) for i, a in enumerate(loaded.args))]:
+    for n, t in [*loaded.inputs.items(), *((f"args[{i}]", a) for i, a in enumerate(loaded.args)),
+                 *loaded.held.items()]:
         if isinstance(t, torch.Tensor):
             rec.register_existing(t, Category.INPUT, n)
     return weight_names

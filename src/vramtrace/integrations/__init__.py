@@ -1,0 +1,2 @@
+"""Integrations with training frameworks: `integrations.transformers` (HF `Trainer`: `VramtraceCallback`, `check`).
+Each submodule imports its framework; this package imports none."""
