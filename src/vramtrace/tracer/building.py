@@ -648,7 +648,9 @@ def load_model(spec: RunSpec, resolved: ResolvedConfig, device: str = "meta") ->
     `search.resolve_precision` resolved it into the spec (a TraceSession, validate, serve); a spec whose precision
     is not resolved (None or `stored`: a test or `fx_export` building from a bare RunSpec) gets
     `checkpoint_headers.precision_for`'s here. Raises ModelLoadError, UsageError."""
-    with quiet_transformers_logs(), seeded(device):
+    from .flash_attn import standin_context
+
+    with quiet_transformers_logs(), seeded(device), standin_context(spec, device):
         return _load_model(spec, resolved, device)
 
 
@@ -774,7 +776,8 @@ def check_attn_implementation(attn: str | None, spec: RunSpec, device: str) -> N
     on the target (no silent fallback to another one). `attn`: the `--attn-implementation` value, else the
     config's `attn_implementation`. Raises ModelLoadError.
 
-    - flash_attention_2 runs the flash_attn package's CUDA kernels: not on a CPU, and not traced on meta here.
+    - flash_attention_2 runs the flash_attn package's CUDA kernels: not on a CPU; on a CUDA target it is traced
+      through tracer/flash_attn.py's stand-in when asked for with --attn-implementation (`uses_standin`).
     - flex_attention: torch's `flex_attention` refuses meta tensors (`_validate_device`) and compiles a kernel per
       device, and has no CPU backward (torch/nn/attention/flex_attention.py).
     """
@@ -785,9 +788,16 @@ def check_attn_implementation(attn: str | None, spec: RunSpec, device: str) -> N
         if target is Device.CPU:
             raise ModelLoadError(f"attention {attn} runs only on CUDA GPUs (the flash_attn package); use "
                                  "--attn-implementation sdpa or eager for --device cpu")
-        raise ModelLoadError(f"attention {attn} is not supported: it runs the flash_attn package's CUDA kernels, "
-                             "which vramtrace does not trace on meta; use --attn-implementation sdpa (on CUDA its "
-                             "flash backend runs the same algorithm)")
+        if attn != AttnImplementation.FLASH_ATTENTION_2.value:
+            raise ModelLoadError(f"attention {attn} is not supported: vramtrace traces flash_attention_2 (flash-attn "
+                                 "2.8.3); use --attn-implementation flash_attention_2 or sdpa")
+        if spec.attn_implementation is not AttnImplementation.FLASH_ATTENTION_2:
+            raise ModelLoadError("this model's config asks for flash_attention_2: pass --attn-implementation "
+                                 "flash_attention_2 (traced with flash-attn 2.8.3's allocations) or sdpa")
+        if spec.mode is Mode.GENERATE:
+            raise ModelLoadError("flash_attention_2 with --mode generate is not traced (its padding-mask path reads "
+                                 "values); use --attn-implementation sdpa")
+        return
     if attn == AttnImplementation.FLEX_ATTENTION.value:
         raise ModelLoadError("attention flex_attention cannot be traced: torch's flex_attention refuses meta tensors "
                              "and compiles its kernel per device (and has no CPU backward); use --attn-implementation "
