@@ -356,6 +356,15 @@ FLASH_ATTENTION_STANDIN = Bridge(
     "checked before it); get_target_dtype, which asks torch.is_autocast_enabled of the query's device ('meta', which "
     "autocast does not know), answers for an fp32 query as on the target: the emulated autocast's dtype while it is "
     "on, else its own fallbacks (a quantized config's dtype, else the first Linear's weight dtype)")
+PACKED_SEQUENCES = Bridge(
+    "packed_sequences", "transformers",
+    (("transformers.masking_utils", "find_packed_sequence_indices"), ("transformers.masking_utils", "is_tracing")),
+    TRANSFORMERS_WRITTEN_FOR,
+    "a --packing step (`packed_sequences`, entered only for one, inside the per-step bridges): "
+    "find_packed_sequence_indices' check `(packed_sequence_mask[:, -1] == 0).all()` is a .item() meta cannot "
+    "answer; its ops run and, the step's position ids restarting within each row (tracer/packing.py), it "
+    "answers with the sequence-index mask as the real run does, from which transformers builds the 4D "
+    "block-diagonal mask")
 KERNEL_CHOICES = Bridge(
     "kernel_choices", "torch",
     (("torch", "_fused_sdp_choice"), ("torch", "_native_multi_head_attention"),
@@ -372,7 +381,7 @@ BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_C
                                DDP_ON_META, BNB_OPTIMIZER_STATE, INT8_MATMUL_DEVICE, INDUCTOR_GRAPHS, TENSOR_CHECKS,
                                QWEN_VL_POSITIONS, ACCUMULATION_USE_COUNTS, GRAD_SCALER_STATE, DTENSOR_PLAN_CACHES,
                                INDUCTOR_IR, AUTOGRAD_NODE, FUNCTION_MODE_STACK, DISPATCH_TOOLKIT, KERNEL_CHOICES,
-                               FLASH_ATTENTION_STANDIN)
+                               FLASH_ATTENTION_STANDIN, PACKED_SEQUENCES)
 # the private reads a recorded step makes, checked with the patches before anything is patched (`installed`)
 STEP_READS: tuple[Bridge, ...] = (ACCUMULATION_USE_COUNTS, GRAD_SCALER_STATE, AUTOGRAD_NODE, FUNCTION_MODE_STACK,
                                   DISPATCH_TOOLKIT, KERNEL_CHOICES)
@@ -494,6 +503,7 @@ def _packed_sequence_check(stack: contextlib.ExitStack) -> None:
         (mask[:, -1] == 0).all()  # the check's own ops; its answer for our position ids is True
         return None
 
+    bridged.__wrapped__ = original  # a packed step's bridge (feature_bridges.packed_sequences) calls the original
     stack.enter_context(_set(masking_utils, "find_packed_sequence_indices", bridged))
 
 

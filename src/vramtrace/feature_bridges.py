@@ -2,7 +2,7 @@
 generation (`generating`: GENERATION_QUESTIONS), FSDP2 and DDP on the meta device (`fsdp_on_meta`, `ddp_on_meta`:
 FSDP_ON_META, DDP_ON_META) and activation checkpointing's function (`route_checkpoint_functions`,
 `gradient_checkpointing_layer`: CHECKPOINT_FUNCTION), FlashAttention-2's stand-in (`flash_attention_standin`:
-FLASH_ATTENTION_STANDIN), and the private reads of fp16's GradScaler and of sharding
+FLASH_ATTENTION_STANDIN), a packed step's sequence mask (`packed_sequences`: PACKED_SEQUENCES), and the private reads of fp16's GradScaler and of sharding
 (`grad_scaler_state`, `clear_dtensor_caches`). Each bridge is declared, with its targets, the versions it
 was written for and why, in the ledger `vramtrace.bridges`; this module holds only these patches and reads, and
 checks every target there (`resolve`) before it patches or reads anything.
@@ -19,8 +19,8 @@ from typing import Callable, Iterator
 import torch
 
 from .bridges import (_FA_UTILS, _FSDP, _WHISPER, CHECKPOINT_FUNCTION, DDP_ON_META, DTENSOR_PLAN_CACHES,
-                      FLASH_ATTENTION_STANDIN, FSDP_ON_META, GENERATION_QUESTIONS, GRAD_SCALER_STATE, KernelPolicy,
-                      StepRecording, _lookup, _missing, _set, resolve)
+                      FLASH_ATTENTION_STANDIN, FSDP_ON_META, GENERATION_QUESTIONS, GRAD_SCALER_STATE, PACKED_SEQUENCES,
+                      KernelPolicy, StepRecording, _lookup, _missing, _set, resolve)
 
 
 def _filled_list(shape: tuple[int, ...], value: int) -> list | int:
@@ -253,4 +253,29 @@ def flash_attention_standin(flash_fn: Callable, varlen_fn: Callable, policy: Ker
           _set(integration, "get_target_dtype", get_target_dtype),
           _set(modeling, "lazy_import_flash_attention", lazy_import), _set(utils, "lazy_import_flash_attention", lazy_import),
           _set(utils, "_is_packed_sequence", is_packed)):
+        yield
+
+
+@contextlib.contextmanager
+def packed_sequences() -> Iterator[None]:
+    """PACKED_SEQUENCES while a --packing step is recorded: masking_utils.find_packed_sequence_indices of meta position
+    ids runs its ops and returns the sequence-index mask (the real run's answer for packed rows) instead of asking
+    its values; the original back on exit. Raises BridgeError, with nothing patched, when a target is missing."""
+    found = resolve(PACKED_SEQUENCES)
+    masking_utils = importlib.import_module("transformers.masking_utils")
+    original = inspect.unwrap(found["transformers.masking_utils.find_packed_sequence_indices"])  # not PACKED_SEQUENCE_CHECK's
+    is_tracing = found["transformers.masking_utils.is_tracing"]
+
+    def bridged(position_ids):
+        if position_ids.device.type != "meta":
+            return original(position_ids)
+        masking_utils.is_tracing = lambda *a, **k: True  # returns the mask instead of checking it
+        try:
+            mask = original(position_ids)
+        finally:
+            masking_utils.is_tracing = is_tracing
+        (mask[:, -1] == 0).all()  # the check's own ops; its answer for packed rows is False
+        return mask
+
+    with _set(masking_utils, "find_packed_sequence_indices", bridged):
         yield

@@ -429,6 +429,11 @@ class RunSpec:
         graphs as Inductor compiles them (`tracer/compiled_step.py`); a CPU target's training step only.
     compile_mode: `COMPILE_MODES`: the Inductor options of torch.compile's `mode` (torch/_inductor/__init__.py
         `list_mode_options`) are set while the graphs are compiled.
+    packing: sample packing in training (`tracer/packing.py`): `batch` sequences of `seq` tokens each, packed with
+        position ids restarting per sequence and no attention mask, and the config's use_cache False (transformers
+        separates packed sequences only without a cache). flash_attention_2: one row `input_ids` (1, batch*seq) with
+        axolotl's `cu_seq_lens_q/k` and `max_length_q/k` (varlen kernels); sdpa and eager: rows (batch, seq) of
+        `PACKED_PER_ROW` sequences each, the block-diagonal mask transformers builds from the position ids.
     """
 
     model: str | InProcessModel
@@ -483,6 +488,7 @@ class RunSpec:
     rank: int | None = None
     compile: bool = False
     compile_mode: str = "default"
+    packing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq", "lora_rank", "image_size", "images", "choices", "grad_accum", "new_tokens",
@@ -521,6 +527,7 @@ class RunSpec:
         self._check_generate_options()
         self._check_serve_profile()
         self._check_sharding()
+        self._check_packing()
         if self.precision is not None:
             object.__setattr__(self, "precision", Precision.parse(self.precision, "precision"))
         self._resolve_optimizer()
@@ -571,6 +578,19 @@ class RunSpec:
             raise _bad(f"{{cuda_version}} must be 12 or 13, got {self.cuda_version!r}")
         if self.device is Device.CUDA:
             cuda_context_default(self.gpu_preset.sm, self.cuda_major)
+
+    def _check_packing(self) -> None:
+        """Raise UsageError for packing outside a transformers model's training step or with its KV cache on."""
+        if not self.packing:
+            return
+        if self.mode is not Mode.TRAIN or self.serve_requests is not None:
+            raise _bad("{packing} packs training sequences; drop it for --mode inference or generate")
+        if custom_ref(self.model) is not None or self.step is not None or self.compile:
+            raise _bad("{packing} applies to a transformers model's own training step (no custom module, {step} "
+                       "or {compile})")
+        if self.use_cache:
+            raise _bad("{packing} runs without a KV cache (transformers separates packed sequences only with no "
+                       "cache); drop {use_cache} true")
 
     def _check_custom_options(self) -> None:
         """Raise UsageError for a transformers-only option given with a custom module (`custom_ref`)."""

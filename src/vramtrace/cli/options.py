@@ -142,6 +142,9 @@ CompileModelOpt = Annotated[bool, typer.Option("--compile", help="the model is t
     "eager step; --device cpu training only")]
 CompileModeOpt = Annotated[str, typer.Option("--compile-mode", help="--compile: torch.compile's mode, default | "
     "max-autotune-no-cudagraphs (its Inductor options set while the graphs compile)")]
+PackingOpt = Annotated[bool, typer.Option("--packing", help="sample packing in training: --batch sequences of --seq "
+    "tokens each, position ids restarting per sequence, no attention mask (flash_attention_2: one row of "
+    "batch*seq tokens with cu_seq_lens, as axolotl feeds it; sdpa/eager: --batch rows with a block-diagonal mask)")]
 FsdpPlanOpt = Annotated[str, typer.Option("--fsdp-plan", help="--fsdp: layers (fully_shard each layer, then the "
     "root: torchtitan, accelerate) | transformers (the model's own FSDP plan, as "
     "DistributedConfig(fsdp_size=N) applies it)")]

@@ -343,5 +343,6 @@ class RunInfo:
     kv_cross_attention_bytes: int | None = omittable()
     kv_cross_bytes_per_token: int | None = omittable()
     paged_optimizer_state_bytes: int | None = omittable()
+    packing: str | None = omittable()  # how --packing's sequences reach the model (tracer/packing.py `describe`)
     cpu_kernels: CpuKernels | None = omittable()
     warnings: tuple[str, ...] = omittable(Omit.EMPTY, ())

@@ -412,8 +412,9 @@ def _run_recorded(spec: RunSpec, model: torch.nn.Module, ctx: StepContext, rec: 
     loss or the step raised: one line, the cause chained)."""
     try:
         sharded = feature_bridges.fsdp_on_meta(rec) if spec.world is not None else contextlib.nullcontext()
-        with (bridges.installed(policy, rec), standin_context(spec, policy=policy), sharded, moe_routing(model, spec, policy),
-              module_hooks(model, rec),
+        packed = feature_bridges.packed_sequences() if spec.packing else contextlib.nullcontext()
+        with (bridges.installed(policy, rec), standin_context(spec, policy=policy), packed, sharded,
+              moe_routing(model, spec, policy), module_hooks(model, rec),
               policy, _optimizer_hooks(model, rec),
               torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, lambda t: t), rec):
             if wrap is not None:
