@@ -52,8 +52,8 @@ ChoicesOpt = Annotated[Optional[int], typer.Option(
     f"(default: {DEFAULT_CHOICES})")]
 AttnImplementationOpt = Annotated[Optional[str], typer.Option(
     "--attn-implementation", help=" | ".join(m.value for m in AttnImplementation) + ": transformers' attn_implementation= "
-    "(default: the config's, else sdpa where the model has it); flash_attention_2 and flex_attention "
-    "cannot be traced and are refused")]
+    "(default: the config's, else sdpa where the model has it); flash_attention_2 on a CUDA target is traced "
+    "with flash-attn 2.8.3's allocations (no package needed); flex_attention cannot be traced and is refused")]
 ModeOpt = Annotated[str, typer.Option("--mode", help=_choices(Mode))]
 PrecisionOpt = Annotated[Optional[str], typer.Option(
     "--precision", help=_choices(Precision) + " [default: bf16-mixed to train, bf16 for inference]")]
