@@ -105,7 +105,7 @@ def test_fp32_attention_inputs_are_refused_in_one_line(capsys):
     assert main([str(GQA), "--batch", "2", "--seq", "16", "--gpu", "H100", "--precision", "fp32",
                  "--attn-implementation", "flash_attention_2"]) == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith("Error: flash_attention_2 runs fp16 and bf16 only") and "\n" not in err
+    assert err.startswith("Error: attention flash_attention_2 runs fp16 and bf16 only") and "\n" not in err
 
 
 def test_the_stand_in_leaves_transformers_as_found():

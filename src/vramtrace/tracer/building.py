@@ -802,8 +802,8 @@ def check_attn_implementation(attn: str | None, spec: RunSpec, device: str) -> N
             raise ModelLoadError("this model's config asks for flash_attention_2: pass --attn-implementation "
                                  "flash_attention_2 (traced with flash-attn 2.8.3's allocations) or sdpa")
         if spec.mode is Mode.GENERATE:
-            raise ModelLoadError("flash_attention_2 with --mode generate is not traced (its padding-mask path reads "
-                                 "values); use --attn-implementation sdpa")
+            raise ModelLoadError("attention flash_attention_2 with --mode generate is not traced (its padding-mask "
+                                 "path reads values); use --attn-implementation sdpa")
         return
     if attn == AttnImplementation.FLEX_ATTENTION.value:
         raise ModelLoadError("attention flex_attention cannot be traced: torch's flex_attention refuses meta tensors "

@@ -77,11 +77,11 @@ def num_splits(b: int, h: int, s_q: int, s_k: int, d: int, num_sms: int) -> int:
 def _check(q: torch.Tensor, k: torch.Tensor) -> None:
     """flash_api.cpp `mha_fwd` TORCH_CHECKs, as one-line errors: fp16/bf16, head dim <= 256, heads divisible."""
     if q.dtype not in (torch.float16, torch.bfloat16):
-        raise ModelLoadError(f"flash_attention_2 runs fp16 and bf16 only ({FA_VERSION} mha_fwd), the attention "
+        raise ModelLoadError(f"attention flash_attention_2 runs fp16 and bf16 only ({FA_VERSION} mha_fwd), its "
                              f"inputs here are {str(q.dtype).removeprefix('torch.')}: use --precision bf16-mixed, "
                              "bf16 or fp16, or --attn-implementation sdpa")
     if q.shape[-1] > 256:
-        raise ModelLoadError(f"flash_attention_2 supports head dims up to 256 ({FA_VERSION}), this model's is "
+        raise ModelLoadError(f"attention flash_attention_2 supports head dims up to 256 ({FA_VERSION}), this model's is "
                              f"{q.shape[-1]}: use --attn-implementation sdpa")
 
 
@@ -193,14 +193,15 @@ def standins(num_sms: int):
     def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                         alibi_slopes=None, deterministic=False, return_attn_probs=False):
         if return_attn_probs:
-            raise ModelLoadError("flash_attention_2 with return_attn_probs is not traced")
+            raise ModelLoadError("attention flash_attention_2 with return_attn_probs is not traced")
         return FlashAttnFunc.apply(q, k, v, dropout_p, causal, deterministic, num_sms, torch.is_grad_enabled())
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                deterministic=False, return_attn_probs=False, block_table=None):
         if return_attn_probs or block_table is not None:
-            raise ModelLoadError("flash_attention_2 with return_attn_probs or a paged KV cache is not traced")
+            raise ModelLoadError("attention flash_attention_2 with return_attn_probs or a paged KV cache is not "
+                                 "traced")
         return FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, deterministic, num_sms,
                                          torch.is_grad_enabled())
 
