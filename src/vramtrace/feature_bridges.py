@@ -2,8 +2,8 @@
 generation (`generating`: GENERATION_QUESTIONS), FSDP2 and DDP on the meta device (`fsdp_on_meta`, `ddp_on_meta`:
 FSDP_ON_META, DDP_ON_META) and activation checkpointing's function (`route_checkpoint_functions`,
 `gradient_checkpointing_layer`: CHECKPOINT_FUNCTION), FlashAttention-2's stand-in (`flash_attention_standin`:
-FLASH_ATTENTION_STANDIN), a packed step's sequence mask (`packed_sequences`: PACKED_SEQUENCES), and the private reads of fp16's GradScaler and of sharding
-(`grad_scaler_state`, `clear_dtensor_caches`). Each bridge is declared, with its targets, the versions it
+FLASH_ATTENTION_STANDIN), a packed step's sequence mask (`packed_sequences`: PACKED_SEQUENCES), and the
+private reads of fp16's GradScaler and of sharding (`grad_scaler_state`, `clear_dtensor_caches`). Each bridge is declared, with its targets, the versions it
 was written for and why, in the ledger `vramtrace.bridges`; this module holds only these patches and reads, and
 checks every target there (`resolve`) before it patches or reads anything.
 """
@@ -251,7 +251,8 @@ def flash_attention_standin(flash_fn: Callable, varlen_fn: Callable, policy: Ker
 
     with (_set(modeling.PreTrainedModel, "_flash_attn_import_error", lambda self, *a, **k: None),
           _set(integration, "get_target_dtype", get_target_dtype),
-          _set(modeling, "lazy_import_flash_attention", lazy_import), _set(utils, "lazy_import_flash_attention", lazy_import),
+          _set(modeling, "lazy_import_flash_attention", lazy_import),
+          _set(utils, "lazy_import_flash_attention", lazy_import),
           _set(utils, "_is_packed_sequence", is_packed)):
         yield
 
@@ -263,7 +264,8 @@ def packed_sequences() -> Iterator[None]:
     its values; the original back on exit. Raises BridgeError, with nothing patched, when a target is missing."""
     found = resolve(PACKED_SEQUENCES)
     masking_utils = importlib.import_module("transformers.masking_utils")
-    original = inspect.unwrap(found["transformers.masking_utils.find_packed_sequence_indices"])  # not PACKED_SEQUENCE_CHECK's
+    # the function itself, not PACKED_SEQUENCE_CHECK's answer (installed around every step, `__wrapped__`)
+    original = inspect.unwrap(found["transformers.masking_utils.find_packed_sequence_indices"])
     is_tracing = found["transformers.masking_utils.is_tracing"]
 
     def bridged(position_ids):

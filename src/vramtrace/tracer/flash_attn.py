@@ -81,8 +81,8 @@ def _check(q: torch.Tensor, k: torch.Tensor) -> None:
                              f"inputs here are {str(q.dtype).removeprefix('torch.')}: use --precision bf16-mixed, "
                              "bf16 or fp16, or --attn-implementation sdpa")
     if q.shape[-1] > 256:
-        raise ModelLoadError(f"attention flash_attention_2 supports head dims up to 256 ({FA_VERSION}), this model's is "
-                             f"{q.shape[-1]}: use --attn-implementation sdpa")
+        raise ModelLoadError(f"attention flash_attention_2 supports head dims up to 256 ({FA_VERSION}), this "
+                             f"model's is {q.shape[-1]}: use --attn-implementation sdpa")
 
 
 def _pad8(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
