@@ -79,6 +79,7 @@ def test_a_head_dim_not_a_multiple_of_8_pads_q_k_v_as_flash_attn_does(tmp_path):
     assert pads == [("activation", "bfloat16", (B, S, 4, 16))] * 3  # q, k, v padded to 16, saved for backward
     made = [m for m in _made(_attention_rows(r, "forward"), FORWARD_OPS) if m[2] != (0,)]
     assert made == forward
+    assert _made(_attention_rows(r, "backward"), FORWARD_OPS) == backward  # MHA: no dk/dv_expanded
 
 
 def test_sdpa_and_flash_attention_2_peaks_differ_by_sdpas_extra_rng_offset_per_layer():
