@@ -15,14 +15,17 @@ from vramtrace.cli import main
 GQA = FIXTURES / "tiny-llama-gqa.json"
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
-def test_sdpa_packed_rows_match_a_real_packed_cpu_run(precision):
+@pytest.mark.parametrize("attn,precision", [("sdpa", "fp32"), ("sdpa", "bf16-mixed"), ("eager", "fp32")])
+def test_packed_rows_match_a_real_packed_cpu_run(tmp_path, attn, precision):
     # the real run: rows of two sequences with restarting position_ids and no attention_mask, use_cache False;
-    # transformers builds the (B, 1, S, S) block-diagonal mask from the position ids
-    spec = RunSpec(str(GQA), batch=2, seq=32, device="cpu", precision=precision, attn_implementation="sdpa",
+    # transformers builds the (B, 1, S, S) block-diagonal mask from the position ids. The oracle reads the
+    # config key attn_implementation (what from_config honours)
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(json.loads(GQA.read_text()) | {"attn_implementation": attn}))
+    spec = RunSpec(str(path), batch=2, seq=32, device="cpu", precision=precision, attn_implementation=attn,
                    packing=True)
     report = analyze(spec)
-    assert_within(report.peak_allocated_bytes, measure_cpu_peak(spec), 0.001, precision)
+    assert_within(report.peak_allocated_bytes, measure_cpu_peak(spec), 0.001, attn, precision)
     masks = [t for t in report.tensors if t.dtype == "bool" and t.shape == (2, 1, 32, 32) and t.phase == "forward"]
     assert masks  # the materialised 4D mask (an unpacked step skips it: is_causal)
     assert report.run.packing.startswith("2 rows of 32 tokens, 2 sequences each (16 + 16)")

@@ -390,7 +390,8 @@ class RunSpec:
     task: the head to build (`Task`, or a transformers pipeline name); None: the config's `architectures`.
     choices: C of a multiple-choice head's input_ids (B, C, S); None: `DEFAULT_CHOICES`.
     attn_implementation: transformers' `attn_implementation=`; None: the config's, else transformers' default
-        (sdpa where the model supports it).
+        (sdpa where the model supports it). flash_attention_2: a CUDA target only, traced with flash-attn 2.8.3's
+        allocations (`tracer/flash_attn.py`, no flash_attn package needed).
     loop: the training loop around the step (`Loop`): when the loop releases the model's outputs.
     grad_accum: N micro-batches per optimizer step (each loss divided by N, `backward()` each, one `step()`).
     zero_grad: `ZeroGrad`; none is `zero_grad(set_to_none=True)`.
