@@ -764,7 +764,7 @@ def _inputs_and_loss(spec: RunSpec, config, task: str, arch: str, model: torch.n
     if spec.packing:
         from .packing import check_packable, packed_inputs
 
-        check_packable(spec, model, task)
+        check_packable(spec, model, task, vlm is not None)
         inputs = packed_inputs(spec, inputs, device)
     return vlm, inputs, loss
 

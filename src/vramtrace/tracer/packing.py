@@ -49,10 +49,14 @@ def _is_flash(spec: RunSpec) -> bool:
     return spec.attn_implementation is AttnImplementation.FLASH_ATTENTION_2
 
 
-def check_packable(spec: RunSpec, model: torch.nn.Module, task: str) -> None:
-    """Raise UsageError unless `model` is a causal LM whose forward takes position_ids (what packing feeds)."""
+def check_packable(spec: RunSpec, model: torch.nn.Module, task: str, vlm: bool = False) -> None:
+    """Raise UsageError unless `model` is a text-only causal LM whose forward takes position_ids (what packing
+    feeds); `vlm`: the model is fed images (its position ids are not one row of restarting positions)."""
     if task != "causal-lm":
         raise UsageError(f"--packing packs a causal LM's training sequences; this model is built as {task}")
+    if vlm:
+        raise UsageError("--packing packs text sequences; vramtrace does not pack a vision-language model's "
+                         "image inputs: drop --packing")
     if "position_ids" not in inspect.signature(model.forward).parameters:
         raise UsageError(f"--packing needs a model whose forward takes position_ids (they separate the packed "
                          f"sequences); {type(model).__name__} takes none")
