@@ -123,3 +123,16 @@ def test_the_stand_in_leaves_transformers_as_found():
              transformers.integrations.flash_attention.get_target_dtype)
     assert after == before
     assert not transformers.utils.is_flash_attn_2_available()  # nothing was installed or faked for good
+
+
+def test_a_short_batch_takes_split_kv_accumulators_as_flash_attn_heuristic_picks():
+    # flash_api.cpp `set_params_splitkv` (v2.8.3), H100 (132 SMs): d = 16 -> block_n 256; seq 1024 -> 4 key blocks;
+    # b*h*ceil(s/64) = 2*4*16 = 128 < 0.8 * 264, so `num_splits_heuristic` runs: splits 1, 2, 4 are eligible (3
+    # gives the same 2 blocks per split as 2), efficiencies 128/264 = 0.48, 256/264 = 0.97, 512/528 = 0.97: the
+    # first >= 0.85 * 0.97 is 2 splits. Accumulators: softmax_lse_accum (2, b, h, s) and out_accum
+    # (2, b, h, s, 32) fp32, freed when the kernel returns
+    r = analyze(RunSpec(str(GQA), batch=2, seq=1024, gpu="H100", precision="bf16-mixed",
+                        attn_implementation="flash_attention_2"), levers=False)
+    temps = [(t.dtype, t.shape) for t in _attention_rows(r, "forward")
+             if t.op == "aten.empty.memory_format" and t.category == "temporary" and t.shape != (0,)]
+    assert temps == [("float32", (2, 2, 4, 1024)), ("float32", (2, 2, 4, 1024, 32))]
