@@ -136,3 +136,13 @@ def test_a_short_batch_takes_split_kv_accumulators_as_flash_attn_heuristic_picks
     temps = [(t.dtype, t.shape) for t in _attention_rows(r, "forward")
              if t.op == "aten.empty.memory_format" and t.category == "temporary" and t.shape != (0,)]
     assert temps == [("float32", (2, 2, 4, 1024)), ("float32", (2, 2, 4, 1024, 32))]
+
+
+def test_a_generation_with_the_dynamic_cache_runs_flash_attn_func_on_the_growing_cache():
+    # generate drops the all-ones mask, so every call (prefill, then one query token per step) is flash_attn_func
+    r = analyze(RunSpec(str(GQA), batch=2, seq=32, mode="generate", new_tokens=3, gpu="H100", precision="bf16",
+                        attn_implementation="flash_attention_2"), levers=False)
+    assert r.model.attn_implementation == "flash_attention_2" and r.model.sdpa_backends == {}
+    lse = [t.shape for t in r.tensors if t.module == "model.layers.0.self_attn" and t.dtype == "float32"
+           and t.op == "aten.empty.memory_format" and len(t.shape) == 3]
+    assert lse[0] == (2, 4, 32) and set(lse[1:]) == {(2, 4, 1)}  # softmax_lse of the prefill, then of each token

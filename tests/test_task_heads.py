@@ -166,8 +166,8 @@ def test_attn_implementation_eager_vs_sdpa(tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["--attn-implementation", "flash_attention_2", "--device", "cpu"], "runs only on CUDA GPUs"),
-    (["--attn-implementation", "flash_attention_2", "--mode", "generate", "--new-tokens", "2"],
-     "flash_attention_2 with --mode generate is not traced"),
+    (["--attn-implementation", "flash_attention_2", "--mode", "generate", "--new-tokens", "2", "--cache", "static"],
+     "flash_attention_2 with --cache static is not traced"),
     (["--attn-implementation", "flash_attention_2", "--precision", "fp32"], "flash_attention_2 runs fp16 and bf16"),
     (["--attn-implementation", "flex_attention"], "flex_attention cannot be traced"),
 ])

