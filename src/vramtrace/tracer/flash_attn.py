@@ -115,10 +115,12 @@ class FlashAttnFunc(torch.autograd.Function):
         _empty((0,), q)  # p: empty unless return_softmax
         split_h, split_s = _split_heads_and_rows(q, k, dropout_p, window_size)
         splits = num_splits(b, split_h, split_s, k.shape[1], dp, num_sms) if dropout_p == 0 else 1
-        if splits > 1:  # set_params_splitkv's accumulators, held until mha_fwd returns
-            _empty((splits, b, h, s_q), q, torch.float32)
-            _empty((splits, b, h, s_q, head_size_rounded(dp)), q, torch.float32)
+        held = []  # set_params_splitkv's accumulators, live until mha_fwd returns
+        if splits > 1:
+            held = [_empty((splits, b, h, s_q), q, torch.float32),
+                    _empty((splits, b, h, s_q, head_size_rounded(dp)), q, torch.float32)]
         rng = _empty((2,), q, torch.int64)
+        del held
         if is_grad:
             ctx.save_for_backward(q, k, v, out, lse, rng)
             ctx.meta = (d, deterministic, num_sms)
@@ -132,8 +134,9 @@ class FlashAttnFunc(torch.autograd.Function):
         (dout,) = _contiguous(*_pad8(dout))
         b, s_q, h, dp = q.shape
         rows = _round(s_q, _ROWS)
-        _mha_bwd_buffers(q, k, dk, dv, (b, h, rows), (b, rows, h, head_size_rounded(dp)), b * h, deterministic,
-                         num_sms)
+        held = _mha_bwd_buffers(q, k, dk, dv, (b, h, rows), (b, rows, h, head_size_rounded(dp)), b * h,
+                                deterministic, num_sms)
+        del held  # mha_bwd returned: its buffers are freed
         return dq[..., :d], dk[..., :d], dv[..., :d], None, None, None, None, None
 
 
@@ -149,20 +152,22 @@ def _split_heads_and_rows(q, k, dropout_p: float, window_size) -> tuple[int, int
 
 
 def _mha_bwd_buffers(q, k, dk, dv, softmax_d: tuple, dq_accum: tuple, bh: int, deterministic: bool,
-                     num_sms: int) -> None:
-    """flash_api.cpp `mha_bwd`/`mha_varlen_bwd`: softmax_d and dq_accum (fp32), then for GQA/MQA dk/dv_expanded
-    in q's dtype summed into dk, dv; all freed when the kernel returns."""
-    _empty(softmax_d, q, torch.float32)
+                     num_sms: int) -> list[torch.Tensor]:
+    """flash_api.cpp `mha_bwd`/`mha_varlen_bwd`: softmax_d and dq_accum (fp32), then for GQA/MQA dk_expanded and
+    dv_expanded in q's dtype, all live while the kernel runs, then summed into dk, dv (`at::sum_out`). Returns them:
+    the caller drops them when mha_bwd would return."""
+    held = [_empty(softmax_d, q, torch.float32)]
     if deterministic:
-        torch.zeros(((num_sms + bh - 1) // bh, *dq_accum), dtype=torch.float32, device=q.device)
+        held.append(torch.zeros(((num_sms + bh - 1) // bh, *dq_accum), dtype=torch.float32, device=q.device))
     else:
-        _empty(dq_accum, q, torch.float32)
+        held.append(_empty(dq_accum, q, torch.float32))
     h, hk = q.shape[-2], k.shape[-2]
     if h != hk:
-        shape = (*k.shape[:-2], h, k.shape[-1])
-        for grad in (dk, dv):
-            expanded = _empty(shape, q)
-            torch.sum(expanded.reshape(*k.shape[:-2], hk, h // hk, k.shape[-1]), dim=-2, out=grad)
+        expanded = [_empty((*k.shape[:-2], h, k.shape[-1]), q) for _ in (dk, dv)]
+        for grad, full in zip((dk, dv), expanded):
+            torch.sum(full.reshape(*k.shape[:-2], hk, h // hk, k.shape[-1]), dim=-2, out=grad)
+        held += expanded
+    return held
 
 
 class FlashAttnVarlenFunc(torch.autograd.Function):
@@ -193,7 +198,9 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
         total_q, h, dp = q.shape
         n = cu_q.shape[0] - 1
         rows = total_q + _ROWS * n
-        _mha_bwd_buffers(q, k, dk, dv, (h, rows), (rows, h, head_size_rounded(dp)), n * h, deterministic, num_sms)
+        held = _mha_bwd_buffers(q, k, dk, dv, (h, rows), (rows, h, head_size_rounded(dp)), n * h, deterministic,
+                                num_sms)
+        del held  # mha_varlen_bwd returned
         return dq[..., :d], dk[..., :d], dv[..., :d], None, None, None, None, None, None
 
 
