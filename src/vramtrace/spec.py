@@ -431,7 +431,7 @@ class RunSpec:
     compile_mode: `COMPILE_MODES`: the Inductor options of torch.compile's `mode` (torch/_inductor/__init__.py
         `list_mode_options`) are set while the graphs are compiled.
     packing: sample packing in training (`tracer/packing.py`): `batch` sequences of `seq` tokens each, packed with
-        position ids restarting per sequence and no attention mask, and the config's use_cache False (transformers
+        position ids restarting per sequence and no attention mask; `use_cache` becomes False (transformers
         separates packed sequences only without a cache). flash_attention_2: one row `input_ids` (1, batch*seq) with
         axolotl's `cu_seq_lens_q/k` and `max_length_q/k` (varlen kernels); sdpa and eager: rows (batch, seq) of
         `PACKED_PER_ROW` sequences each, the block-diagonal mask transformers builds from the position ids.
@@ -528,7 +528,6 @@ class RunSpec:
         self._check_generate_options()
         self._check_serve_profile()
         self._check_sharding()
-        self._check_packing()
         if self.precision is not None:
             object.__setattr__(self, "precision", Precision.parse(self.precision, "precision"))
         self._resolve_optimizer()
@@ -581,7 +580,8 @@ class RunSpec:
             cuda_context_default(self.gpu_preset.sm, self.cuda_major)
 
     def _check_packing(self) -> None:
-        """Raise UsageError for packing outside a transformers model's training step or with its KV cache on."""
+        """Raise UsageError for packing outside a transformers model's training step or with its KV cache on; else
+        the config's use_cache is False (transformers looks for packed sequences only with no cache)."""
         if not self.packing:
             return
         if self.mode is not Mode.TRAIN or self.serve_requests is not None:
@@ -592,6 +592,7 @@ class RunSpec:
         if self.use_cache:
             raise _bad("{packing} runs without a KV cache (transformers separates packed sequences only with no "
                        "cache); drop {use_cache} true")
+        object.__setattr__(self, "use_cache", False)  # what packing trainers set; the report says use_cache false
 
     def _check_custom_options(self) -> None:
         """Raise UsageError for a transformers-only option given with a custom module (`custom_ref`)."""
@@ -621,7 +622,9 @@ class RunSpec:
         object.__setattr__(self, "optimizer_impl", impl)
 
     def _check_generate_options(self) -> None:
-        """Raise UsageError for generation options given without --mode generate, or missing with it."""
+        """Raise UsageError for generation options given without --mode generate, or missing with it, and for
+        packing outside a training step (`_check_packing`)."""
+        self._check_packing()
         if self.mode is not Mode.GENERATE:
             if self.new_tokens is not None or self.cache is not CacheKind.DYNAMIC or self.kv_dtype is not KvDtype.AUTO:
                 raise _bad("{new_tokens}, {cache} and {kv_dtype} apply to {mode} generate; add it or drop them")

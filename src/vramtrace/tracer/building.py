@@ -680,8 +680,6 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
         if not hasattr(text_config := config.get_text_config(), "use_cache"):
             raise UsageError(f"--use-cache: {config.model_type} models have no KV cache (their config has no use_cache)")
         text_config.use_cache = spec.use_cache  # what `config.use_cache = False` before from_config does
-    if spec.packing:  # packed sequences are found only with no cache (tracer/packing.py)
-        config.get_text_config().use_cache = False
     every_layer_runs(config, spec.mode)
     cls, arch = _model_class(config, spec.trust_remote_code, spec.task)
     kwargs: dict[str, Any] = {"dtype": param_dtype, **({"trust_remote_code": True} if spec.trust_remote_code else {})}

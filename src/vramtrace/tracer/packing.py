@@ -19,8 +19,8 @@ Sources (docs/research/issue-41-config-sources.md section 5):
   sequences (seq - seq // 2 and seq // 2 tokens); the mask's bytes do not depend on that number. On meta, the
   value check of `find_packed_sequence_indices` is answered by the PACKED_SEQUENCES bridge
   (feature_bridges.packed_sequences): transformers' own code builds the mask from the position ids.
-* In both, the config's use_cache is False (`building._load_model`): with a cache transformers does not look for
-  packed sequences, and packing trainers train without one.
+* In both, the config's use_cache is False (`RunSpec._check_packing` sets `use_cache`): with a cache transformers
+  does not look for packed sequences, and packing trainers train without one.
 """
 
 from __future__ import annotations
