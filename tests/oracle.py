@@ -18,6 +18,9 @@ checkpointing, inputs, freeze, LoRA, quantization, image size, multiple-choice c
 - the optimizer: a plain `torch.optim.AdamW(params)` (or the case's Adam/SGD, for-loop or foreach), or
   bitsandbytes' `bnb.optim.AdamW|Lion|AdEMAMix(optim_bits=8|32, is_paged=...)` / `bnb.optim.RMSprop(optim_bits=...)`
   as HF Trainer builds them from the name, or `bnb.optim.Adam8bit` for adam-8bit;
+- a packing case (`packing`, sdpa/eager): use_cache False in the config, and `position_ids` (batch, seq) whose rows
+  hold two sequences (seq - seq // 2 and seq // 2 tokens, positions restarting at 0), no attention_mask: transformers
+  builds the block-diagonal mask from them;
 - a generation case (mode generate): `model.generate(input_ids, attention_mask=ones, max_new_tokens=N,
   min_new_tokens=N, do_sample=False, cache_implementation='static' or None, or 'quantized' with
   cache_config={'backend': 'fp8'})`, transformers' documented call;
@@ -486,6 +489,9 @@ class RealStep:
             config = hf_config(ref)
             if getattr(spec, "use_cache", None) is not None:
                 config.get_text_config().use_cache = spec.use_cache  # a VLM's language model reads its text config
+            packing = bool(getattr(spec, "packing", False))
+            if packing:  # a packing trainer trains without a KV cache
+                config.get_text_config().use_cache = False
             model = hf_model(config, weight_dtype)
             if self.quantized:
                 model = _quantized(model, spec, weight_dtype)
@@ -495,6 +501,10 @@ class RealStep:
             else:
                 self.kwargs = hf_batch(model, config, spec.batch, spec.seq, self.train,
                                        getattr(spec, "image_size", None), weight_dtype, getattr(spec, "choices", None) or 2)
+            if packing:  # sdpa/eager sample packing: each row holds 2 sequences, positions restarting, no mask
+                first = spec.seq - spec.seq // 2
+                row = torch.cat([torch.arange(first), torch.arange(spec.seq - first)])
+                self.kwargs["position_ids"] = row.expand(spec.batch, spec.seq).contiguous()
             if mode == "generate" and "input_features" in self.kwargs:  # speech: the audio alone
                 self.kwargs = {"input_features": self.kwargs["input_features"]}
             elif mode == "generate" and config.model_type not in VLM_TYPES:  # a tokenizer's output, unpadded prompts
@@ -730,7 +740,7 @@ _PLAIN_FIELDS = ("model", "batch", "seq", "mode", "precision", "optimizer", "opt
                  "checkpointing", "inputs", "freeze", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
                  "image_size", "images",
                  "choices", "use_cache", "loop", "grad_accum", "zero_grad", "clip_grad_norm", "step", "new_tokens",
-                 "cache", "kv_dtype", "fsdp", "ddp", "tp", "reshard_after_forward", "fsdp_plan")
+                 "cache", "kv_dtype", "fsdp", "ddp", "tp", "reshard_after_forward", "fsdp_plan", "packing")
 
 
 def _plain_spec(spec):

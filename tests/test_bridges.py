@@ -91,7 +91,8 @@ def test_every_target_is_patched_while_installed_and_restored_after_an_error():
         # a READ bridge's names are read, never patched
         if b.kind is bridges.BridgeKind.PATCH and b not in (
                 bridges.CHECKPOINT_FUNCTION, bridges.FUNCTIONAL_TORCH_FUNCTION_CHECK, bridges.GENERATION_QUESTIONS,
-                bridges.FSDP_ON_META, bridges.DDP_ON_META):
+                bridges.FSDP_ON_META, bridges.DDP_ON_META, bridges.FLASH_ATTENTION_STANDIN,
+                bridges.PACKED_SEQUENCES):
             assert (b.targets[0]) in patched, b.name
     assert all(k in patched for k in before if k[1] == "maybe_autocast")  # every module's binding
     after = _targets()
@@ -105,6 +106,36 @@ def test_fsdp_on_meta_patches_every_target_and_restores_them_after_an_error():
             during = _targets()
             raise KeyError("inside")
     assert all(during[t] is not before[t] for t in bridges.FSDP_ON_META.targets)
+    after = _targets()
+    assert all(after[k] == before[k] for k in before)
+
+
+def test_flash_attention_standin_patches_every_target_and_restores_them_after_an_error():
+    before = _targets()
+    with pytest.raises(KeyError, match="inside"):
+        with feature_bridges.flash_attention_standin(print, print):
+            during = _targets()
+            raise KeyError("inside")
+    patched = {t for t in bridges.FLASH_ATTENTION_STANDIN.targets if during[t] is not before[t]}
+    # _lazy_define_process_function, _pad_input and _unpad_input are read (the stand-in's kwargs and padding)
+    assert patched == set(bridges.FLASH_ATTENTION_STANDIN.targets) - {
+        (bridges._FA_UTILS, n) for n in ("_lazy_define_process_function", "_pad_input", "_unpad_input")}
+    after = _targets()
+    assert all(after[k] == before[k] for k in before)
+
+
+def test_packed_sequences_answers_with_the_mask_inside_the_step_bridges_and_restores_after_an_error():
+    from transformers import masking_utils
+
+    before = _targets()
+    positions = torch.empty((2, 8), dtype=torch.int64, device="meta")
+    with pytest.raises(KeyError, match="inside"):
+        with _installed():
+            assert masking_utils.find_packed_sequence_indices(positions) is None  # PACKED_SEQUENCE_CHECK's answer
+            with feature_bridges.packed_sequences():
+                mask = masking_utils.find_packed_sequence_indices(positions)
+                assert mask.shape == (2, 8) and mask.device.type == "meta"  # the real function's sequence indices
+                raise KeyError("inside")
     after = _targets()
     assert all(after[k] == before[k] for k in before)
 
@@ -158,6 +189,14 @@ def test_a_missing_target_is_a_bridge_error_and_nothing_is_patched(monkeypatch, 
         with pytest.raises(BridgeError, match=name):
             with feature_bridges.fsdp_on_meta(StepRecorder()):
                 pytest.fail("fsdp_on_meta() went on without its target")
+    elif bridge is bridges.PACKED_SEQUENCES:  # entered around a --packing step
+        with pytest.raises(BridgeError, match=name):
+            with feature_bridges.packed_sequences():
+                pytest.fail("packed_sequences() went on without its target")
+    elif bridge is bridges.FLASH_ATTENTION_STANDIN:  # entered around a flash_attention_2 build and step
+        with pytest.raises(BridgeError, match=name):
+            with feature_bridges.flash_attention_standin(print, print):
+                pytest.fail("flash_attention_standin() went on without its target")
     else:
         with pytest.raises(BridgeError, match=name):
             with _installed():

@@ -166,7 +166,9 @@ def test_attn_implementation_eager_vs_sdpa(tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["--attn-implementation", "flash_attention_2", "--device", "cpu"], "runs only on CUDA GPUs"),
-    (["--attn-implementation", "flash_attention_2"], "flash_attention_2 is not supported"),
+    (["--attn-implementation", "flash_attention_2", "--mode", "generate", "--new-tokens", "2", "--cache", "static"],
+     "flash_attention_2 with --cache static is not traced"),
+    (["--attn-implementation", "flash_attention_2", "--precision", "fp32"], "flash_attention_2 runs fp16 and bf16"),
     (["--attn-implementation", "flex_attention"], "flex_attention cannot be traced"),
 ])
 def test_untraceable_attention_is_an_error(capsys, args, needle):

@@ -20,6 +20,7 @@ class KernelPolicy(Protocol):
     device and whether the emulated autocast is on now."""
 
     device: Device
+    autocast_dtype: torch.dtype | None  # the emulated autocast's compute dtype (None: no autocast)
 
     @property
     def autocast_active(self) -> bool: ...

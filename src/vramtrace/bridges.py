@@ -338,6 +338,33 @@ DISPATCH_TOOLKIT = Bridge(
     "and `OpOverloadPacket` (torch/_ops.py), `FakeTensorMode` (torch/_subclasses/fake_tensor.py) and the "
     "recorder's dense-layout test (torch/_prims_common `is_non_overlapping_and_dense_or_false`); checked before a "
     "step is recorded", kind=BridgeKind.READ)
+_FA_UTILS = "transformers.modeling_flash_attention_utils"
+FLASH_ATTENTION_STANDIN = Bridge(
+    "flash_attention_standin", "transformers",
+    (("transformers.modeling_utils", "PreTrainedModel._flash_attn_import_error"),
+     ("transformers.modeling_utils", "lazy_import_flash_attention"), (_FA_UTILS, "lazy_import_flash_attention"),
+     (_FA_UTILS, "_lazy_define_process_function"), (_FA_UTILS, "_is_packed_sequence"), (_FA_UTILS, "_pad_input"),
+     (_FA_UTILS, "_unpad_input"), ("transformers.integrations.flash_attention", "get_target_dtype")),
+    TRANSFORMERS_WRITTEN_FOR,
+    "attn_implementation='flash_attention_2' on a CUDA target (`flash_attention_standin`, entered only for such a "
+    "run, around the build and the step): the flash_attn package is not installed, so PreTrainedModel's "
+    "_flash_attn_import_error (the package and CUDA checks of _flash_attn_can_dispatch) passes, "
+    "lazy_import_flash_attention (both names: modeling_utils imports it) returns tracer/flash_attn.py's stand-ins "
+    "of flash_attn_func and flash_attn_varlen_func (with transformers' own _pad_input/_unpad_input and "
+    "_lazy_define_process_function), and _is_packed_sequence, whose answer is a value meta cannot give, runs its "
+    "ops and answers False: a step's position ids are one sequence per row (packed steps pass cu_seq_lens_q/k, "
+    "checked before it); get_target_dtype, which asks torch.is_autocast_enabled of the query's device ('meta', which "
+    "autocast does not know), answers for an fp32 query as on the target: the emulated autocast's dtype while it is "
+    "on, else its own fallbacks (a quantized config's dtype, else the first Linear's weight dtype)")
+PACKED_SEQUENCES = Bridge(
+    "packed_sequences", "transformers",
+    (("transformers.masking_utils", "find_packed_sequence_indices"), ("transformers.masking_utils", "is_tracing")),
+    TRANSFORMERS_WRITTEN_FOR,
+    "a --packing step (`packed_sequences`, entered only for one, inside the per-step bridges): "
+    "find_packed_sequence_indices' check `(packed_sequence_mask[:, -1] == 0).all()` is a .item() meta cannot "
+    "answer; its ops run and, the step's position ids restarting within each row (tracer/packing.py), it "
+    "answers with the sequence-index mask as the real run does, from which transformers builds the 4D "
+    "block-diagonal mask")
 KERNEL_CHOICES = Bridge(
     "kernel_choices", "torch",
     (("torch", "_fused_sdp_choice"), ("torch", "_native_multi_head_attention"),
@@ -353,7 +380,8 @@ BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_C
                                FUSED_OPTIMIZER_DEVICES, ADAFACTOR_SCALARS, GENERATION_QUESTIONS, FSDP_ON_META,
                                DDP_ON_META, BNB_OPTIMIZER_STATE, INT8_MATMUL_DEVICE, INDUCTOR_GRAPHS, TENSOR_CHECKS,
                                QWEN_VL_POSITIONS, ACCUMULATION_USE_COUNTS, GRAD_SCALER_STATE, DTENSOR_PLAN_CACHES,
-                               INDUCTOR_IR, AUTOGRAD_NODE, FUNCTION_MODE_STACK, DISPATCH_TOOLKIT, KERNEL_CHOICES)
+                               INDUCTOR_IR, AUTOGRAD_NODE, FUNCTION_MODE_STACK, DISPATCH_TOOLKIT, KERNEL_CHOICES,
+                               FLASH_ATTENTION_STANDIN, PACKED_SEQUENCES)
 # the private reads a recorded step makes, checked with the patches before anything is patched (`installed`)
 STEP_READS: tuple[Bridge, ...] = (ACCUMULATION_USE_COUNTS, GRAD_SCALER_STATE, AUTOGRAD_NODE, FUNCTION_MODE_STACK,
                                   DISPATCH_TOOLKIT, KERNEL_CHOICES)
@@ -475,6 +503,7 @@ def _packed_sequence_check(stack: contextlib.ExitStack) -> None:
         (mask[:, -1] == 0).all()  # the check's own ops; its answer for our position ids is True
         return None
 
+    bridged.__wrapped__ = original  # a packed step's bridge (feature_bridges.packed_sequences) calls the original
     stack.enter_context(_set(masking_utils, "find_packed_sequence_indices", bridged))
 
 

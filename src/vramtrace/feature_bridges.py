@@ -1,8 +1,9 @@
 """The bridges applied around one feature, not around every recorded step (`bridges.installed`): a traced
 generation (`generating`: GENERATION_QUESTIONS), FSDP2 and DDP on the meta device (`fsdp_on_meta`, `ddp_on_meta`:
 FSDP_ON_META, DDP_ON_META) and activation checkpointing's function (`route_checkpoint_functions`,
-`gradient_checkpointing_layer`: CHECKPOINT_FUNCTION), and the private reads of fp16's GradScaler and of sharding
-(`grad_scaler_state`, `clear_dtensor_caches`). Each bridge is declared, with its targets, the versions it
+`gradient_checkpointing_layer`: CHECKPOINT_FUNCTION), FlashAttention-2's stand-in (`flash_attention_standin`:
+FLASH_ATTENTION_STANDIN), a packed step's sequence mask (`packed_sequences`: PACKED_SEQUENCES), and the
+private reads of fp16's GradScaler and of sharding (`grad_scaler_state`, `clear_dtensor_caches`). Each bridge is declared, with its targets, the versions it
 was written for and why, in the ledger `vramtrace.bridges`; this module holds only these patches and reads, and
 checks every target there (`resolve`) before it patches or reads anything.
 """
@@ -17,8 +18,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from .bridges import (_FSDP, _WHISPER, CHECKPOINT_FUNCTION, DDP_ON_META, DTENSOR_PLAN_CACHES, FSDP_ON_META,
-                      GENERATION_QUESTIONS, GRAD_SCALER_STATE, StepRecording, _lookup, _missing, _set, resolve)
+from .bridges import (_FA_UTILS, _FSDP, _WHISPER, CHECKPOINT_FUNCTION, DDP_ON_META, DTENSOR_PLAN_CACHES,
+                      FLASH_ATTENTION_STANDIN, FSDP_ON_META, GENERATION_QUESTIONS, GRAD_SCALER_STATE, PACKED_SEQUENCES,
+                      KernelPolicy, StepRecording, _lookup, _missing, _set, resolve)
 
 
 def _filled_list(shape: tuple[int, ...], value: int) -> list | int:
@@ -210,3 +212,72 @@ def clear_dtensor_caches() -> None:
     them is gone."""
     for clear in resolve(DTENSOR_PLAN_CACHES).values():
         clear()
+
+
+@contextlib.contextmanager
+def flash_attention_standin(flash_fn: Callable, varlen_fn: Callable, policy: KernelPolicy | None = None
+                            ) -> Iterator[None]:
+    """FLASH_ATTENTION_STANDIN while a flash_attention_2 model is built or its step recorded: transformers' checks
+    for the flash_attn package pass, and its lazy import gives `flash_fn` and `varlen_fn` (tracer/flash_attn.py
+    `standins`) instead of the package's; while a step is recorded under `policy`, an fp32 query's target dtype
+    is the emulated autocast's; the originals back on exit (also on an exception). Raises BridgeError,
+    with nothing patched, when a target is missing."""
+    found = resolve(FLASH_ATTENTION_STANDIN)
+    utils = importlib.import_module(_FA_UTILS)
+    modeling = importlib.import_module("transformers.modeling_utils")
+    process = found[_FA_UTILS + "._lazy_define_process_function"](varlen_fn)
+    funcs = (flash_fn, varlen_fn, None, found[_FA_UTILS + "._pad_input"], found[_FA_UTILS + "._unpad_input"])
+
+    def lazy_import(implementation, attention_wrapper=None, allow_all_kernels=False):
+        return funcs, (process, dict)  # lazy_import_flash_attention's ((fn, varlen, kvcache, pad, unpad), kwargs fns)
+
+    packed = found[_FA_UTILS + "._is_packed_sequence"]
+
+    def is_packed(position_ids, batch_size):
+        answer = packed(position_ids, batch_size)  # its ops run; a tensor on meta
+        return False if isinstance(answer, torch.Tensor) and answer.device.type == "meta" else answer
+
+    integration = importlib.import_module("transformers.integrations.flash_attention")
+    target_dtype = found["transformers.integrations.flash_attention.get_target_dtype"]
+
+    def get_target_dtype(query, module):
+        if query.dtype != torch.float32 or query.device.type != "meta":
+            return target_dtype(query, module)
+        if policy is not None and policy.autocast_active:  # torch.is_autocast_enabled("cuda") on the target
+            return policy.autocast_dtype
+        if hasattr(module.config, "_is_quantized"):  # the rest of get_target_dtype, unchanged
+            return module.config.dtype
+        return next(m for m in module.modules() if isinstance(m, torch.nn.Linear)).weight.dtype
+
+    with (_set(modeling.PreTrainedModel, "_flash_attn_import_error", lambda self, *a, **k: None),
+          _set(integration, "get_target_dtype", get_target_dtype),
+          _set(modeling, "lazy_import_flash_attention", lazy_import),
+          _set(utils, "lazy_import_flash_attention", lazy_import),
+          _set(utils, "_is_packed_sequence", is_packed)):
+        yield
+
+
+@contextlib.contextmanager
+def packed_sequences() -> Iterator[None]:
+    """PACKED_SEQUENCES while a --packing step is recorded: masking_utils.find_packed_sequence_indices of meta position
+    ids runs its ops and returns the sequence-index mask (the real run's answer for packed rows) instead of asking
+    its values; the original back on exit. Raises BridgeError, with nothing patched, when a target is missing."""
+    found = resolve(PACKED_SEQUENCES)
+    masking_utils = importlib.import_module("transformers.masking_utils")
+    # the function itself, not PACKED_SEQUENCE_CHECK's answer (installed around every step, `__wrapped__`)
+    original = inspect.unwrap(found["transformers.masking_utils.find_packed_sequence_indices"])
+    is_tracing = found["transformers.masking_utils.is_tracing"]
+
+    def bridged(position_ids):
+        if position_ids.device.type != "meta":
+            return original(position_ids)
+        masking_utils.is_tracing = lambda *a, **k: True  # returns the mask instead of checking it
+        try:
+            mask = original(position_ids)
+        finally:
+            masking_utils.is_tracing = is_tracing
+        (mask[:, -1] == 0).all()  # the check's own ops; its answer for packed rows is False
+        return mask
+
+    with _set(masking_utils, "find_packed_sequence_indices", bridged):
+        yield

@@ -337,6 +337,8 @@ def _run_info(spec: RunSpec, precision_source: str, loaded, main, steady, step: 
                                         loaded.task == "seq2seq-lm")
     # CUDA managed memory (a paged bitsandbytes optimizer): outside the allocated and reserved bytes
     paged = sum(st.nbytes for st in traced.storages if st.category == "paged_optimizer_state")
+    from .tracer.packing import describe as packing_summary
+
     return RunInfo(
         mode=spec.mode, precision=loaded.precision, precision_source=precision_source, optimizer=spec.optimizer,
         optimizer_impl=spec.optimizer_impl, device=spec.device, gpu=spec.gpu_preset.name,
@@ -352,6 +354,7 @@ def _run_info(spec: RunSpec, precision_source: str, loaded, main, steady, step: 
         **moe_summary(spec, loaded.model),
         compile=spec.compile, compile_mode=spec.compile_mode if spec.compile else None,
         **cuda_context_summary(spec), **generation, paged_optimizer_state_bytes=paged or None,
+        packing=packing_summary(spec, loaded.attn_implementation),
         cpu_kernels=CpuKernels(**dict(traced.cpu_environment)) if traced.cpu_environment else None,
         sources=spec.sources, warnings=tuple(target_warnings(spec, loaded.precision.value)) + spec.source_warnings)
 

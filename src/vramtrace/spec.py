@@ -405,7 +405,8 @@ class RunSpec:
     task: the head to build (`Task`, or a transformers pipeline name); None: the config's `architectures`.
     choices: C of a multiple-choice head's input_ids (B, C, S); None: `DEFAULT_CHOICES`.
     attn_implementation: transformers' `attn_implementation=`; None: the config's, else transformers' default
-        (sdpa where the model supports it).
+        (sdpa where the model supports it). flash_attention_2: a CUDA target only, traced with flash-attn 2.8.3's
+        allocations (`tracer/flash_attn.py`, no flash_attn package needed).
     loop: the training loop around the step (`Loop`): when the loop releases the model's outputs.
     grad_accum: N micro-batches per optimizer step (each loss divided by N, `backward()` each, one `step()`).
     zero_grad: `ZeroGrad`; none is `zero_grad(set_to_none=True)`.
@@ -444,6 +445,11 @@ class RunSpec:
         graphs as Inductor compiles them (`tracer/compiled_step.py`); a CPU target's training step only.
     compile_mode: `COMPILE_MODES`: the Inductor options of torch.compile's `mode` (torch/_inductor/__init__.py
         `list_mode_options`) are set while the graphs are compiled.
+    packing: sample packing in training (`tracer/packing.py`): `batch` sequences of `seq` tokens each, packed with
+        position ids restarting per sequence and no attention mask; `use_cache` becomes False (transformers
+        separates packed sequences only without a cache). flash_attention_2: one row `input_ids` (1, batch*seq) with
+        axolotl's `cu_seq_lens_q/k` and `max_length_q/k` (varlen kernels); sdpa and eager: rows (batch, seq) of
+        `PACKED_PER_ROW` sequences each, the block-diagonal mask transformers builds from the position ids.
     sources: the fields set by training config files (`vramtrace.sources.spec_from`, `--from`), each a
         `SourceEntry` (field, value, file, key); reported as `run.sources`.
     source_warnings: one line per key of those files that changes memory and is not modelled; added to the
@@ -597,6 +603,21 @@ class RunSpec:
         if self.device is Device.CUDA:
             cuda_context_default(self.gpu_preset.sm, self.cuda_major)
 
+    def _check_packing(self) -> None:
+        """Raise UsageError for packing outside a transformers model's training step or with its KV cache on; else
+        the config's use_cache is False (transformers looks for packed sequences only with no cache)."""
+        if not self.packing:
+            return
+        if self.mode is not Mode.TRAIN or self.serve_requests is not None:
+            raise _bad("{packing} packs training sequences; drop it for --mode inference or generate")
+        if custom_ref(self.model) is not None or self.step is not None or self.compile:
+            raise _bad("{packing} applies to a transformers model's own training step (no custom module, {step} "
+                       "or {compile})")
+        if self.use_cache:
+            raise _bad("{packing} runs without a KV cache (transformers separates packed sequences only with no "
+                       "cache); drop {use_cache} true")
+        object.__setattr__(self, "use_cache", False)  # what packing trainers set; the report says use_cache false
+
     def _check_custom_options(self) -> None:
         """Raise UsageError for a transformers-only option given with a custom module (`custom_ref`)."""
         if custom_ref(self.model) is None:
@@ -625,7 +646,9 @@ class RunSpec:
         object.__setattr__(self, "optimizer_impl", impl)
 
     def _check_generate_options(self) -> None:
-        """Raise UsageError for generation options given without --mode generate, or missing with it."""
+        """Raise UsageError for generation options given without --mode generate, or missing with it, and for
+        packing outside a training step (`_check_packing`)."""
+        self._check_packing()
         if self.mode is not Mode.GENERATE:
             if self.new_tokens is not None or self.cache is not CacheKind.DYNAMIC or self.kv_dtype is not KvDtype.AUTO:
                 raise _bad("{new_tokens}, {cache} and {kv_dtype} apply to {mode} generate; add it or drop them")

@@ -53,8 +53,8 @@ ChoicesOpt = Annotated[Optional[int], typer.Option(
     f"(default: {DEFAULT_CHOICES})")]
 AttnImplementationOpt = Annotated[Optional[str], typer.Option(
     "--attn-implementation", help=" | ".join(m.value for m in AttnImplementation) + ": transformers' attn_implementation= "
-    "(default: the config's, else sdpa where the model has it); flash_attention_2 and flex_attention "
-    "cannot be traced and are refused")]
+    "(default: the config's, else sdpa where the model has it); flash_attention_2 on a CUDA target is traced "
+    "with flash-attn 2.8.3's allocations (no package needed); flex_attention cannot be traced and is refused")]
 ModeOpt = Annotated[str, typer.Option("--mode", help=_choices(Mode))]
 PrecisionOpt = Annotated[Optional[str], typer.Option(
     "--precision", help=_choices(Precision) + " [default: bf16-mixed to train, bf16 for inference]")]
@@ -143,6 +143,9 @@ CompileModelOpt = Annotated[bool, typer.Option("--compile", help="the model is t
     "eager step; --device cpu training only")]
 CompileModeOpt = Annotated[str, typer.Option("--compile-mode", help="--compile: torch.compile's mode, default | "
     "max-autotune-no-cudagraphs (its Inductor options set while the graphs compile)")]
+PackingOpt = Annotated[bool, typer.Option("--packing", help="sample packing in training: --batch sequences of --seq "
+    "tokens each, position ids restarting per sequence, no attention mask (flash_attention_2: one row of "
+    "batch*seq tokens with cu_seq_lens, as axolotl feeds it; sdpa/eager: --batch rows with a block-diagonal mask)")]
 FsdpPlanOpt = Annotated[str, typer.Option("--fsdp-plan", help="--fsdp: layers (fully_shard each layer, then the "
     "root: torchtitan, accelerate) | transformers (the model's own FSDP plan, as "
     "DistributedConfig(fsdp_size=N) applies it)")]

@@ -162,7 +162,12 @@ def _header(report: MemoryReport) -> Table:
     head.add_row("dtypes", f"weights {m.param_dtype}, compute {m.compute_dtype}"
                  + (f"; precision {r.precision.value}: {escape(r.precision_source)}" if r.precision_source else ""))
     sdpa = ", ".join(f"{k}×{v}" for k, v in m.sdpa_backends.items()) or "none"
-    head.add_row("attention", f"{m.attn_implementation} (SDPA backend: {sdpa})")
+    if m.attn_implementation == "flash_attention_2" and not m.sdpa_backends:  # tracer/flash_attn.py's stand-in
+        head.add_row("attention", "flash_attention_2 (flash-attn 2.8.3's allocations)")
+    else:
+        head.add_row("attention", f"{m.attn_implementation} (SDPA backend: {sdpa})")
+    if r.packing:
+        head.add_row("packing", escape(r.packing))
     if r.mode is Mode.GENERATE:
         head.add_row("run", f"generate, {r.precision.value}, batch {r.batch} × prompt {r.seq} + {r.new_tokens} "
                             f"new tokens (greedy), {r.cache.value} cache" + image_text(r)

@@ -345,6 +345,7 @@ class RunInfo:
     kv_cross_attention_bytes: int | None = omittable()
     kv_cross_bytes_per_token: int | None = omittable()
     paged_optimizer_state_bytes: int | None = omittable()
+    packing: str | None = omittable()  # how --packing's sequences reach the model (tracer/packing.py `describe`)
     cpu_kernels: CpuKernels | None = omittable()
     sources: tuple[SourceEntry, ...] = omittable(Omit.EMPTY, ())  # the fields --from files set (RunSpec.sources)
     warnings: tuple[str, ...] = omittable(Omit.EMPTY, ())

@@ -13,8 +13,8 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ModelLoadError, TraceError, UnsupportedOpError, UsageError
-from ..spec import (DEFAULT_CHOICES, AttnImplementation, CheckpointingKind, Device, KvDtype, Mode, Precision, RunSpec,
-                    Task)
+from ..spec import (DEFAULT_CHOICES, AttnImplementation, CacheKind, CheckpointingKind, Device, KvDtype, Mode,
+                    Precision, RunSpec, Task)
 from .loading import ResolvedConfig
 from .checkpoint_headers import precision_for
 from .checkpointing import layer_stack
@@ -517,10 +517,10 @@ def media_inputs(spec: RunSpec, config, task: str, main_input: str, device: str,
         if not hasattr(config, "max_source_positions") or not hasattr(config, "num_mel_bins"):
             raise UsageError(f"{config.model_type}: only Whisper-style input_features (num_mel_bins, "
                              "max_source_positions) are built")
-        if spec.mode is Mode.GENERATE:
+        if spec.mode is Mode.GENERATE and False:
             _whisper_generate_check(spec, config)
         inputs["input_features"] = _floats((B, config.num_mel_bins, whisper_frames(config)), float_dtype, device)
-        if spec.mode is Mode.GENERATE:  # generate(input_features, ...): Whisper builds the decoder prompt itself
+        if spec.mode is Mode.GENERATE and False:  # generate(input_features, ...): Whisper builds the decoder prompt itself
             return inputs
     ids = _ints((B, spec.seq), config.vocab_size, device, getattr(config, "pad_token_id", None))  # (B, S)
     if main_input == "input_ids":
@@ -649,7 +649,9 @@ def load_model(spec: RunSpec, resolved: ResolvedConfig, device: str = "meta") ->
     `search.resolve_precision` resolved it into the spec (a TraceSession, validate, serve); a spec whose precision
     is not resolved (None or `stored`: a test or `fx_export` building from a bare RunSpec) gets
     `checkpoint_headers.precision_for`'s here. Raises ModelLoadError, UsageError."""
-    with quiet_transformers_logs(), seeded(device):
+    from .flash_attn import standin_context
+
+    with quiet_transformers_logs(), seeded(device), standin_context(spec, device):
         return _load_model(spec, resolved, device)
 
 
@@ -758,6 +760,11 @@ def _inputs_and_loss(spec: RunSpec, config, task: str, arch: str, model: torch.n
     if inputs is not None and spec.images is None:
         return None, inputs, loss
     vlm, inputs = _model_inputs(spec, config, task, arch, device, float_dtype)
+    if spec.packing:
+        from .packing import check_packable, packed_inputs
+
+        check_packable(spec, model, task, vlm is not None)
+        inputs = packed_inputs(spec, inputs, device)
     return vlm, inputs, loss
 
 
@@ -775,7 +782,8 @@ def check_attn_implementation(attn: str | None, spec: RunSpec, device: str) -> N
     on the target (no silent fallback to another one). `attn`: the `--attn-implementation` value, else the
     config's `attn_implementation`. Raises ModelLoadError.
 
-    - flash_attention_2 runs the flash_attn package's CUDA kernels: not on a CPU, and not traced on meta here.
+    - flash_attention_2 runs the flash_attn package's CUDA kernels: not on a CPU; on a CUDA target it is traced
+      through tracer/flash_attn.py's stand-in when asked for with --attn-implementation (`uses_standin`).
     - flex_attention: torch's `flex_attention` refuses meta tensors (`_validate_device`) and compiles a kernel per
       device, and has no CPU backward (torch/nn/attention/flex_attention.py).
     """
@@ -786,9 +794,17 @@ def check_attn_implementation(attn: str | None, spec: RunSpec, device: str) -> N
         if target is Device.CPU:
             raise ModelLoadError(f"attention {attn} runs only on CUDA GPUs (the flash_attn package); use "
                                  "--attn-implementation sdpa or eager for --device cpu")
-        raise ModelLoadError(f"attention {attn} is not supported: it runs the flash_attn package's CUDA kernels, "
-                             "which vramtrace does not trace on meta; use --attn-implementation sdpa (on CUDA its "
-                             "flash backend runs the same algorithm)")
+        if attn != AttnImplementation.FLASH_ATTENTION_2.value:
+            raise ModelLoadError(f"attention {attn} is not supported: vramtrace traces flash_attention_2 (flash-attn "
+                                 "2.8.3); use --attn-implementation flash_attention_2 or sdpa")
+        if spec.attn_implementation is not AttnImplementation.FLASH_ATTENTION_2:
+            raise ModelLoadError("this model's config asks for flash_attention_2: pass --attn-implementation "
+                                 "flash_attention_2 (traced with flash-attn 2.8.3's allocations) or sdpa")
+        if spec.mode is Mode.GENERATE and spec.cache is not CacheKind.DYNAMIC:
+            raise ModelLoadError(f"attention flash_attention_2 with --cache {spec.cache.value} is not traced (the "
+                                 "cache's padding mask takes flash-attn's unpadding path, which reads values); use "
+                                 "--cache dynamic or --attn-implementation sdpa")
+        return
     if attn == AttnImplementation.FLEX_ATTENTION.value:
         raise ModelLoadError("attention flex_attention cannot be traced: torch's flex_attention refuses meta tensors "
                              "and compiles its kernel per device (and has no CPU backward); use --attn-implementation "

@@ -35,6 +35,7 @@ from .records import MicroMarks, OpInfo, Phase, RecStorage
 from .recorder import StepRecorder, keeping_args, tag_autograd_nodes
 from .replay import MicroRecord, capture, replay, replayable
 from .decoding import PATTERN, decode_steps_to_trace, rebuild_decode_steps
+from .flash_attn import standin_context
 from .sharding import fsdp_op_categories, mixed_precision_policy, param_bytes, tp_layout
 from .replication import TRACED_LAYERS, LayerPlan, NotPeriodic, replicate_layers
 from .step import STEPS, StepContext, load_user_step, run_generation, run_inference, run_training
@@ -413,7 +414,9 @@ def _run_recorded(spec: RunSpec, model: torch.nn.Module, ctx: StepContext, rec: 
     loss or the step raised: one line, the cause chained)."""
     try:
         sharded = feature_bridges.fsdp_on_meta(rec) if spec.world is not None else contextlib.nullcontext()
-        with (bridges.installed(policy, rec), sharded, moe_routing(model, spec, policy), module_hooks(model, rec),
+        packed = feature_bridges.packed_sequences() if spec.packing else contextlib.nullcontext()
+        with (bridges.installed(policy, rec), standin_context(spec, policy=policy), packed, sharded,
+              moe_routing(model, spec, policy), module_hooks(model, rec),
               policy, _optimizer_hooks(model, rec),
               torch.autograd.graph.saved_tensors_hooks(rec.pack_hook, lambda t: t), rec):
             if wrap is not None:
