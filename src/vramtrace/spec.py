@@ -87,6 +87,11 @@ class Precision(_Choice):
     FP16 = "fp16"
     BF16_MIXED = "bf16-mixed"
     FP16_MIXED = "fp16-mixed"
+    # weights in bf16/fp16 as `from_pretrained(dtype=...)` loads them, the step under `torch.autocast(dtype)`: HF
+    # Trainer with bf16=True/fp16=True on a model loaded in that dtype (accelerate/accelerator.py `autocast`,
+    # `native_amp`); fp16 adds the Trainer's GradScaler, as fp16-mixed does
+    BF16_AUTOCAST = "bf16-autocast"
+    FP16_AUTOCAST = "fp16-autocast"
     # pure precision in the checkpoint's stored dtype (its safetensors headers); resolved to one of the above
     # before the model is built (tracer/checkpoint_headers.py::precision_for)
     STORED = "stored"
@@ -94,6 +99,16 @@ class Precision(_Choice):
     @property
     def is_mixed(self) -> bool:
         return self in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+
+    @property
+    def is_autocast(self) -> bool:
+        """Weights in the low dtype and the step under autocast (bf16-autocast, fp16-autocast)."""
+        return self in (Precision.BF16_AUTOCAST, Precision.FP16_AUTOCAST)
+
+    @property
+    def scales_loss(self) -> bool:
+        """The step runs a `torch.amp.GradScaler` (fp16 autocast: fp16-mixed, fp16-autocast)."""
+        return self in (Precision.FP16_MIXED, Precision.FP16_AUTOCAST)
 
 
 class OptimizerKind(_Choice):
@@ -523,6 +538,9 @@ class RunSpec:
         self._check_sharding()
         if self.precision is not None:
             object.__setattr__(self, "precision", Precision.parse(self.precision, "precision"))
+            if self.precision.is_autocast and (self.fsdp is not None or self.tp is not None):
+                raise _bad(f"{{precision}} {self.precision.value} with {{fsdp}} or {{tp}} is not modelled yet (FSDP2's "
+                           "MixedPrecisionPolicy casts fp32 weights); use bf16-mixed or fp16-mixed")
         self._resolve_optimizer()
         object.__setattr__(self, "device", Device.parse(self.device, "device"))
         object.__setattr__(self, "gpu", parse_gpu(self.gpu).name)

@@ -80,7 +80,13 @@ class LoadedModel:
 
 
 def weight_and_compute_dtype(precision: Precision) -> tuple[torch.dtype, torch.dtype | None]:
-    """(weight dtype, autocast dtype or None) for a precision."""
+    """(weight dtype, autocast dtype or None) for a precision: the mixed ones keep fp32 weights, the autocast
+    ones (bf16-autocast, fp16-autocast) keep the weights in the autocast dtype, as HF Trainer's bf16=True/fp16=True
+    on a model loaded with `from_pretrained(dtype=...)` (accelerate/accelerator.py `autocast`)."""
+    if precision is Precision.BF16_AUTOCAST:
+        return torch.bfloat16, torch.bfloat16
+    if precision is Precision.FP16_AUTOCAST:
+        return torch.float16, torch.float16
     if precision is Precision.BF16_MIXED:
         return torch.float32, torch.bfloat16
     if precision is Precision.FP16_MIXED:

@@ -23,7 +23,7 @@ from torch.overrides import _get_current_function_mode_stack
 from .. import bridges, feature_bridges
 from ..analysis.categories import Category
 from ..errors import TraceError, UnsupportedOpError, VramtraceError
-from ..spec import Device, Mode, Precision, RunSpec, ZeroGrad
+from ..spec import Device, Mode, RunSpec, ZeroGrad
 from .building import LoadedModel, quiet_transformers_logs
 from .checkpointing import apply_checkpointing, layer_stack
 from .hooks import module_hooks, moe_routing
@@ -207,10 +207,11 @@ def _tag_gradients(model: torch.nn.Module, rec: StepRecorder) -> None:
 
 
 def _grad_scaler(spec: RunSpec, loaded: LoadedModel):
-    """fp16-mixed: `torch.amp.GradScaler` as the AMP recipe uses it. Built for "cpu" on either target: its
+    """fp16-mixed, fp16-autocast: `torch.amp.GradScaler` as the AMP recipe (and HF Trainer with fp16=True,
+    accelerate/accelerator.py `native_amp`) uses it. Built for "cpu" on either target: its
     device only gates whether it is enabled (torch/amp/grad_scaler.py `__init__` disables a "cuda" scaler without
     a GPU); its tensors are made lazily on the loss's device (meta), with the same ops on both targets."""
-    if loaded.precision is not Precision.FP16_MIXED or spec.step is not None:
+    if not loaded.precision.scales_loss or spec.step is not None:
         return None
     return torch.amp.GradScaler("cpu")
 
