@@ -44,3 +44,18 @@ def test_bf16_autocast_keeps_bf16_weights_and_autocasts_in_bf16():
 def test_autocast_precision_with_fsdp_is_refused_in_one_line():
     with pytest.raises(UsageError, match="bf16-autocast"):
         RunSpec(LLAMA, batch=1, seq=8, precision="bf16-autocast", fsdp=2)
+
+
+def test_fp16_autocast_full_fine_tune_is_refused_as_the_grad_scaler_refuses_it():
+    """torch's GradScaler raises "Attempting to unscale FP16 gradients" on fp16 trainable parameters (the real
+    step fails the same way): one line naming the way out, not a traced failure."""
+    import torch
+
+    model = torch.nn.Linear(4, 4).half()
+    scaler = torch.amp.GradScaler("cpu")
+    opt = torch.optim.SGD(model.parameters())
+    scaler.scale(model(torch.ones(1, 4, dtype=torch.float16)).float().sum()).backward()
+    with pytest.raises(ValueError, match="FP16 gradients"):
+        scaler.step(opt)
+    with pytest.raises(UsageError, match="fp16-mixed"):
+        analyze(RunSpec(LLAMA, batch=1, seq=8, device="cpu", precision="fp16-autocast"))

@@ -22,7 +22,7 @@ from torch.overrides import _get_current_function_mode_stack
 
 from .. import bridges, feature_bridges
 from ..analysis.categories import Category
-from ..errors import TraceError, UnsupportedOpError, VramtraceError
+from ..errors import TraceError, UnsupportedOpError, UsageError, VramtraceError
 from ..spec import Device, Mode, RunSpec, ZeroGrad
 from .building import LoadedModel, quiet_transformers_logs
 from .checkpointing import apply_checkpointing, layer_stack
@@ -213,6 +213,12 @@ def _grad_scaler(spec: RunSpec, loaded: LoadedModel):
     a GPU); its tensors are made lazily on the loss's device (meta), with the same ops on both targets."""
     if not loaded.precision.scales_loss or spec.step is not None:
         return None
+    if any(p.requires_grad and p.dtype == torch.float16 for p in loaded.model.parameters()):
+        # torch/amp/grad_scaler.py `_unscale_grads_` raises "Attempting to unscale FP16 gradients": HF Trainer with
+        # fp16=True on a model whose trainable parameters are fp16 stops at its first optimizer step
+        raise UsageError(f"--precision {loaded.precision.value} trains fp16 parameters, whose gradients torch's "
+                         "GradScaler refuses to unscale (as HF Trainer with fp16=True on an fp16 model does); use "
+                         "fp16-mixed (fp32 master weights) or LoRA (peft's fp32 adapters)")
     return torch.amp.GradScaler("cpu")
 
 
