@@ -111,6 +111,15 @@ class Precision(_Choice):
         return self in (Precision.FP16_MIXED, Precision.FP16_AUTOCAST)
 
 
+class Recipe(_Choice):
+    """How a fine-tuning framework builds the model before the optimizer (`RunSpec.recipe`, `tracer/recipes.py`),
+    as its own source does it: axolotl 0.21.0 (`axolotl/loaders/model.py` `ModelLoader`), LLaMA-Factory 0.9.5
+    (`llamafactory/model/loader.py` `load_model`). None: transformers' and peft's defaults."""
+
+    AXOLOTL = "axolotl"
+    LLAMAFACTORY = "llamafactory"
+
+
 class OptimizerKind(_Choice):
     """The optimizer of the step, as `tracer/optim.py::make_optimizer` builds it (the hyper-parameters that
     change memory are named; learning rates do not). `parse` also takes HF Trainer's `optim` names
@@ -296,6 +305,12 @@ _CKPT_USAGE = ("none, layers, layers:reentrant, every:K, nth:N, selective, selec
 # default (use_gradient_checkpointing=True) with `gradient_checkpointing_kwargs={}`: torch.utils.checkpoint without
 # use_reentrant, whose default is the reentrant variant (torch/utils/checkpoint.py `checkpoint`)
 KBIT_TRAINING_CHECKPOINTING = "layers:reentrant"
+# the checkpointing a recipe runs when none is given: axolotl's `gradient_checkpointing` defaults to False
+# (utils/schemas/config.py), and peft's kbit default does not apply (loaders/model.py _prepare_model_for_quantization
+# passes use_gradient_checkpointing=cfg.gradient_checkpointing); LLaMA-Factory's `disable_gradient_checkpointing`
+# defaults to False with `use_reentrant_gc` True (hparams/model_args.py, model_utils/checkpointing.py
+# prepare_model_for_training)
+RECIPE_CHECKPOINTING = {Recipe.AXOLOTL: "none", Recipe.LLAMAFACTORY: "layers:reentrant"}
 
 
 class CheckpointingKind(_Choice):
@@ -444,6 +459,10 @@ class RunSpec:
         graphs as Inductor compiles them (`tracer/compiled_step.py`); a CPU target's training step only.
     compile_mode: `COMPILE_MODES`: the Inductor options of torch.compile's `mode` (torch/_inductor/__init__.py
         `list_mode_options`) are set while the graphs are compiled.
+    recipe: build the model as a fine-tuning framework builds it (`Recipe`, `tracer/recipes.py`): its
+        BitsAndBytesConfig, dtype casts, LoRA config and the trainable parameters' dtype, with its defaults for
+        use_cache (False), checkpointing (`RECIPE_CHECKPOINTING`) and precision (bf16-autocast); training only.
+        None: transformers' and peft's defaults.
     """
 
     model: str | InProcessModel
@@ -498,6 +517,7 @@ class RunSpec:
     rank: int | None = None
     compile: bool = False
     compile_mode: str = "default"
+    recipe: Recipe | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq", "lora_rank", "image_size", "images", "choices", "grad_accum", "new_tokens",
@@ -552,6 +572,7 @@ class RunSpec:
             raise _bad(f"{{clip_grad_norm}} must be a positive number, got {self.clip_grad_norm!r}")
         self._check_step_options()
         self._check_compile()
+        self._check_recipe()
         if self.checkpointing is None:  # not given: none, or for QLoRA peft's default
             kbit_lora = self.quantization is not None and self.lora_rank is not None and self.mode is Mode.TRAIN
             object.__setattr__(self, "checkpointing", KBIT_TRAINING_CHECKPOINTING if kbit_lora else "none")
@@ -635,6 +656,28 @@ class RunSpec:
         if self.lora_rank is not None:
             raise _bad("{mode} generate with {lora_rank} is not supported yet (peft's generate wraps the "
                        "model's); merge the adapter or drop {lora_rank}")
+
+    def _check_recipe(self) -> None:
+        """Parse `recipe`; refuse it outside training or for a custom module; its defaults: use_cache False (axolotl
+        `loaders/utils.py check_model_config`, LLaMA-Factory `model_utils/kv_cache.py configure_kv_cache`) and the
+        checkpointing it enables (`RECIPE_CHECKPOINTING`) when none is given."""
+        if self.recipe is None:
+            return
+        recipe = Recipe.parse(self.recipe, "{recipe}")
+        object.__setattr__(self, "recipe", recipe)
+        if self.mode is not Mode.TRAIN:
+            raise _bad(f"{{recipe}} {recipe.value} builds a model for training; drop it for {{mode}} {self.mode.value}")
+        if custom_ref(self.model) is not None or isinstance(self.model, InProcessModel):
+            raise _bad(f"{{recipe}} {recipe.value} builds a transformers model from its config; drop it for a "
+                       "custom or in-process module")
+        if self.use_cache is None:
+            object.__setattr__(self, "use_cache", False)
+        if self.checkpointing is None:
+            object.__setattr__(self, "checkpointing", RECIPE_CHECKPOINTING[recipe])
+        if recipe is Recipe.LLAMAFACTORY and self.freeze and str(self.checkpointing) != "none":
+            raise _bad("{recipe} llamafactory checkpoints only the layers that have trainable parameters "
+                       "(its get_custom_gradient_checkpointing_func), which is not modelled with {freeze}; add "
+                       "{checkpointing} none or drop {freeze}")
 
     def _check_quantization(self) -> None:
         if self.quantization is not None:
@@ -766,6 +809,8 @@ class RunSpec:
     def effective_precision(self) -> Precision:
         if self.precision is not None:
             return self.precision
+        if self.recipe is not None:
+            return Precision.BF16_AUTOCAST
         return Precision.BF16_MIXED if self.mode is Mode.TRAIN else Precision.BF16
 
     @property

@@ -9,7 +9,7 @@ import typer
 
 from ..gpus import GPU_PRESETS
 from ..spec import (DEFAULT_CHOICES, TASK_ALIASES, AttnImplementation, CacheKind, Device, KvDtype, Mode, OptimizerImpl,
-                    OptimizerKind, Precision, Task)
+                    OptimizerKind, Precision, Recipe, Task)
 
 
 # RunSpec fields whose option is not `--` and the field's name with dashes (`flag_of`)
@@ -140,6 +140,9 @@ CpuOffloadOpt = Annotated[bool, typer.Option("--cpu-offload", help="--fsdp: FSDP
 CompileModelOpt = Annotated[bool, typer.Option("--compile", help="the model is torch.compile(model) (Inductor, default "
     "mode; the optimizer eager): its graphs as Inductor compiles them, beside the "
     "eager step; --device cpu training only")]
+RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", help=_choices(Recipe) + ": build the model as "
+    "that framework does (its BitsAndBytesConfig, dtype casts, fp32 trainable parameters, checkpointing default; "
+    "precision default bf16-autocast)")]
 CompileModeOpt = Annotated[str, typer.Option("--compile-mode", help="--compile: torch.compile's mode, default | "
     "max-autotune-no-cudagraphs (its Inductor options set while the graphs compile)")]
 FsdpPlanOpt = Annotated[str, typer.Option("--fsdp-plan", help="--fsdp: layers (fully_shard each layer, then the "

@@ -49,6 +49,7 @@ def main_command(
     trust_remote_code: o.TrustRemoteCodeOpt = False, trace_every_layer: o.TraceEveryLayerOpt = False,
     quiet: o.QuietOpt = False, debug: o.DebugOpt = False, gpu_memory: o.GpuMemoryOpt = None,
     no_levers: o.NoLeversOpt = False, headroom: o.HeadroomOpt = None, sweep_grid: o.SweepGridOpt = None,
+    recipe: o.RecipeOpt = None,
 ) -> None:
     """Predict the peak memory of one training step (or inference forward) from a meta-device trace.
 
@@ -149,7 +150,7 @@ def _run_spec(opts: SimpleNamespace):
         alloc_conf=opts.alloc_conf, new_tokens=opts.new_tokens, cache=opts.cache, kv_dtype=opts.kv_dtype,
         fsdp=opts.fsdp, reshard_after_forward=_bool_option(opts.reshard_after_forward, "--reshard-after-forward"),
         rank=opts.rank, ddp=opts.ddp, tp=opts.tp, fsdp_plan=opts.fsdp_plan, cpu_offload=opts.cpu_offload,
-        compile=opts.compile_model, compile_mode=opts.compile_mode)
+        compile=opts.compile_model, compile_mode=opts.compile_mode, recipe=opts.recipe)
 
 
 def _execute(opts: SimpleNamespace, fit_axis: str | None, validate_run: bool) -> None:

@@ -9,7 +9,8 @@ import enum
 from dataclasses import dataclass
 
 from .data import UNSET, Omit, omittable
-from ..spec import CacheKind, Device, FsdpPlan, KvDtype, Mode, OptimizerImpl, OptimizerKind, Precision, ZeroGrad
+from ..spec import (CacheKind, Device, FsdpPlan, KvDtype, Mode, OptimizerImpl, OptimizerKind, Precision, Recipe,
+                    ZeroGrad)
 
 _FROZEN = dict(frozen=True, slots=True, kw_only=True)
 
@@ -345,3 +346,4 @@ class RunInfo:
     paged_optimizer_state_bytes: int | None = omittable()
     cpu_kernels: CpuKernels | None = omittable()
     warnings: tuple[str, ...] = omittable(Omit.EMPTY, ())
+    recipe: Recipe | None = omittable()  # --recipe: the framework whose model build was mirrored (tracer/recipes.py)

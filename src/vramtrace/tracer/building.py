@@ -692,7 +692,7 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
     if attn is not None:
         kwargs["attn_implementation"] = attn  # what `from_config(config, attn_implementation=...)` selects
     model = apply_adapters(spec, _quantized(spec, _build(cls, config, kwargs, arch, resolved.location, device),
-                                            param_dtype), device)
+                                            param_dtype), device, param_dtype)
     model.train(spec.mode is Mode.TRAIN)
     plan, traced_model, note = None, None, "layer replication off: every layer traced"
     ckpt = spec.checkpointing
@@ -710,7 +710,7 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
         for key, value in overrides.items():
             setattr(layer_config(shallow), key, value)
         traced_model = apply_adapters(spec, _quantized(spec, _build(cls, shallow, kwargs, arch, resolved.location,
-                                                                    device), param_dtype), device)
+                                                                    device), param_dtype), device, param_dtype)
         traced_model.train(spec.mode is Mode.TRAIN)
         stack = dict(traced_model.named_modules()).get(plan.prefix)
         if not isinstance(stack, torch.nn.ModuleList) or len(stack) != plan.traced:
