@@ -84,29 +84,39 @@ def _convert(model, embeddings: list[str], dtype: torch.dtype, before: bool) -> 
 
 
 def _axolotl_model(case: dict, directory: str):
+    """axolotl's ModelLoader for a QLoRA (`quantization`), LoRA (`lora_rank`) or full fine-tune run, with
+    `gradient_checkpointing` (the case's `checkpointing`, default True)."""
+    import peft
+
     config = hf_config(case["model"])
     config.use_cache = False  # check_model_config
     _saved_bf16(config, directory)
-    bnb = transformers.BitsAndBytesConfig(  # _set_quantization_config (llama: no skip modules, bf16 storage)
-        load_in_4bit=True, llm_int8_threshold=6.0, llm_int8_has_fp16_weight=False,
-        bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_use_double_quant=True, bnb_4bit_quant_type="nf4",
-        bnb_4bit_quant_storage=torch.bfloat16)
+    quantized, adapter, gc = case.get("quantization"), case.get("lora_rank"), case.get("checkpointing", True)
+    kw = {}
+    if quantized:  # _set_quantization_config (llama: no skip modules, bf16 storage)
+        kw["quantization_config"] = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, llm_int8_threshold=6.0, llm_int8_has_fp16_weight=False,
+            bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_use_double_quant=True, bnb_4bit_quant_type="nf4",
+            bnb_4bit_quant_storage=torch.bfloat16)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, config=config, dtype=torch.bfloat16, quantization_config=bnb, attn_implementation="sdpa",
-        device_map="cpu")
+        directory, config=config, dtype=torch.bfloat16, attn_implementation="sdpa", device_map="cpu", **kw)
     kwargs = {"use_reentrant": False}  # normalize_config: no ZeRO-3 -> use_reentrant False
-    _convert(model, [], torch.float32, before=True)  # should_convert: an adapter run
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # adapter and gradient_checkpointing
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = _axolotl_prepare_for_kbit()(model, use_gradient_checkpointing=True)
-    _convert(model, EMBEDDINGS, torch.bfloat16, before=False)
-    import peft
-
-    lora = peft.LoraConfig(r=case["lora_rank"], lora_alpha=case["lora_alpha"], target_modules=case["lora_targets"],
-                           lora_dropout=case["lora_dropout"], bias="none", task_type="CAUSAL_LM")
-    model = peft.get_peft_model(model, lora)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # Trainer.train, TrainingArguments'
+    should_convert = bool(adapter)  # should_convert_embedding_dtypes: an adapter run (sdpa needs no dtype cast)
+    _convert(model, [] if should_convert else EMBEDDINGS, torch.float32, before=True)
+    if adapter and gc:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if adapter and quantized:  # _prepare_model_for_quantization
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = _axolotl_prepare_for_kbit()(model, use_gradient_checkpointing=gc)
+    if should_convert:
+        _convert(model, EMBEDDINGS, torch.bfloat16, before=False)
+    if adapter:
+        lora = peft.LoraConfig(r=adapter, lora_alpha=case["lora_alpha"], target_modules=case["lora_targets"],
+                               lora_dropout=case["lora_dropout"], bias="none", task_type="CAUSAL_LM")
+        model = peft.get_peft_model(model, lora)
+    if gc:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # Trainer.train, TrainingArguments'
     return model, config
 
 
@@ -129,26 +139,32 @@ def _custom_checkpointing_func(checkpoint_func):
 
 
 def _llamafactory_model(case: dict, directory: str):
+    """LLaMA-Factory's load_model + init_adapter for a QLoRA (`quantization`), LoRA (`lora_rank`) or full
+    fine-tune run, its default checkpointing on."""
+    import peft
+
     config = hf_config(case["model"])
     _saved_bf16(config, directory)
     config = transformers.AutoConfig.from_pretrained(directory)
     config.use_cache = False  # configure_kv_cache (trainable)
-    bnb = transformers.BitsAndBytesConfig(  # configure_quantization, on-the-fly bnb, compute_dtype bf16
-        load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_use_double_quant=True,
-        bnb_4bit_quant_type="nf4", bnb_4bit_quant_storage=torch.bfloat16)
+    kw = {}
+    if case.get("quantization"):  # configure_quantization, on-the-fly bnb, compute_dtype bf16
+        kw["quantization_config"] = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_use_double_quant=True,
+            bnb_4bit_quant_type="nf4", bnb_4bit_quant_storage=torch.bfloat16)
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, config=config, torch_dtype="auto",
-                                                              quantization_config=bnb, device_map={"": "cpu"})
+                                                              device_map={"": "cpu"}, **kw)
     # prepare_model_for_training -> _gradient_checkpointing_enable({"use_reentrant": True}), new GC format
     func = _custom_checkpointing_func(functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True))
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func)
     model.config.use_cache = False
-    import peft
-
-    lora = peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, inference_mode=False, r=case["lora_rank"],
-                           target_modules=case["lora_targets"], lora_alpha=case["lora_alpha"],
-                           lora_dropout=case["lora_dropout"], use_rslora=False, use_dora=False, modules_to_save=None)
-    model = peft.get_peft_model(model, lora)
-    for p in model.parameters():  # init_adapter: cast_trainable_params_to_fp32
+    if case.get("lora_rank"):
+        lora = peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, inference_mode=False, r=case["lora_rank"],
+                               target_modules=case["lora_targets"], lora_alpha=case["lora_alpha"],
+                               lora_dropout=case["lora_dropout"], use_rslora=False, use_dora=False,
+                               modules_to_save=None)
+        model = peft.get_peft_model(model, lora)
+    for p in model.parameters():  # init_adapter: cast_trainable_params_to_fp32 (_setup_full_tuning: all)
         if p.requires_grad:
             p.data = p.data.to(torch.float32)
     return model, config
@@ -158,7 +174,8 @@ def _trainer_step(model, config, case: dict) -> RealStep:
     """HF Trainer's step on `model`: bf16 autocast (TrainingArguments bf16=True), clip_grad_norm_ at
     max_grad_norm 1.0, the case's optimizer over the trainable parameters, zero_grad(set_to_none=True)."""
     step = RealStep.__new__(RealStep)
-    step.train, step.quantized, step.compiled, step.generate = True, True, False, None
+    step.train, step.compiled, step.generate = True, False, None
+    step.quantized = bool(case.get("quantization"))
     step.autocast = torch.bfloat16
     step.args, step.loss_of = (), (lambda out: out.loss)
     step.kwargs = hf_batch(model, config, case["batch"], case["seq"], True, None, torch.bfloat16)
@@ -172,8 +189,9 @@ def _trainer_step(model, config, case: dict) -> RealStep:
 
 
 def measure_recipe_peak(recipe: str, case: dict) -> int:
-    """Peak bytes of the steady-state step of `case` (model, lora_rank, lora_alpha, lora_dropout, lora_targets,
-    batch, seq, optimizer) built as `recipe` ('axolotl' or 'llamafactory') builds a QLoRA model, measured as
+    """Peak bytes of the steady-state step of `case` (model, batch, seq, optimizer[, optimizer_impl]; quantization
+    for 4-bit nf4; lora_rank, lora_alpha, lora_dropout, lora_targets for LoRA; checkpointing, axolotl's
+    gradient_checkpointing, default True) built as `recipe` ('axolotl' or 'llamafactory') builds it, measured as
     tests/oracle.py measures a step."""
     build = {"axolotl": _axolotl_model, "llamafactory": _llamafactory_model}[recipe]
     with tempfile.TemporaryDirectory(prefix=f"oracle-{recipe}-") as directory:

@@ -24,7 +24,7 @@ QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_si
 def test_axolotl_qlora_matches_the_real_step_built_as_axolotl_builds_it():
     """Issue 41's done-when: axolotl's examples/llama-2/qlora.yml settings (r 32, alpha 16, dropout 0.05,
     lora_target_linear, bf16, gradient_checkpointing with 0.21's non-reentrant default), tiny Llama."""
-    case = {"model": LLAMA, "lora_rank": 32, "lora_alpha": 16, "lora_dropout": 0.05, "lora_targets": list(LINEAR),
+    case = {"model": LLAMA, "quantization": "nf4", "lora_rank": 32, "lora_alpha": 16, "lora_dropout": 0.05, "lora_targets": list(LINEAR),
             "batch": 2, "seq": 64, "optimizer": "adamw"}
     measured = measure_recipe_peak("axolotl", case)
     spec = RunSpec(LLAMA, batch=2, seq=64, device="cpu", recipe="axolotl", quantization="nf4", double_quant=True,
@@ -38,10 +38,54 @@ def test_llamafactory_qlora_matches_the_real_step_built_as_llamafactory_builds_i
     lora_alpha default 2 * rank, lora_target all, bf16, adamw_torch_fused), its default reentrant checkpointing."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps(QWEN3))
-    case = {"model": str(config), "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.0,
+    case = {"model": str(config), "quantization": "nf4", "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.0,
             "lora_targets": list(LINEAR), "batch": 2, "seq": 64, "optimizer": "adamw", "optimizer_impl": "fused"}
     measured = measure_recipe_peak("llamafactory", case)
     spec = RunSpec(str(config), batch=2, seq=64, device="cpu", recipe="llamafactory", quantization="nf4",
                    double_quant=True, lora_rank=8, lora_alpha=16, lora_targets=LINEAR, optimizer="adamw_torch_fused",
                    attn_implementation="sdpa", clip_grad_norm=1.0)
     assert_within(analyze(spec).peak_allocated_bytes, measured, 0.001)
+
+
+LORA = {"lora_rank": 16, "lora_alpha": 32, "lora_dropout": 0.0, "lora_targets": list(LINEAR)}
+
+
+@pytest.mark.parametrize("recipe,case,kw", [
+    # axolotl full fine-tune (sdpa: should_convert_embedding_dtypes False): norms, embed_tokens and lm_head in
+    # fp32, the other weights bf16, AdamW states alike; gradient_checkpointing off (axolotl's default)
+    ("axolotl", {"checkpointing": False}, {}),
+    # LLaMA-Factory full fine-tune: every parameter cast to fp32 (_setup_full_tuning) under bf16 autocast
+    ("llamafactory", {}, {}),
+], ids=["axolotl-full", "llamafactory-full"])
+def test_recipe_lora_and_full_fine_tune_match_the_real_build(recipe, case, kw):
+    case = {"model": LLAMA, "batch": 2, "seq": 32, "optimizer": "adamw", **case}
+    measured = measure_recipe_peak(recipe, case)
+    lora = {k: tuple(v) if isinstance(v, list) else v for k, v in case.items() if k.startswith("lora_")}
+    spec = RunSpec(LLAMA, batch=2, seq=32, device="cpu", recipe=recipe, attn_implementation="sdpa",
+                   clip_grad_norm=1.0, **{k: v for k, v in lora.items() if k != "lora_dropout" or v}, **kw)
+    assert_within(analyze(spec).peak_allocated_bytes, measured, 0.001)
+
+
+def test_a_recipe_sets_its_defaults_and_is_named_in_the_report():
+    """No --precision: bf16-autocast; checkpointing: axolotl none, LLaMA-Factory reentrant layers; use_cache False;
+    `run.recipe` names it (absent without a recipe)."""
+    axolotl = RunSpec(LLAMA, batch=1, seq=8, device="cpu", recipe="axolotl", lora_rank=8, quantization="nf4")
+    factory = RunSpec(LLAMA, batch=1, seq=8, device="cpu", recipe="llamafactory", lora_rank=8)
+    assert (str(axolotl.checkpointing), str(factory.checkpointing)) == ("none", "layers:reentrant")
+    assert axolotl.use_cache is False and factory.use_cache is False
+    report = analyze(factory)
+    assert report.run.recipe.value == "llamafactory" and report.run.precision.value == "bf16-autocast"
+    assert report.run.checkpointing_source == "--recipe llamafactory's default"
+    assert report.model.param_dtype == "bfloat16"
+    assert "recipe" not in analyze(RunSpec(LLAMA, batch=1, seq=8, device="cpu")).to_dict()["run"]
+    assert report.to_dict()["run"]["recipe"] == "llamafactory"
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"mode": "inference"}, "training"),
+    ({"freeze": ("model.embed_tokens.*",)}, "freeze"),
+    ({"recipe": "unsloth"}, "axolotl, llamafactory"),
+])
+def test_a_recipe_refuses_what_it_does_not_model_in_one_line(kw, match):
+    with pytest.raises(UsageError, match=match):
+        RunSpec(LLAMA, batch=1, seq=8, device="cpu", **{"recipe": "llamafactory", **kw})
