@@ -51,12 +51,16 @@ LORA = {"lora_rank": 16, "lora_alpha": 32, "lora_dropout": 0.0, "lora_targets": 
 
 
 @pytest.mark.parametrize("recipe,case,kw", [
+    # axolotl LoRA on 16-bit weights: norms fp32 then back to bf16, no kbit preparation, fp32 adapters
+    ("axolotl", {**LORA, "checkpointing": True}, {"checkpointing": "layers"}),
     # axolotl full fine-tune (sdpa: should_convert_embedding_dtypes False): norms, embed_tokens and lm_head in
     # fp32, the other weights bf16, AdamW states alike; gradient_checkpointing off (axolotl's default)
     ("axolotl", {"checkpointing": False}, {}),
     # LLaMA-Factory full fine-tune: every parameter cast to fp32 (_setup_full_tuning) under bf16 autocast
     ("llamafactory", {}, {}),
-], ids=["axolotl-full", "llamafactory-full"])
+    # LLaMA-Factory LoRA on 16-bit weights, its reentrant checkpointing of every layer
+    ("llamafactory", LORA, {}),
+], ids=["axolotl-lora", "axolotl-full", "llamafactory-full", "llamafactory-lora"])
 def test_recipe_lora_and_full_fine_tune_match_the_real_build(recipe, case, kw):
     case = {"model": LLAMA, "batch": 2, "seq": 32, "optimizer": "adamw", **case}
     measured = measure_recipe_peak(recipe, case)

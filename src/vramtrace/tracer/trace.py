@@ -138,6 +138,7 @@ class _TraceObserver:
             self.sdpa_starts[micro] = self._sdpa_start
 
     def backward_returned(self) -> None:
+        self.rec.backward_done()
         if self._replay_params is not None and self.rec.step == 0:
             self._first[self.rec.micro] = capture(self.rec, self._replay_params, *self._start, self._pending,
                                                   self.micro_count)
