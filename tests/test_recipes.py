@@ -77,6 +77,7 @@ def test_a_recipe_sets_its_defaults_and_is_named_in_the_report():
     factory = RunSpec(LLAMA, batch=1, seq=8, device="cpu", recipe="llamafactory", lora_rank=8)
     assert (str(axolotl.checkpointing), str(factory.checkpointing)) == ("none", "layers:reentrant")
     assert axolotl.use_cache is False and factory.use_cache is False
+    assert axolotl.double_quant  # axolotl's BitsAndBytesConfig always quantizes the absmax
     report = analyze(factory)
     assert report.run.recipe.value == "llamafactory" and report.run.precision.value == "bf16-autocast"
     assert report.run.checkpointing_source == "--recipe llamafactory's default"
@@ -89,6 +90,8 @@ def test_a_recipe_sets_its_defaults_and_is_named_in_the_report():
     ({"mode": "inference"}, "training"),
     ({"freeze": ("model.embed_tokens.*",)}, "freeze"),
     ({"recipe": "unsloth"}, "axolotl, llamafactory"),
+    ({"quantization": "nf4"}, "adapter only"),
+    ({"recipe": "axolotl", "quantization": "fp4", "lora_rank": 8}, "nf4"),
 ])
 def test_a_recipe_refuses_what_it_does_not_model_in_one_line(kw, match):
     with pytest.raises(UsageError, match=match):

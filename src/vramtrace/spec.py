@@ -461,7 +461,8 @@ class RunSpec:
         `list_mode_options`) are set while the graphs are compiled.
     recipe: build the model as a fine-tuning framework builds it (`Recipe`, `tracer/recipes.py`): its
         BitsAndBytesConfig, dtype casts, LoRA config and the trainable parameters' dtype, with its defaults for
-        use_cache (False), checkpointing (`RECIPE_CHECKPOINTING`) and precision (bf16-autocast); training only.
+        use_cache (False), checkpointing (`RECIPE_CHECKPOINTING`), 4-bit double quantization (on) and precision
+        (bf16-autocast); training only.
         None: transformers' and peft's defaults.
     """
 
@@ -658,9 +659,12 @@ class RunSpec:
                        "model's); merge the adapter or drop {lora_rank}")
 
     def _check_recipe(self) -> None:
-        """Parse `recipe`; refuse it outside training or for a custom module; its defaults: use_cache False (axolotl
-        `loaders/utils.py check_model_config`, LLaMA-Factory `model_utils/kv_cache.py configure_kv_cache`) and the
-        checkpointing it enables (`RECIPE_CHECKPOINTING`) when none is given."""
+        """Parse `recipe`; refuse it outside training, for a custom module, for quantization without LoRA, and
+        axolotl with fp4; its defaults: 4-bit double quantization (axolotl's `_set_quantization_config` always,
+        LLaMA-Factory's `double_quantization` default True: so `double_quant` False is not expressible with a
+        recipe), use_cache False (axolotl `loaders/utils.py check_model_config`, LLaMA-Factory
+        `model_utils/kv_cache.py configure_kv_cache`) and the checkpointing it enables (`RECIPE_CHECKPOINTING`)
+        when none is given."""
         if self.recipe is None:
             return
         recipe = Recipe.parse(self.recipe, "{recipe}")
@@ -670,6 +674,16 @@ class RunSpec:
         if custom_ref(self.model) is not None or isinstance(self.model, InProcessModel):
             raise _bad(f"{{recipe}} {recipe.value} builds a transformers model from its config; drop it for a "
                        "custom or in-process module")
+        if self.quantization is not None and self.lora_rank is None:
+            raise _bad(f"{{recipe}} {recipe.value} quantizes the weights for an adapter only (axolotl validate_adapter, "
+                       "LLaMA-Factory's quantization_bit with finetuning_type lora); add {lora_rank} or drop "
+                       "{quantization}")
+        if recipe is Recipe.AXOLOTL and self.quantization is Quantization.FP4:
+            raise _bad("{recipe} axolotl quantizes 4-bit weights as nf4 (loaders/model.py _set_quantization_config); "
+                       "use {quantization} nf4")
+        if self.quantization in (Quantization.NF4, Quantization.FP4):
+            # axolotl always, LLaMA-Factory by default (`double_quantization: true`) quantize the absmax too
+            object.__setattr__(self, "double_quant", True)
         if self.use_cache is None:
             object.__setattr__(self, "use_cache", False)
         if self.checkpointing is None:

@@ -6,9 +6,10 @@ docs/research/issue-41-config-sources.md sections 1.2, 2.1, 2.3); neither framew
 axolotl 0.21.0 (`axolotl/loaders/model.py` `ModelLoader.load`):
 - `_set_quantization_config`: `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch_dtype,
   bnb_4bit_use_double_quant=True, bnb_4bit_quant_type="nf4", bnb_4bit_quant_storage=torch.bfloat16)` (fp32 storage
-  for jamba, qwen2_moe, nemotron_h). Here the 4-bit type and double quantization stay the spec's (axolotl's own
-  are nf4 and True), the compute dtype defaults to the weight dtype and the storage dtype is axolotl's; the packed
-  weight has the same bytes in either storage dtype (a bf16 storage of n / 4 elements holds the n / 2 bytes).
+  for jamba, qwen2_moe, nemotron_h). The spec takes double quantization on and refuses fp4 with this recipe
+  (`RunSpec._check_recipe`); here the compute dtype defaults to the weight dtype and the storage dtype is
+  axolotl's; the packed weight has the same bytes in either storage dtype (a bf16 storage of n / 4 elements holds
+  the n / 2 bytes: the storage bytes are bitsandbytes' own, `quantize_4bit` on the meta device).
 - `from_pretrained(..., dtype=torch_dtype)`: the weights in the precision's weight dtype.
 - `_configure_embedding_dtypes` (no FSDP): `should_convert_embedding_dtypes` is True for an adapter run or an
   attention implementation other than eager/sdpa. First `_convert_embedding_modules_dtype(..., float32,
