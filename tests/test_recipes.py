@@ -4,10 +4,11 @@ real the way the framework builds it (tests/recipe_oracle.py, public APIs only) 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, deep_config
 from recipe_oracle import measure_recipe_peak
 from tolerance import assert_within
 from vramtrace import RunSpec, analyze
@@ -96,3 +97,14 @@ def test_a_recipe_sets_its_defaults_and_is_named_in_the_report():
 def test_a_recipe_refuses_what_it_does_not_model_in_one_line(kw, match):
     with pytest.raises(UsageError, match=match):
         RunSpec(LLAMA, batch=1, seq=8, device="cpu", **{"recipe": "llamafactory", **kw})
+
+
+@pytest.mark.parametrize("recipe", ["axolotl", "llamafactory"])
+def test_a_recipe_applies_to_the_replicated_layers_as_to_every_layer(tmp_path, recipe):
+    """The shallow copy traced for a deep stack (replication.py) is built with the recipe too: the same peak as
+    tracing all 8 layers."""
+    spec = RunSpec(deep_config(tmp_path, "tiny-llama-gqa", 8), batch=2, seq=16, device="cpu", recipe=recipe,
+                   quantization="nf4", lora_rank=8, lora_targets=LINEAR, checkpointing="layers")
+    shallow = analyze(spec)
+    assert "every layer traced" not in shallow.run.trace
+    assert shallow.peak_allocated_bytes == analyze(replace(spec, replicate_layers=False)).peak_allocated_bytes
