@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
@@ -98,6 +99,24 @@ def reachable_tensors(obj: Any, depth: int = 6) -> list[tuple[torch.Tensor, str]
     return found
 
 
+def graph_leaves(loss: torch.Tensor) -> list[weakref.ref]:
+    """Weak references to the leaves of `loss`'s autograd graph that are not parameters (AccumulateGrad nodes'
+    `variable`: an embedding output `enable_input_require_grads` made require grad). The graph holds them, and
+    they their `.grad`, as long as something holds the loss."""
+    leaves, seen = [], set()
+    stack = [loss.grad_fn] if isinstance(loss, torch.Tensor) and loss.grad_fn is not None else []
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor) and not isinstance(variable, torch.nn.Parameter):
+            leaves.append(weakref.ref(variable))
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return leaves
+
+
 class _TraceObserver:
     """The step runner's observer while recording: phases and step numbers to the recorder, the loops'
     references (`hold`), the KV cache's category, the release marks; `say` reports progress."""
@@ -118,6 +137,7 @@ class _TraceObserver:
         self._sdpa: dict[int, list] = {}  # the first step's SDPA calls, by micro
         self.sdpa_starts: dict[int, int] = {}  # the first step's micro -> SDPA calls made before it began
         self.replayed = 0
+        self._graph_leaves: list[weakref.ref] = []  # the micro-step's loss graph's leaves (`graph_leaves`)
 
     def _last_op(self) -> int:
         return len(self.rec.ops) - 1
@@ -138,6 +158,14 @@ class _TraceObserver:
             self.sdpa_starts[micro] = self._sdpa_start
 
     def backward_returned(self) -> None:
+        # a loop that keeps `loss` keeps its graph, and through it the leaves that are not parameters and their
+        # gradients (an input made to require grad): held as the loss's "graph" (analysis/storages.py)
+        for ref in self._graph_leaves:
+            leaf = ref()
+            for t in (leaf, getattr(leaf, "grad", None)):
+                if t is not None:
+                    self.rec.hold(t, "graph", self.micro_count)
+        self._graph_leaves = []
         self.rec.backward_done()
         if self._replay_params is not None and self.rec.step == 0:
             self._first[self.rec.micro] = capture(self.rec, self._replay_params, *self._start, self._pending,
@@ -168,6 +196,7 @@ class _TraceObserver:
 
     def loss_held(self, loss: torch.Tensor) -> None:
         self.rec.hold(loss, "loss", self.micro_count)
+        self._graph_leaves = graph_leaves(loss)
 
     def body_end(self) -> None:
         p = self._pending
