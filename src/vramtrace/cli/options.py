@@ -56,7 +56,9 @@ AttnImplementationOpt = Annotated[Optional[str], typer.Option(
     "cannot be traced and are refused")]
 ModeOpt = Annotated[str, typer.Option("--mode", help=_choices(Mode))]
 PrecisionOpt = Annotated[Optional[str], typer.Option(
-    "--precision", help=_choices(Precision) + " [default: bf16-mixed to train, bf16 for inference]")]
+    "--precision", help=_choices(Precision) + " (*-autocast: the weights in that dtype, the step under autocast, "
+    "HF Trainer's bf16/fp16=True on a model loaded in it) [default: bf16-mixed to train, bf16 for inference, "
+    "bf16-autocast with --recipe]")]
 OptimizerOpt = Annotated[str, typer.Option(
     "--optimizer", help=_choices(OptimizerKind) + " (adafactor: transformers' Adafactor as HF "
     "Trainer builds it); also HF Trainer's optim names: adamw_torch, adamw_torch_fused, ...")]
