@@ -70,6 +70,9 @@ import transformers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIXED = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+# weights loaded in the low dtype (`dtype=`), the step under torch.autocast in it: HF Trainer with bf16=True/fp16=True
+# on a model loaded in that dtype (accelerate's `autocast`)
+AUTOCAST = {"bf16-autocast": torch.bfloat16, "fp16-autocast": torch.float16}
 VLM_TYPES = ("qwen2_vl", "qwen2_5_vl", "gemma3")  # vision-language models fed images (`vlm_batch`)
 INPUT_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16, "int64": torch.int64, "long": torch.int64, "int32": torch.int32,
@@ -455,8 +458,8 @@ class RealStep:
         mode = _v(spec.mode)
         self.train = mode == "train"
         precision = _v(spec.precision) or ("bf16-mixed" if self.train else "bf16")
-        self.autocast = MIXED.get(precision)
-        weight_dtype = torch.float32 if self.autocast else DTYPES[precision]
+        self.autocast = MIXED.get(precision) or AUTOCAST.get(precision)
+        weight_dtype = AUTOCAST.get(precision) or (torch.float32 if self.autocast else DTYPES[precision])
         self.args, self.kwargs = (), {}
         self.quantized = bool(getattr(spec, "quantization", None))
         self.loss_of = lambda out: out.loss
@@ -560,7 +563,7 @@ class RealStep:
         self.n = getattr(spec, "grad_accum", 1)
         self.zero_grad = _v(getattr(spec, "zero_grad", "none"))
         self.clip = getattr(spec, "clip_grad_norm", None)
-        self.scaler = torch.amp.GradScaler("cpu") if precision == "fp16-mixed" and not getattr(spec, "step", None) else None
+        self.scaler = torch.amp.GradScaler("cpu") if precision in ("fp16-mixed", "fp16-autocast") and not getattr(spec, "step", None) else None
         self.script_vars = {}
         self.user_step = None
         if getattr(spec, "step", None):

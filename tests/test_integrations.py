@@ -270,11 +270,7 @@ def test_precision_from_the_flags_and_the_weights_dtype():
     assert precision_of(fp32, _args(bf16=True)) is Precision.BF16_MIXED
     assert precision_of(fp32, _args(fp16=True)) is Precision.FP16_MIXED
     assert precision_of(bf16, _args()) is Precision.BF16
-    if hasattr(Precision, "BF16_AUTOCAST"):
-        assert precision_of(bf16, _args(bf16=True)) is Precision.BF16_AUTOCAST
-    else:
-        with pytest.raises(UsageError, match="bf16-autocast"):
-            precision_of(bf16, _args(bf16=True))
+    assert precision_of(bf16, _args(bf16=True)) is Precision.BF16_AUTOCAST
 
 
 def test_checkpointing_from_the_arguments():

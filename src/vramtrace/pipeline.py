@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 
 from .report.sections import ComparisonRow, CpuKernels, LeversSummary, ModelInfo, RunInfo
 from .search import Trace, TraceSession, frozen_session
-from .spec import KBIT_TRAINING_CHECKPOINTING, CheckpointingKind, Device, Mode, RunSpec
+from .spec import KBIT_TRAINING_CHECKPOINTING, RECIPE_CHECKPOINTING, CheckpointingKind, Device, Mode, RunSpec
 from .summaries import (adapters_summary, checkpointing_summary, compile_summary, cuda_context_summary, moe_summary,
                         ranks_text, sharding_summary, step_summary, target_warnings)
 
@@ -343,8 +343,7 @@ def _run_info(spec: RunSpec, precision_source: str, loaded, main, steady, step: 
         mode=spec.mode, precision=loaded.precision, precision_source=precision_source, optimizer=spec.optimizer,
         optimizer_impl=spec.optimizer_impl, device=spec.device, gpu=spec.gpu_preset.name,
         batch=spec.batch, seq=spec.seq, checkpointing=str(spec.checkpointing),
-        checkpointing_source="prepare_model_for_kbit_training's default" if spec.quantization is not None
-        and spec.lora_rank is not None and str(spec.checkpointing) == KBIT_TRAINING_CHECKPOINTING else "",
+        checkpointing_source=_checkpointing_source(spec),
         num_layers=loaded.num_layers, layer_stack=loaded.layer_stack_path,
         allocator_block_bytes=main.block, num_ops=len(traced.ops), trace=traced.trace_note,
         inputs=tuple(f"{n}={d}{list(s)}" for n, d, s in loaded.input_summary()) if loaded.task == "custom" else (),
@@ -356,7 +355,18 @@ def _run_info(spec: RunSpec, precision_source: str, loaded, main, steady, step: 
         **cuda_context_summary(spec), **generation, paged_optimizer_state_bytes=paged or None,
         packing=packing_summary(spec, loaded.attn_implementation),
         cpu_kernels=CpuKernels(**dict(traced.cpu_environment)) if traced.cpu_environment else None,
-        sources=spec.sources, warnings=tuple(target_warnings(spec, loaded.precision.value)) + spec.source_warnings)
+        sources=spec.sources, warnings=tuple(target_warnings(spec, loaded.precision.value)) + spec.source_warnings,
+        recipe=spec.recipe)
+
+
+def _checkpointing_source(spec: RunSpec) -> str:
+    """Where the run's checkpointing came from when a default set it: peft's kbit default or the recipe's."""
+    if spec.recipe is not None:
+        default = str(spec.checkpointing) == RECIPE_CHECKPOINTING[spec.recipe]
+        return f"--recipe {spec.recipe.value}'s default" if default else ""
+    kbit = spec.quantization is not None and spec.lora_rank is not None
+    return "prepare_model_for_kbit_training's default" if kbit and str(spec.checkpointing) == \
+        KBIT_TRAINING_CHECKPOINTING else ""
 
 
 def _gpu_info(spec: RunSpec) -> dict | None:

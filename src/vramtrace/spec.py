@@ -91,8 +91,9 @@ class Precision(_Choice):
     FP16 = "fp16"
     BF16_MIXED = "bf16-mixed"
     FP16_MIXED = "fp16-mixed"
-    # weights in bf16/fp16 as from_pretrained(dtype=...) loads them, the step under torch.autocast(dtype): HF
-    # Trainer's bf16=True/fp16=True on a model loaded in that dtype (issue 41)
+    # weights in bf16/fp16 as `from_pretrained(dtype=...)` loads them, the step under `torch.autocast(dtype)`: HF
+    # Trainer with bf16=True/fp16=True on a model loaded in that dtype (accelerate/accelerator.py `autocast`,
+    # `native_amp`); fp16 adds the Trainer's GradScaler, as fp16-mixed does
     BF16_AUTOCAST = "bf16-autocast"
     FP16_AUTOCAST = "fp16-autocast"
     # pure precision in the checkpoint's stored dtype (its safetensors headers); resolved to one of the above
@@ -102,6 +103,25 @@ class Precision(_Choice):
     @property
     def is_mixed(self) -> bool:
         return self in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+
+    @property
+    def is_autocast(self) -> bool:
+        """Weights in the low dtype and the step under autocast (bf16-autocast, fp16-autocast)."""
+        return self in (Precision.BF16_AUTOCAST, Precision.FP16_AUTOCAST)
+
+    @property
+    def scales_loss(self) -> bool:
+        """The step runs a `torch.amp.GradScaler` (fp16 autocast: fp16-mixed, fp16-autocast)."""
+        return self in (Precision.FP16_MIXED, Precision.FP16_AUTOCAST)
+
+
+class Recipe(_Choice):
+    """How a fine-tuning framework builds the model before the optimizer (`RunSpec.recipe`, `tracer/recipes.py`),
+    as its own source does it: axolotl 0.21.0 (`axolotl/loaders/model.py` `ModelLoader`), LLaMA-Factory 0.9.5
+    (`llamafactory/model/loader.py` `load_model`). None: transformers' and peft's defaults."""
+
+    AXOLOTL = "axolotl"
+    LLAMAFACTORY = "llamafactory"
 
 
 class Recipe(_Choice):
@@ -296,6 +316,12 @@ _CKPT_USAGE = ("none, layers, layers:reentrant, every:K, nth:N, selective, selec
 # default (use_gradient_checkpointing=True) with `gradient_checkpointing_kwargs={}`: torch.utils.checkpoint without
 # use_reentrant, whose default is the reentrant variant (torch/utils/checkpoint.py `checkpoint`)
 KBIT_TRAINING_CHECKPOINTING = "layers:reentrant"
+# the checkpointing a recipe runs when none is given: axolotl's `gradient_checkpointing` defaults to False
+# (utils/schemas/config.py), and peft's kbit default does not apply (loaders/model.py _prepare_model_for_quantization
+# passes use_gradient_checkpointing=cfg.gradient_checkpointing); LLaMA-Factory's `disable_gradient_checkpointing`
+# defaults to False with `use_reentrant_gc` True (hparams/model_args.py, model_utils/checkpointing.py
+# prepare_model_for_training)
+RECIPE_CHECKPOINTING = {Recipe.AXOLOTL: "none", Recipe.LLAMAFACTORY: "layers:reentrant"}
 
 
 class CheckpointingKind(_Choice):
@@ -445,6 +471,11 @@ class RunSpec:
         graphs as Inductor compiles them (`tracer/compiled_step.py`); a CPU target's training step only.
     compile_mode: `COMPILE_MODES`: the Inductor options of torch.compile's `mode` (torch/_inductor/__init__.py
         `list_mode_options`) are set while the graphs are compiled.
+    recipe: build the model as a fine-tuning framework builds it (`Recipe`, `tracer/recipes.py`): its
+        BitsAndBytesConfig, dtype casts, LoRA config and the trainable parameters' dtype, with its defaults for
+        use_cache (False), checkpointing (`RECIPE_CHECKPOINTING`), 4-bit double quantization (on) and precision
+        (bf16-autocast); training only.
+        None: transformers' and peft's defaults.
     packing: sample packing in training (`tracer/packing.py`): `batch` sequences of `seq` tokens each, packed with
         position ids restarting per sequence and no attention mask; `use_cache` becomes False (transformers
         separates packed sequences only without a cache). flash_attention_2: one row `input_ids` (1, batch*seq) with
@@ -554,6 +585,9 @@ class RunSpec:
         self._check_sharding()
         if self.precision is not None:
             object.__setattr__(self, "precision", Precision.parse(self.precision, "precision"))
+            if self.precision.is_autocast and (self.fsdp is not None or self.tp is not None):
+                raise _bad(f"{{precision}} {self.precision.value} with {{fsdp}} or {{tp}} is not modelled yet (FSDP2's "
+                           "MixedPrecisionPolicy casts fp32 weights); use bf16-mixed or fp16-mixed")
         self._resolve_optimizer()
         object.__setattr__(self, "device", Device.parse(self.device, "device"))
         object.__setattr__(self, "gpu", parse_gpu(self.gpu).name)
@@ -565,6 +599,7 @@ class RunSpec:
             raise _bad(f"{{clip_grad_norm}} must be a positive number, got {self.clip_grad_norm!r}")
         self._check_step_options()
         self._check_compile()
+        self._check_recipe()
         if self.checkpointing is None:  # not given: none, or for QLoRA peft's default
             kbit_lora = self.quantization is not None and self.lora_rank is not None and self.mode is Mode.TRAIN
             object.__setattr__(self, "checkpointing", KBIT_TRAINING_CHECKPOINTING if kbit_lora else "none")
@@ -665,6 +700,41 @@ class RunSpec:
         if self.lora_rank is not None:
             raise _bad("{mode} generate with {lora_rank} is not supported yet (peft's generate wraps the "
                        "model's); merge the adapter or drop {lora_rank}")
+
+    def _check_recipe(self) -> None:
+        """Parse `recipe`; refuse it outside training, for a custom module, for quantization without LoRA, and
+        axolotl with fp4; its defaults: 4-bit double quantization (axolotl's `_set_quantization_config` always,
+        LLaMA-Factory's `double_quantization` default True: so `double_quant` False is not expressible with a
+        recipe), use_cache False (axolotl `loaders/utils.py check_model_config`, LLaMA-Factory
+        `model_utils/kv_cache.py configure_kv_cache`) and the checkpointing it enables (`RECIPE_CHECKPOINTING`)
+        when none is given."""
+        if self.recipe is None:
+            return
+        recipe = Recipe.parse(self.recipe, "{recipe}")
+        object.__setattr__(self, "recipe", recipe)
+        if self.mode is not Mode.TRAIN:
+            raise _bad(f"{{recipe}} {recipe.value} builds a model for training; drop it for {{mode}} {self.mode.value}")
+        if custom_ref(self.model) is not None or isinstance(self.model, InProcessModel):
+            raise _bad(f"{{recipe}} {recipe.value} builds a transformers model from its config; drop it for a "
+                       "custom or in-process module")
+        if self.quantization is not None and self.lora_rank is None:
+            raise _bad(f"{{recipe}} {recipe.value} quantizes the weights for an adapter only (axolotl validate_adapter, "
+                       "LLaMA-Factory's quantization_bit with finetuning_type lora); add {lora_rank} or drop "
+                       "{quantization}")
+        if recipe is Recipe.AXOLOTL and self.quantization is Quantization.FP4:
+            raise _bad("{recipe} axolotl quantizes 4-bit weights as nf4 (loaders/model.py _set_quantization_config); "
+                       "use {quantization} nf4")
+        if self.quantization in (Quantization.NF4, Quantization.FP4):
+            # axolotl always, LLaMA-Factory by default (`double_quantization: true`) quantize the absmax too
+            object.__setattr__(self, "double_quant", True)
+        if self.use_cache is None:
+            object.__setattr__(self, "use_cache", False)
+        if self.checkpointing is None:
+            object.__setattr__(self, "checkpointing", RECIPE_CHECKPOINTING[recipe])
+        if recipe is Recipe.LLAMAFACTORY and self.freeze and str(self.checkpointing) != "none":
+            raise _bad("{recipe} llamafactory checkpoints only the layers that have trainable parameters "
+                       "(its get_custom_gradient_checkpointing_func), which is not modelled with {freeze}; add "
+                       "{checkpointing} none or drop {freeze}")
 
     def _check_quantization(self) -> None:
         if self.quantization is not None:
@@ -796,6 +866,8 @@ class RunSpec:
     def effective_precision(self) -> Precision:
         if self.precision is not None:
             return self.precision
+        if self.recipe is not None:
+            return Precision.BF16_AUTOCAST
         return Precision.BF16_MIXED if self.mode is Mode.TRAIN else Precision.BF16
 
     @property

@@ -73,7 +73,6 @@ def measure_step(spec: RunSpec, setup: Callable | None = None) -> Measurement:
 def _measure(spec: RunSpec, setup: Callable | None) -> Measurement:
     import torch
 
-    from .spec import Precision
     from .tracer.checkpointing import apply_checkpointing, layer_stack
     from .tracer.profiling import run_profiled_steps, unique_storage_bytes
     from .tracer.optim import make_optimizer
@@ -89,7 +88,7 @@ def _measure(spec: RunSpec, setup: Callable | None) -> Measurement:
     elif train:
         apply_checkpointing(model, spec.checkpointing, None, layer_stack(model))
     opt = make_optimizer(spec, [p for p in model.parameters() if p.requires_grad]) if train else None
-    scaler = (torch.amp.GradScaler(device) if train and spec.step is None and loaded.precision is Precision.FP16_MIXED
+    scaler = (torch.amp.GradScaler(device) if train and spec.step is None and loaded.precision.scales_loss
               else None)
     ctx = StepContext(model, loaded.args, loaded.inputs, loaded.loss, opt,
                       (lambda: torch.autocast(device, dtype=compute_dtype)) if compute_dtype else contextlib.nullcontext,

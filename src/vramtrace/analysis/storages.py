@@ -63,9 +63,10 @@ class _Marks(Protocol):
 
 
 def release_point(held_as: str, micro: int, loop: str, marks: dict[int, _Marks]) -> int | None:
-    """The op index after which `loop` drops its reference to micro-step `micro`'s `held_as` ('outputs' or
-    'loss'); -1 for the trainer loop (no reference past the trace's own); None: held past the recording.
-    Raises ValueError for an unknown loop."""
+    """The op index after which `loop` drops its reference to micro-step `micro`'s `held_as` ('outputs', 'loss', or
+    'graph': a leaf of the loss's autograd graph that is not a parameter, or its gradient, which the loss keeps);
+    -1 for the trainer loop (no reference past the trace's own); None: held past the recording. Raises ValueError
+    for an unknown loop."""
     if loop == "trainer":
         return -1
     if loop == "function":
@@ -109,7 +110,7 @@ def storage_table(ops: Iterable[_Op], storages: Iterable, marks: Iterable[_Marks
             kept = s.phase == "forward" and died is not None and died.phase == "backward"
             if s.saved or kept:
                 cat = Category.ACTIVATION
-            elif s.held_as:
+            elif s.held_as in ("outputs", "loss"):
                 cat = Category.OUTPUTS
             elif s.op_index >= 0 and (died is None or died.step > ops[s.op_index].step):
                 cat = Category.KEPT

@@ -9,7 +9,7 @@ import typer
 
 from ..gpus import GPU_PRESETS
 from ..spec import (DEFAULT_CHOICES, TASK_ALIASES, AttnImplementation, CacheKind, Device, KvDtype, Mode, OptimizerImpl,
-                    OptimizerKind, Precision, Task)
+                    OptimizerKind, Precision, Recipe, Task)
 
 
 # RunSpec fields whose option is not `--` and the field's name with dashes (`flag_of`)
@@ -57,7 +57,9 @@ AttnImplementationOpt = Annotated[Optional[str], typer.Option(
     "with flash-attn 2.8.3's allocations (no package needed); flex_attention cannot be traced and is refused")]
 ModeOpt = Annotated[str, typer.Option("--mode", help=_choices(Mode))]
 PrecisionOpt = Annotated[Optional[str], typer.Option(
-    "--precision", help=_choices(Precision) + " [default: bf16-mixed to train, bf16 for inference]")]
+    "--precision", help=_choices(Precision) + " (*-autocast: the weights in that dtype, the step under autocast, "
+    "HF Trainer's bf16/fp16=True on a model loaded in it) [default: bf16-mixed to train, bf16 for inference, "
+    "bf16-autocast with --recipe]")]
 OptimizerOpt = Annotated[str, typer.Option(
     "--optimizer", help=_choices(OptimizerKind) + " (adafactor: transformers' Adafactor as HF "
     "Trainer builds it); also HF Trainer's optim names: adamw_torch, adamw_torch_fused, ...")]
@@ -141,6 +143,9 @@ CpuOffloadOpt = Annotated[bool, typer.Option("--cpu-offload", help="--fsdp: FSDP
 CompileModelOpt = Annotated[bool, typer.Option("--compile", help="the model is torch.compile(model) (Inductor, default "
     "mode; the optimizer eager): its graphs as Inductor compiles them, beside the "
     "eager step; --device cpu training only")]
+RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", help=_choices(Recipe) + ": build the model as "
+    "that framework does (its BitsAndBytesConfig, dtype casts, fp32 trainable parameters, checkpointing default; "
+    "precision default bf16-autocast)")]
 CompileModeOpt = Annotated[str, typer.Option("--compile-mode", help="--compile: torch.compile's mode, default | "
     "max-autotune-no-cudagraphs (its Inductor options set while the graphs compile)")]
 PackingOpt = Annotated[bool, typer.Option("--packing", help="sample packing in training: --batch sequences of --seq "

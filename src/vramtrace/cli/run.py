@@ -50,7 +50,7 @@ def main_command(
     trust_remote_code: o.TrustRemoteCodeOpt = False, trace_every_layer: o.TraceEveryLayerOpt = False,
     quiet: o.QuietOpt = False, debug: o.DebugOpt = False, gpu_memory: o.GpuMemoryOpt = None,
     no_levers: o.NoLeversOpt = False, headroom: o.HeadroomOpt = None, sweep_grid: o.SweepGridOpt = None,
-    packing: o.PackingOpt = False, from_files: o.FromOpt = (),
+    packing: o.PackingOpt = False, recipe: o.RecipeOpt = None, from_files: o.FromOpt = (),
 ) -> None:
     """Predict the peak memory of one training step (or inference forward) from a meta-device trace.
 
@@ -152,7 +152,7 @@ def _run_spec(opts: SimpleNamespace):
         alloc_conf=opts.alloc_conf, new_tokens=opts.new_tokens, cache=opts.cache, kv_dtype=opts.kv_dtype,
         fsdp=opts.fsdp, reshard_after_forward=_bool_option(opts.reshard_after_forward, "--reshard-after-forward"),
         rank=opts.rank, ddp=opts.ddp, tp=opts.tp, fsdp_plan=opts.fsdp_plan, cpu_offload=opts.cpu_offload,
-        compile=opts.compile_model, compile_mode=opts.compile_mode, packing=opts.packing,
+        compile=opts.compile_model, compile_mode=opts.compile_mode, packing=opts.packing, recipe=opts.recipe,
         sources=opts.sources, source_warnings=opts.source_warnings, **opts.source_fields)
 
 

@@ -201,11 +201,7 @@ def precision_of(model: torch.nn.Module, args) -> Precision:
         half = "bf16" if args.bf16 else "fp16"
         if torch.float32 in dtypes or not dtypes:
             return Precision(f"{half}-mixed")
-        name = f"{half.upper()}_AUTOCAST"
-        if not hasattr(Precision, name):
-            raise UsageError(f"{half}=True on {half} weights ({half}-autocast) is not supported by this vramtrace "
-                             "version; load the model in fp32 to use mixed precision")
-        return Precision[name]
+        return Precision(f"{half}-autocast")
     if dtypes == {torch.bfloat16}:
         return Precision.BF16
     if dtypes == {torch.float16}:

@@ -157,6 +157,9 @@ def _header(report: MemoryReport) -> Table:
                      + (ck.note if ck.matches else f"[bold red]{escape(ck.note)}[/]"))
     if r.adapters:
         head.add_row("adapters", r.adapters)
+    if r.recipe is not None:
+        name = {"axolotl": "axolotl 0.21.0", "llamafactory": "LLaMA-Factory 0.9.5"}.get(r.recipe.value, r.recipe.value)
+        head.add_row("recipe", f"the model built as {name} builds it (--recipe {r.recipe.value})")
     if r.inputs:
         head.add_row("inputs", ", ".join(r.inputs))
     head.add_row("dtypes", f"weights {m.param_dtype}, compute {m.compute_dtype}"

@@ -9,7 +9,8 @@ import enum
 from dataclasses import dataclass
 
 from .data import UNSET, Omit, omittable
-from ..spec import CacheKind, Device, FsdpPlan, KvDtype, Mode, OptimizerImpl, OptimizerKind, Precision, ZeroGrad
+from ..spec import (CacheKind, Device, FsdpPlan, KvDtype, Mode, OptimizerImpl, OptimizerKind, Precision, Recipe,
+                    ZeroGrad)
 from ..sources.base import SourceEntry
 
 _FROZEN = dict(frozen=True, slots=True, kw_only=True)
@@ -349,3 +350,4 @@ class RunInfo:
     cpu_kernels: CpuKernels | None = omittable()
     sources: tuple[SourceEntry, ...] = omittable(Omit.EMPTY, ())  # the fields --from files set (RunSpec.sources)
     warnings: tuple[str, ...] = omittable(Omit.EMPTY, ())
+    recipe: Recipe | None = omittable()  # --recipe: the framework whose model build was mirrored (tracer/recipes.py)

@@ -20,6 +20,7 @@ import torch
 
 from ..errors import UsageError
 from ..spec import RunSpec
+from . import recipes
 
 
 def freeze(model: torch.nn.Module, patterns: tuple[str, ...]) -> int:
@@ -38,15 +39,20 @@ def freeze(model: torch.nn.Module, patterns: tuple[str, ...]) -> int:
     return len(frozen)
 
 
-def apply_adapters(spec: RunSpec, model: torch.nn.Module, device: str) -> torch.nn.Module:
+def apply_adapters(spec: RunSpec, model: torch.nn.Module, device: str,
+                   weight_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """`model` with `spec.freeze` applied, then wrapped by peft LoRA when `spec.lora_rank` is set (the returned
     module is then a `peft.PeftModel`). New adapter weights are created on `device`. peft (the optional extra
-    `vramtrace[lora]`) is imported only here. Raises UsageError when peft is not installed, or for a LoRA config
-    peft refuses (e.g. no target modules known for a custom module)."""
+    `vramtrace[lora]`) is imported only here. With `spec.recipe`, the recipe's casts before and after LoRA
+    (`recipes.prepare`, `recipes.finish`; `weight_dtype`: the dtype the weights were loaded in). Raises UsageError
+    when peft is not installed, or for a LoRA config peft refuses (e.g. no target modules known for a custom
+    module)."""
     if spec.freeze:
         freeze(model, spec.freeze)
+    if spec.recipe is not None:
+        model = recipes.prepare(spec, model, weight_dtype or torch.get_default_dtype())
     if spec.lora_rank is None:
-        return model
+        return recipes.finish(spec, model)
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:
@@ -59,7 +65,8 @@ def apply_adapters(spec: RunSpec, model: torch.nn.Module, device: str) -> torch.
         # _maybe_include_all_linear_layers: every Linear but the output layer)
         targets = list(spec.lora_targets)
         kwargs["target_modules"] = "all-linear" if targets == ["all-linear"] else targets
-    if spec.quantization is not None:
+    kwargs.update(recipes.lora_kwargs(spec))
+    if spec.quantization is not None and spec.recipe is None:  # a recipe prepares the model itself
         # QLoRA: what `prepare_model_for_kbit_training` does to a quantized model before `get_peft_model`
         # (peft/utils/other.py): every parameter frozen, the unquantized fp16/bf16 ones (norms, embeddings,
         # lm_head) cast to fp32. Its checkpointing default is the spec's (spec.KBIT_TRAINING_CHECKPOINTING),
@@ -71,7 +78,7 @@ def apply_adapters(spec: RunSpec, model: torch.nn.Module, device: str) -> torch.
         config = LoraConfig(**kwargs)
         with torch.device(device) if device == "meta" else contextlib.nullcontext(), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # peft reads transformers' deprecated names
-            return get_peft_model(model, config)
+            return recipes.finish(spec, get_peft_model(model, config))
     except ValueError as e:
         text = str(e).splitlines()[0] if str(e) else "invalid LoRA config"
         raise UsageError(f"peft refused the LoRA config: {text} (name the modules with --lora-targets, "

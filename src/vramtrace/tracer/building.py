@@ -81,7 +81,13 @@ class LoadedModel:
 
 
 def weight_and_compute_dtype(precision: Precision) -> tuple[torch.dtype, torch.dtype | None]:
-    """(weight dtype, autocast dtype or None) for a precision."""
+    """(weight dtype, autocast dtype or None) for a precision: the mixed ones keep fp32 weights, the autocast
+    ones (bf16-autocast, fp16-autocast) keep the weights in the autocast dtype, as HF Trainer's bf16=True/fp16=True
+    on a model loaded with `from_pretrained(dtype=...)` (accelerate/accelerator.py `autocast`)."""
+    if precision is Precision.BF16_AUTOCAST:
+        return torch.bfloat16, torch.bfloat16
+    if precision is Precision.FP16_AUTOCAST:
+        return torch.float16, torch.float16
     if precision is Precision.BF16_MIXED:
         return torch.float32, torch.bfloat16
     if precision is Precision.FP16_MIXED:
@@ -689,7 +695,7 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
     if attn is not None:
         kwargs["attn_implementation"] = attn  # what `from_config(config, attn_implementation=...)` selects
     model = apply_adapters(spec, _quantized(spec, _build(cls, config, kwargs, arch, resolved.location, device),
-                                            param_dtype), device)
+                                            param_dtype), device, param_dtype)
     model.train(spec.mode is Mode.TRAIN)
     plan, traced_model, note = None, None, "layer replication off: every layer traced"
     ckpt = spec.checkpointing
@@ -707,7 +713,7 @@ def _load_model(spec: RunSpec, resolved: ResolvedConfig, device: str) -> LoadedM
         for key, value in overrides.items():
             setattr(layer_config(shallow), key, value)
         traced_model = apply_adapters(spec, _quantized(spec, _build(cls, shallow, kwargs, arch, resolved.location,
-                                                                    device), param_dtype), device)
+                                                                    device), param_dtype), device, param_dtype)
         traced_model.train(spec.mode is Mode.TRAIN)
         stack = dict(traced_model.named_modules()).get(plan.prefix)
         if not isinstance(stack, torch.nn.ModuleList) or len(stack) != plan.traced:

@@ -121,10 +121,13 @@ def precision_for(spec: RunSpec, resolved) -> tuple[Precision, str]:
     """The precision to build `spec`'s model with, and where it came from (the report's `run.precision_source`).
     `resolved` is the `loading.ResolvedConfig` of `spec.model`; its `checkpoint` header, if any, is read here.
 
-    - `--precision fp32|bf16|fp16|bf16-mixed|fp16-mixed`: as given (or as a `--from` file sets it, `spec.sources`).
+    - `--precision fp32|bf16|fp16|bf16-mixed|fp16-mixed|bf16-autocast|fp16-autocast`: as given (or as a `--from`
+      file sets it, `spec.sources`).
     - `--precision stored`: pure precision in the checkpoint's stored dtype (the dtype holding the most elements
       of its safetensors headers: a local directory's files, or a Hub repo's when the Hub answers).
     - no `--precision`, a local directory with safetensors: the stored dtype (the weights as they are on disk).
+    - no `--precision` with `--recipe`: bf16-autocast (the weights in bf16 as the recipes load them, HF Trainer's
+      bf16=True: axolotl's `bf16: auto` on a bf16 GPU, LLaMA-Factory's examples' `bf16: true`).
     - otherwise, Hub ids included: the mode's default (bf16-mixed to train, bf16 for inference), whether or not
       the Hub could be reached; a Hub checkpoint's stored dtype is only named in the source.
 
@@ -150,6 +153,8 @@ def precision_for(spec: RunSpec, resolved) -> tuple[Precision, str]:
     if spec.precision is not None:
         given = [e for e in spec.sources if e.option == "precision"]  # set by a --from file (vramtrace.sources)
         return spec.precision, f"--from {given[-1].file} ({given[-1].key})" if given else "--precision"
+    if spec.recipe is not None:  # axolotl's bf16 "auto" on a bf16 GPU, LLaMA-Factory's examples' bf16: true
+        return Precision.BF16_AUTOCAST, f"default for --recipe {spec.recipe.value}"
     if resolved.source == "local" and header is not None and header.dtype in PRECISION_OF_DTYPE:
         return (Precision(PRECISION_OF_DTYPE[header.dtype]),
                 f"the {header.source} checkpoint stores {header.dtype} (local directory, no --precision)")

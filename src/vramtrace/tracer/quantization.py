@@ -150,10 +150,14 @@ def bitsandbytes_module():
     return bitsandbytes
 
 
-def bnb_config(spec: RunSpec):
+def bnb_config(spec: RunSpec, weight_dtype: torch.dtype | None = None, model_type: str = ""):
     """transformers' `BitsAndBytesConfig` for `spec`: load_in_4bit, bnb_4bit_quant_type, bnb_4bit_use_double_quant,
-    bnb_4bit_compute_dtype (None: its default, fp32); for int8, load_in_8bit (its llm_int8_threshold 6.0)."""
+    bnb_4bit_compute_dtype (None: its default, fp32); for int8, load_in_8bit (its llm_int8_threshold 6.0). With
+    `spec.recipe`, the recipe's compute and storage dtypes (`recipes.bnb_kwargs`, of `weight_dtype`, the dtype the
+    weights are loaded in, and the config's `model_type`)."""
     from transformers import BitsAndBytesConfig
+
+    from .recipes import bnb_kwargs
 
     if spec.quantization is Quantization.INT8:
         return BitsAndBytesConfig(load_in_8bit=True)
@@ -161,6 +165,8 @@ def bnb_config(spec: RunSpec):
               "bnb_4bit_use_double_quant": spec.double_quant}
     if spec.bnb_compute_dtype is not None:
         kwargs["bnb_4bit_compute_dtype"] = COMPUTE_DTYPES[spec.bnb_compute_dtype]
+    if weight_dtype is not None:
+        kwargs.update(bnb_kwargs(spec, weight_dtype, model_type))
     return BitsAndBytesConfig(**kwargs)
 
 
@@ -171,7 +177,8 @@ def quantize(model: torch.nn.Module, spec: RunSpec, weight_dtype: torch.dtype) -
     bnb = bitsandbytes_module()
     from transformers.quantizers import AutoHfQuantizer
 
-    quantizer = AutoHfQuantizer.from_config(bnb_config(spec))
+    model_type = getattr(getattr(model, "config", None), "model_type", "")
+    quantizer = AutoHfQuantizer.from_config(bnb_config(spec, weight_dtype, model_type))
     quantizer.preprocess_model(model, dtype=weight_dtype, device_map=None)
     # bitsandbytes caches the dynamic code table of the nested quantization on the device of the first tensor it
     # quantizes (functional.py `quantize_blockwise`: the module global `name2qmap`): a meta table would break a

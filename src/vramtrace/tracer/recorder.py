@@ -373,6 +373,13 @@ class StepRecorder(TorchDispatchMode):
         runs pre-hooks, apply, post-hooks; then each output is added to its consumer's input buffer)."""
         node.register_hook(self._node_finished)
 
+    def backward_done(self) -> None:
+        """The micro-step's `backward()` returned: drop the last finished autograd node (`_node_finished`). Kept,
+        it would keep its graph alive into the next step: the leaves it reaches through AccumulateGrad (an
+        embedding output that `enable_input_require_grads` made require grad, and its `.grad`), which a real loop
+        frees with the loss's graph when the backward returns."""
+        self._finished_node = None
+
     def _node_finished(self, grad_inputs, grad_outputs) -> None:
         self._finished_node = torch._C._current_autograd_node()
 

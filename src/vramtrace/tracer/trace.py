@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
@@ -22,8 +23,8 @@ from torch.overrides import _get_current_function_mode_stack
 
 from .. import bridges, feature_bridges
 from ..analysis.categories import Category
-from ..errors import TraceError, UnsupportedOpError, VramtraceError
-from ..spec import Device, Mode, Precision, RunSpec, ZeroGrad
+from ..errors import TraceError, UnsupportedOpError, UsageError, VramtraceError
+from ..spec import Device, Mode, RunSpec, ZeroGrad
 from .building import LoadedModel, quiet_transformers_logs
 from .checkpointing import apply_checkpointing, layer_stack
 from .hooks import module_hooks, moe_routing
@@ -99,6 +100,24 @@ def reachable_tensors(obj: Any, depth: int = 6) -> list[tuple[torch.Tensor, str]
     return found
 
 
+def graph_leaves(loss: torch.Tensor) -> list[weakref.ref]:
+    """Weak references to the leaves of `loss`'s autograd graph that are not parameters (AccumulateGrad nodes'
+    `variable`: an embedding output `enable_input_require_grads` made require grad). The graph holds them, and
+    they their `.grad`, as long as something holds the loss."""
+    leaves, seen = [], set()
+    stack = [loss.grad_fn] if isinstance(loss, torch.Tensor) and loss.grad_fn is not None else []
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor) and not isinstance(variable, torch.nn.Parameter):
+            leaves.append(weakref.ref(variable))
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return leaves
+
+
 class _TraceObserver:
     """The step runner's observer while recording: phases and step numbers to the recorder, the loops'
     references (`hold`), the KV cache's category, the release marks; `say` reports progress."""
@@ -119,6 +138,7 @@ class _TraceObserver:
         self._sdpa: dict[int, list] = {}  # the first step's SDPA calls, by micro
         self.sdpa_starts: dict[int, int] = {}  # the first step's micro -> SDPA calls made before it began
         self.replayed = 0
+        self._graph_leaves: list[weakref.ref] = []  # the micro-step's loss graph's leaves (`graph_leaves`)
 
     def _last_op(self) -> int:
         return len(self.rec.ops) - 1
@@ -139,6 +159,15 @@ class _TraceObserver:
             self.sdpa_starts[micro] = self._sdpa_start
 
     def backward_returned(self) -> None:
+        # a loop that keeps `loss` keeps its graph, and through it the leaves that are not parameters and their
+        # gradients (an input made to require grad): held as the loss's "graph" (analysis/storages.py)
+        for ref in self._graph_leaves:
+            leaf = ref()
+            for t in (leaf, getattr(leaf, "grad", None)):
+                if t is not None:
+                    self.rec.hold(t, "graph", self.micro_count)
+        self._graph_leaves = []
+        self.rec.backward_done()
         if self._replay_params is not None and self.rec.step == 0:
             self._first[self.rec.micro] = capture(self.rec, self._replay_params, *self._start, self._pending,
                                                   self.micro_count)
@@ -168,6 +197,7 @@ class _TraceObserver:
 
     def loss_held(self, loss: torch.Tensor) -> None:
         self.rec.hold(loss, "loss", self.micro_count)
+        self._graph_leaves = graph_leaves(loss)
 
     def body_end(self) -> None:
         p = self._pending
@@ -208,11 +238,18 @@ def _tag_gradients(model: torch.nn.Module, rec: StepRecorder) -> None:
 
 
 def _grad_scaler(spec: RunSpec, loaded: LoadedModel):
-    """fp16-mixed: `torch.amp.GradScaler` as the AMP recipe uses it. Built for "cpu" on either target: its
+    """fp16-mixed, fp16-autocast: `torch.amp.GradScaler` as the AMP recipe (and HF Trainer with fp16=True,
+    accelerate/accelerator.py `native_amp`) uses it. Built for "cpu" on either target: its
     device only gates whether it is enabled (torch/amp/grad_scaler.py `__init__` disables a "cuda" scaler without
     a GPU); its tensors are made lazily on the loss's device (meta), with the same ops on both targets."""
-    if loaded.precision is not Precision.FP16_MIXED or spec.step is not None:
+    if not loaded.precision.scales_loss or spec.step is not None:
         return None
+    if any(p.requires_grad and p.dtype == torch.float16 for p in loaded.model.parameters()):
+        # torch/amp/grad_scaler.py `_unscale_grads_` raises "Attempting to unscale FP16 gradients": HF Trainer with
+        # fp16=True on a model whose trainable parameters are fp16 stops at its first optimizer step
+        raise UsageError(f"--precision {loaded.precision.value} trains fp16 parameters, whose gradients torch's "
+                         "GradScaler refuses to unscale (as HF Trainer with fp16=True on an fp16 model does); use "
+                         "fp16-mixed (fp32 master weights) or LoRA (peft's fp32 adapters)")
     return torch.amp.GradScaler("cpu")
 
 
