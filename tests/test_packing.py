@@ -31,6 +31,16 @@ def test_packed_rows_match_a_real_packed_cpu_run(tmp_path, attn, precision):
     assert report.run.packing.startswith("2 rows of 32 tokens, 2 sequences each (16 + 16)")
 
 
+def test_packing_a_lora_model_matches_a_real_packed_cpu_run(tmp_path):
+    """peft's wrapper takes **kwargs and passes position_ids on (axolotl's QLoRA/LoRA examples pack): the packed
+    LoRA step against the real one."""
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(json.loads(GQA.read_text()) | {"attn_implementation": "sdpa"}))
+    spec = RunSpec(str(path), batch=2, seq=32, device="cpu", precision="bf16-mixed", attn_implementation="sdpa",
+                   packing=True, lora_rank=8)
+    assert_within(analyze(spec).peak_allocated_bytes, measure_cpu_peak(spec), 0.001, "lora")
+
+
 def test_packing_with_sdpa_on_cuda_leaves_the_flash_backend_for_the_masked_one():
     # masking_utils: a packed sequence mask turns allow_is_causal_skip off, so SDPA gets a mask, which its flash
     # backend does not take (sdp_utils.cpp): the memory-efficient backend runs

@@ -116,11 +116,14 @@ def _read_adapter(r: Reading, torch_dtype: str) -> None:
     BitsAndBytesConfig of loaders/model.py `_set_quantization_config` (l.1006: nf4, double quant, compute dtype
     torch_dtype)."""
     adapter = r.get("adapter")
-    if r.get("load_in_4bit", False):
+    four, eight = r.get("load_in_4bit", False), r.get("load_in_8bit", False)  # both read: neither is unknown
+    if four and eight:  # axolotl refuses it too (schemas/peft.py validate_qlora)
+        raise UsageError(f"{r.file}: load_in_4bit and load_in_8bit are both true; axolotl loads one: set one false")
+    if four:
         r.set("quantization", "nf4", "adapter", "load_in_4bit")
         r.set("double_quant", True, "load_in_4bit")
         r.set("bnb_compute_dtype", torch_dtype, "load_in_4bit", "bf16")
-    elif r.get("load_in_8bit", False):
+    elif eight:
         r.set("quantization", "int8", "adapter", "load_in_8bit")
     if adapter is None:
         return

@@ -57,9 +57,12 @@ def check_packable(spec: RunSpec, model: torch.nn.Module, task: str, vlm: bool =
     if vlm:
         raise UsageError("--packing packs text sequences; vramtrace does not pack a vision-language model's "
                          "image inputs: drop --packing")
-    if "position_ids" not in inspect.signature(model.forward).parameters:
+    # a peft wrapper passes its keyword arguments on to the model it wraps (peft/peft_model.py
+    # PeftModelForCausalLM.forward): the wrapped model's forward decides
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if "position_ids" not in inspect.signature(base.forward).parameters:
         raise UsageError(f"--packing needs a model whose forward takes position_ids (they separate the packed "
-                         f"sequences); {type(model).__name__} takes none")
+                         f"sequences); {type(base).__name__} takes none")
     if not _is_flash(spec) and spec.seq < PACKED_PER_ROW:
         raise UsageError(f"--packing packs {PACKED_PER_ROW} sequences per row with sdpa or eager: use --seq >= "
                          f"{PACKED_PER_ROW}")
