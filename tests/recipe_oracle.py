@@ -172,7 +172,8 @@ def _llamafactory_model(case: dict, directory: str):
 
 def _trainer_step(model, config, case: dict) -> RealStep:
     """HF Trainer's step on `model`: bf16 autocast (TrainingArguments bf16=True), clip_grad_norm_ at
-    max_grad_norm 1.0, the case's optimizer over the trainable parameters, zero_grad(set_to_none=True)."""
+    max_grad_norm 1.0, the case's optimizer over the trainable parameters, zero_grad(set_to_none=True); the
+    case's `grad_accum` micro-batches per optimizer step (default 1), the literal loop of tests/oracle.py."""
     step = RealStep.__new__(RealStep)
     step.train, step.compiled, step.generate = True, False, None
     step.quantized = bool(case.get("quantization"))
@@ -183,7 +184,7 @@ def _trainer_step(model, config, case: dict) -> RealStep:
     step.model = model
     step.opt = make_optimizer(case["optimizer"], case.get("optimizer_impl", "default"),
                               [p for p in model.parameters() if p.requires_grad])
-    step.loop, step.n, step.zero_grad, step.clip = "trainer", 1, "none", 1.0
+    step.loop, step.n, step.zero_grad, step.clip = "trainer", case.get("grad_accum", 1), "none", 1.0
     step.scaler, step.script_vars, step.user_step = None, {}, None
     return step
 

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import FIXTURES, deep_config
 from recipe_oracle import measure_recipe_peak
 from tolerance import assert_within
 from vramtrace import RunSpec, analyze
 from vramtrace.errors import UsageError
+from vramtrace.sources import spec_from
 
 LLAMA = str(FIXTURES / "tiny-llama-gqa.json")
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -31,6 +34,24 @@ def test_axolotl_qlora_matches_the_real_step_built_as_axolotl_builds_it():
     spec = RunSpec(LLAMA, batch=2, seq=64, device="cpu", recipe="axolotl", quantization="nf4", double_quant=True,
                    lora_rank=32, lora_alpha=16, lora_dropout=0.05, lora_targets=LINEAR, precision="bf16-autocast",
                    checkpointing="layers", attn_implementation="sdpa", clip_grad_norm=1.0)
+    assert_within(analyze(spec).peak_allocated_bytes, measured, 0.001)
+
+
+def test_axolotl_qlora_example_file_read_by_from_matches_the_real_axolotl_build():
+    """Issue 41's done-when end to end: axolotl's own examples/llama-2/qlora.yml read by `vramtrace.sources`
+    (`--from`), its base model, sequence length, attention and packing replaced for a CPU run (a tiny Llama at 64
+    tokens, sdpa: flash-attn runs on CUDA only; the real build does not pack), against the step built as axolotl
+    builds it from the values the test reads from the YAML itself."""
+    path = Path(__file__).resolve().parent.parent / "docs/research/issue-41-examples/axolotl/llama-2__qlora.yml"
+    data = yaml.safe_load(path.read_text())
+    assert data["adapter"] == "qlora" and data["load_in_4bit"] and data["lora_target_linear"]
+    case = {"model": LLAMA, "quantization": "nf4", "lora_rank": data["lora_r"], "lora_alpha": data["lora_alpha"],
+            "lora_dropout": data["lora_dropout"], "lora_targets": list(LINEAR), "batch": data["micro_batch_size"],
+            "seq": 64, "optimizer": data["optimizer"], "grad_accum": data["gradient_accumulation_steps"]}
+    measured = measure_recipe_peak("axolotl", case)
+    spec = spec_from(path, model=LLAMA, seq=64, device="cpu", attn_implementation="sdpa", packing=False)
+    assert (spec.recipe.value, spec.batch, spec.grad_accum, str(spec.checkpointing)) == (
+        "axolotl", data["micro_batch_size"], data["gradient_accumulation_steps"], "layers")
     assert_within(analyze(spec).peak_allocated_bytes, measured, 0.001)
 
 
