@@ -13,12 +13,13 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ModelLoadError, TraceError, UnsupportedOpError, UsageError
-from ..spec import (DEFAULT_CHOICES, AttnImplementation, CacheKind, CheckpointingKind, Device, KvDtype, Mode,
+from ..spec import (DEFAULT_CHOICES, CheckpointingKind, KvDtype, Mode,
                     Precision, RunSpec, Task)
 from .loading import ResolvedConfig
 from .checkpoint_headers import precision_for
 from .checkpointing import layer_stack
 from .custom import output_loss
+from .flash_attn import check_attn_implementation
 from .replication import TRACED_LAYERS, LayerPlan
 from .vlm import VlmLayout, vlm_family, vlm_inputs, vlm_layout
 
@@ -781,40 +782,6 @@ def _quantized(spec: RunSpec, model: torch.nn.Module, weight_dtype: torch.dtype)
 
         quantize(model, spec, weight_dtype)
     return model
-
-
-def check_attn_implementation(attn: str | None, spec: RunSpec, device: str) -> None:
-    """Refuse, in one line, an attention implementation that cannot be traced faithfully on meta or cannot run
-    on the target (no silent fallback to another one). `attn`: the `--attn-implementation` value, else the
-    config's `attn_implementation`. Raises ModelLoadError.
-
-    - flash_attention_2 runs the flash_attn package's CUDA kernels: not on a CPU; on a CUDA target it is traced
-      through tracer/flash_attn.py's stand-in when asked for with --attn-implementation (`uses_standin`).
-    - flex_attention: torch's `flex_attention` refuses meta tensors (`_validate_device`) and compiles a kernel per
-      device, and has no CPU backward (torch/nn/attention/flex_attention.py).
-    """
-    if attn is None or not isinstance(attn, str):
-        return
-    target = Device.CPU if device == "cpu" else spec.device
-    if attn.startswith("flash_attention"):
-        if target is Device.CPU:
-            raise ModelLoadError(f"attention {attn} runs only on CUDA GPUs (the flash_attn package); use "
-                                 "--attn-implementation sdpa or eager for --device cpu")
-        if attn != AttnImplementation.FLASH_ATTENTION_2.value:
-            raise ModelLoadError(f"attention {attn} is not supported: vramtrace traces flash_attention_2 (flash-attn "
-                                 "2.8.3); use --attn-implementation flash_attention_2 or sdpa")
-        if spec.attn_implementation is not AttnImplementation.FLASH_ATTENTION_2:
-            raise ModelLoadError("this model's config asks for flash_attention_2: pass --attn-implementation "
-                                 "flash_attention_2 (traced with flash-attn 2.8.3's allocations) or sdpa")
-        if spec.mode is Mode.GENERATE and spec.cache is not CacheKind.DYNAMIC:
-            raise ModelLoadError(f"attention flash_attention_2 with --cache {spec.cache.value} is not traced (the "
-                                 "cache's padding mask takes flash-attn's unpadding path, which reads values); use "
-                                 "--cache dynamic or --attn-implementation sdpa")
-        return
-    if attn == AttnImplementation.FLEX_ATTENTION.value:
-        raise ModelLoadError("attention flex_attention cannot be traced: torch's flex_attention refuses meta tensors "
-                             "and compiles its kernel per device (and has no CPU backward); use --attn-implementation "
-                             "sdpa or eager")
 
 
 def _path_of(model: torch.nn.Module, sub: torch.nn.Module | None) -> str:
