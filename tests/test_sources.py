@@ -106,9 +106,12 @@ def test_training_arguments_examples(path):
     assert got["batch"] == data["per_device_train_batch_size"]
     assert got["grad_accum"] == data["gradient_accumulation_steps"]
     assert got["optimizer"] == data["optim"] and got["clip_grad_norm"] == data["max_grad_norm"]
-    kwargs = data["activation_checkpointing_kwargs"]
+    # the Trainer pops every_n_layers and offload and passes the rest, or None (non-reentrant) when nothing is
+    # left (transformers 5.24 trainer.py:1503-1528 `gc_kwargs or None`); a rest without use_reentrant: torch's True
+    rest = {k: v for k, v in (data["activation_checkpointing_kwargs"] or {}).items()
+            if k not in ("every_n_layers", "offload")}
     expected = ("none" if not data["activation_checkpointing"] else
-                "layers" if kwargs is None or kwargs.get("use_reentrant") is False else "layers:reentrant")
+                "layers" if not rest or rest.get("use_reentrant", True) is False else "layers:reentrant")
     if (data.get("fsdp_config") or {}).get("activation_checkpointing"):
         expected = "layers"  # FSDP's own checkpoint wrapper
     assert got["checkpointing"] == expected
@@ -240,3 +243,36 @@ def test_llamafactory_under_an_accelerate_fsdp2_launch_checkpoints_non_reentrant
     spec = spec_from(lora, fsdp2, model=TINY, device="cpu")
     assert str(spec.checkpointing) == "layers" and spec.fsdp == _load(fsdp2)["num_processes"]
     assert str(spec_from(lora, fsdp1, model=TINY, device="cpu").checkpointing) == "layers:reentrant"
+
+
+@pytest.mark.parametrize("text,message", [
+    ("base_model: x\nadapter: lora\nlora_r: abc\n", "lora_r: 'abc' is not a valid value for axolotl's lora_r"),
+    ("base_model: x\nadapter: qlora\nlora_r: 8\n", "adapter qlora needs load_in_4bit: true"),
+    ("distributed_type: FSDP\nnum_processes: two\nfsdp_config: {fsdp_version: 2}\n",
+     "num_processes: 'two' is not a valid value for accelerate's num_processes"),
+])
+def test_a_bad_value_in_a_file_is_a_one_line_usage_error(tmp_path, text, message):
+    path = tmp_path / "run.yml"
+    path.write_text(text)
+    with pytest.raises(UsageError, match=message):
+        read_source(path, H100)
+
+
+def test_training_arguments_kwargs_with_only_the_trainers_own_keys_checkpoint_non_reentrant(tmp_path):
+    """{"every_n_layers": 1} leaves nothing for torch: the Trainer passes None, non-reentrant (trainer.py
+    1503-1528); {"preserve_rng_state": True} leaves use_reentrant to torch 2.13's default, True."""
+    base = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "optim": "adamw_torch",
+            "activation_checkpointing": True, "bf16": False, "fp16": False}
+    got = []
+    for kwargs in ({}, {"every_n_layers": 1}, {"preserve_rng_state": True}):
+        path = tmp_path / "args.json"
+        path.write_text(json.dumps(base | {"activation_checkpointing_kwargs": kwargs}))
+        got.append(_settings(read_source(path, H100))["checkpointing"])
+    assert got == ["layers", "layers", "layers:reentrant"]
+
+
+def test_llamafactory_lora_target_may_be_a_yaml_list(tmp_path):
+    path = tmp_path / "lf.yaml"
+    path.write_text("model_name_or_path: x\nstage: sft\nfinetuning_type: lora\nlora_target: [q_proj, v_proj]\n"
+                    "cutoff_len: 64\n")
+    assert _settings(read_source(path, H100))["lora_targets"] == ("q_proj", "v_proj")

@@ -131,6 +131,8 @@ def _read_adapter(r: Reading, torch_dtype: str) -> None:
         r.warn("adapter", f"{adapter!r} is not modelled (vramtrace builds peft LoRA); the prediction is a full "
                           "fine-tune")
         return
+    if adapter == "qlora" and not four:  # schemas/peft.py validate_qlora
+        raise UsageError(f"{r.file}: adapter qlora needs load_in_4bit: true (axolotl refuses it too)")
     if not r.has("lora_r"):  # axolotl has no default (schemas/peft.py:69): refuse to invent one
         raise UsageError(f"{r.file}: adapter {adapter} without lora_r; axolotl has no default rank: add lora_r")
     r.set("lora_rank", int(r.get("lora_r")), "lora_r")
@@ -145,6 +147,9 @@ def _read_adapter(r: Reading, torch_dtype: str) -> None:
         # loaders/adapter.py find_all_linear_names: every Linear but the output layer (lm_head), = peft's
         # "all-linear" (peft/tuners/tuners_utils.py _maybe_include_all_linear_layers) for a causal LM
         r.set("lora_targets", ("all-linear",), "lora_target_linear")
+        if modules:  # axolotl adds them to the linear layers (loaders/adapter.py:186-194)
+            r.warn("lora_target_modules", "beside lora_target_linear: only the linear layers are modelled "
+                                          "(peft's all-linear); a listed non-linear or output module is not", "lora_targets")
     elif modules:
         r.set("lora_targets", tuple([modules] if isinstance(modules, str) else modules), "lora_target_modules")
 

@@ -58,15 +58,19 @@ class Reading:
     warnings: list[tuple[str, str | None]] = field(default_factory=list)
     used: set[str] = field(default_factory=set)
     launch_env: dict[str, str] = field(default_factory=dict)
+    last: str = ""  # the key read last: a value of the wrong type is reported under it (reader.read_source)
 
     def get(self, key: str, default: Any = None) -> Any:
         """The file's value of `key` (None in the file counts as absent), marking it read."""
         self.used.add(key)
+        self.last = key
         value = self.data.get(key)
         return default if value is None else value
 
     def has(self, key: str) -> bool:
+        """Whether the file gives `key` a value (not null), marking it read."""
         self.used.add(key)
+        self.last = key
         return self.data.get(key) is not None
 
     def mark(self, *keys: str) -> None:

@@ -58,14 +58,18 @@ def read_source(path: str | Path, target: Target = Target()) -> Source:
     fmt = detect(data, name)
     r = Reading(Path(name).name, data)
     model = None
-    if fmt is SourceFormat.AXOLOTL:
-        model = axolotl.read(r, target)
-    elif fmt is SourceFormat.LLAMAFACTORY:
-        model = llamafactory.read(r, target)
-    elif fmt is SourceFormat.TRAINING_ARGUMENTS:
-        training_args.read(r, target)
-    else:
-        accelerate.read(r)
+    try:
+        if fmt is SourceFormat.AXOLOTL:
+            model = axolotl.read(r, target)
+        elif fmt is SourceFormat.LLAMAFACTORY:
+            model = llamafactory.read(r, target)
+        elif fmt is SourceFormat.TRAINING_ARGUMENTS:
+            training_args.read(r, target)
+        else:
+            accelerate.read(r)
+    except (ValueError, TypeError, AttributeError) as e:  # a value of the wrong type (int("abc"), a list for a dict)
+        raise UsageError(f"--from {name}: {r.last}: {data.get(r.last)!r} is not a valid value for {fmt.value}'s "
+                         f"{r.last} ({e})") from e
     return Source(name, fmt, None if model is None else str(model), tuple(r.entries),
                   tuple(line for line, _ in r.warnings), tuple(field for _, field in r.warnings),
                   tuple(r.launch_env.items()))

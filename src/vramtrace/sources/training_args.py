@@ -4,6 +4,7 @@ Defaults: transformers/training_args.py (5.24), as recorded in docs/research/iss
 
 from __future__ import annotations
 
+from ..errors import UsageError
 from .base import DEEPSPEED_WARNING, Reading, Target
 from .common import checkpointing_of, read_compile, read_optimizer
 
@@ -73,16 +74,22 @@ def _read_precision(r: Reading) -> None:
 def _read_checkpointing(r: Reading) -> None:
     """`activation_checkpointing(_kwargs)` (5.x), else the deprecated `gradient_checkpointing(_kwargs)` aliases
     (training_args.py `__post_init__` l.1533-1545). Kwargs None -> `{"use_reentrant": False}`
-    (modeling_utils.py `_activation_checkpointing_enable` l.3151-3158); a dict without use_reentrant -> torch 2.13's
-    `checkpoint(use_reentrant=None)` default, True; `every_n_layers` and `offload` are the Trainer's
-    (trainer.py:1503-1528)."""
+    (modeling_utils.py `_activation_checkpointing_enable` l.3151-3158); `every_n_layers` and `offload` are the
+    Trainer's and popped, and an empty rest is passed as None (trainer.py:1503-1528); a rest without
+    use_reentrant -> torch 2.13's `checkpoint(use_reentrant=None)` default, True."""
     new = r.has("activation_checkpointing") or r.has("activation_checkpointing_kwargs")
     prefix = "activation" if new else "gradient"
     r.mark("gradient_checkpointing", "gradient_checkpointing_kwargs")
     on = bool(r.get(f"{prefix}_checkpointing", False))
     kwargs = r.data.get(f"{prefix}_checkpointing_kwargs")
     r.mark(f"{prefix}_checkpointing_kwargs")
-    reentrant = False if kwargs is None else kwargs.get("use_reentrant", True)
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise UsageError(f"{r.file}: {prefix}_checkpointing_kwargs: expected a mapping, got {kwargs!r}")
+    # the Trainer pops every_n_layers and offload and passes the rest, or None when nothing is left
+    # (trainer.py:1503-1528 `gc_kwargs or None`): None -> use_reentrant False; a rest without use_reentrant ->
+    # torch's default, True
+    rest = {k: v for k, v in (kwargs or {}).items() if k not in ("every_n_layers", "offload")}
+    reentrant = bool(rest.get("use_reentrant", True)) if rest else False
     if on and kwargs and kwargs.get("offload"):
         r.warn(f"{prefix}_checkpointing_kwargs", "offload (save_on_cpu) is not modelled: the prediction keeps the "
                                                  "checkpoints on the GPU", "checkpointing")

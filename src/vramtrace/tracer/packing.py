@@ -79,7 +79,10 @@ def packed_inputs(spec: RunSpec, inputs: dict[str, Any], device: str) -> dict[st
         lengths = [S - S // PACKED_PER_ROW, S // PACKED_PER_ROW]
         return {**inputs, "position_ids": _positions(lengths, B, device)}
     flat = ids.reshape(1, B * S)
-    out = {**inputs, "input_ids": flat, "labels": flat, "position_ids": _positions([S] * B, 1, device)}
+    labels = inputs["labels"].reshape(1, B * S) if "labels" in inputs else None  # its own storage, as collated
+    out = {**inputs, "input_ids": flat, "position_ids": _positions([S] * B, 1, device)}
+    if labels is not None:
+        out["labels"] = labels
     if device == "meta":
         cu = torch.empty((B + 1,), dtype=torch.int32, device="meta")
     else:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import Recipe, RunSpec
+from ..spec import Precision, Recipe, RunSpec
 
 # axolotl/loaders/utils.py `get_linear_embedding_layers`: the input and output embedding modules' names
 _EMBEDDINGS_OF_TYPE = {"gpt_neox": ("embed_in", "embed_out"), "falcon": ("word_embeddings", "lm_head")}
@@ -116,7 +116,9 @@ def prepare(spec: RunSpec, model: torch.nn.Module, weight_dtype: torch.dtype) ->
 def finish(spec: RunSpec, model: torch.nn.Module) -> torch.nn.Module:
     """The recipe's model after `get_peft_model` (or after freezing, without LoRA): LLaMA-Factory casts every
     trainable parameter to fp32 (`init_adapter`, `_setup_full_tuning`)."""
-    if spec.recipe is Recipe.LLAMAFACTORY:
+    # not under pure_bf16 (`cast_trainable_params_to_fp32` False: model/adapter.py init_adapter), which a
+    # LLaMA-Factory file's `pure_bf16: true` reads as --precision bf16
+    if spec.recipe is Recipe.LLAMAFACTORY and spec.precision is not Precision.BF16:
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.to(torch.float32)
