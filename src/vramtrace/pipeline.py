@@ -360,7 +360,11 @@ def _run_info(spec: RunSpec, precision_source: str, loaded, main, steady, step: 
 
 
 def _checkpointing_source(spec: RunSpec) -> str:
-    """Where the run's checkpointing came from when a default set it: peft's kbit default or the recipe's."""
+    """Where the run's checkpointing came from when a file or a default set it: a `--from` file's key, peft's kbit
+    default or the recipe's."""
+    given = [e for e in spec.sources if e.option == "checkpointing"]
+    if given:
+        return f"--from {given[-1].file} ({given[-1].key})"
     if spec.recipe is not None:
         default = str(spec.checkpointing) == RECIPE_CHECKPOINTING[spec.recipe]
         return f"--recipe {spec.recipe.value}'s default" if default else ""

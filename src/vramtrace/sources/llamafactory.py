@@ -92,7 +92,8 @@ def _read_precision(r: Reading, tuning: str, bf16_gpu: bool) -> str:
         r.set("precision", f"{half}-mixed" if tuning == "full" else f"{half}-autocast", half, "finetuning_type")
         return half
     r.warn("bf16", "neither bf16 nor fp16: the Trainer runs no autocast and the weights keep the checkpoint's "
-                   "dtype, which this file does not give; add --precision (default bf16-mixed)", "precision")
+                   "dtype, which this file does not give; add --precision (without it: the "
+                   "recipe's default, bf16-autocast)", "precision")
     return "bf16" if bf16_gpu else "fp16"  # extras/misc.py infer_optim_dtype, for a bf16 checkpoint
 
 

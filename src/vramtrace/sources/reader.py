@@ -84,21 +84,20 @@ def merge_sources(sources: Iterable[Source], cli_given: Mapping[str, Any]) -> tu
     last file's that names one, unless `cli_given` has `model`."""
     sources = list(sources)
     winners: dict[str, SourceEntry] = {}
-    model: tuple[str, str] | None = None
+    model: tuple[str, str, str] | None = None  # (model, file, key)
     for source in sources:
         for entry in source.settings:
             winners.pop(entry.option, None)  # re-inserted: the order of the last setting
             winners[entry.option] = entry
         if source.model is not None:
-            model = (source.model, Path(source.path).name)
+            key = "base_model" if source.format is SourceFormat.AXOLOTL else "model_name_or_path"
+            model = (source.model, Path(source.path).name, key)
     _fsdp2_non_reentrant(sources, winners)
     kwargs = {option: entry.value for option, entry in winners.items() if option not in cli_given}
     entries = [entry for option, entry in winners.items() if option not in cli_given]
     if model is not None and "model" not in cli_given:
         kwargs["model"] = model[0]
-        key = "base_model" if any(e.option == "recipe" and e.value == "axolotl" and e.file == model[1]
-                                  for e in entries) else "model_name_or_path"
-        entries.insert(0, SourceEntry("model", model[0], model[1], key))
+        entries.insert(0, SourceEntry("model", *model))
     kwargs.update(cli_given)
     def moot(field: str | None, file: str) -> bool:  # decided by the command line or by another file
         return field in cli_given or (field in winners and winners[field].file != file)
