@@ -36,6 +36,7 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -90,6 +91,18 @@ def build(args, rank: int):
     del model
     gc.collect()
     return sub, loss_fn, ids
+
+
+class NoOptimizer:
+    """What a user's loop does for a stage with no parameters: nothing."""
+
+    state: dict = {}
+
+    def step(self):
+        pass
+
+    def zero_grad(self):
+        pass
 
 
 def instrument(stage, opt):
@@ -159,7 +172,8 @@ def run_rank(rank, args, port, out_dir):
     stage = PipelineStage(sub, rank, args.pp, torch.device("cpu"))
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
     sched = cls(stage, n_microbatches=args.micro_batches, loss_fn=loss_fn)
-    opt = torch.optim.AdamW(sub.parameters())
+    # a stage of 0 decoder layers may have no parameters (a middle one): no optimizer then
+    opt = torch.optim.AdamW(sub.parameters()) if list(sub.parameters()) else NoOptimizer()
     instrument(stage, opt)
     inputs = [ids] if first or last else []
 
@@ -187,6 +201,7 @@ def run_rank(rank, args, port, out_dir):
     ranges = [(e.start_ns(), e.start_ns() + e.duration_ns(), e.name()) for e in prof.profiler.kineto_results.events()
               if e.name()[:1] in "FB" and e.name()[1:].isdigit() or e.name() in ("opt", "zero")]
     level, before, measured, peak, peak_t, total = 0, 0, False, None, None, 0
+    small: dict[str, int] = {}  # the measured step's allocations under 4 KiB, by size, and their threads
     for e in events:
         n = e.nbytes()
         total += n
@@ -196,13 +211,16 @@ def run_rank(rank, args, port, out_dir):
         if measured and n == -MARKER:
             continue
         level += n
+        if measured and 0 < n < 4096:
+            key = f"{n}@t{e.start_thread_id()}"
+            small[key] = small.get(key, 0) + 1
         if measured and (peak is None or level > peak):
             peak, peak_t = level, e.start_ns()
     where = [name for s, t, name in ranges if s <= peak_t <= t]
     # the measured step's own ranges, to say which micro-steps ran before the peak
     result = {"rank": rank, "start": start, "at_step_start": start + before, "peak": start + peak,
               "where": where[-1] if where else "loop", "lost": start + total - end,
-              "steady": level - before,
+              "steady": level - before, "small_allocs": small,
               "params": storages(sub.parameters()),
               "recv_buffers": storages(info.buffer for infos in stage.args_recv_info.values() for info in infos
                                        if getattr(info, "buffer", None) is not None)

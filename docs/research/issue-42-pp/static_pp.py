@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -72,6 +74,32 @@ class Tracker(TorchDispatchMode):
         return out
 
 
+class CpuSdpa(TorchFunctionMode):
+    """On meta, F.scaled_dot_product_attention would take the math path (the attention matrix materialised); the
+    CPU run takes `_scaled_dot_product_flash_attention_for_cpu` (its choice for this case: is_causal, no mask, GQA
+    through enable_gqa). Call that op on meta instead, as vramtrace's tracer does (src/vramtrace/tracer/kernels.py
+    `_sdpa`, which asks `torch._fused_sdp_choice` on tiny CPU stand-ins; this prototype assumes flash)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args[0].device.type == "meta":
+            q, k, v = args[:3]
+            assert kwargs.get("attn_mask") is None and kwargs.get("dropout_p", 0.0) == 0.0
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, kwargs.get("is_causal", False), scale=kwargs.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
+class Held:
+    """A completed Work that keeps its ops' tensors, as ProcessGroupGloo's send/recv Works do."""
+
+    def __init__(self, ops):
+        self.tensors = [op.tensor for op in ops]
+
+    def wait(self):
+        return True
+
+
 def static_vote(stages, has_backward, p2p_done):
     """What schedules.py `_warmup_p2p`'s vote decides when every stage was given its metadata (STATIC), without
     the vote's round trip (the fake group returns no value, and `.item()` on meta fails)."""
@@ -99,7 +127,8 @@ def make_stage(args, k, device):
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
     sched = cls(stage, n_microbatches=args.micro_batches, loss_fn=loss_fn)
     sched._warmup_p2p = static_vote
-    return sub, stage, sched, torch.optim.AdamW(sub.parameters()), ids
+    opt = torch.optim.AdamW(sub.parameters()) if list(sub.parameters()) else real_pp.NoOptimizer()
+    return sub, stage, sched, opt, ids
 
 
 def label(stage, opt, tracker):
@@ -130,7 +159,17 @@ def label(stage, opt, tracker):
 def predict_stage(args, k) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from torch.distributed.pipelining import schedules
+
     dist.init_process_group("fake", store=FakeStore(), rank=k, world_size=args.pp)
+    # the fake group's isend/irecv are no-ops, but batch_isend_irecv looks a backend up by the tensors' device,
+    # which meta has none of: skip the batching too (schedules.py `_batch_p2p`, `_sorted_batch_p2p`)
+    saved = schedules._batch_p2p, schedules._sorted_batch_p2p
+    # The Works it returns are kept: a gloo Work holds its tensors until it is dropped, and the schedule keeps
+    # waited Works in variables (Schedule1F1B's `send_work` keeps the first forward sends until the 1B1F loop
+    # ends), so each stand-in Work holds the op's tensors the same way.
+    schedules._batch_p2p = lambda ops, desc=None: [Held(ops)] if ops else []
+    schedules._sorted_batch_p2p = lambda ops, desc=None: {0: [Held(ops)]} if ops else {}
     try:
         device = "meta" if args.mode == "meta" else "cpu"
         sub, stage, sched, opt, ids = make_stage(args, k, device)
@@ -155,7 +194,7 @@ def predict_stage(args, k) -> dict:
             tracker.add(t)
         start = tracker.level
         label(stage, opt, tracker)
-        with tracker:
+        with CpuSdpa(), tracker:
             step()
             step()
             tracker.sweep()
@@ -166,6 +205,7 @@ def predict_stage(args, k) -> dict:
         return {"rank": k, "start": start, "at_step_start": at_start, "peak": tracker.peak, "where": tracker.peak_at,
                 "steady": tracker.level - at_start}
     finally:
+        schedules._batch_p2p, schedules._sorted_batch_p2p = saved
         dist.destroy_process_group()
 
 
