@@ -119,8 +119,11 @@ def make_stage(args, k, device):
     mb = args.batch // args.micro_batches
     hidden = torch.empty(mb, args.seq, sub.rotary_emb.config.hidden_size, device=device)
     first, last = k == 0, k == args.pp - 1
+    # the activation received requires grad (the previous stage's output does): dynamic inference records that,
+    # and with a tensor_meta of requires_grad=False the stage would run no input-gradient backward and send zeros
+    received = hidden.detach().requires_grad_(True)
     stage = PipelineStage(sub, k, args.pp, torch.device(device),
-                          input_args=ids[:mb] if first else hidden,
+                          input_args=ids[:mb] if first else received,
                           output_args=torch.empty(mb, args.seq, sub.rotary_emb.config.vocab_size, device=device)
                           if last else hidden,
                           output_grads=None if last else hidden, input_grads=None if first else hidden)
