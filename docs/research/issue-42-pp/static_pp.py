@@ -1,0 +1,264 @@
+"""Prototype: predict one pipeline stage's peak in ONE process, without the other ranks.
+
+Usage (from the repository root):
+    python docs/research/issue-42-pp/static_pp.py --pp 2 --schedule gpipe --micro-batches 4 [--split 2,2]
+        [--mode meta|cpu] [--stage K] [--json out.json]
+
+For stage k (every stage when --stage is not given) it builds the same stage module as real_pp.py (same cut, same
+loss_fn, same AdamW, same loop), makes a PipelineStage and the REAL schedule class (ScheduleGPipe / Schedule1F1B,
+their defaults), and runs two warm-up steps then the measured step with torch's fake process group
+(torch.testing._internal.distributed.fake_pg: `init_process_group("fake", rank=k, world_size=P)`): every isend /
+irecv is a no-op that completes at once, so the schedule's own order of forward and backward micro-steps runs, and
+the receive buffers are the ones the stage allocates itself (`_make_tensor_from_meta` in stage.py
+`_setup_forward_recv_info` / `_create_grad_recv_info`), left as allocated. The stage is built in static metadata
+mode (input_args / output_args / output_grads / input_grads given as micro-batch-shaped tensors), since dynamic
+inference exchanges pickled metadata over the process group, which the fake group cannot carry.
+
+--mode meta: everything on the meta device; a TorchDispatchMode (`Tracker`) counts the bytes of live storages
+  (a storage is born when an op's output has an unseen storage, and dies when its StorageWeakRef expires; expired
+  refs are swept before each op), starting from the parameters, buffers and inputs alive before the first step;
+  the peak is the maximum over the measured step, and the micro-step running at it is recorded.
+--mode cpu: real CPU tensors, measured with the profiler exactly as real_pp.py does (checks the fake group alone).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+HERE = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("real_pp", HERE / "real_pp.py")
+real_pp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(real_pp)
+
+
+class Tracker(TorchDispatchMode):
+    """Live storage bytes, op by op: births at op outputs, deaths when the storage's weak ref expires."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.level = 0
+        self.peak, self.peak_at, self.label = 0, None, "loop"
+        self.measuring = False
+
+    def add(self, t):
+        if isinstance(t, torch.Tensor):
+            ref = StorageWeakRef(t.untyped_storage())
+            if ref.cdata not in self.live:
+                n = t.untyped_storage().nbytes()
+                self.live[ref.cdata] = (ref, n)
+                self.level += n
+
+    def sweep(self):
+        for key in [k for k, (r, _) in self.live.items() if r.expired()]:
+            self.level -= self.live.pop(key)[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.sweep()
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            self.add(t)
+        if self.measuring and self.level > self.peak:
+            self.peak, self.peak_at = self.level, self.label
+        return out
+
+
+class CpuSdpa(TorchFunctionMode):
+    """On meta, F.scaled_dot_product_attention would take the math path (the attention matrix materialised); the
+    CPU run takes `_scaled_dot_product_flash_attention_for_cpu` (its choice for this case: is_causal, no mask, GQA
+    through enable_gqa). Call that op on meta instead, as vramtrace's tracer does (src/vramtrace/tracer/kernels.py
+    `_sdpa`, which asks `torch._fused_sdp_choice` on tiny CPU stand-ins; this prototype assumes flash)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args[0].device.type == "meta":
+            q, k, v = args[:3]
+            assert kwargs.get("attn_mask") is None and kwargs.get("dropout_p", 0.0) == 0.0
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, kwargs.get("is_causal", False), scale=kwargs.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
+class Held:
+    """A completed Work that keeps its ops' tensors, as ProcessGroupGloo's send/recv Works do."""
+
+    def __init__(self, ops):
+        self.tensors = [op.tensor for op in ops]
+
+    def wait(self):
+        return True
+
+
+def static_vote(stages, has_backward, p2p_done):
+    """What schedules.py `_warmup_p2p`'s vote decides when every stage was given its metadata (STATIC), without
+    the vote's round trip (the fake group returns no value, and `.item()` on meta fails)."""
+    from torch.distributed.pipelining.stage import InferenceMode
+
+    for stage in stages:
+        stage._inference_mode = InferenceMode.STATIC
+
+
+def make_stage(args, k, device):
+    """(stage module, PipelineStage, schedule, optimizer, input ids) of stage k on `device`, static metadata."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    with torch.device(device):
+        sub, loss_fn, ids = real_pp.build(args, k)
+    ids = ids.to(device)
+    mb = args.batch // args.micro_batches
+    hidden = torch.empty(mb, args.seq, sub.rotary_emb.config.hidden_size, device=device)
+    first, last = k == 0, k == args.pp - 1
+    # the activation received requires grad (the previous stage's output does): dynamic inference records that,
+    # and with a tensor_meta of requires_grad=False the stage would run no input-gradient backward and send zeros
+    received = hidden.detach().requires_grad_(True)
+    stage = PipelineStage(sub, k, args.pp, torch.device(device),
+                          input_args=ids[:mb] if first else received,
+                          output_args=torch.empty(mb, args.seq, sub.rotary_emb.config.vocab_size, device=device)
+                          if last else hidden,
+                          output_grads=None if last else hidden, input_grads=None if first else hidden)
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
+    sched = cls(stage, n_microbatches=args.micro_batches, loss_fn=loss_fn)
+    sched._warmup_p2p = static_vote
+    opt = torch.optim.AdamW(sub.parameters()) if list(sub.parameters()) else real_pp.NoOptimizer()
+    return sub, stage, sched, opt, ids
+
+
+def label(stage, opt, tracker):
+    """Name the running micro-step in the tracker (the same places real_pp.py wraps in record_function)."""
+    fwd, bwd, ostep = stage.forward_one_chunk, stage.backward_one_chunk, opt.step
+
+    def f(i, *a, **kw):
+        tracker.label = f"F{i}"
+        out = fwd(i, *a, **kw)
+        tracker.label = "loop"
+        return out
+
+    def b(i, *a, **kw):
+        tracker.label = f"B{i}"
+        out = bwd(i, *a, **kw)
+        tracker.label = "loop"
+        return out
+
+    def s(*a, **kw):
+        tracker.label = "opt"
+        out = ostep(*a, **kw)
+        tracker.label = "loop"
+        return out
+
+    stage.forward_one_chunk, stage.backward_one_chunk, opt.step = f, b, s
+
+
+def predict_stage(args, k) -> dict:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torch.distributed.pipelining import schedules
+
+    dist.init_process_group("fake", store=FakeStore(), rank=k, world_size=args.pp)
+    # the fake group's isend/irecv are no-ops, but batch_isend_irecv looks a backend up by the tensors' device,
+    # which meta has none of: skip the batching too (schedules.py `_batch_p2p`, `_sorted_batch_p2p`)
+    saved = schedules._batch_p2p, schedules._sorted_batch_p2p
+    # The Works it returns are kept: a gloo Work holds its tensors until it is dropped, and the schedule keeps
+    # waited Works in variables (Schedule1F1B's `send_work` keeps the first forward sends until the 1B1F loop
+    # ends), so each stand-in Work holds the op's tensors the same way.
+    schedules._batch_p2p = lambda ops, desc=None: [Held(ops)] if ops else []
+    schedules._sorted_batch_p2p = lambda ops, desc=None: {0: [Held(ops)]} if ops else {}
+    try:
+        device = "meta" if args.mode == "meta" else "cpu"
+        sub, stage, sched, opt, ids = make_stage(args, k, device)
+        first, last = k == 0, k == args.pp - 1
+
+        def step():
+            if first:
+                out = sched.step(ids)
+            elif last:
+                out = sched.step(target=ids, losses=[])
+            else:
+                out = sched.step()
+            del out
+            opt.step()
+            opt.zero_grad()
+
+        inputs = [ids] if first or last else []
+        if args.mode == "cpu":
+            return measure_cpu(step, real_pp.storages(real_pp.alive_tensors(sub, stage, opt, inputs)), k)
+        tracker = Tracker()
+        for t in real_pp.alive_tensors(sub, stage, opt, inputs):
+            tracker.add(t)
+        start = tracker.level
+        label(stage, opt, tracker)
+        with CpuSdpa(), tracker:
+            step()
+            step()
+            tracker.sweep()
+            at_start = tracker.level
+            tracker.peak, tracker.measuring = at_start, True
+            step()
+            tracker.sweep()
+        return {"rank": k, "start": start, "at_step_start": at_start, "peak": tracker.peak, "where": tracker.peak_at,
+                "steady": tracker.level - at_start}
+    finally:
+        schedules._batch_p2p, schedules._sorted_batch_p2p = saved
+        dist.destroy_process_group()
+
+
+def measure_cpu(step, start, k) -> dict:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+        step()
+        marker = torch.empty(real_pp.MARKER, dtype=torch.uint8)
+        del marker
+        step()
+    level, before, measuring, peak = 0, 0, False, None
+    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns()):
+        n = e.nbytes()
+        if n == real_pp.MARKER:
+            measuring, before = True, level
+            continue
+        if measuring and n == -real_pp.MARKER:
+            continue
+        level += n
+        if measuring:
+            peak = max(peak or level, level)
+    return {"rank": k, "start": start, "at_step_start": start + before, "peak": start + peak, "where": None,
+            "steady": level - before}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--split", default=None)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--mode", choices=("meta", "cpu"), default="meta")
+    p.add_argument("--stage", type=int, default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    args.split_list = ([int(x) for x in args.split.split(",")] if args.split
+                       else real_pp.even_split(args.layers, args.pp))
+    stages = [args.stage] if args.stage is not None else range(args.pp)
+    rows = [predict_stage(args, k) for k in stages]
+    for r in rows:
+        print(f"{args.mode} {args.schedule} pp={args.pp} split={args.split_list} stage {r['rank']}: peak {r['peak']} "
+              f"(at step start {r['at_step_start']}) at {r['where']}; steady {r['steady']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"mode": args.mode, "stages": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
