@@ -100,7 +100,20 @@ def patch_cpu_offload_grad_norm():
     stage3.DeepSpeedZeroOptimizer_Stage3.complete_grad_norm_calculation_for_cpu_offload = complete
 
 
-PATCHES = (patch_engine_dont_change_device, patch_is_invalid_grad_norm, patch_assert_ints_same_as_other_ranks,
+def patch_no_shm_comm():
+    """deepspeed.comm.torch.build_shm_op (0.19.8 comm/torch.py:207, `TorchBackend.__init__`): None. Its
+    `shm_comm_op.initialize(world_size, rank)` (torch.py:220) waits on shared memory for the other ranks' processes,
+    which one process with a fake group never has (it hangs). The op only serves `inference_all_reduce`."""
+    import importlib
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` the attribute is torch
+
+    def build_shm_op():
+        _count("build_shm_op")
+        return None
+    ds_torch.build_shm_op = build_shm_op
+
+
+PATCHES = (patch_no_shm_comm, patch_engine_dont_change_device, patch_is_invalid_grad_norm, patch_assert_ints_same_as_other_ranks,
            patch_cpu_offload_grad_norm)
 
 
