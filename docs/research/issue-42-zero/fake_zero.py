@@ -66,11 +66,15 @@ def patch_assert_ints_same_as_other_ranks():
     """deepspeed.runtime.zero.utils.assert_ints_same_as_other_ranks (0.19.8 zero/utils.py:114, `.item()` of an
     all-gathered list: a consistency check between ranks), imported by name into runtime.zero.stage3 (its
     reduce-bucket check, stage3.py:1671): nothing to check with one process. Its tensors are a few int64s."""
-    from deepspeed.runtime.zero import stage3
+    import importlib
 
     def assert_ints_same_as_other_ranks(ints):
         _count("assert_ints_same_as_other_ranks")
-    stage3.assert_ints_same_as_other_ranks = assert_ints_same_as_other_ranks
+    for name in ("stage3", "partitioned_param_coordinator", "partition_parameters"):  # each imports it by name
+        # (partitioned_param_coordinator.py:260-267 `reset_step`: the trace order checked at every step end)
+        module = importlib.import_module(f"deepspeed.runtime.zero.{name}")
+        if hasattr(module, "assert_ints_same_as_other_ranks"):
+            module.assert_ints_same_as_other_ranks = assert_ints_same_as_other_ranks
 
 
 def patch_cpu_offload_grad_norm():
@@ -113,7 +117,28 @@ def patch_no_shm_comm():
     ds_torch.build_shm_op = build_shm_op
 
 
-PATCHES = (patch_no_shm_comm, patch_engine_dont_change_device, patch_is_invalid_grad_norm, patch_assert_ints_same_as_other_ranks,
+def patch_zero12_has_overflow():
+    """deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.has_overflow (0.19.8 stage_1_and_2.py:3237,
+    `overflow_gpu[0].item()` at :3248), called by `check_overflow` in every bf16 step (stage_1_and_2.py:3030): the
+    same ops (the partitioned grads' inf/nan check, its `byte()`, the all-reduce), the value read replaced by
+    False (no overflow)."""
+    from deepspeed.runtime.zero import stage_1_and_2
+    import deepspeed.comm as dist
+
+    def has_overflow(self, partition_gradients=True):
+        _count("zero12_has_overflow")
+        if self.cpu_offload:
+            overflow_gpu = torch.empty(1, dtype=torch.uint8)  # ByteTensor([self.local_overflow])
+        else:
+            overflow_gpu = self.has_overflow_partitioned_grads_serial().byte()
+        dist.all_reduce(overflow_gpu, op=dist.ReduceOp.MAX, group=self.dp_process_group)
+        self._model_parallel_all_reduce(tensor=overflow_gpu, op=dist.ReduceOp.MAX)
+        overflow_gpu[0]
+        return False
+    stage_1_and_2.DeepSpeedZeroOptimizer.has_overflow = has_overflow
+
+
+PATCHES = (patch_zero12_has_overflow, patch_no_shm_comm, patch_engine_dont_change_device, patch_is_invalid_grad_norm, patch_assert_ints_same_as_other_ranks,
            patch_cpu_offload_grad_norm)
 
 
