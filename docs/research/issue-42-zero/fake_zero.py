@@ -159,7 +159,8 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
+            # a meta-device tensor (DeepSpeed/transformers make meta copies of parameters) costs nothing for real
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 st = t.untyped_storage()
                 key = StorageWeakRef(st)
                 if key not in self.live:
