@@ -29,7 +29,9 @@ def build_model(name: str) -> torch.nn.Module:
     cfg = json.loads(MODELS[name].read_text())
     config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    attn = os.environ.get("ZERO_ATTN")  # e.g. eager, to test mismatch 2 (the doc); default: transformers' (sdpa)
+    kw = {"attn_implementation": attn} if attn else {}
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kw)
 
 
 def ds_config(stage: int, precision: str, bucket: float | None, offload: bool, world: int) -> dict:
