@@ -524,10 +524,10 @@ def media_inputs(spec: RunSpec, config, task: str, main_input: str, device: str,
         if not hasattr(config, "max_source_positions") or not hasattr(config, "num_mel_bins"):
             raise UsageError(f"{config.model_type}: only Whisper-style input_features (num_mel_bins, "
                              "max_source_positions) are built")
-        if spec.mode is Mode.GENERATE and False:
+        if spec.mode is Mode.GENERATE:
             _whisper_generate_check(spec, config)
         inputs["input_features"] = _floats((B, config.num_mel_bins, whisper_frames(config)), float_dtype, device)
-        if spec.mode is Mode.GENERATE and False:  # generate(input_features, ...): Whisper builds the decoder prompt itself
+        if spec.mode is Mode.GENERATE:  # generate(input_features, ...): Whisper builds the decoder prompt itself
             return inputs
     ids = _ints((B, spec.seq), config.vocab_size, device, getattr(config, "pad_token_id", None))  # (B, S)
     if main_input == "input_ids":
