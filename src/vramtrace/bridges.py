@@ -487,6 +487,20 @@ def _maybe_autocast(stack: contextlib.ExitStack, policy: KernelPolicy) -> None:
             stack.enter_context(_set(m, "maybe_autocast", bridged))
 
 
+def meta_packed_mask(masking_utils, original, is_tracing, position_ids):
+    """`find_packed_sequence_indices` (`original`) of meta `position_ids` with `masking_utils.is_tracing` answering
+    True, so it returns its sequence-index mask instead of reading it, then the check's own ops
+    (`(mask[:, -1] == 0).all()`) without their answer; `is_tracing` put back. Shared by PACKED_SEQUENCE_CHECK (an
+    unpacked step: answers None) and PACKED_SEQUENCES (a packed one: answers the mask)."""
+    masking_utils.is_tracing = lambda *a, **k: True
+    try:
+        mask = original(position_ids)
+    finally:
+        masking_utils.is_tracing = is_tracing
+    (mask[:, -1] == 0).all()
+    return mask
+
+
 def _packed_sequence_check(stack: contextlib.ExitStack) -> None:
     from transformers import masking_utils
 
@@ -495,13 +509,8 @@ def _packed_sequence_check(stack: contextlib.ExitStack) -> None:
     def bridged(position_ids):
         if position_ids.device.type != "meta":
             return original(position_ids)
-        masking_utils.is_tracing = lambda *a, **k: True  # returns the mask instead of checking it
-        try:
-            mask = original(position_ids)
-        finally:
-            masking_utils.is_tracing = is_tracing
-        (mask[:, -1] == 0).all()  # the check's own ops; its answer for our position ids is True
-        return None
+        meta_packed_mask(masking_utils, original, is_tracing, position_ids)
+        return None  # the real answer for our position ids: one sequence per row
 
     bridged.__wrapped__ = original  # a packed step's bridge (feature_bridges.packed_sequences) calls the original
     stack.enter_context(_set(masking_utils, "find_packed_sequence_indices", bridged))

@@ -20,7 +20,7 @@ import torch
 
 from .bridges import (_FA_UTILS, _FSDP, _WHISPER, CHECKPOINT_FUNCTION, DDP_ON_META, DTENSOR_PLAN_CACHES,
                       FLASH_ATTENTION_STANDIN, FSDP_ON_META, GENERATION_QUESTIONS, GRAD_SCALER_STATE, PACKED_SEQUENCES,
-                      KernelPolicy, StepRecording, _lookup, _missing, _set, resolve)
+                      KernelPolicy, StepRecording, _lookup, _missing, _set, meta_packed_mask, resolve)
 
 
 def _filled_list(shape: tuple[int, ...], value: int) -> list | int:
@@ -271,13 +271,7 @@ def packed_sequences() -> Iterator[None]:
     def bridged(position_ids):
         if position_ids.device.type != "meta":
             return original(position_ids)
-        masking_utils.is_tracing = lambda *a, **k: True  # returns the mask instead of checking it
-        try:
-            mask = original(position_ids)
-        finally:
-            masking_utils.is_tracing = is_tracing
-        (mask[:, -1] == 0).all()  # the check's own ops; its answer for packed rows is False
-        return mask
+        return meta_packed_mask(masking_utils, original, is_tracing, position_ids)  # the real answer for packed rows
 
     with _set(masking_utils, "find_packed_sequence_indices", bridged):
         yield
