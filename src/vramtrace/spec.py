@@ -10,7 +10,7 @@ from .errors import SpecError, UsageError
 # the choices live in choices.py; every name is re-exported here (`from vramtrace.spec import Precision`)
 from .choices import (  # noqa: F401
     _Choice, Mode, CacheKind, KvDtype, FsdpPlan, Quantization, Precision, Recipe, OptimizerKind, OptimizerImpl, Loop,
-    ZeroGrad, Device, Task, AttnImplementation, OPTIMIZER_IMPLS, BNB_OPTIMIZER_BUILDS, BNB_OPTIMIZERS, COMPILE_MODES,
+    ZeroGrad, Device, Task, AttnImplementation, PipelineSchedule, OPTIMIZER_IMPLS, BNB_OPTIMIZER_BUILDS, BNB_OPTIMIZERS, COMPILE_MODES,
     TASK_ALIASES, DEFAULT_CHOICES,
 )
 from .custom_inputs import InProcessModel, InputSpec, custom_ref
@@ -263,6 +263,12 @@ class RunSpec:
     packing: bool = False
     sources: tuple[SourceEntry, ...] = ()
     source_warnings: tuple[str, ...] = ()
+    pp: int | None = None
+    pp_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
+    micro_batches: int | None = None
+    virtual_stages: int | None = None
+    pp_split: tuple[int, ...] | None = None
+    stage: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq", "lora_rank", "image_size", "images", "choices", "grad_accum", "new_tokens",
@@ -318,6 +324,7 @@ class RunSpec:
                                                     and self.clip_grad_norm > 0):
             raise _bad(f"{{clip_grad_norm}} must be a positive number, got {self.clip_grad_norm!r}")
         self._check_step_options()
+        self._check_pipeline()
         self._check_compile()
         self._check_recipe()
         if self.checkpointing is None:  # not given: none, or for QLoRA peft's default
@@ -534,6 +541,13 @@ class RunSpec:
         if self.step is not None:
             raise _bad(f"{option} runs vramtrace's own loop on each rank; {{step}} {self.step} replaces it: drop "
                        f"{{step}} or {option}")
+
+    def _check_pipeline(self) -> None:
+        """Parse `pp_schedule` and `pp_split`; raise UsageError for pipeline options that do not go together
+        (tracer/pipelining.py says what a --pp run traces)."""
+        from .pipeline_spec import check_pipeline
+
+        check_pipeline(self, _bad)
 
     def _check_serve_profile(self) -> None:
         if self.serve_requests is None:
