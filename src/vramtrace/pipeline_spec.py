@@ -66,6 +66,10 @@ def check_pipeline(spec, bad: Callable) -> None:
                                    or not 0 <= spec.stage < spec.pp):
         raise bad(f"{{stage}} must be in 0..{spec.pp - 1} for {spec.pp} stages, got {spec.stage!r}")
     m = spec.micro_batches or spec.pp
+    if spec.pp_schedule is PipelineSchedule.ONE_F_ONE_B and m < spec.pp:
+        # torch/distributed/pipelining/schedules.py `Schedule1F1B.__init__` raises the same
+        raise bad(f"{{pp_schedule}} 1f1b needs at least as many micro-batches as stages: {{micro_batches}} {m} < "
+                  f"{{pp}} {spec.pp}")
     if spec.batch % m:
         raise bad(f"{{batch}} {spec.batch} does not split into {m} equal micro-batches ({{micro_batches}}"
                   f"{'' if spec.micro_batches else ' defaults to {pp}'}); make {{batch}} a multiple of {m}")
