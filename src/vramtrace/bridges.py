@@ -398,12 +398,13 @@ PIPELINE_MICRO_STEPS = Bridge(
     "is reported to the trace as it begins and ends, with the micro-batches then in flight (PIPELINE_STAGE_STATE's "
     "`fwd_cache`), so the report says where a stage's peak falls (F<i>/B<i>); the originals run unchanged")
 PIPELINE_STAGE_STATE = Bridge(
-    "pipeline_stage_state", "torch", ((_PP + "stage", "_PipelineStageBase.__init__"),), TORCH_WRITTEN_FOR,
-    "a --pp step reads a stage's private state (stage.py `_PipelineStageBase.__init__`): `fwd_cache` (micro-batch "
-    "-> its outputs and inputs, kept until its backward: the micro-batches in flight) and the receive buffers of "
-    "`args_recv_info` and `grad_recv_info` (`_RecvInfo.buffer`, one per micro-batch, kept for the stage's life), "
-    "which the report counts and categorises", kind=BridgeKind.READ,
-    assigns=("fwd_cache", "args_recv_info", "grad_recv_info"))
+    "pipeline_stage_state", "torch",
+    ((_PP + "stage", "_PipelineStageBase.clear_runtime_states"), (_PP + "stage", "_RecvInfo")), TORCH_WRITTEN_FOR,
+    "a --pp step reads a stage's private state, made in stage.py `_PipelineStageBase.__init__` and emptied by "
+    "`clear_runtime_states` at each step's start: `fwd_cache` (micro-batch -> its outputs and inputs, kept until "
+    "its backward: the micro-batches in flight) and the receive buffers of `args_recv_info` and `grad_recv_info` "
+    "(`_RecvInfo.buffer`, one per micro-batch and direction, kept for the stage's life), which the report counts "
+    "and categorises", kind=BridgeKind.READ)
 
 BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_CHECK, PADDING_MASK_CHECK,
                                PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION, MHA_FAST_PATH,
@@ -413,7 +414,9 @@ BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_C
                                QWEN_VL_POSITIONS, ACCUMULATION_USE_COUNTS, GRAD_SCALER_STATE, DTENSOR_PLAN_CACHES,
                                INDUCTOR_IR, AUTOGRAD_NODE, FUNCTION_MODE_STACK, DISPATCH_TOOLKIT, KERNEL_CHOICES,
                                FLASH_ATTENTION_STANDIN, PACKED_SEQUENCES)
-BRIDGES += (PIPELINE_P2P, PIPELINE_STATIC_VOTE, PIPELINE_MICRO_STEPS, PIPELINE_STAGE_STATE)  # issue 42: --pp
+# issue 42, --pp: entered only around a pipeline stage's step (feature_bridges.pipelining_on_meta)
+PIPELINE_BRIDGES = (PIPELINE_P2P, PIPELINE_STATIC_VOTE, PIPELINE_MICRO_STEPS, PIPELINE_STAGE_STATE)
+BRIDGES += PIPELINE_BRIDGES
 # the private reads a recorded step makes, checked with the patches before anything is patched (`installed`)
 STEP_READS: tuple[Bridge, ...] = (ACCUMULATION_USE_COUNTS, GRAD_SCALER_STATE, AUTOGRAD_NODE, FUNCTION_MODE_STACK,
                                   DISPATCH_TOOLKIT, KERNEL_CHOICES)
