@@ -118,10 +118,30 @@ def check_model(model: torch.nn.Module) -> None:
                          f"model.rotary_emb, model.norm, lm_head); {type(model).__name__} is not modelled yet")
 
 
-def cut(model: torch.nn.Module, split: tuple[int, ...], k: int) -> StageModule:
-    """Stage `k` of `model` under `split`, deep-copied (its own parameters: a tied head gets its own copy)."""
+def cut(model: torch.nn.Module, split: tuple[int, ...], k: int, keep: int | None = None) -> StageModule:
+    """Stage `k` of `model` under `split`, deep-copied (its own parameters: a tied head gets its own copy); with
+    `keep`, only the stage's first `keep` layers (a copy to trace and replicate, `stage_plan`)."""
     bounds = list(itertools.accumulate(split, initial=0))
-    return copy.deepcopy(StageModule(model, bounds[k], bounds[k + 1], k == 0, k == len(split) - 1))
+    hi = bounds[k + 1] if keep is None else min(bounds[k + 1], bounds[k] + keep)
+    return copy.deepcopy(StageModule(model, bounds[k], hi, k == 0, k == len(split) - 1))
+
+
+def stage_plan(spec: RunSpec, loaded):
+    """(LayerPlan of stage `spec.stage`'s layers, note): the stage traced with `TRACED_LAYERS` of its layers and
+    the rest rebuilt (tracer/replication.py) when it has more and replication is on; else (None, why every layer
+    of the stage is traced)."""
+    from .replication import TRACED_LAYERS, LayerPlan
+
+    n = stage_split(spec, loaded.num_layers)[spec.stage or 0]
+    if not spec.replicate_layers or n <= TRACED_LAYERS:
+        return None, "traced every layer of the stage"
+    return LayerPlan("layers", n), ""
+
+
+def stage_parameter_bytes(spec: RunSpec, model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of each parameter of stage `spec.stage` (0 when None) of `model`, by its name in the stage module."""
+    split = stage_split(spec, len(model.model.layers))
+    return {n: p.untyped_storage().nbytes() for n, p in cut(model, split, spec.stage or 0).named_parameters()}
 
 
 def stage_outputs(model: torch.nn.Module, split: tuple[int, ...], micro: torch.Tensor, policy) -> list[torch.Tensor]:
@@ -153,6 +173,12 @@ class StageTrace:
     labels: list[tuple[int, str, tuple[int, ...]]] = field(default_factory=list)
     recv_sids: set[int] = field(default_factory=set)
     send_sids: set[int] = field(default_factory=set)
+
+    def remap(self, new_index: list[int], end: int) -> None:
+        """The labels' op indices after layer replication (`new_index`: traced op index -> rebuilt; `end`: the
+        rebuilt op count, for a label placed after the last op)."""
+        self.labels = [(new_index[i] if i < len(new_index) else end, label, flight)
+                       for i, label, flight in self.labels]
 
     def at(self, op: int) -> tuple[str, tuple[int, ...]]:
         """(label, in flight) of the micro-step running at op index `op` ('loop', () outside every micro-step)."""
@@ -241,11 +267,13 @@ def pipeline_step(spec: RunSpec, sched, stage, ids: torch.Tensor | None, labels:
     return step
 
 
-def record_stage(spec: RunSpec, model: torch.nn.Module, loaded, record_on: Callable):
-    """Trace stage `spec.stage` (0 when None) of `spec.pp`: `record_on(spec, stage module, the stage's
-    LoadedModel, its layers, step_of=...)` (trace.py `_record_on`) inside `sharding.fake_rank(P, k)`. Returns what
-    `record_on` returns; the recorder's `pipeline` holds the stage's `StageTrace`. Raises UsageError (a model not
-    cut this way, a bad split, a schedule not modelled)."""
+def record_stage(spec: RunSpec, loaded, record_on: Callable, traced_layers: int | None = None):
+    """Trace stage `spec.stage` (0 when None) of `spec.pp` of `loaded.model`: `record_on(spec, stage module, the
+    stage's LoadedModel, its layers, step_of=...)` (trace.py `_record_on`) inside `sharding.fake_rank(P, k)`; with
+    `traced_layers`, the stage keeps only its first that many layers (`stage_plan`: the rest rebuilt by layer
+    replication). Returns what `record_on` returns; the recorder's `pipeline` holds the stage's `StageTrace`.
+    Raises UsageError (a model not cut this way, a bad split, a schedule not modelled)."""
+    model = loaded.model
     from .kernels import KernelPolicyMode
     from .sharding import fake_rank
 
@@ -261,7 +289,7 @@ def record_stage(spec: RunSpec, model: torch.nn.Module, loaded, record_on: Calla
     vocab = model.config.get_text_config().vocab_size
     loss_fn = functools.partial(model.loss_function, vocab_size=vocab)
     with fake_rank(P, k):
-        sub = cut(model, split, k)
+        sub = cut(model, split, k, traced_layers)
         stage, sched = build_stage(spec, sub, k, micro, outs, loss_fn)
         inputs = {"input_ids": ids} if first else {"labels": labels} if last else {}
         stage_loaded = replace(loaded, model=sub, inputs=inputs, args=(), held={}, layer_plan=None,

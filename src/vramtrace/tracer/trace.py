@@ -264,8 +264,9 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
     if spec.pp is not None:  # one stage of a pipeline, on a fake rank of spec.pp (tracer/pipelining.py)
         from .pipelining import record_stage
 
-        return record_stage(spec, model, loaded, lambda s, m, ld, layers, step_of: _record_on(
-            s, m, ld, say, layers, False, stop_after, step_of=step_of))
+        traced = TRACED_LAYERS if model is loaded.traced_model and model is not None else None
+        return record_stage(spec, loaded, lambda s, m, ld, layers, step_of: _record_on(
+            s, m, ld, say, layers, False, stop_after, step_of=step_of), traced)
     if spec.ddp is not None:
         with fake_rank(spec.ddp, 0):  # every DDP rank runs the same program
             model = copy.deepcopy(model)  # the reducer hooks the parameters' gradient accumulators
@@ -508,7 +509,11 @@ def _trace_error(e: Exception, rec: StepRecorder) -> VramtraceError:
 def _check_parameters(model: torch.nn.Module, storages: list[RecStorage], spec: RunSpec) -> None:
     """The rebuilt records must hold exactly the full model's parameters (name and bytes; with `spec.fsdp` or
     `spec.tp`, the storages rank `spec.rank` holds of them: `sharding.param_bytes`)."""
-    if spec.world is None or spec.ddp is not None:
+    if spec.pp is not None:  # the traced stage's parameters
+        from .pipelining import stage_parameter_bytes
+
+        want = stage_parameter_bytes(spec, model)
+    elif spec.world is None or spec.ddp is not None:
         want = {n: p.untyped_storage().nbytes() for n, p in model.named_parameters()}
     else:
         want = param_bytes(model, spec, tp_layout(model, spec))
@@ -593,8 +598,10 @@ def _trace_step(spec: RunSpec, loaded: LoadedModel, say: Callable[[str], None], 
     plan, note = (None, "traced every layer") if every_layer else (loaded.layer_plan, loaded.replication_note)
     if plan is not None and spec.ddp is not None:  # the reducer sizes its buckets from every parameter at once
         plan, note = None, "traced every layer (DDP's gradient buckets are built from the whole model's parameters)"
-    if plan is not None and spec.pp is not None:
-        plan, note = None, "traced every layer of the stage"
+    if plan is not None and spec.pp is not None:  # the stage's layers, not the model's (tracer/pipelining.py)
+        from .pipelining import stage_plan
+
+        plan, note = stage_plan(spec, loaded)
     stop_after = None if traced_steps is None else traced_steps + 1  # the prefill makes the first token
     result = None
     if plan is not None:
@@ -605,6 +612,8 @@ def _trace_step(spec: RunSpec, loaded: LoadedModel, say: Callable[[str], None], 
         try:
             ops, storages, new_index = replicate_layers(plan, rec.ops, rec.storages)
             _check_parameters(loaded.model, storages, spec)
+            if rec.pipeline is not None:
+                rec.pipeline.remap(new_index, len(ops))
             marks = [MicroMarks(m.step, m.micro, new_index[m.forward_returned], new_index[m.loss_taken],
                                 new_index[m.body_end]) for m in marks]
             result = ops, storages, marks, _sdpa_counts(policy.sdpa_calls, plan), optimizer is not None
