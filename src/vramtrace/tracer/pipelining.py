@@ -27,6 +27,7 @@ byte, fp32, GPipe and 1F1B, P = 2..4, uneven splits and a 0-layer stage).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import itertools
@@ -86,10 +87,13 @@ def distinct_stages(split: tuple[int, ...], schedule: PipelineSchedule, micro_ba
 class StageModule(torch.nn.Module):
     """A contiguous piece of an HF decoder LM: [embed_tokens] + layers[lo:hi] + [norm + lm_head], its own rotary
     embedding. `forward(x)`: token ids (B, S) int64 on the first stage, else hidden states (B, S, hidden); returns
-    hidden states, or the logits (B, S, vocab) on the last stage."""
+    hidden states, or the logits (B, S, vocab) on the last stage. Its body runs under `self.autocast()` (a mixed
+    precision: autocast around each stage's forward, once per micro-batch, the schedule's loss outside it; so each
+    micro-batch's forward makes its own low-precision weight copies, saved for its backward)."""
 
     def __init__(self, model: torch.nn.Module, lo: int, hi: int, first: bool, last: bool):
         super().__init__()
+        self.autocast = contextlib.nullcontext
         base = model.model
         self.embed_tokens = base.embed_tokens if first else None
         self.layers = torch.nn.ModuleList(base.layers[lo:hi])
@@ -98,14 +102,15 @@ class StageModule(torch.nn.Module):
         self.lm_head = model.lm_head if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(x) if self.embed_tokens is not None else x
-        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        pe = self.rotary_emb(h, position_ids=pos)
-        for layer in self.layers:
-            h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
-        if self.lm_head is not None:
-            h = self.lm_head(self.norm(h))
-        return h
+        with self.autocast():
+            h = self.embed_tokens(x) if self.embed_tokens is not None else x
+            pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+            pe = self.rotary_emb(h, position_ids=pos)
+            for layer in self.layers:
+                h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
+            if self.lm_head is not None:
+                h = self.lm_head(self.norm(h))
+            return h
 
 
 def check_model(model: torch.nn.Module) -> None:
@@ -150,15 +155,15 @@ def stage_outputs(model: torch.nn.Module, split: tuple[int, ...], micro: torch.T
     output's dtype (an autocast output) and `requires_grad` are the real ones (a static `PipelineStage` whose input
     meta did not require grad would run no input-gradient backward and send zeros: stage.py
     `_retrieve_recv_activations`). Each a fresh meta leaf of the output's shape, dtype and requires_grad."""
-    import contextlib
-
     bounds = list(itertools.accumulate(split, initial=0))
     last = len(split) - 1
     outs, h = [], micro
-    autocast = policy.autocast_region() if policy.autocast_dtype is not None else contextlib.nullcontext()
-    with torch.enable_grad(), policy, autocast:
+    with torch.enable_grad(), policy:
         for k in range(len(split)):
-            h = StageModule(model, bounds[k], bounds[k + 1], k == 0, k == last)(h)
+            sub = StageModule(model, bounds[k], bounds[k + 1], k == 0, k == last)
+            if policy.autocast_dtype is not None:
+                sub.autocast = policy.autocast_region
+            h = sub(h)
             outs.append(torch.empty_like(h, device="meta").requires_grad_(h.requires_grad))
             h = h.detach().requires_grad_(h.requires_grad)
     return outs
@@ -233,11 +238,12 @@ def _name_buffers(stage, rec) -> None:
 
 def pipeline_step(spec: RunSpec, sched, stage, ids: torch.Tensor | None, labels: torch.Tensor | None, ctx, rec,
                   info: StageTrace) -> Callable:
-    """The step function of one rank (`trace._record_on`'s `step_of`), as a user's loop writes it:
+    """The step function of one rank (`trace._record_on`'s `step_of`), as a user's loop writes it (a mixed
+    precision's autocast inside each stage forward, `StageModule`):
 
-        with autocast: out = schedule.step(ids)            # stage 0
-                       out = schedule.step(target=labels, losses=[])   # the last stage
-                       out = schedule.step()               # a middle stage
+        out = schedule.step(ids)                        # stage 0
+        out = schedule.step(target=labels, losses=[])   # the last stage
+        out = schedule.step()                           # a middle stage
         del out; optimizer.step(); optimizer.zero_grad()   # no optimizer on a stage without parameters
 
     under the bridges of `feature_bridges.pipelining_on_meta`, which report each micro-step to `info` with the op
@@ -252,7 +258,8 @@ def pipeline_step(spec: RunSpec, sched, stage, ids: torch.Tensor | None, labels:
             rec.set_category(t, Category.PIPELINE_BUFFERS, HELD_SEND)
 
     def step(model, batch, optimizer) -> None:
-        with feature_bridges.pipelining_on_meta(on_micro_step, on_send), ctx.autocast():
+        stage.submod.autocast = ctx.autocast
+        with feature_bridges.pipelining_on_meta(on_micro_step, on_send):
             if ids is not None:
                 out = sched.step(ids)
             elif labels is not None:
