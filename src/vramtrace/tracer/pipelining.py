@@ -85,42 +85,62 @@ def distinct_stages(split: tuple[int, ...], schedule: PipelineSchedule, micro_ba
 
 
 class StageModule(torch.nn.Module):
-    """A contiguous piece of an HF decoder LM: [embed_tokens] + layers[lo:hi] + [norm + lm_head], its own rotary
-    embedding. `forward(x)`: token ids (B, S) int64 on the first stage, else hidden states (B, S, hidden); returns
-    hidden states, or the logits (B, S, vocab) on the last stage. Its body runs under `self.autocast()` (a mixed
-    precision: autocast around each stage's forward, once per micro-batch, the schedule's loss outside it; so each
-    micro-batch's forward makes its own low-precision weight copies, saved for its backward)."""
+    """A contiguous piece of an HF decoder LM: [embeddings] + layers[lo:hi] + [final norm + lm_head].
+    LlamaForCausalLM and its kin: `embed_tokens`, the layers called with (cos, sin) from the stage's own copy of
+    `rotary_emb` (LlamaModel.forward computes them once per forward), `norm`. GPT2LMHeadModel: `wte` + `wpe`
+    (positions arange(S)) then the embedding dropout (GPT2Model.forward), the blocks `h` called as block(h, None,
+    None) (no cache, no mask), `ln_f`. `forward(x)`: token ids (B, S) int64 on the first stage, else hidden states
+    (B, S, hidden); returns hidden states, or the logits (B, S, vocab) on the last stage. Its body runs under
+    `self.autocast()` (a mixed precision: autocast around each stage's forward, once per micro-batch, the
+    schedule's loss outside it; so each micro-batch's forward makes its own low-precision weight copies, saved for
+    its backward)."""
 
     def __init__(self, model: torch.nn.Module, lo: int, hi: int, first: bool, last: bool):
         super().__init__()
         self.autocast = contextlib.nullcontext
-        base = model.model
-        self.embed_tokens = base.embed_tokens if first else None
-        self.layers = torch.nn.ModuleList(base.layers[lo:hi])
-        self.rotary_emb = base.rotary_emb
-        self.norm = base.norm if last else None
+        self.gpt2 = hasattr(model, "transformer")
+        base = model.transformer if self.gpt2 else model.model
+        self.embed_tokens = (base.wte if self.gpt2 else base.embed_tokens) if first else None
+        self.embed_positions = base.wpe if first and self.gpt2 else None
+        self.drop = base.drop if first and self.gpt2 else None
+        self.layers = torch.nn.ModuleList((base.h if self.gpt2 else base.layers)[lo:hi])
+        self.rotary_emb = None if self.gpt2 else base.rotary_emb
+        self.norm = (base.ln_f if self.gpt2 else base.norm) if last else None
         self.lm_head = model.lm_head if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with self.autocast():
             h = self.embed_tokens(x) if self.embed_tokens is not None else x
             pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-            pe = self.rotary_emb(h, position_ids=pos)
-            for layer in self.layers:
-                h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
+            if self.gpt2:
+                if self.embed_positions is not None:
+                    h = self.drop(h + self.embed_positions(pos))
+                for layer in self.layers:
+                    h = layer(h, None, None)
+            else:
+                pe = self.rotary_emb(h, position_ids=pos)
+                for layer in self.layers:
+                    h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
             if self.lm_head is not None:
                 h = self.lm_head(self.norm(h))
             return h
 
 
+_LAYOUTS = {"model": ("embed_tokens", "layers", "rotary_emb", "norm"), "transformer": ("wte", "wpe", "drop", "h",
+                                                                                        "ln_f")}
+
+
 def check_model(model: torch.nn.Module) -> None:
-    """Raise UsageError unless `model` is laid out as the decoder LMs `StageModule` cuts (LlamaForCausalLM and its
-    kin: `model.embed_tokens`, `model.layers`, `model.rotary_emb`, `model.norm`, `lm_head`)."""
-    base = getattr(model, "model", None)
-    parts = ("embed_tokens", "layers", "rotary_emb", "norm")
-    if base is None or not all(hasattr(base, p) for p in parts) or not hasattr(model, "lm_head"):
-        raise UsageError(f"--pp cuts decoder LMs laid out as LlamaForCausalLM (model.embed_tokens, model.layers, "
-                         f"model.rotary_emb, model.norm, lm_head); {type(model).__name__} is not modelled yet")
+    """Raise UsageError unless `model` is laid out as the decoder LMs `StageModule` cuts: LlamaForCausalLM and its
+    kin (`model.embed_tokens`, `model.layers`, `model.rotary_emb`, `model.norm`, `lm_head`) or GPT2LMHeadModel
+    (`transformer.wte`, `wpe`, `drop`, `h`, `ln_f`, `lm_head`)."""
+    if hasattr(model, "lm_head") and any(
+            hasattr(model, base) and all(hasattr(getattr(model, base), p) for p in parts)
+            for base, parts in _LAYOUTS.items()):
+        return
+    raise UsageError(f"--pp cuts decoder LMs laid out as LlamaForCausalLM (model.embed_tokens, model.layers, "
+                     f"model.rotary_emb, model.norm, lm_head) or GPT2LMHeadModel; {type(model).__name__} is not "
+                     "modelled yet")
 
 
 def cut(model: torch.nn.Module, split: tuple[int, ...], k: int, keep: int | None = None) -> StageModule:
@@ -145,7 +165,7 @@ def stage_plan(spec: RunSpec, loaded):
 
 def stage_parameter_bytes(spec: RunSpec, model: torch.nn.Module) -> dict[str, int]:
     """Bytes of each parameter of stage `spec.stage` (0 when None) of `model`, by its name in the stage module."""
-    split = stage_split(spec, len(model.model.layers))
+    split = stage_split(spec, len(model.transformer.h if hasattr(model, "transformer") else model.model.layers))
     return {n: p.untyped_storage().nbytes() for n, p in cut(model, split, spec.stage or 0).named_parameters()}
 
 
