@@ -150,3 +150,9 @@ def test_the_cli_prints_one_line_per_stage(capsys, real_1f1b_3_301):
     last = next(s for s in report.run.pp.stage_peaks if s.stage == 2)
     assert f"stage 2  {format_bytes(last.peak_bytes)} at {last.at}" in out and "stage 0 " not in out
     assert f"({last.peak_bytes:,} bytes)" in out
+
+
+def test_fit_with_pp_is_refused_in_one_line(capsys):
+    r = run_cli(capsys, "fit", LLAMA, "--seq", "8", "--device", "cpu", "--gpu-memory", "3MiB", "--pp", "2")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "Error: `vramtrace fit` with --pp is not supported yet; run the pipeline with --batch and --seq"]

@@ -187,6 +187,12 @@ class RunSpec:
         rank r // tp and TP rank r % tp); None: every distinct rank class (`analyze`).
     ddp: N ranks of PyTorch's DistributedDataParallel (its defaults: 25 MiB gradient buckets, buffers broadcast
         each forward; `tracer/sharding.py`), batch being the per-rank micro-batch; None: one device.
+    pp: P stages of `torch.distributed.pipelining` (manual PipelineStages of a decoder LM, `tracer/pipelining.py`),
+        each traced on a fake rank of P; `batch` is the batch of one `schedule.step`, split into `micro_batches`;
+        None: no pipeline. pp_schedule: `PipelineSchedule` (gpipe and 1f1b traced). micro_batches: M (None: P),
+        `batch` a multiple of it. virtual_stages: stages per rank of interleaved schedules (not modelled yet).
+        pp_split: decoder layers per stage, summing to the model's (None: even, the remainder on the earliest
+        stages). stage: the stage traced and reported (None: every distinct stage, the largest reported).
     compile: the model is `torch.compile(model, mode=compile_mode)` (Inductor; the optimizer eager): the step's
         graphs as Inductor compiles them (`tracer/compiled_step.py`); a CPU target's training step only.
     compile_mode: `COMPILE_MODES`: the Inductor options of torch.compile's `mode` (torch/_inductor/__init__.py

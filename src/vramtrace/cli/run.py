@@ -80,6 +80,8 @@ def _fit_axis(ctx: typer.Context, opts: SimpleNamespace) -> str:
         return getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"
 
     has_seq, has_batch = given("seq"), given("batch")
+    if opts.pp is not None:
+        raise UsageError("`vramtrace fit` with --pp is not supported yet; run the pipeline with --batch and --seq")
     if opts.sweep_grid is not None:
         if has_seq or has_batch:
             raise UsageError("--sweep gives the batches and sequences itself; drop --batch and --seq")

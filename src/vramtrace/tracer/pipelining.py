@@ -59,10 +59,9 @@ def stage_split(spec: RunSpec, num_layers: int) -> tuple[int, ...]:
 
 
 def stage_classes(split: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """The stages grouped by the program they run: the first and the last stage each alone (the embedding, the
-    head and the loss), middle stages with the same number of layers together (the same layers, the same receive
-    and send buffers, the same place in the schedule's order up to their warm-up count... which differs by stage
-    under 1F1B, so a middle stage is grouped only with itself there: see `distinct_stages`)."""
+    """The stages grouped by the modules they hold: the first and the last stage each alone (the embedding, the
+    head and the loss), middle stages with the same number of layers together (the same layers and the same
+    receive and send buffers). Whether they also run the same schedule: `distinct_stages`."""
     groups: dict[tuple, list[int]] = {}
     last = len(split) - 1
     for k, n in enumerate(split):
@@ -126,8 +125,8 @@ class StageModule(torch.nn.Module):
             return h
 
 
-_LAYOUTS = {"model": ("embed_tokens", "layers", "rotary_emb", "norm"), "transformer": ("wte", "wpe", "drop", "h",
-                                                                                        "ln_f")}
+_LAYOUTS = (("model", ("embed_tokens", "layers", "rotary_emb", "norm")),
+            ("transformer", ("wte", "wpe", "drop", "h", "ln_f")))
 
 
 def check_model(model: torch.nn.Module) -> None:
@@ -136,7 +135,7 @@ def check_model(model: torch.nn.Module) -> None:
     (`transformer.wte`, `wpe`, `drop`, `h`, `ln_f`, `lm_head`)."""
     if hasattr(model, "lm_head") and any(
             hasattr(model, base) and all(hasattr(getattr(model, base), p) for p in parts)
-            for base, parts in _LAYOUTS.items()):
+            for base, parts in _LAYOUTS):
         return
     raise UsageError(f"--pp cuts decoder LMs laid out as LlamaForCausalLM (model.embed_tokens, model.layers, "
                      f"model.rotary_emb, model.norm, lm_head) or GPT2LMHeadModel; {type(model).__name__} is not "
@@ -196,12 +195,10 @@ def stage_outputs(model: torch.nn.Module, split: tuple[int, ...], micro: torch.T
 @dataclass(slots=True)
 class StageTrace:
     """What one traced stage's step leaves for the report: the micro-step running at each op (`labels`: (first
-    op index, label, micro-batches in flight) in op order, from `PIPELINE_MICRO_STEPS`), and the receive buffers'
-    and held sends' storages' ids (`recv_sids`, `send_sids`)."""
+    op index, label, micro-batches in flight) in op order, from `PIPELINE_MICRO_STEPS`). The receive buffers and
+    held sends are categorised in the records (`Category.PIPELINE_BUFFERS`, named `RECV_BUFFER...`/`HELD_SEND`)."""
 
     labels: list[tuple[int, str, tuple[int, ...]]] = field(default_factory=list)
-    recv_sids: set[int] = field(default_factory=set)
-    send_sids: set[int] = field(default_factory=set)
 
     def remap(self, new_index: list[int], end: int) -> None:
         """The labels' op indices after layer replication (`new_index`: traced op index -> rebuilt; `end`: the
