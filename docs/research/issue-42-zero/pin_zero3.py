@@ -9,7 +9,7 @@ CASE defaults to zero3-fp32-1e6. Prints the WINDOW events before the peak (level
 from __future__ import annotations
 
 import argparse
-import bisect
+import os
 import sys
 
 import torch
@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import common  # noqa: E402
 
-WINDOW = 40
+WINDOW = int(os.environ.get("PIN_WINDOW", "40"))  # events shown before the peak
 MARKER = 1_234_577
 
 
