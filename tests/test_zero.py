@@ -68,8 +68,10 @@ def test_zero_matches_real_deepspeed_ranks(case, tmp_path):
 def test_oracle_zero1_start_is_the_model_states():
     """The oracle's own check: what the real ZeRO-1 fp32 rank holds between steps is DeepSpeed's documented model
     states, counted from the parameter count alone: the flat bit16 parameters (fp32 here, 4 bytes each), this
-    rank's fp32 master partition (4 bytes x 1/dp) and AdamW's exp_avg and exp_avg_sq of it (8 bytes x 1/dp), plus
-    the step's inputs (ids and labels, int64) and the rotary `inv_freq` buffer (head_dim / 2 fp32)."""
+    rank's fp32 master partition (4 bytes x 1/dp) and AdamW's exp_avg and exp_avg_sq of it (8 bytes x 1/dp); plus
+    the model's buffers (rotary `inv_freq` and `original_inv_freq`), the step's input_ids (int64; the labels are
+    the same tensor), AdamW's `step` (a 0-dim fp32 tensor per param group: one flat partition) and the gradient
+    norm the engine keeps (`_global_grad_norm`, 0-dim fp32)."""
     import torch
     import transformers
 
@@ -78,8 +80,8 @@ def test_oracle_zero1_start_is_the_model_states():
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     params = sum(p.numel() for p in model.parameters())
-    assert params % DP == 0  # no partition padding in this model: every rank holds the same
-    head_dim = config.hidden_size // config.num_attention_heads
-    expected = 4 * params + (4 + 8) * params // DP + 2 * BATCH * SEQ * 8 + head_dim // 2 * 4
+    assert params % (2 * DP) == 0  # no partition padding in this model: every rank holds the same
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    expected = 4 * params + (4 + 8) * params // DP + buffers + BATCH * SEQ * 8 + 4 + 4
     for real in _real(CASES[0]):
         assert real["start"] == expected, (real, expected)

@@ -9,8 +9,8 @@ in fp32, random weights (seed 0), as a user builds it; the ds_config of `zero_ds
 rank, gradient accumulation 1, `torch.optim.AdamW` through the optimizer block's `"torch_adam": true`,
 `zero_optimization.stage`, optional `reduce_bucket_size` and `offload_optimizer {device, pin_memory: false}`,
 `bf16.enabled` for precision bf16); the step as the DeepSpeed tutorial and HF Trainer run it
-(`loss = engine(input_ids=ids, labels=labels).loss; engine.backward(loss); engine.step()`), `seq` tokens of ids
-drawn with seed 1, the labels the ids.
+(`loss = engine(**inputs).loss; engine.backward(loss); engine.step()`), the inputs tests/oracle.py `hf_batch` feeds
+the head (a causal LM: input_ids (batch, seq) and labels, the same tensor).
 
 Each rank is a process forked from a fork server that has imported torch, transformers and deepspeed once; the
 ranks meet over gloo (`deepspeed.initialize` initialises torch.distributed from RANK/WORLD_SIZE/MASTER_ADDR/...).
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from oracle import _GlooThreadsSettle, _quiet_fd2, _thread_ids, hf_config, hf_model
+from oracle import _GlooThreadsSettle, _quiet_fd2, _thread_ids, hf_batch, hf_config, hf_model
 
 MARKER_BYTES = 1_234_577  # as tests/oracle.py: a size no tiny case allocates
 PRECISIONS = ("fp32", "bf16")
@@ -67,12 +67,6 @@ def _set_env(rank: int, world: int, port: int) -> None:
     os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), CROSS_RANK="0", CROSS_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-
-
-def _inputs(vocab: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    torch.manual_seed(1)
-    ids = torch.randint(0, vocab, (batch, seq))
-    return ids, ids.clone()
 
 
 def _levels(prof, markers: int) -> list[tuple[int, int, int]]:
@@ -121,20 +115,20 @@ def _rank_main(rank: int, world: int, case: dict, out_dir: str) -> None:
         with _quiet_fd2(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                   profile_memory=True) as prof:
             model = hf_model(config, torch.float32)
-            ids, labels = _inputs(config.vocab_size, case["batch"], case["seq"])
+            inputs = hf_batch(model, config, case["batch"], case["seq"], True, None, torch.float32)
             with settle:
                 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                   config=case["ds_config"])
             del model
             for _ in range(case["warmup"]):
                 with settle:
-                    _step(engine, ids, labels)
+                    _step(engine, inputs)
             for _ in range(case["measured"]):
                 starts.append(_gc_bytes() - base)
                 marker = torch.empty(MARKER_BYTES, dtype=torch.uint8)  # a sentinel in the same event stream
                 del marker
                 with settle:
-                    _step(engine, ids, labels)
+                    _step(engine, inputs)
         result["steps"] = [dict(start=start, event_start=level, increase=peak - level, net=end - level)
                            for start, (level, peak, end) in zip(starts, _levels(prof, case["measured"]))]
         import deepspeed.comm as dist
@@ -208,9 +202,9 @@ def measure_zero_peaks(model_config, *, stage: int, dp: int = 2, precision: str 
     return out
 
 
-def _step(engine, ids, labels) -> None:
+def _step(engine, inputs: dict) -> None:
     """One DeepSpeed training step as the DeepSpeed tutorial and HF Trainer run it."""
-    loss = engine(input_ids=ids, labels=labels).loss
+    loss = engine(**inputs).loss
     engine.backward(loss)
     engine.step()
 
