@@ -95,6 +95,7 @@ def _rank_main(rank: int, world: int, case: dict, out_dir: str) -> None:
     import traceback
 
     result: dict = {}
+    times = [("fork", time.monotonic())]
     try:
         _set_env(rank, world, case["port"])
         torch.set_num_threads(1)  # the ranks share the machine's cores
@@ -109,6 +110,7 @@ def _rank_main(rank: int, world: int, case: dict, out_dir: str) -> None:
         # and is JIT-compiled on first use (minutes); its buffers are shared memory, not the allocator's. The
         # probed-ops dict is DeepSpeed's own switch for it (deepspeed/ops/__init__.py: "edits to it persist").
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        times.append(("import", time.monotonic()))
         config = hf_config(case["model"])
         settle, starts = _AllThreadsSettle(), []
         base = _gc_bytes()
@@ -120,6 +122,7 @@ def _rank_main(rank: int, world: int, case: dict, out_dir: str) -> None:
                 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                   config=case["ds_config"])
             del model
+            times.append(("build+initialize", time.monotonic()))
             for _ in range(case["warmup"]):
                 with settle:
                     _step(engine, inputs)
@@ -129,6 +132,8 @@ def _rank_main(rank: int, world: int, case: dict, out_dir: str) -> None:
                 del marker
                 with settle:
                     _step(engine, inputs)
+        times.append(("steps", time.monotonic()))
+        result["seconds"] = {name: round(t - times[i][1], 1) for i, (name, t) in enumerate(times[1:])}
         result["steps"] = [dict(start=start, event_start=level, increase=peak - level, net=end - level)
                            for start, (level, peak, end) in zip(starts, _levels(prof, case["measured"]))]
         import deepspeed.comm as dist
@@ -178,7 +183,8 @@ def measure_zero_peaks(model_config, *, stage: int, dp: int = 2, precision: str 
                        timeout: float = 600.0) -> list[dict]:
     """Each rank's (index = rank) steady training step of the case run for real by `dp` DeepSpeed processes over
     gloo: {"start": bytes alive at the measured step's start, "increase": the step's peak over it, "peak": start +
-    increase}. `ds_config` (else `zero_ds_config(...)` of the other arguments) is DeepSpeed's config dict.
+    increase, "event_start": the events' running sum there, "seconds": the rank's phases}. `ds_config` (else
+    `zero_ds_config(...)` of the other arguments) is DeepSpeed's config dict.
 
     The measured step is the first of `measured` after `warmup` whose allocator events add up to zero (a steady
     step ends where it started; a free that a gloo worker thread makes has no event and leaves the sum above zero,
@@ -198,7 +204,7 @@ def measure_zero_peaks(model_config, *, stage: int, dp: int = 2, precision: str 
             raise RuntimeError(f"zero oracle: rank {rank} has no clean step (events not summing to 0): {steps}")
         s = clean[0]
         out.append(dict(rank=rank, start=s["start"], increase=s["increase"], peak=s["start"] + s["increase"],
-                        event_start=s["event_start"]))
+                        event_start=s["event_start"], seconds=res["seconds"]))
     return out
 
 
@@ -234,7 +240,8 @@ def run_ranks(case: dict, world: int, timeout: float = 600.0) -> list[dict]:
             while pending and not failed:
                 ready = multiprocessing.connection.wait(list(pending), timeout=max(deadline - time.monotonic(), 0))
                 if not ready:
-                    raise TimeoutError(f"zero oracle: timed out after {timeout:.0f}s (ranks {sorted(pending.values())})")
+                    running = sorted(pending.values())
+                    raise TimeoutError(f"zero oracle: timed out after {timeout:.0f}s (ranks {running} still running)")
                 for sentinel in ready:
                     r = pending.pop(sentinel)
                     procs[r].join()

@@ -59,7 +59,8 @@ def report_real(prof):
         inner.sort(key=lambda o: o.duration_ns())
         names = " < ".join(o.name() for o in inner[:3])
         stack = [s for o in inner for s in o.stack() if "deepspeed" in s][:2]
-        print(f"{'*' if i == peak_i else ' '}{i:5d} {levels[i]:>10,} {e.nbytes():>+10,} tid={e.start_thread_id()} {names} | {stack}")
+        mark = "*" if i == peak_i else " "
+        print(f"{mark}{i:5d} {levels[i]:>10,} {e.nbytes():>+10,} tid={e.start_thread_id()} {names} | {stack}")
 
 
 def fake_run(model_name, case):
