@@ -10,7 +10,7 @@ The grid: tiny-llama-gqa and tiny-gpt2 (fixtures/configs), batch 2 x seq 32 per 
 (`bf16.enabled`); DeepSpeed's default `reduce_bucket_size` (5e8 elements) and 1e6: 32 cases.
 Columns: the real per-rank start (bytes alive at the measured step's start) and peak (tests/zero_oracle.py
 `measure_zero_peaks`), vramtrace's per-rank prediction (`analyze(RunSpec(..., device="cpu", zero=S, dp=2, rank=r,
-deepspeed_config=<the same ds_config>))`), and the error in %. Prints a Markdown table (docs/accuracy.md,
+deepspeed_config=<the same ds_config>))`), and the error in bytes and %. Prints a Markdown table (docs/accuracy.md,
 "DeepSpeed ZeRO").
 """
 
@@ -76,7 +76,8 @@ def main() -> None:
                                       offload_optimizer=offload)
             for r in real:
                 predicted = None if args.real_only else predict(case, r["rank"], tmp)
-                error = "" if predicted is None else f"{(predicted - r['peak']) / r['peak']:+.3%}"
+                diff = None if predicted is None else predicted - r["peak"]
+                error = "" if diff is None else f"{diff:+,} B ({diff / r['peak']:+.4%})"
                 shown = "" if predicted is None else f"{predicted:,}"
                 print(f"| {name(case)} | {r['rank']} | {r['start']:,} | {r['peak']:,} | {shown} | {error} |",
                       flush=True)
