@@ -40,6 +40,11 @@ HERE = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("real_pp", HERE / "real_pp.py")
 real_pp = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(real_pp)
+# tests/pp_oracle.py: the same cut for Llama-like models and GPT-2, and bf16-mixed (autocast inside each stage's
+# forward); --config uses its builder, so the prototype and the oracle build the very same stage
+_spec = importlib.util.spec_from_file_location("pp_oracle", HERE.parents[2] / "tests" / "pp_oracle.py")
+pp_oracle = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pp_oracle)
 
 
 class Tracker(TorchDispatchMode):
@@ -84,9 +89,14 @@ class CpuSdpa(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and args[0].device.type == "meta":
             q, k, v = args[:3]
-            assert kwargs.get("attn_mask") is None and kwargs.get("dropout_p", 0.0) == 0.0
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, kwargs.get("is_causal", False), scale=kwargs.get("scale"))[0]
+            assert kwargs.get("attn_mask") is None
+            dropout = kwargs.get("dropout_p", 0.0)
+            tiny = [torch.empty(t.shape[:-2] + (2, t.shape[-1]), dtype=t.dtype) for t in (q, k, v)]
+            # the CPU's own choice (flash, or math when dropout is on: 0 = MATH, 1 = FLASH_ATTENTION)
+            if torch._fused_sdp_choice(*tiny, None, dropout, kwargs.get("is_causal", False),
+                                       scale=kwargs.get("scale"), enable_gqa=kwargs.get("enable_gqa", False)) == 1:
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, dropout, kwargs.get("is_causal", False), scale=kwargs.get("scale"))[0]
         return func(*args, **kwargs)
 
 
@@ -114,17 +124,24 @@ def make_stage(args, k, device):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     with torch.device(device):
-        sub, loss_fn, ids = real_pp.build(args, k)
+        if args.config:
+            sub, loss_fn, ids = pp_oracle._build(args, k)
+        else:
+            sub, loss_fn, ids = real_pp.build(args, k)
     ids = ids.to(device)
     mb = args.batch // args.micro_batches
-    hidden = torch.empty(mb, args.seq, sub.rotary_emb.config.hidden_size, device=device)
+    config = pp_oracle._config(args.config) if args.config else sub.rotary_emb.config
+    hidden = torch.empty(mb, args.seq, config.hidden_size, device=device)
     first, last = k == 0, k == args.pp - 1
     # the activation received requires grad (the previous stage's output does): dynamic inference records that,
     # and with a tensor_meta of requires_grad=False the stage would run no input-gradient backward and send zeros
     received = hidden.detach().requires_grad_(True)
+    # the logits' dtype: the autocast dtype under bf16-mixed (lm_head runs under autocast), the hidden states'
+    # stay fp32 (the residual stream: fp32 + bf16 promotes)
+    logits_dtype = pp_oracle.PRECISIONS.get(getattr(args, "precision", "fp32")) or torch.float32
     stage = PipelineStage(sub, k, args.pp, torch.device(device),
                           input_args=ids[:mb] if first else received,
-                          output_args=torch.empty(mb, args.seq, sub.rotary_emb.config.vocab_size, device=device)
+                          output_args=torch.empty(mb, args.seq, config.vocab_size, device=device, dtype=logits_dtype)
                           if last else hidden,
                           output_grads=None if last else hidden, input_grads=None if first else hidden)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
@@ -245,12 +262,18 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--mode", choices=("meta", "cpu"), default="meta")
+    p.add_argument("--config", default=None, help="a config JSON (tests/pp_oracle.py's cut); else tiny-llama-gqa")
+    p.add_argument("--precision", choices=tuple(pp_oracle.PRECISIONS), default="fp32")
     p.add_argument("--stage", type=int, default=None)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.config:
+        cfg = json.loads(Path(args.config).read_text())
+        args.layers = cfg.get("num_hidden_layers", cfg.get("n_layer"))
     args.split_list = ([int(x) for x in args.split.split(",")] if args.split
                        else real_pp.even_split(args.layers, args.pp))
+    args.split = args.split_list  # pp_oracle._build reads `split`
     stages = [args.stage] if args.stage is not None else range(args.pp)
     rows = [predict_stage(args, k) for k in stages]
     for r in rows:
