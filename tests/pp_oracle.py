@@ -1,6 +1,6 @@
 """Ground truth for pipeline parallelism: a REAL multi-process gloo run of torch.distributed.pipelining, per stage.
 
-Like tests/oracle.py this module imports nothing from vramtrace (tests/test_import_graph.py checks it): the model,
+Like tests/oracle.py this module imports nothing from vramtrace (tests/test_oracle_independent.py checks it): the model,
 the cut into stages, the loss, the schedule, the optimizer and the loop are all written out here from public APIs.
 
 `measure_pp_peaks(config_path, pp=P, schedule="gpipe"|"1f1b", split=(...), micro_batches=M, batch=B, seq=S,
