@@ -22,7 +22,9 @@ stage = rank):
   `loss_fn`; the labels are the input ids, passed as `target=` to the last stage.
 - the schedule: `ScheduleGPipe` / `Schedule1F1B(stage, n_microbatches=M, loss_fn=loss_fn)` with their defaults
   (`scale_grads=True`, `return_outputs=True`), the stage `PipelineStage(module, rank, P, cpu)` with dynamic metadata
-  inference (no `input_args`), `batch` rows per step split into M micro-batches.
+  inference (no `input_args`), `batch` rows per step split into M micro-batches. "interleaved-1f1b":
+  `ScheduleInterleaved1F1B([stages], ...)` with V virtual stages per rank (P * V stages, rank r holding stages r,
+  r + P, ..., torch's loop placement), one AdamW over the rank's parameters; figures are then per rank.
 - precision "bf16-mixed": fp32 weights and `torch.autocast("cpu", dtype=torch.bfloat16)` around the body of each
   stage's forward (`_Stage.forward`): each rank autocasts its own piece of the model, as tests/oracle.py autocasts the
   whole model's forward for one process. The schedule calls `loss_fn` on the last stage's output outside that
@@ -49,6 +51,7 @@ import gc
 import itertools
 import json
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -56,7 +59,7 @@ from pathlib import Path
 import torch
 
 MARKER_BYTES = 1_234_577  # a size no tiny case allocates: marks where the measured step starts
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 PRECISIONS = {"fp32": None, "bf16-mixed": torch.bfloat16}
 
 
@@ -117,8 +120,14 @@ class _Stage(torch.nn.Module):
         return h
 
 
+def _stage_indices(case, rank: int) -> list[int]:
+    """The stages `rank` holds: itself, or with V virtual stages rank, rank + P, ..., rank + (V - 1) P (the
+    interleaved schedules' loop placement, torch's `ScheduleInterleaved1F1B` stage_index = rank + i * P)."""
+    return [rank + v * case.pp for v in range(case.virtual_stages)]
+
+
 def _build(case, rank: int):
-    """(stage module, loss_fn, input ids) of `rank`; the rest of the model dropped."""
+    """([stage module of each stage `rank` holds], loss_fn, input ids); the rest of the model dropped."""
     import transformers
 
     config = _config(case.config)
@@ -126,13 +135,15 @@ def _build(case, rank: int):
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model.train()
     bounds = list(itertools.accumulate(case.split, initial=0))
-    sub = _Stage(model, bounds[rank], bounds[rank + 1], rank == 0, rank == case.pp - 1, PRECISIONS[case.precision])
+    last = len(case.split) - 1
+    subs = [_Stage(model, bounds[k], bounds[k + 1], k == 0, k == last, PRECISIONS[case.precision])
+            for k in _stage_indices(case, rank)]
     loss_fn = functools.partial(model.loss_function, vocab_size=config.vocab_size)
     torch.manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (case.batch, case.seq))
     del model
     gc.collect()
-    return sub, loss_fn, ids
+    return subs, loss_fn, ids
 
 
 class _NoOptimizer:
@@ -147,25 +158,31 @@ class _NoOptimizer:
         pass
 
 
-def _instrument(stage, opt) -> None:
-    """`record_function` ranges around each micro-step and the optimizer step (they allocate nothing)."""
+def _instrument(stages, opt, virtual: bool) -> None:
+    """`record_function` ranges around each micro-step ("F<i>", "B<i>"; with virtual stages "F<i>@<stage>") and
+    the optimizer step (they allocate nothing)."""
     from torch.profiler import record_function
 
-    fwd, bwd, ostep = stage.forward_one_chunk, stage.backward_one_chunk, opt.step
+    for stage in stages:
+        where = f"@{stage.stage_index}" if virtual else ""
+        fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
 
-    def f(i, *a, **k):
-        with record_function(f"F{i}"):
-            return fwd(i, *a, **k)
+        def f(i, *a, _fwd=fwd, _where=where, **k):
+            with record_function(f"F{i}{_where}"):
+                return _fwd(i, *a, **k)
 
-    def b(i, *a, **k):
-        with record_function(f"B{i}"):
-            return bwd(i, *a, **k)
+        def b(i, *a, _bwd=bwd, _where=where, **k):
+            with record_function(f"B{i}{_where}"):
+                return _bwd(i, *a, **k)
+
+        stage.forward_one_chunk, stage.backward_one_chunk = f, b
+    ostep = opt.step
 
     def s(*a, **k):
         with record_function("opt"):
             return ostep(*a, **k)
 
-    stage.forward_one_chunk, stage.backward_one_chunk, opt.step = f, b, s
+    opt.step = s
 
 
 def _storage_bytes(tensors) -> int:
@@ -179,31 +196,34 @@ def _storage_bytes(tensors) -> int:
     return total
 
 
-def _recv_buffers(stage):
-    for infos in list(stage.args_recv_info.values()) + list(getattr(stage, "grad_recv_info", {}).values()):
-        for info in infos:
-            if getattr(info, "buffer", None) is not None:
-                yield info.buffer
+def _recv_buffers(stages):
+    for stage in stages:
+        for infos in list(stage.args_recv_info.values()) + list(getattr(stage, "grad_recv_info", {}).values()):
+            for info in infos:
+                if getattr(info, "buffer", None) is not None:
+                    yield info.buffer
 
 
-def _alive(sub, stage, opt, inputs):
-    """Every tensor the stage, its schedule caches, its optimizer and the loop keep between steps."""
+def _alive(subs, stages, opt, inputs):
+    """Every tensor the rank's stages, their schedule caches, the optimizer and the loop keep between steps."""
     from torch.utils._pytree import tree_leaves
 
-    yield from sub.parameters()
-    yield from sub.buffers()
-    yield from (p.grad for p in sub.parameters())
+    for sub in subs:
+        yield from sub.parameters()
+        yield from sub.buffers()
+        yield from (p.grad for p in sub.parameters())
     for st in opt.state.values():
         yield from st.values()
     yield from inputs
-    for buffer in _recv_buffers(stage):
+    for buffer in _recv_buffers(stages):
         yield buffer
         yield buffer.grad
-    yield from tree_leaves(list(stage.output_chunks))
-    for out, ins in stage.fwd_cache.values():
-        yield from tree_leaves(out)
-        yield from tree_leaves(ins)
-    yield from tree_leaves(list(stage.bwd_cache.values()))
+    for stage in stages:
+        yield from tree_leaves(list(stage.output_chunks))
+        for out, ins in stage.fwd_cache.values():
+            yield from tree_leaves(out)
+            yield from tree_leaves(ins)
+        yield from tree_leaves(list(stage.bwd_cache.values()))
 
 
 def _profile(step, warm_steps: int):
@@ -218,7 +238,7 @@ def _profile(step, warm_steps: int):
     events = prof.profiler.kineto_results.events()
     memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
     ranges = [(e.start_ns(), e.start_ns() + e.duration_ns(), e.name()) for e in events
-              if (e.name()[:1] in "FB" and e.name()[1:].isdigit()) or e.name() == "opt"]
+              if re.fullmatch(r"[FB]\d+(@\d+)?|opt", e.name())]
     return [(e.nbytes(), e.start_ns()) for e in memory], ranges
 
 
@@ -239,21 +259,22 @@ def _levels(memory) -> tuple[int, int, int, int, int]:
     return total, before, before if peak is None else peak, peak_t, level
 
 
-def _measure(sub, stage, opt, inputs, step, attempts: int) -> dict:
+def _measure(subs, stages, opt, inputs, step, attempts: int) -> dict:
     """Profiled steps until clean on every rank (see the module docstring); the stage's figures."""
     import torch.distributed as dist
 
     warm_steps = 2
     for _ in range(attempts):
-        start = _storage_bytes(_alive(sub, stage, opt, inputs))
+        start = _storage_bytes(_alive(subs, stages, opt, inputs))
         memory, ranges = _profile(step, warm_steps)
         total, before, peak, peak_t, end_level = _levels(memory)
-        lost = start + total - _storage_bytes(_alive(sub, stage, opt, inputs))
+        lost = start + total - _storage_bytes(_alive(subs, stages, opt, inputs))
         result = {"stage": dist.get_rank(), "peak_bytes": start + peak, "at_step_start": start + before,
                   "at": next((name for s, e, name in reversed(ranges) if s <= (peak_t or -1) <= e), "loop"),
                   "lost": lost, "steady": end_level - before,
-                  "recv_buffer_bytes": _storage_bytes(_recv_buffers(stage)),
-                  "params_bytes": _storage_bytes(sub.parameters())}
+                  "recv_buffer_bytes": _storage_bytes(_recv_buffers(stages)),
+                  "params_bytes": _storage_bytes(p for sub in subs for p in sub.parameters()),
+                  "stages": [stage.stage_index for stage in stages]}
         clean = torch.tensor([int(lost == 0 and result["steady"] == 0)])
         dist.all_reduce(clean, op=dist.ReduceOp.MIN)
         if clean.item():
@@ -270,17 +291,25 @@ def _rank_main(rank: int, case, init_file: str, out_dir: str) -> None:
     warnings.filterwarnings("ignore")
     try:
         import torch.distributed as dist
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
 
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=case.pp)
         try:
-            sub, loss_fn, ids = _build(case, rank)
-            first, last = rank == 0, rank == case.pp - 1
-            stage = PipelineStage(sub, rank, case.pp, torch.device("cpu"))
-            cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[case.schedule]
-            sched = cls(stage, n_microbatches=case.micro_batches, loss_fn=loss_fn)
-            opt = torch.optim.AdamW(sub.parameters()) if list(sub.parameters()) else _NoOptimizer()
-            _instrument(stage, opt)
+            subs, loss_fn, ids = _build(case, rank)
+            n_stages = len(case.split)
+            indices = _stage_indices(case, rank)
+            first, last = 0 in indices, n_stages - 1 in indices
+            stages = [PipelineStage(sub, k, n_stages, torch.device("cpu")) for sub, k in zip(subs, indices)]
+            if case.schedule == "interleaved-1f1b":
+                sched = ScheduleInterleaved1F1B(stages, n_microbatches=case.micro_batches, loss_fn=loss_fn)
+            else:
+                cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[case.schedule]
+                sched = cls(stages[0], n_microbatches=case.micro_batches, loss_fn=loss_fn)
+            # one optimizer over the rank's parameters (all its stages'), none when it holds none
+            params = [p for sub in subs for p in sub.parameters()]
+            opt = torch.optim.AdamW(params) if params else _NoOptimizer()
+            _instrument(stages, opt, case.virtual_stages > 1)
 
             def step():
                 if first:
@@ -293,7 +322,7 @@ def _rank_main(rank: int, case, init_file: str, out_dir: str) -> None:
                 opt.step()
                 opt.zero_grad()
 
-            result = _measure(sub, stage, opt, [ids] if first or last else [], step, case.attempts)
+            result = _measure(subs, stages, opt, [ids] if first or last else [], step, case.attempts)
         finally:
             dist.destroy_process_group()
     except BaseException:
@@ -301,37 +330,44 @@ def _rank_main(rank: int, case, init_file: str, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def _case(config_path, pp, schedule, split, micro_batches, batch, seq, precision, attempts):
+def _case(config_path, pp, schedule, split, micro_batches, batch, seq, precision, attempts, virtual_stages):
     import types
 
     if schedule not in SCHEDULES:
         raise ValueError(f"oracle: schedule {schedule!r} is not one of {SCHEDULES}")
+    virtual_stages = virtual_stages or (2 if schedule == "interleaved-1f1b" else 1)
+    if (virtual_stages > 1) != (schedule == "interleaved-1f1b"):
+        raise ValueError("oracle: virtual stages (more than one stage per rank) go with interleaved-1f1b only")
     if precision not in PRECISIONS:
         raise ValueError(f"oracle: precision {precision!r} is not one of {tuple(PRECISIONS)}")
     cfg = json.loads(Path(config_path).read_text())
     layers = cfg.get("num_hidden_layers", cfg.get("n_layer"))
-    split = list(split) if split is not None else even_split(layers, pp)
-    if len(split) != pp or sum(split) != layers or min(split) < 0:
-        raise ValueError(f"oracle: split {split} must give {pp} stages summing to the {layers} layers")
+    n_stages = pp * virtual_stages
+    split = list(split) if split is not None else even_split(layers, n_stages)
+    if len(split) != n_stages or sum(split) != layers or min(split) < 0:
+        raise ValueError(f"oracle: split {split} must give {n_stages} stages summing to the {layers} layers")
     if batch % micro_batches:
         raise ValueError(f"oracle: batch {batch} is not a multiple of micro_batches {micro_batches}")
     return types.SimpleNamespace(config=str(config_path), pp=pp, schedule=schedule, split=split,
                                  micro_batches=micro_batches, batch=batch, seq=seq, precision=precision,
-                                 attempts=attempts)
+                                 attempts=attempts, virtual_stages=virtual_stages)
 
 
 def measure_pp_peaks(config_path, *, pp: int, schedule: str = "1f1b", split=None, micro_batches: int | None = None,
-                     batch: int = 8, seq: int = 32, precision: str = "fp32", attempts: int = 5,
-                     timeout: float = 600.0) -> list[dict]:
-    """Each stage's figures (index = stage) of the pipeline step run for real on P gloo CPU ranks (module
-    docstring). `micro_batches` None means M = P. Raises RuntimeError when a rank fails or stays unclean,
-    TimeoutError past `timeout` seconds."""
+                     batch: int = 8, seq: int = 32, precision: str = "fp32", virtual_stages: int | None = None,
+                     attempts: int = 5, timeout: float = 600.0) -> list[dict]:
+    """Each stage's figures (index = stage = rank) of the pipeline step run for real on P gloo CPU ranks (module
+    docstring). `micro_batches` None means M = P. "interleaved-1f1b": `ScheduleInterleaved1F1B` with
+    `virtual_stages` V (default 2) stages per rank, rank r holding stages r, r + P, ...; `split` then gives the
+    layers of each of the P * V stages, and each entry is a rank's (its `stages` listed). Raises ValueError for a
+    case it cannot run, RuntimeError when a rank fails or stays unclean, TimeoutError past `timeout` seconds."""
     import multiprocessing as mp
     import multiprocessing.connection
     import tempfile
     import time
 
-    case = _case(config_path, pp, schedule, split, micro_batches or pp, batch, seq, precision, attempts)
+    case = _case(config_path, pp, schedule, split, micro_batches or pp, batch, seq, precision, attempts,
+                 virtual_stages)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__, "transformers.modeling_utils", "torch.distributed.pipelining",
                                 "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"])
