@@ -30,18 +30,21 @@ def main(argv):
     p.add_argument("split", nargs="?", default="-")
     p.add_argument("precision", nargs="?", default="fp32")
     p.add_argument("--mode", default="meta")
+    p.add_argument("--virtual-stages", type=int, default=None)
     p.add_argument("--batch", type=int, default=None, help="default: 2 rows per micro-batch")
     p.add_argument("--seq", type=int, default=32)
     a = p.parse_args(argv)
     batch = a.batch or 2 * a.m
     split = None if a.split == "-" else [int(x) for x in a.split.split(",")]
     real = pp_oracle.measure_pp_peaks(a.config, pp=a.pp, schedule=a.schedule, split=split, micro_batches=a.m,
-                                      batch=batch, seq=a.seq, precision=a.precision)
+                                      batch=batch, seq=a.seq, precision=a.precision,
+                                      virtual_stages=a.virtual_stages)
     cfg = json.loads(Path(a.config).read_text())
     layers = cfg.get("num_hidden_layers", cfg.get("n_layer"))
     args = argparse.Namespace(pp=a.pp, schedule=a.schedule, micro_batches=a.m, layers=layers, batch=batch,
                               seq=a.seq, mode=a.mode, config=a.config, precision=a.precision,
-                              split=split or pp_oracle.even_split(layers, a.pp))
+                              virtual_stages=a.virtual_stages or 1,
+                              split=split or pp_oracle.even_split(layers, a.pp * (a.virtual_stages or 1)))
     args.split_list = args.split
     for k, r in enumerate(real):
         s = static_pp.predict_stage(args, k)

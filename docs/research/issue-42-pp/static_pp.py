@@ -120,52 +120,63 @@ def static_vote(stages, has_backward, p2p_done):
 
 
 def make_stage(args, k, device):
-    """(stage module, PipelineStage, schedule, optimizer, input ids) of stage k on `device`, static metadata."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """([stage modules], [PipelineStages], schedule, optimizer, input ids) of rank k on `device`, static metadata:
+    one stage, or with --virtual-stages V the stages k, k + P, ... under ScheduleInterleaved1F1B."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+    if args.virtual_stages > 1:
+        with torch.device(device):
+            subs, loss_fn, ids = pp_oracle._build(args, k)
+        ids = ids.to(device)
+        n_stages = len(args.split_list)
+        stages = [_static_stage(args, sub, s, n_stages, ids, device)
+                  for sub, s in zip(subs, pp_oracle._stage_indices(args, k))]
+        sched = ScheduleInterleaved1F1B(stages, n_microbatches=args.micro_batches, loss_fn=loss_fn)
+        sched._warmup_p2p = static_vote
+        params = [p for sub in subs for p in sub.parameters()]
+        opt = torch.optim.AdamW(params) if params else real_pp.NoOptimizer()
+        return subs, stages, sched, opt, ids
     with torch.device(device):
         if args.config:
-            sub, loss_fn, ids = pp_oracle._build(args, k)
+            subs, loss_fn, ids = pp_oracle._build(args, k)
+            sub = subs[0]
         else:
             sub, loss_fn, ids = real_pp.build(args, k)
     ids = ids.to(device)
+    stage = _static_stage(args, sub, k, args.pp, ids, device)
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
+    sched = cls(stage, n_microbatches=args.micro_batches, loss_fn=loss_fn)
+    sched._warmup_p2p = static_vote
+    opt = torch.optim.AdamW(sub.parameters()) if list(sub.parameters()) else real_pp.NoOptimizer()
+    return [sub], [stage], sched, opt, ids
+
+
+def _static_stage(args, sub, k, n_stages, ids, device):
+    """PipelineStage k of n_stages with static metadata (micro-batch-shaped inputs/outputs/gradients)."""
+    from torch.distributed.pipelining import PipelineStage
+
     mb = args.batch // args.micro_batches
     config = pp_oracle._config(args.config) if args.config else sub.rotary_emb.config
     hidden = torch.empty(mb, args.seq, config.hidden_size, device=device)
-    first, last = k == 0, k == args.pp - 1
+    first, last = k == 0, k == n_stages - 1
     # the activation received requires grad (the previous stage's output does): dynamic inference records that,
     # and with a tensor_meta of requires_grad=False the stage would run no input-gradient backward and send zeros
     received = hidden.detach().requires_grad_(True)
     # the logits' dtype: the autocast dtype under bf16-mixed (lm_head runs under autocast), the hidden states'
     # stay fp32 (the residual stream: fp32 + bf16 promotes)
     logits_dtype = pp_oracle.PRECISIONS.get(getattr(args, "precision", "fp32")) or torch.float32
-    stage = PipelineStage(sub, k, args.pp, torch.device(device),
+    return PipelineStage(sub, k, n_stages, torch.device(device),
                           input_args=ids[:mb] if first else received,
                           output_args=torch.empty(mb, args.seq, config.vocab_size, device=device, dtype=logits_dtype)
                           if last else hidden,
                           output_grads=None if last else hidden, input_grads=None if first else hidden)
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
-    sched = cls(stage, n_microbatches=args.micro_batches, loss_fn=loss_fn)
-    sched._warmup_p2p = static_vote
-    opt = torch.optim.AdamW(sub.parameters()) if list(sub.parameters()) else real_pp.NoOptimizer()
-    return sub, stage, sched, opt, ids
 
 
-def label(stage, opt, tracker):
+def label(stages, opt, tracker, virtual=False):
     """Name the running micro-step in the tracker (the same places real_pp.py wraps in record_function)."""
-    fwd, bwd, ostep = stage.forward_one_chunk, stage.backward_one_chunk, opt.step
-
-    def f(i, *a, **kw):
-        tracker.label = f"F{i}"
-        out = fwd(i, *a, **kw)
-        tracker.label = "loop"
-        return out
-
-    def b(i, *a, **kw):
-        tracker.label = f"B{i}"
-        out = bwd(i, *a, **kw)
-        tracker.label = "loop"
-        return out
+    for stage in stages:
+        _label_stage(stage, tracker, f"@{stage.stage_index}" if virtual else "")
+    ostep = opt.step
 
     def s(*a, **kw):
         tracker.label = "opt"
@@ -173,7 +184,25 @@ def label(stage, opt, tracker):
         tracker.label = "loop"
         return out
 
-    stage.forward_one_chunk, stage.backward_one_chunk, opt.step = f, b, s
+    opt.step = s
+
+
+def _label_stage(stage, tracker, where):
+    fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
+
+    def f(i, *a, **kw):
+        tracker.label = f"F{i}{where}"
+        out = fwd(i, *a, **kw)
+        tracker.label = "loop"
+        return out
+
+    def b(i, *a, **kw):
+        tracker.label = f"B{i}{where}"
+        out = bwd(i, *a, **kw)
+        tracker.label = "loop"
+        return out
+
+    stage.forward_one_chunk, stage.backward_one_chunk = f, b
 
 
 def predict_stage(args, k) -> dict:
@@ -192,8 +221,9 @@ def predict_stage(args, k) -> dict:
     schedules._sorted_batch_p2p = lambda ops, desc=None: {0: [Held(ops)]} if ops else {}
     try:
         device = "meta" if args.mode == "meta" else "cpu"
-        sub, stage, sched, opt, ids = make_stage(args, k, device)
-        first, last = k == 0, k == args.pp - 1
+        subs, stages, sched, opt, ids = make_stage(args, k, device)
+        indices = [stage.stage_index for stage in stages]
+        first, last = 0 in indices, len(args.split_list) - 1 in indices
 
         def step():
             if first:
@@ -208,12 +238,12 @@ def predict_stage(args, k) -> dict:
 
         inputs = [ids] if first or last else []
         if args.mode == "cpu":
-            return measure_cpu(step, real_pp.storages(real_pp.alive_tensors(sub, stage, opt, inputs)), k)
+            return measure_cpu(step, real_pp.storages(pp_oracle._alive(subs, stages, opt, inputs)), k)
         tracker = Tracker()
-        for t in real_pp.alive_tensors(sub, stage, opt, inputs):
+        for t in pp_oracle._alive(subs, stages, opt, inputs):
             tracker.add(t)
         start = tracker.level
-        label(stage, opt, tracker)
+        label(stages, opt, tracker, args.virtual_stages > 1)
         with CpuSdpa(), tracker:
             step()
             step()
@@ -255,8 +285,9 @@ def measure_cpu(step, start, k) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b"), default="gpipe")
     p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--virtual-stages", type=int, default=1, help="stages per rank (interleaved-1f1b)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--split", default=None)
     p.add_argument("--batch", type=int, default=8)
@@ -272,7 +303,7 @@ def main(argv=None):
         cfg = json.loads(Path(args.config).read_text())
         args.layers = cfg.get("num_hidden_layers", cfg.get("n_layer"))
     args.split_list = ([int(x) for x in args.split.split(",")] if args.split
-                       else real_pp.even_split(args.layers, args.pp))
+                       else real_pp.even_split(args.layers, args.pp * args.virtual_stages))
     args.split = args.split_list  # pp_oracle._build reads `split`
     stages = [args.stage] if args.stage is not None else range(args.pp)
     rows = [predict_stage(args, k) for k in stages]
