@@ -283,6 +283,23 @@ def _measure(subs, stages, opt, inputs, step, attempts: int) -> dict:
     raise RuntimeError(f"oracle: no clean pipeline measurement in {attempts} runs (last: {result})")
 
 
+def user_step(sched, opt, ids, first: bool, last: bool):
+    """The user's loop body on a rank (a function of no arguments): one pipeline step, then the optimizer."""
+
+    def step():
+        if first:
+            out = sched.step(ids)
+        elif last:
+            out = sched.step(target=ids, losses=[])
+        else:
+            out = sched.step()
+        del out
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
 def _rank_main(rank: int, case, init_file: str, out_dir: str) -> None:
     """One stage (a child process): build, cut, schedule, measure; its figures or its traceback go to a file."""
     import traceback
@@ -310,18 +327,7 @@ def _rank_main(rank: int, case, init_file: str, out_dir: str) -> None:
             params = [p for sub in subs for p in sub.parameters()]
             opt = torch.optim.AdamW(params) if params else _NoOptimizer()
             _instrument(stages, opt, case.virtual_stages > 1)
-
-            def step():
-                if first:
-                    out = sched.step(ids)
-                elif last:
-                    out = sched.step(target=ids, losses=[])
-                else:
-                    out = sched.step()
-                del out
-                opt.step()
-                opt.zero_grad()
-
+            step = user_step(sched, opt, ids, first, last)
             result = _measure(subs, stages, opt, [ids] if first or last else [], step, case.attempts)
         finally:
             dist.destroy_process_group()

@@ -4,9 +4,9 @@ Usage (from the repository root):
     python docs/research/issue-42-pp/static_pp.py --pp 2 --schedule gpipe --micro-batches 4 [--split 2,2]
         [--mode meta|cpu] [--stage K] [--json out.json]
 
-For stage k (every stage when --stage is not given) it builds the same stage module as real_pp.py (same cut, same
-loss_fn, same AdamW, same loop), makes a PipelineStage and the REAL schedule class (ScheduleGPipe / Schedule1F1B,
-their defaults), and runs two warm-up steps then the measured step with torch's fake process group
+For stage k (every stage when --stage is not given) it builds the same stage module as the real run
+(tests/pp_oracle.py, which real_pp.py runs: same cut, same loss_fn, same AdamW, same loop), makes a PipelineStage
+and the REAL schedule class (ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B, their defaults), and runs two warm-up steps then the measured step with torch's fake process group
 (torch.testing._internal.distributed.fake_pg: `init_process_group("fake", rank=k, world_size=P)`): every isend /
 irecv is a no-op that completes at once, so the schedule's own order of forward and backward micro-steps runs, and
 the receive buffers are the ones the stage allocates itself (`_make_tensor_from_meta` in stage.py
@@ -18,7 +18,7 @@ inference exchanges pickled metadata over the process group, which the fake grou
   (a storage is born when an op's output has an unseen storage, and dies when its StorageWeakRef expires; expired
   refs are swept before each op), starting from the parameters, buffers and inputs alive before the first step;
   the peak is the maximum over the measured step, and the micro-step running at it is recorded.
---mode cpu: real CPU tensors, measured with the profiler exactly as real_pp.py does (checks the fake group alone).
+--mode cpu: real CPU tensors, measured with the profiler exactly as the real run is (checks the fake group alone).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import argparse
 import importlib.util
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -37,11 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("real_pp", HERE / "real_pp.py")
-real_pp = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(real_pp)
-# tests/pp_oracle.py: the same cut for Llama-like models and GPT-2, and bf16-mixed (autocast inside each stage's
-# forward); --config uses its builder, so the prototype and the oracle build the very same stage
+# tests/pp_oracle.py, the real run's code: the same cut (Llama-like models and GPT-2), loss, loop, bf16-mixed
+# (autocast inside each stage's forward), so the prototype and the real run build the very same stage
 _spec = importlib.util.spec_from_file_location("pp_oracle", HERE.parents[2] / "tests" / "pp_oracle.py")
 pp_oracle = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pp_oracle)
@@ -134,20 +132,17 @@ def make_stage(args, k, device):
         sched = ScheduleInterleaved1F1B(stages, n_microbatches=args.micro_batches, loss_fn=loss_fn)
         sched._warmup_p2p = static_vote
         params = [p for sub in subs for p in sub.parameters()]
-        opt = torch.optim.AdamW(params) if params else real_pp.NoOptimizer()
+        opt = torch.optim.AdamW(params) if params else pp_oracle._NoOptimizer()
         return subs, stages, sched, opt, ids
     with torch.device(device):
-        if args.config:
-            subs, loss_fn, ids = pp_oracle._build(args, k)
-            sub = subs[0]
-        else:
-            sub, loss_fn, ids = real_pp.build(args, k)
+        subs, loss_fn, ids = pp_oracle._build(args, k)
+        sub = subs[0]
     ids = ids.to(device)
     stage = _static_stage(args, sub, k, args.pp, ids, device)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
     sched = cls(stage, n_microbatches=args.micro_batches, loss_fn=loss_fn)
     sched._warmup_p2p = static_vote
-    opt = torch.optim.AdamW(sub.parameters()) if list(sub.parameters()) else real_pp.NoOptimizer()
+    opt = torch.optim.AdamW(sub.parameters()) if list(sub.parameters()) else pp_oracle._NoOptimizer()
     return [sub], [stage], sched, opt, ids
 
 
@@ -156,7 +151,7 @@ def _static_stage(args, sub, k, n_stages, ids, device):
     from torch.distributed.pipelining import PipelineStage
 
     mb = args.batch // args.micro_batches
-    config = pp_oracle._config(args.config) if args.config else sub.rotary_emb.config
+    config = pp_oracle._config(args.config)
     hidden = torch.empty(mb, args.seq, config.hidden_size, device=device)
     first, last = k == 0, k == n_stages - 1
     # the activation received requires grad (the previous stage's output does): dynamic inference records that,
@@ -173,7 +168,7 @@ def _static_stage(args, sub, k, n_stages, ids, device):
 
 
 def label(stages, opt, tracker, virtual=False):
-    """Name the running micro-step in the tracker (the same places real_pp.py wraps in record_function)."""
+    """Name the running micro-step in the tracker (the same places the real run wraps in record_function)."""
     for stage in stages:
         _label_stage(stage, tracker, f"@{stage.stage_index}" if virtual else "")
     ostep = opt.step
@@ -225,20 +220,10 @@ def predict_stage(args, k) -> dict:
         indices = [stage.stage_index for stage in stages]
         first, last = 0 in indices, len(args.split_list) - 1 in indices
 
-        def step():
-            if first:
-                out = sched.step(ids)
-            elif last:
-                out = sched.step(target=ids, losses=[])
-            else:
-                out = sched.step()
-            del out
-            opt.step()
-            opt.zero_grad()
-
+        step = pp_oracle.user_step(sched, opt, ids, first, last)
         inputs = [ids] if first or last else []
         if args.mode == "cpu":
-            return measure_cpu(step, real_pp.storages(pp_oracle._alive(subs, stages, opt, inputs)), k)
+            return measure_cpu(step, pp_oracle._storage_bytes(pp_oracle._alive(subs, stages, opt, inputs)), k)
         tracker = Tracker()
         for t in pp_oracle._alive(subs, stages, opt, inputs):
             tracker.add(t)
@@ -263,17 +248,17 @@ def measure_cpu(step, start, k) -> dict:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
         step()
-        marker = torch.empty(real_pp.MARKER, dtype=torch.uint8)
+        marker = torch.empty(pp_oracle.MARKER_BYTES, dtype=torch.uint8)
         del marker
         step()
     level, before, measuring, peak = 0, 0, False, None
     for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns()):
         n = e.nbytes()
-        if n == real_pp.MARKER:
+        if n == pp_oracle.MARKER_BYTES:
             measuring, before = True, level
             continue
-        if measuring and n == -real_pp.MARKER:
+        if measuring and n == -pp_oracle.MARKER_BYTES:
             continue
         level += n
         if measuring:
@@ -299,11 +284,15 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    if args.config:
-        cfg = json.loads(Path(args.config).read_text())
-        args.layers = cfg.get("num_hidden_layers", cfg.get("n_layer"))
+    if not args.config:  # the research's model: tiny-llama-gqa with --layers layers
+        cfg = json.loads((HERE.parents[2] / "fixtures/configs/tiny-llama-gqa.json").read_text())
+        cfg["num_hidden_layers"] = args.layers
+        args.config = str(Path(tempfile.mkdtemp(), "tiny-llama-gqa.json"))
+        Path(args.config).write_text(json.dumps(cfg))
+    cfg = json.loads(Path(args.config).read_text())
+    args.layers = cfg.get("num_hidden_layers", cfg.get("n_layer"))
     args.split_list = ([int(x) for x in args.split.split(",")] if args.split
-                       else real_pp.even_split(args.layers, args.pp * args.virtual_stages))
+                       else pp_oracle.even_split(args.layers, args.pp * args.virtual_stages))
     args.split = args.split_list  # pp_oracle._build reads `split`
     stages = [args.stage] if args.stage is not None else range(args.pp)
     rows = [predict_stage(args, k) for k in stages]
