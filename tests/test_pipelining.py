@@ -35,7 +35,9 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_stage_matches_a_real_gloo_pipeline(tmp_path, case):
     """Stage k's predicted peak (`run.pp.stage_peaks[k].peak_bytes`) equals the real stage k's peak within 0.5%,
-    for every stage; the report's peak is the largest stage's."""
+    for every stage, and falls in the same micro-step (`at`: the forward F<i> or backward B<i> of micro-batch i the
+    real peak's allocator event falls in, or 'loop' between them, e.g. the last stage's merge of the M outputs);
+    the report's peak is the largest stage's."""
     config, schedule, pp, split, micro_batches, precision = CASES[case]
     path = deep_config(tmp_path, config, 4)
     real = measure_pp_peaks(path, pp=pp, schedule=schedule, split=split, micro_batches=micro_batches,
@@ -46,4 +48,5 @@ def test_each_stage_matches_a_real_gloo_pipeline(tmp_path, case):
     assert [p.stage for p in peaks] == list(range(pp))
     for k, measured in enumerate(real):
         assert_within(peaks[k].peak_bytes, measured["peak_bytes"], 0.005, f"stage {k}", measured, peaks[k])
+        assert peaks[k].at == measured["at"], (k, measured, peaks[k])
     assert report.peak_allocated_bytes == max(p.peak_bytes for p in peaks)
