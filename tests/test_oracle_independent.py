@@ -1,11 +1,14 @@
-"""The tests' oracle shares no code with vramtrace: tests/oracle.py imports nothing from it."""
+"""The tests' oracles share no code with vramtrace: tests/oracle.py and tests/pp_oracle.py import nothing from it."""
 
 import ast
 from pathlib import Path
 
+import pytest
 
-def test_oracle_imports_nothing_from_vramtrace():
-    tree = ast.parse((Path(__file__).parent / "oracle.py").read_text())
+
+@pytest.mark.parametrize("oracle", ["oracle.py", "pp_oracle.py"])
+def test_oracle_imports_nothing_from_vramtrace(oracle):
+    tree = ast.parse((Path(__file__).parent / oracle).read_text())
     imported = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
