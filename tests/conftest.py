@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 # workers (each with as many threads as cores) beside the processes its tests start (ranks, the compile step's
 # second process, the CLI) on a 2-core machine, where a spinning thread burns the core a working one waits for.
 # Nothing computed or allocated changes (libgomp's wait policy only); read when torch loads libgomp, so set before
-# any test module imports torch; a value the caller set is kept. Measured: docs in /work/notes42/suite-times.md.
+# any test module imports torch; a value the caller set is kept (OMP_WAIT_POLICY= restores libgomp's default).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # tests measure the CPU kernels: no result of an earlier run from the probe's disk cache (its own test sets one)
 os.environ["VRAMTRACE_CPU_PROBE_CACHE"] = "off"
