@@ -5,6 +5,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+# OpenMP's threads (torch's intra-op pool, oneDNN) sleep at a barrier instead of spinning: the suite runs two xdist
+# workers (each with as many threads as cores) beside the processes its tests start (ranks, the compile step's
+# second process, the CLI) on a 2-core machine, where a spinning thread burns the core a working one waits for.
+# Nothing computed or allocated changes (libgomp's wait policy only); read when torch loads libgomp, so set before
+# any test module imports torch; a value the caller set is kept (OMP_WAIT_POLICY= restores libgomp's default).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # tests measure the CPU kernels: no result of an earlier run from the probe's disk cache (its own test sets one)
 os.environ["VRAMTRACE_CPU_PROBE_CACHE"] = "off"
 # and every lever traced (tests/test_levers.py turns the lever outcome cache on in a directory of its own)
