@@ -156,3 +156,10 @@ def test_fit_with_pp_is_refused_in_one_line(capsys):
     r = run_cli(capsys, "fit", LLAMA, "--seq", "8", "--device", "cpu", "--gpu-memory", "3MiB", "--pp", "2")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "Error: `vramtrace fit` with --pp is not supported yet; run the pipeline with --batch and --seq"]
+
+
+def test_validate_with_pp_is_refused_in_one_line(capsys):
+    r = run_cli(capsys, "validate", LLAMA, "--batch", "4", "--seq", "8", "--device", "cpu", "--pp", "2")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "Error: validate runs the step in this one process; a pipeline (--pp) runs one stage per rank: launch it "
+        "with torchrun and compare each stage's torch.cuda.max_memory_allocated()"]
