@@ -465,7 +465,7 @@ FAMILIES: tuple[tuple[str, Callable[[_Search, RunSpec], list[Lever]]], ...] = (
 )
 
 
-# the families a --pp run does not compose with yet (pipeline_spec.py refuses --grad-accum, --lora-rank's cut,
+# the families a --pp run does not compose with yet (pipeline_spec.py refuses --grad-accum, --lora-rank, --recipe,
 # --quantization and --fsdp with --pp)
 NOT_WITH_PP = frozenset({"micro_batch", "lora", "qlora", "fsdp"})
 

@@ -86,7 +86,8 @@ def _check_pipeline_composition(spec, bad: Callable) -> None:
     if custom_ref(spec.model) is not None or not isinstance(spec.model, str):
         raise bad("{pp} cuts a transformers decoder LM into stages; a custom module has no such layout: drop {pp}")
     for flag, value in (("{fsdp}", spec.fsdp), ("{tp}", spec.tp), ("{ddp}", spec.ddp), ("{rank}", spec.rank),
-                        ("{quantization}", spec.quantization), ("{step}", spec.step),
+                        ("{quantization}", spec.quantization), ("{lora_rank}", spec.lora_rank),
+                        ("{recipe}", spec.recipe), ("{step}", spec.step),
                         ("{clip_grad_norm}", spec.clip_grad_norm), ("{serve_requests}", spec.serve_requests)):
         if value is not None:
             raise bad(f"{{pp}} with {flag} is not supported yet; drop one of the two"
