@@ -167,3 +167,17 @@ def test_validate_with_pp_is_refused_in_one_line(capsys):
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "Error: validate runs the step in this one process; a pipeline (--pp) runs one stage per rank: launch it "
         "with torchrun and compare each stage's torch.cuda.max_memory_allocated()"]
+
+
+def test_levers_under_pp_are_one_skipped_row_naming_why(capsys, tmp_path):
+    """The spec of a --pp report is its largest stage's: a lever traced on it alone could say "fits" while another
+    stage does not, so none is traced."""
+    out = tmp_path / "r.json"
+    r = run_cli(capsys, LLAMA, "--batch", "4", "--seq", "8", "--device", "cpu", "--pp", "2", "--gpu-memory", "1KiB",
+                "--json", out)
+    assert r.returncode == 0, r.stderr
+    levers = json.loads(out.read_text())["levers"]
+    assert levers["levers"] == [] and levers["combination"] is None
+    assert levers["skipped"] == [{"family": "pp", "title": "every lever", "options": "--pp", "reason": "not_modelled",
+                                  "detail": "levers under --pp are not traced per stage yet (each would size only "
+                                            "the reported stage)"}]

@@ -204,11 +204,12 @@ class SkipReason(str, enum.Enum):
 
     NEEDS_EXTRA = "needs_extra"  # an optional extra is not installed
     FAILED = "failed"  # its trace raised
+    NOT_MODELLED = "not_modelled"  # vramtrace does not trace it for this run yet (levers under --pp)
 
 
 @dataclass(**_FROZEN)
 class SkippedLever:
-    """A lever family not traced (levers.py `NotTraced`): an extra missing, or its trace failed."""
+    """A lever family not traced (levers.py `NotTraced`): an extra missing, its trace failed, or not modelled."""
 
     family: str
     title: str
