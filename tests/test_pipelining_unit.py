@@ -181,3 +181,13 @@ def test_levers_under_pp_are_one_skipped_row_naming_why(capsys, tmp_path):
     assert levers["skipped"] == [{"family": "pp", "title": "every lever", "options": "--pp", "reason": "not_modelled",
                                   "detail": "levers under --pp are not traced per stage yet (each would size only "
                                             "the reported stage)"}]
+
+
+def test_on_a_cuda_target_the_stage_peaks_are_on_the_reports_basis():
+    """The allocator replay's peak allocated (blocks rounded to 512 B), both to pick the reported stage and for each
+    stage's line: the reported stage's line is the header's peak. (On configs this small the liveness peak equals
+    the replay's, so this guards the invariant rather than reproducing a difference.)"""
+    report = analyze(RunSpec(LLAMA, batch=4, seq=8, device="cuda", gpu="h100", pp=2, pp_schedule="gpipe"))
+    peaks = {s.stage: s.peak_bytes for s in report.run.pp.stage_peaks}
+    assert peaks[report.run.pp.stage] == report.peak_allocated_bytes == max(peaks.values())
+    assert all(p % 512 == 0 for p in peaks.values())
