@@ -191,3 +191,22 @@ def test_on_a_cuda_target_the_stage_peaks_are_on_the_reports_basis():
     peaks = {s.stage: s.peak_bytes for s in report.run.pp.stage_peaks}
     assert peaks[report.run.pp.stage] == report.peak_allocated_bytes == max(peaks.values())
     assert all(p % 512 == 0 for p in peaks.values())
+
+
+@pytest.mark.parametrize("owner,attribute,name", [
+    ("_PipelineStageBase", "grad_recv_info", "self.grad_recv_info"), ("_RecvInfo", "buffer", "self.buffer")])
+def test_a_renamed_stage_attribute_stops_the_pipeline_bridges(monkeypatch, owner, attribute, name):
+    """A torch release that renames what a stage's receive buffers are read from fails loudly, not with receive
+    buffers of 0 bytes."""
+    from torch.distributed.pipelining import stage
+
+    from vramtrace import feature_bridges
+    from vramtrace.errors import BridgeError
+
+    cls = getattr(stage, owner)
+    code = cls.__init__.__code__
+    renamed = code.replace(co_names=tuple(n + "_renamed" if n == attribute else n for n in code.co_names))
+    monkeypatch.setattr(cls.__init__, "__code__", renamed)
+    with pytest.raises(BridgeError, match=f"the assignment of {name} in"):
+        with feature_bridges.pipelining_on_meta(print, print):
+            pytest.fail("pipelining_on_meta() went on without the attribute")

@@ -248,11 +248,12 @@ HELD_SEND = "sent, held by its Work"  # the name of an input gradient a send Wor
 def _name_buffers(stage, rec) -> None:
     """Categorise the stage's receive buffers (made in its first step and kept for its life: stage.py
     `PipelineStage._setup_forward_recv_info`, `_create_grad_recv_info`, one per micro-batch in `_RecvInfo.buffer`)
-    as pipeline buffers, named by direction and micro-batch."""
-    for kind, infos in (("activation", stage.args_recv_info), ("gradient", getattr(stage, "grad_recv_info", {}))):
+    as pipeline buffers, named by direction and micro-batch. The attributes are bridges.py PIPELINE_STAGE_STATE's
+    and PIPELINE_RECV_BUFFER's, checked when the step's patches are entered: no default hides a rename."""
+    for kind, infos in (("activation", stage.args_recv_info), ("gradient", stage.grad_recv_info)):
         for chunk, recvs in infos.items():
             for info in recvs:
-                if getattr(info, "buffer", None) is not None:
+                if info.buffer is not None:
                     rec.set_category(info.buffer, Category.PIPELINE_BUFFERS,
                                      f"{RECV_BUFFER} ({kind}, micro-batch {chunk})")
 
