@@ -468,7 +468,9 @@ def resolve(bridge: Bridge) -> dict[str, object] | None:
             raise _missing(bridge, f"{module}.{attribute}") from None
     if bridge.assigns:
         module, attribute = bridge.targets[0]
-        code = inspect.unwrap(found[f"{module}.{attribute}"]).__code__
+        code = getattr(inspect.unwrap(found[f"{module}.{attribute}"]), "__code__", None)
+        if code is None:  # a class's own __init__ gone: `object.__init__` inherited, no Python code to check
+            raise _missing(bridge, f"{module}.{attribute}")
         stored = {i.argval for i in dis.get_instructions(code) if i.opname == "STORE_ATTR"}
         for name in bridge.assigns:
             if name not in stored:
