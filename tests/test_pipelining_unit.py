@@ -68,6 +68,7 @@ def test_stages_that_run_the_same_program_are_traced_once(split, schedule, m, cl
     ({"pp": 2, "quantization": "nf4"}, "pp with quantization is not supported yet"),
     ({"pp": 2, "mode": "inference"}, "pp traces a training step"),
     ({"pp": 2, "grad_accum": 2}, "grad_accum is not supported yet"),
+    ({"pp": 2, "loop": "script"}, "pp runs the schedule.s own loop .* loop script does not apply to it: drop loop"),
     ({"pp": 2, "precision": "fp16-mixed"}, "fp16 .* is not modelled yet"),
 ])
 def test_bad_pipeline_options_are_usage_errors(kwargs, message):
@@ -131,6 +132,8 @@ def test_every_stage_matches_the_real_gloo_run_to_the_byte(real_1f1b_3_301):
     got = {s.stage: (s.peak_bytes, s.at) for s in report.run.pp.stage_peaks}
     assert got == {r["rank"]: (r["peak"], r["where"]) for r in real["stages"]}
     assert report.peak_allocated_bytes == max(r["peak"] for r in real["stages"]) and report.run.pp.stage == 0
+    # one stage's loop is its schedule's: no peaks of other training loops, which would be of no real run
+    assert report.run.loop.startswith("--pp 1f1b") and not report.run.loop_peaks
 
 
 def test_the_report_lists_each_stage_and_its_buffers(real_1f1b_3_301):

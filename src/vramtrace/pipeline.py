@@ -280,7 +280,7 @@ def _analyze_one_frozen(session: TraceSession, use_cache_variant: bool = True) -
     say("liveness analysis")
     traced, steady = main.traced, main.timeline()
     loop_peaks = {}
-    if spec.mode is Mode.TRAIN and spec.step is None:
+    if spec.mode is Mode.TRAIN and spec.step is None and spec.pp is None:  # a --pp stage runs its schedule's loop
         loop_peaks = loops_peaks(steady, traced.ops, traced.storages, traced.marks, main.loop,
                                  traced.counted_devices, main.block)
     cache_off_peak = None

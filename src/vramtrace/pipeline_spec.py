@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .choices import Mode, PipelineSchedule, Precision
+from .choices import Loop, Mode, PipelineSchedule, Precision
 
 TRACED_SCHEDULES = (PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B)
 
@@ -92,6 +92,9 @@ def _check_pipeline_composition(spec, bad: Callable) -> None:
         if value is not None:
             raise bad(f"{{pp}} with {flag} is not supported yet; drop one of the two"
                       + (" ({stage} K picks a stage)" if flag == "{rank}" else ""))
+    if spec.loop is not Loop.TRAINER:
+        raise bad(f"{{pp}} runs the schedule's own loop (schedule.step, then the optimizer); {{loop}} "
+                  f"{spec.loop.value} does not apply to it: drop {{loop}}")
     if spec.compile or spec.packing or spec.grad_accum != 1:
         raise bad("{pp} with {compile}, {packing} or {grad_accum} is not supported yet (the schedule's "
                   "micro-batches are its gradient accumulation); drop them")
