@@ -213,3 +213,11 @@ def test_a_renamed_stage_attribute_stops_the_pipeline_bridges(monkeypatch, owner
     with pytest.raises(BridgeError, match=f"the assignment of {name} in"):
         with feature_bridges.pipelining_on_meta(print, print):
             pytest.fail("pipelining_on_meta() went on without the attribute")
+
+
+def test_a_model_type_not_cut_right_is_refused_in_one_line(capsys):
+    """A stage runs its layers with no attention mask: mistral's sliding window would be silently dropped."""
+    r = run_cli(capsys, FIXTURES / "tiny-mistral-sw.json", "--batch", "4", "--seq", "8", "--device", "cpu", "--pp", "2")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "Error: --pp cuts llama and gpt2 decoder LMs; model_type mistral is not modelled yet (its layers may need "
+        "their attention mask, which a stage does not pass)"]

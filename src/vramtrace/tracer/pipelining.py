@@ -129,10 +129,19 @@ _LAYOUTS = (("model", ("embed_tokens", "layers", "rotary_emb", "norm")),
             ("transformer", ("wte", "wpe", "drop", "h", "ln_f")))
 
 
+# the config model types `StageModule` cuts right: its layers run with no attention mask (causal SDPA), so a
+# model whose layers need their mask (mistral's or qwen2's sliding window, gemma's) is refused, not mis-modelled
+PIPELINE_MODEL_TYPES = ("llama", "gpt2")
+
+
 def check_model(model: torch.nn.Module) -> None:
-    """Raise UsageError unless `model` is laid out as the decoder LMs `StageModule` cuts: LlamaForCausalLM and its
-    kin (`model.embed_tokens`, `model.layers`, `model.rotary_emb`, `model.norm`, `lm_head`) or GPT2LMHeadModel
-    (`transformer.wte`, `wpe`, `drop`, `h`, `ln_f`, `lm_head`)."""
+    """Raise UsageError unless `model`'s `config.model_type` is one of PIPELINE_MODEL_TYPES and it is laid out as
+    the decoder LMs `StageModule` cuts: LlamaForCausalLM (`model.embed_tokens`, `model.layers`, `model.rotary_emb`,
+    `model.norm`, `lm_head`) or GPT2LMHeadModel (`transformer.wte`, `wpe`, `drop`, `h`, `ln_f`, `lm_head`)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in PIPELINE_MODEL_TYPES:
+        raise UsageError(f"--pp cuts {' and '.join(PIPELINE_MODEL_TYPES)} decoder LMs; model_type {model_type} is "
+                         "not modelled yet (its layers may need their attention mask, which a stage does not pass)")
     if hasattr(model, "lm_head") and any(
             hasattr(model, base) and all(hasattr(getattr(model, base), p) for p in parts)
             for base, parts in _LAYOUTS):
