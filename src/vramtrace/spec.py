@@ -551,7 +551,7 @@ class RunSpec:
     def _check_pipeline(self) -> None:
         """Parse `pp_schedule` and `pp_split`; raise UsageError for pipeline options that do not go together
         (tracer/pipelining.py says what a --pp run traces)."""
-        from .pipeline_spec import check_pipeline
+        from .pp_options import check_pipeline
 
         check_pipeline(self, _bad)
 
