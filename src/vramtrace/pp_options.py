@@ -65,7 +65,7 @@ def check_pipeline(spec, bad: Callable) -> None:
     if spec.stage is not None and (isinstance(spec.stage, bool) or not isinstance(spec.stage, int)
                                    or not 0 <= spec.stage < spec.pp):
         raise bad(f"{{stage}} must be in 0..{spec.pp - 1} for {spec.pp} stages, got {spec.stage!r}")
-    m = spec.micro_batches or spec.pp
+    m = spec.pp_micro_batches
     if spec.pp_schedule is PipelineSchedule.ONE_F_ONE_B and m < spec.pp:
         # torch/distributed/pipelining/schedules.py `Schedule1F1B.__init__` raises the same
         raise bad(f"{{pp_schedule}} 1f1b needs at least as many micro-batches as stages: {{micro_batches}} {m} < "

@@ -17,7 +17,7 @@ def _stages(spec: RunSpec, loaded) -> tuple[tuple[int, ...], list[tuple[int, ...
     from .tracer.pipelining import distinct_stages, stage_split
 
     split = stage_split(spec, loaded.num_layers)
-    classes = distinct_stages(split, spec.pp_schedule, spec.micro_batches or spec.pp)
+    classes = distinct_stages(split, spec.pp_schedule, spec.pp_micro_batches)
     return split, classes
 
 
@@ -77,6 +77,6 @@ def pipeline_summary(session, spec: RunSpec, loaded) -> PipelineInfo:
                                                          spec.device is Device.CUDA)
         rows += [StagePeak(stage=k, peak_bytes=peak, at=at, in_flight=in_flight, recv_buffer_bytes=recv,
                            held_send_bytes=held, traced_as=traced[0]) for k in group]
-    m = spec.micro_batches or spec.pp
+    m = spec.pp_micro_batches
     return PipelineInfo(stages=spec.pp, schedule=spec.pp_schedule, micro_batches=m, micro_batch_rows=spec.batch // m,
                         split=split, stage=spec.stage, stage_peaks=tuple(sorted(rows, key=lambda r: r.stage)))

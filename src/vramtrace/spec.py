@@ -603,6 +603,12 @@ class RunSpec:
                            "(write it in the function)")
 
     @property
+    def pp_micro_batches(self) -> int | None:
+        """M, the micro-batches of one pipeline step: `micro_batches`, else `pp` (M = P, real_pp.py's default); None
+        without `pp`."""
+        return None if self.pp is None else self.micro_batches or self.pp
+
+    @property
     def in_process(self) -> InProcessModel | None:
         """The nn.Module passed to `analyze(model=...)` that `model` carries, else None (a reference string)."""
         return self.model if isinstance(self.model, InProcessModel) else None

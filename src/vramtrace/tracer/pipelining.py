@@ -246,7 +246,7 @@ def build_stage(spec: RunSpec, sub: StageModule, k: int, micro: torch.Tensor, ou
     stage = PipelineStage(sub, k, spec.pp, torch.device("meta"), input_args=micro if first else received,
                           output_args=outs[k], output_grads=None if last else outs[k],
                           input_grads=None if first else received)
-    return stage, schedule_class(spec.pp_schedule)(stage, n_microbatches=spec.micro_batches or spec.pp,
+    return stage, schedule_class(spec.pp_schedule)(stage, n_microbatches=spec.pp_micro_batches,
                                                     loss_fn=loss_fn)
 
 
@@ -321,7 +321,7 @@ def record_stage(spec: RunSpec, loaded, record_on: Callable, traced_layers: int 
     first, last = k == 0, k == P - 1
     ids = loaded.inputs["input_ids"]
     labels = loaded.inputs.get("labels", ids)
-    micro = torch.empty((spec.batch // (spec.micro_batches or P), *ids.shape[1:]), dtype=ids.dtype, device="meta")
+    micro = torch.empty((spec.batch // spec.pp_micro_batches, *ids.shape[1:]), dtype=ids.dtype, device="meta")
     outs = stage_outputs(model, split, micro, KernelPolicyMode(spec.device, spec.gpu_preset.sm,
                                                                loaded.compute_dtype))
     vocab = model.config.get_text_config().vocab_size
