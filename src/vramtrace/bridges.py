@@ -398,13 +398,17 @@ PIPELINE_MICRO_STEPS = Bridge(
     "is reported to the trace as it begins and ends, with the micro-batches then in flight (PIPELINE_STAGE_STATE's "
     "`fwd_cache`), so the report says where a stage's peak falls (F<i>/B<i>); the originals run unchanged")
 PIPELINE_STAGE_STATE = Bridge(
-    "pipeline_stage_state", "torch",
-    ((_PP + "stage", "_PipelineStageBase.clear_runtime_states"), (_PP + "stage", "_RecvInfo")), TORCH_WRITTEN_FOR,
-    "a --pp step reads a stage's private state, made in stage.py `_PipelineStageBase.__init__` and emptied by "
-    "`clear_runtime_states` at each step's start: `fwd_cache` (micro-batch -> its outputs and inputs, kept until "
-    "its backward: the micro-batches in flight) and the receive buffers of `args_recv_info` and `grad_recv_info` "
-    "(`_RecvInfo.buffer`, one per micro-batch and direction, kept for the stage's life), which the report counts "
-    "and categorises", kind=BridgeKind.READ)
+    "pipeline_stage_state", "torch", ((_PP + "stage", "_PipelineStageBase.__init__"),), TORCH_WRITTEN_FOR,
+    "a --pp step reads a stage's private state, assigned in stage.py `_PipelineStageBase.__init__` (and emptied "
+    "by `clear_runtime_states` at each step's start): `fwd_cache` (micro-batch -> its outputs and inputs, kept "
+    "until its backward: the micro-batches in flight) and the receive infos of `args_recv_info` and "
+    "`grad_recv_info` (micro-batch -> `_RecvInfo`s, PIPELINE_RECV_BUFFER), which the report counts and "
+    "categorises", kind=BridgeKind.READ, assigns=("fwd_cache", "args_recv_info", "grad_recv_info"))
+PIPELINE_RECV_BUFFER = Bridge(
+    "pipeline_recv_buffer", "torch", ((_PP + "stage", "_RecvInfo.__init__"),), TORCH_WRITTEN_FOR,
+    "a --pp step reads each receive info's `buffer` (stage.py `_RecvInfo.__init__`: the tensor a micro-batch's "
+    "activation or gradient is received into, one per micro-batch and direction, kept for the stage's life; None "
+    "for a root argument) to categorise it as a pipeline buffer", kind=BridgeKind.READ, assigns=("buffer",))
 
 BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_CHECK, PADDING_MASK_CHECK,
                                PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION, MHA_FAST_PATH,
@@ -415,7 +419,8 @@ BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_C
                                INDUCTOR_IR, AUTOGRAD_NODE, FUNCTION_MODE_STACK, DISPATCH_TOOLKIT, KERNEL_CHOICES,
                                FLASH_ATTENTION_STANDIN, PACKED_SEQUENCES)
 # issue 42, --pp: entered only around a pipeline stage's step (feature_bridges.pipelining_on_meta)
-PIPELINE_BRIDGES = (PIPELINE_P2P, PIPELINE_STATIC_VOTE, PIPELINE_MICRO_STEPS, PIPELINE_STAGE_STATE)
+PIPELINE_BRIDGES = (PIPELINE_P2P, PIPELINE_STATIC_VOTE, PIPELINE_MICRO_STEPS, PIPELINE_STAGE_STATE,
+                    PIPELINE_RECV_BUFFER)
 BRIDGES += PIPELINE_BRIDGES
 # the private reads a recorded step makes, checked with the patches before anything is patched (`installed`)
 STEP_READS: tuple[Bridge, ...] = (ACCUMULATION_USE_COUNTS, GRAD_SCALER_STATE, AUTOGRAD_NODE, FUNCTION_MODE_STACK,
@@ -463,7 +468,9 @@ def resolve(bridge: Bridge) -> dict[str, object] | None:
             raise _missing(bridge, f"{module}.{attribute}") from None
     if bridge.assigns:
         module, attribute = bridge.targets[0]
-        code = inspect.unwrap(found[f"{module}.{attribute}"]).__code__
+        code = getattr(inspect.unwrap(found[f"{module}.{attribute}"]), "__code__", None)
+        if code is None:  # a class's own __init__ gone: `object.__init__` inherited, no Python code to check
+            raise _missing(bridge, f"{module}.{attribute}")
         stored = {i.argval for i in dis.get_instructions(code) if i.opname == "STORE_ATTR"}
         for name in bridge.assigns:
             if name not in stored:

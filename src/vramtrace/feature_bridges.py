@@ -300,9 +300,9 @@ def pipelining_on_meta(on_micro_step: Callable[[str, tuple[int, ...]], None],
     `on_micro_step(label, in_flight)` is told where each forward/backward micro-step begins ('F<i>', 'B<i>') and
     ends ('loop'), with the micro-batches then in the stage's `fwd_cache` (plus the running one). The originals
     back on exit. Raises BridgeError (nothing patched) when a target is missing."""
-    from .bridges import PIPELINE_MICRO_STEPS, PIPELINE_P2P, PIPELINE_STAGE_STATE, PIPELINE_STATIC_VOTE
+    from .bridges import PIPELINE_BRIDGES
 
-    for bridge in (PIPELINE_P2P, PIPELINE_STATIC_VOTE, PIPELINE_MICRO_STEPS, PIPELINE_STAGE_STATE):
+    for bridge in PIPELINE_BRIDGES:  # the stage-state reads too (tracer/pipelining.py), checked before anything
         resolve(bridge)
     from torch.distributed import isend
     from torch.distributed.pipelining import schedules, stage as stages

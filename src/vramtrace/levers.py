@@ -50,7 +50,8 @@ LORA_RANK = 16  # the LoRA lever's rank: peft's examples and HF's PEFT guides st
 # what a skipped family's row calls it
 FAMILY_TITLES = {"use_cache": "no KV cache", "optimizer_impl": "another optimizer implementation",
                  "optimizer_8bit": "8-bit optimizer", "checkpointing": "checkpointing", "micro_batch": "micro-batches",
-                 "lora": f"LoRA r={LORA_RANK}", "qlora": "QLoRA", "fsdp": "FSDP2", "combination": "the combination"}
+                 "lora": f"LoRA r={LORA_RANK}", "qlora": "QLoRA", "fsdp": "FSDP2", "combination": "the combination",
+                 "pp": "every lever"}
 
 
 class Extra(str, Enum):
@@ -465,23 +466,23 @@ FAMILIES: tuple[tuple[str, Callable[[_Search, RunSpec], list[Lever]]], ...] = (
 )
 
 
-# the families a --pp run does not compose with yet (pipeline_spec.py refuses --grad-accum, --lora-rank's cut,
-# --quantization and --fsdp with --pp)
-NOT_WITH_PP = frozenset({"micro_batch", "lora", "qlora", "fsdp"})
+# under --pp the spec is the reported stage's (`spec.stage`, the largest): a lever traced on it alone may "fit"
+# while another stage does not, so no lever is traced (one skipped row says why)
+PP_NOT_TRACED = "levers under --pp are not traced per stage yet (each would size only the reported stage)"
 
 
 def find_levers(spec: RunSpec, ev: Evaluator, budget_bytes: int) -> LeversSummary:
     """The levers of `spec` (resolved: precision set) against `budget_bytes` (on `search.compared_bytes`'s basis),
     as the report's `levers` section: the levers ranked (`Lever.row`), the combination (`_combine`), the traces
-    made, the families skipped (`NotTraced.row`: an extra missing, or its trace failed) and the outcomes found in
-    the disk cache (`LeverDiskCache`). Levers that save nothing are left out."""
+    made, the families skipped (`NotTraced.row`: an extra missing, its trace failed; every family under --pp) and the
+    outcomes found in the disk cache (`LeverDiskCache`). Levers that save nothing are left out."""
     s = _Search(spec, ev, budget_bytes)
     base_bytes = compared_bytes(s.base)
     found: list[Lever] = []
     skipped: list[SkippedLever] = []
-    for name, family in FAMILIES:
-        if spec.pp is not None and name in NOT_WITH_PP:
-            continue
+    if spec.pp is not None:
+        skipped.append(NotTraced(SkipReason.NOT_MODELLED, "--pp", PP_NOT_TRACED).row("pp"))
+    for name, family in FAMILIES if spec.pp is None else ():
         try:
             found += [lv for lv in family(s, spec) if compared_bytes(lv.outcome) < base_bytes]
         except NotTraced as e:

@@ -247,8 +247,8 @@ def _trace_worst_rank(session: TraceSession, spec: RunSpec, loaded) -> tuple[Run
     from dataclasses import replace
 
     say = session.say
-    if spec.pp is not None:  # every distinct pipeline stage (pp_report.py)
-        from .pp_report import trace_stages
+    if spec.pp is not None:  # every distinct pipeline stage (pp_stages.py)
+        from .pp_stages import trace_stages
 
         return trace_stages(session, spec, loaded)
     if spec.world is None or spec.ddp is not None or spec.rank is not None:
@@ -280,7 +280,7 @@ def _analyze_one_frozen(session: TraceSession, use_cache_variant: bool = True) -
     say("liveness analysis")
     traced, steady = main.traced, main.timeline()
     loop_peaks = {}
-    if spec.mode is Mode.TRAIN and spec.step is None:
+    if spec.mode is Mode.TRAIN and spec.step is None and spec.pp is None:  # a --pp stage runs its schedule's loop
         loop_peaks = loops_peaks(steady, traced.ops, traced.storages, traced.marks, main.loop,
                                  traced.counted_devices, main.block)
     cache_off_peak = None
@@ -297,7 +297,7 @@ def _analyze_one_frozen(session: TraceSession, use_cache_variant: bool = True) -
     if spec.pp is not None:
         from dataclasses import replace
 
-        from .pp_report import pipeline_summary
+        from .pp_stages import pipeline_summary
 
         run_info = replace(run_info, pp=pipeline_summary(session, spec, loaded))
     report = summarize(

@@ -551,7 +551,7 @@ class RunSpec:
     def _check_pipeline(self) -> None:
         """Parse `pp_schedule` and `pp_split`; raise UsageError for pipeline options that do not go together
         (tracer/pipelining.py says what a --pp run traces)."""
-        from .pipeline_spec import check_pipeline
+        from .pp_options import check_pipeline
 
         check_pipeline(self, _bad)
 
@@ -601,6 +601,12 @@ class RunSpec:
             if loop_options:
                 raise _bad(f"{{step}} runs your own step function as written: drop {', '.join(loop_options)} "
                            "(write it in the function)")
+
+    @property
+    def pp_micro_batches(self) -> int | None:
+        """M, the micro-batches of one pipeline step: `micro_batches`, else `pp` (M = P, real_pp.py's default); None
+        without `pp`."""
+        return None if self.pp is None else self.micro_batches or self.pp
 
     @property
     def in_process(self) -> InProcessModel | None:

@@ -164,9 +164,9 @@ def free_bytes(device: Device) -> int:
 
 def validate(spec: RunSpec, progress: Callable[[str], None] | None = None) -> dict:
     """Predict `spec`, then measure it for real. Returns predicted vs measured bytes and the relative errors.
-    Raises UsageError when the target device is not here (checked first, before tracing), for a distributed step,
-    or when the prediction does not fit the free memory (before allocating anything); TraceError when the real step
-    fails."""
+    Raises UsageError when the target device is not here (checked first, before tracing), for a distributed step or
+    a pipeline (--pp), or when the prediction does not fit the free memory (before allocating anything); TraceError
+    when the real step fails."""
     from .pipeline import analyze
     from .units import format_bytes
 
@@ -175,6 +175,9 @@ def validate(spec: RunSpec, progress: Callable[[str], None] | None = None) -> di
         raise UsageError("validate runs the step in this one process; a distributed step (--fsdp, --ddp, --tp) runs "
                          "on N ranks: launch it with torchrun and compare each rank's "
                          "torch.cuda.max_memory_allocated()")
+    if spec.pp is not None:
+        raise UsageError("validate runs the step in this one process; a pipeline (--pp) runs one stage per rank: "
+                         "launch it with torchrun and compare each stage's torch.cuda.max_memory_allocated()")
     say = progress or (lambda _m: None)
     report = analyze(spec, say)
     needed = report.peak_reserved_bytes or report.peak_allocated_bytes

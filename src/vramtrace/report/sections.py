@@ -204,11 +204,12 @@ class SkipReason(str, enum.Enum):
 
     NEEDS_EXTRA = "needs_extra"  # an optional extra is not installed
     FAILED = "failed"  # its trace raised
+    NOT_MODELLED = "not_modelled"  # vramtrace does not trace it for this run yet (levers under --pp)
 
 
 @dataclass(**_FROZEN)
 class SkippedLever:
-    """A lever family not traced (levers.py `NotTraced`): an extra missing, or its trace failed."""
+    """A lever family not traced (levers.py `NotTraced`): an extra missing, its trace failed, or not modelled."""
 
     family: str
     title: str
@@ -270,7 +271,7 @@ class FsdpInfo:
 
 @dataclass(**_FROZEN)
 class StagePeak:
-    """One pipeline stage's figures (pp_report.py `pipeline_summary`): the steady step's peak allocated bytes
+    """One pipeline stage's figures (pp_stages.py `pipeline_summary`): the steady step's peak allocated bytes
     (`peak_bytes`), the micro-step running at it (`at`: 'F<i>' or 'B<i>', forward or backward of micro-batch i, or
     'loop' between them), the micro-batches in flight then (`in_flight`: in the stage's `fwd_cache`, or running),
     and the bytes at the peak of its receive buffers (`recv_buffer_bytes`) and of the input gradients its send
@@ -384,4 +385,4 @@ class RunInfo:
     sources: tuple[SourceEntry, ...] = omittable(Omit.EMPTY, ())  # the fields --from files set (RunSpec.sources)
     warnings: tuple[str, ...] = omittable(Omit.EMPTY, ())
     recipe: Recipe | None = omittable()  # --recipe: the framework whose model build was mirrored (tracer/recipes.py)
-    pp: PipelineInfo | None = omittable()  # --pp: the pipeline's stages (pp_report.py `pipeline_summary`)
+    pp: PipelineInfo | None = omittable()  # --pp: the pipeline's stages (pp_stages.py `pipeline_summary`)

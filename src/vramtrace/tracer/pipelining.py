@@ -129,10 +129,19 @@ _LAYOUTS = (("model", ("embed_tokens", "layers", "rotary_emb", "norm")),
             ("transformer", ("wte", "wpe", "drop", "h", "ln_f")))
 
 
+# the config model types `StageModule` cuts right: its layers run with no attention mask (causal SDPA), so a
+# model whose layers need their mask (mistral's or qwen2's sliding window, gemma's) is refused, not mis-modelled
+PIPELINE_MODEL_TYPES = ("llama", "gpt2")
+
+
 def check_model(model: torch.nn.Module) -> None:
-    """Raise UsageError unless `model` is laid out as the decoder LMs `StageModule` cuts: LlamaForCausalLM and its
-    kin (`model.embed_tokens`, `model.layers`, `model.rotary_emb`, `model.norm`, `lm_head`) or GPT2LMHeadModel
-    (`transformer.wte`, `wpe`, `drop`, `h`, `ln_f`, `lm_head`)."""
+    """Raise UsageError unless `model`'s `config.model_type` is one of PIPELINE_MODEL_TYPES and it is laid out as
+    the decoder LMs `StageModule` cuts: LlamaForCausalLM (`model.embed_tokens`, `model.layers`, `model.rotary_emb`,
+    `model.norm`, `lm_head`) or GPT2LMHeadModel (`transformer.wte`, `wpe`, `drop`, `h`, `ln_f`, `lm_head`)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in PIPELINE_MODEL_TYPES:
+        raise UsageError(f"--pp cuts {' and '.join(PIPELINE_MODEL_TYPES)} decoder LMs; model_type {model_type} is "
+                         "not modelled yet (its layers may need their attention mask, which a stage does not pass)")
     if hasattr(model, "lm_head") and any(
             hasattr(model, base) and all(hasattr(getattr(model, base), p) for p in parts)
             for base, parts in _LAYOUTS):
@@ -237,7 +246,7 @@ def build_stage(spec: RunSpec, sub: StageModule, k: int, micro: torch.Tensor, ou
     stage = PipelineStage(sub, k, spec.pp, torch.device("meta"), input_args=micro if first else received,
                           output_args=outs[k], output_grads=None if last else outs[k],
                           input_grads=None if first else received)
-    return stage, schedule_class(spec.pp_schedule)(stage, n_microbatches=spec.micro_batches or spec.pp,
+    return stage, schedule_class(spec.pp_schedule)(stage, n_microbatches=spec.pp_micro_batches,
                                                     loss_fn=loss_fn)
 
 
@@ -248,11 +257,12 @@ HELD_SEND = "sent, held by its Work"  # the name of an input gradient a send Wor
 def _name_buffers(stage, rec) -> None:
     """Categorise the stage's receive buffers (made in its first step and kept for its life: stage.py
     `PipelineStage._setup_forward_recv_info`, `_create_grad_recv_info`, one per micro-batch in `_RecvInfo.buffer`)
-    as pipeline buffers, named by direction and micro-batch."""
-    for kind, infos in (("activation", stage.args_recv_info), ("gradient", getattr(stage, "grad_recv_info", {}))):
+    as pipeline buffers, named by direction and micro-batch. The attributes are bridges.py PIPELINE_STAGE_STATE's
+    and PIPELINE_RECV_BUFFER's, checked when the step's patches are entered: no default hides a rename."""
+    for kind, infos in (("activation", stage.args_recv_info), ("gradient", stage.grad_recv_info)):
         for chunk, recvs in infos.items():
             for info in recvs:
-                if getattr(info, "buffer", None) is not None:
+                if info.buffer is not None:
                     rec.set_category(info.buffer, Category.PIPELINE_BUFFERS,
                                      f"{RECV_BUFFER} ({kind}, micro-batch {chunk})")
 
@@ -311,7 +321,7 @@ def record_stage(spec: RunSpec, loaded, record_on: Callable, traced_layers: int 
     first, last = k == 0, k == P - 1
     ids = loaded.inputs["input_ids"]
     labels = loaded.inputs.get("labels", ids)
-    micro = torch.empty((spec.batch // (spec.micro_batches or P), *ids.shape[1:]), dtype=ids.dtype, device="meta")
+    micro = torch.empty((spec.batch // spec.pp_micro_batches, *ids.shape[1:]), dtype=ids.dtype, device="meta")
     outs = stage_outputs(model, split, micro, KernelPolicyMode(spec.device, spec.gpu_preset.sm,
                                                                loaded.compute_dtype))
     vocab = model.config.get_text_config().vocab_size

@@ -15,7 +15,7 @@ import contextlib
 import copy
 import weakref
 from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -41,6 +41,9 @@ from .sharding import fsdp_op_categories, mixed_precision_policy, param_bytes, t
 from .replication import TRACED_LAYERS, LayerPlan, NotPeriodic, replicate_layers
 from .step import STEPS, StepContext, load_user_step, run_generation, run_inference, run_training
 
+if TYPE_CHECKING:
+    from .pipelining import StageTrace
+
 
 @dataclass(frozen=True, slots=True)
 class TracedGraph:
@@ -63,7 +66,7 @@ class TracedGraph:
     # op index -> (args, kwargs, output), tensors as recorder.TensorArg: a trace made with `keep_args`
     # (fx_export.to_fx_graph), else None
     op_args: dict[int, tuple] | None = None
-    pipeline: Any = None  # --pp: the traced stage's micro-steps and buffers (pipelining.StageTrace), else None
+    pipeline: StageTrace | None = None  # --pp: the traced stage's micro-steps and buffers, else None
 
 
 KV_CACHE_NAME = "past_key_values"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .choices import Mode, PipelineSchedule, Precision
+from .choices import Loop, Mode, PipelineSchedule, Precision
 
 TRACED_SCHEDULES = (PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B)
 
@@ -65,7 +65,7 @@ def check_pipeline(spec, bad: Callable) -> None:
     if spec.stage is not None and (isinstance(spec.stage, bool) or not isinstance(spec.stage, int)
                                    or not 0 <= spec.stage < spec.pp):
         raise bad(f"{{stage}} must be in 0..{spec.pp - 1} for {spec.pp} stages, got {spec.stage!r}")
-    m = spec.micro_batches or spec.pp
+    m = spec.pp_micro_batches
     if spec.pp_schedule is PipelineSchedule.ONE_F_ONE_B and m < spec.pp:
         # torch/distributed/pipelining/schedules.py `Schedule1F1B.__init__` raises the same
         raise bad(f"{{pp_schedule}} 1f1b needs at least as many micro-batches as stages: {{micro_batches}} {m} < "
@@ -86,11 +86,15 @@ def _check_pipeline_composition(spec, bad: Callable) -> None:
     if custom_ref(spec.model) is not None or not isinstance(spec.model, str):
         raise bad("{pp} cuts a transformers decoder LM into stages; a custom module has no such layout: drop {pp}")
     for flag, value in (("{fsdp}", spec.fsdp), ("{tp}", spec.tp), ("{ddp}", spec.ddp), ("{rank}", spec.rank),
-                        ("{quantization}", spec.quantization), ("{step}", spec.step),
+                        ("{quantization}", spec.quantization), ("{lora_rank}", spec.lora_rank),
+                        ("{recipe}", spec.recipe), ("{step}", spec.step),
                         ("{clip_grad_norm}", spec.clip_grad_norm), ("{serve_requests}", spec.serve_requests)):
         if value is not None:
             raise bad(f"{{pp}} with {flag} is not supported yet; drop one of the two"
                       + (" ({stage} K picks a stage)" if flag == "{rank}" else ""))
+    if spec.loop is not Loop.TRAINER:
+        raise bad(f"{{pp}} runs the schedule's own loop (schedule.step, then the optimizer); {{loop}} "
+                  f"{spec.loop.value} does not apply to it: drop {{loop}}")
     if spec.compile or spec.packing or spec.grad_accum != 1:
         raise bad("{pp} with {compile}, {packing} or {grad_accum} is not supported yet (the schedule's "
                   "micro-batches are its gradient accumulation); drop them")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .analysis.categories import Category
+from .choices import Device
 from .report.sections import PipelineInfo, StagePeak
 from .spec import RunSpec
 
@@ -16,7 +17,7 @@ def _stages(spec: RunSpec, loaded) -> tuple[tuple[int, ...], list[tuple[int, ...
     from .tracer.pipelining import distinct_stages, stage_split
 
     split = stage_split(spec, loaded.num_layers)
-    classes = distinct_stages(split, spec.pp_schedule, spec.micro_batches or spec.pp)
+    classes = distinct_stages(split, spec.pp_schedule, spec.pp_micro_batches)
     return split, classes
 
 
@@ -38,13 +39,15 @@ def trace_stages(session, spec: RunSpec, loaded) -> tuple[RunSpec, object, dict]
         tables = session.record(stage_spec, loaded, progress=session.say)
         session.traces[stage_spec] = Trace(tables, loaded.num_layers)
         found[k] = tables
-    worst = max(found, key=lambda k: (found[k].peaks()[0], -k))
+    cuda = spec.device is Device.CUDA  # the report's own basis: the allocator replay on a CUDA target
+    worst = max(found, key=lambda k: (found[k].peaks(cuda=cuda)[0], -k))
     return replace(spec, stage=worst), found[worst], {}
 
 
-def _stage_figures(tables) -> tuple[int, str, tuple[int, ...], int, int]:
+def _stage_figures(tables, cuda: bool) -> tuple[int, str, tuple[int, ...], int, int]:
     """(peak bytes, micro-step at the peak, in flight, receive-buffer bytes and held-send bytes alive then) of one
-    traced stage's steady step."""
+    traced stage's steady step. The peak bytes on the report's basis (`StepTables.peaks`: the allocator replay's
+    peak allocated on a CUDA target); the rest at the liveness peak."""
     from .tracer.pipelining import HELD_SEND, RECV_BUFFER
 
     steady = tables.timeline()
@@ -57,7 +60,7 @@ def _stage_figures(tables) -> tuple[int, str, tuple[int, ...], int, int]:
                 recv += lt.bytes
             elif names[lt.sid] == HELD_SEND:
                 held += lt.bytes
-    return steady.peak_bytes, at, in_flight, recv, held
+    return tables.peaks(cuda=cuda)[0], at, in_flight, recv, held
 
 
 def pipeline_summary(session, spec: RunSpec, loaded) -> PipelineInfo:
@@ -70,9 +73,10 @@ def pipeline_summary(session, spec: RunSpec, loaded) -> PipelineInfo:
         traced = [k for k in group if replace(spec, stage=k) in session.traces]
         if not traced:
             continue
-        peak, at, in_flight, recv, held = _stage_figures(session.traces[replace(spec, stage=traced[0])].tables)
+        peak, at, in_flight, recv, held = _stage_figures(session.traces[replace(spec, stage=traced[0])].tables,
+                                                         spec.device is Device.CUDA)
         rows += [StagePeak(stage=k, peak_bytes=peak, at=at, in_flight=in_flight, recv_buffer_bytes=recv,
                            held_send_bytes=held, traced_as=traced[0]) for k in group]
-    m = spec.micro_batches or spec.pp
+    m = spec.pp_micro_batches
     return PipelineInfo(stages=spec.pp, schedule=spec.pp_schedule, micro_batches=m, micro_batch_rows=spec.batch // m,
                         split=split, stage=spec.stage, stage_peaks=tuple(sorted(rows, key=lambda r: r.stage)))
