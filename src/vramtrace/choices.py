@@ -287,3 +287,12 @@ class AttnImplementation(_Choice):
     SDPA = "sdpa"
     FLASH_ATTENTION_2 = "flash_attention_2"
     FLEX_ATTENTION = "flex_attention"
+
+
+class ZeroOffload(_Choice):
+    """Where DeepSpeed ZeRO offloads (`--offload-optimizer`, `--offload-param`: the ds_config's
+    `zero_optimization.offload_optimizer.device` / `offload_param.device`, deepspeed/runtime/zero/offload_config.py
+    `OffloadDeviceEnum`; its `none` is no offload, a None here)."""
+
+    CPU = "cpu"
+    NVME = "nvme"
