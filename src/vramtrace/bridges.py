@@ -430,8 +430,14 @@ DS_OVERFLOW_CHECK = Bridge(
     "ZeRO-1/2's `has_overflow` (called by `check_overflow` every bf16 step) reads `overflow_gpu[0].item()`: the "
     "same ops (the partitioned gradients' inf/nan check, its byte(), the all-reduce), the answer False",
     when_absent=_DS_ABSENT)
+DS_ZERO3_LINEAR_AUTOCAST = Bridge(
+    "ds_zero3_linear_autocast", "deepspeed", ((_DS_ZERO + "linear", "get_accelerator"),), DEEPSPEED_WRITTEN_FOR,
+    "ZeRO-3's linear (runtime/zero/linear.py `LinearFunctionForZeroStage3`) asks torch's autocast state of the "
+    "accelerator's device type (`torch.get_autocast_dtype`, `torch.autocast(device_type=...)`), which torch has no "
+    "autocast for when it is meta: that module's accelerator names 'cpu', whose autocast is off as the target "
+    "device's is in a ZeRO step (DeepSpeed casts the module itself)", when_absent=_DS_ABSENT)
 ZERO_BRIDGES: tuple[Bridge, ...] = (DS_ACCELERATOR_DEVICE, DS_SHM_COMM, DS_ENGINE_DEVICE, DS_GRAD_NORM_CHECK,
-                                    DS_RANK_CHECKS, DS_OFFLOAD_NORM, DS_OVERFLOW_CHECK)
+                                    DS_RANK_CHECKS, DS_OFFLOAD_NORM, DS_OVERFLOW_CHECK, DS_ZERO3_LINEAR_AUTOCAST)
 
 BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_CHECK, PADDING_MASK_CHECK,
                                PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION, MHA_FAST_PATH,

@@ -395,6 +395,11 @@ def _ds_patches(stack: contextlib.ExitStack, shm: dict, engine: dict, norm_check
                              _offload_grad_norm))
     stage12 = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2")
     stack.enter_context(_set(stage12.DeepSpeedZeroOptimizer, "has_overflow", _zero12_has_overflow))
+    from types import SimpleNamespace
+
+    autocast_device = SimpleNamespace(device_name=lambda device_index=None: "cpu")  # DS_ZERO3_LINEAR_AUTOCAST
+    stack.enter_context(_set(importlib.import_module("deepspeed.runtime.zero.linear"), "get_accelerator",
+                             lambda: autocast_device))
 
 
 def _offload_grad_norm(self, params):

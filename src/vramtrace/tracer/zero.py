@@ -54,10 +54,10 @@ ZERO_STATE_ATTRIBUTES: tuple[tuple[str, Category, str], ...] = (
     ("grads_in_partition", Category.GRADIENT, "ZeRO contiguous gradient partition"),
     ("averaged_gradients", Category.GRADIENT, "ZeRO averaged gradients"),
     ("grad_partitions_flat_buffer", Category.GRADIENT, "ZeRO-3 gradient partitions"),
-    ("ipg_buffer", Category.COLLECTIVE_BUFFERS, "ZeRO gradient reduce bucket"),
-    ("_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer", Category.COLLECTIVE_BUFFERS,
-     "ZeRO-3 gradient reduce bucket"),
 )
+# `ipg_buckets` (a dict dtype -> bucket): each bucket's `buffer`, `reduce_bucket_size` elements (ZeRO-1/2: made at
+# every backward's start, stage_1_and_2.py `backward_prologue`; ZeRO-3: made in `__init__` and kept, stage3.py)
+BUCKET_NAME = "ZeRO gradient reduce bucket (reduce_bucket_size)"
 
 
 def zero_precision(precision: Precision) -> bool:
@@ -115,6 +115,9 @@ def _categorise(rec: StepRecorder, optimizer: Any) -> None:
     for attribute, category, name in ZERO_STATE_ATTRIBUTES:
         for t in tensors(getattr(optimizer, attribute, None)):
             rec.set_category(t, category, name)
+    for bucket in getattr(optimizer, "ipg_buckets", {}).values():
+        for t in tensors(getattr(bucket, "buffer", None)):
+            rec.set_category(t, Category.COLLECTIVE_BUFFERS, BUCKET_NAME)
     base = getattr(optimizer, "optimizer", None)
     for state in getattr(base, "state", {}).values():
         for key, v in state.items():
@@ -141,6 +144,7 @@ def _run_engine(spec: RunSpec, engine, loaded: LoadedModel, kwargs: dict, args: 
             obs.loss_taken()
             obs.phase(Phase.BACKWARD)
             engine.backward(loss)
+            _categorise(rec, engine.optimizer)  # ZeRO-1/2's bucket, made in this backward
             obs.backward_returned()
             del loss
             obs.phase(Phase.OPTIMIZER)
@@ -193,6 +197,7 @@ def trace_zero(spec: RunSpec, loaded: LoadedModel, say: Callable[[str], None], f
         kwargs = {k: fake.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in loaded.inputs.items()}
         args = tuple(fake.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in loaded.args)
         obs = _TraceObserver(rec, say, policy, None)
+        bucket = 0
         engine = None  # alive until the recorder stops listening: its state is not freed by the step
         try:
             with (fake, bridges.installed(policy, rec), module_hooks(model, rec), policy,
@@ -204,6 +209,7 @@ def trace_zero(spec: RunSpec, loaded: LoadedModel, say: Callable[[str], None], f
                                                                                 if p.requires_grad], config=config)
                 del model
                 _categorise(rec, engine.optimizer)
+                bucket = int(getattr(engine.optimizer, "reduce_bucket_size", 0))
                 _run_engine(spec, engine, loaded, kwargs, args, rec, obs)
         except VramtraceError:
             raise
@@ -212,7 +218,17 @@ def trace_zero(spec: RunSpec, loaded: LoadedModel, say: Callable[[str], None], f
         finally:
             rec.detach()
             del engine
+    _categorise_buckets(rec, bucket)
     return _traced_graph(spec, rec, policy, obs.marks)
+
+
+def _categorise_buckets(rec: StepRecorder, elements: int) -> None:
+    """The gradient reduce buckets among storages without a category: `torch.empty(reduce_bucket_size)` on the
+    accelerator (ZeRO-1/2 make one per backward and drop it after the reduction, so no attribute holds it when the
+    step ends)."""
+    for s in rec.storages:
+        if s.category is None and s.op == "aten.empty.memory_format" and s.shape == (elements,):
+            s.category, s.name = Category.COLLECTIVE_BUFFERS, BUCKET_NAME
 
 
 def _policy(spec: RunSpec, rec: StepRecorder) -> KernelPolicyMode:
