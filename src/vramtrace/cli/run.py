@@ -15,7 +15,7 @@ from rich.console import Console
 
 from ..errors import UsageError
 from . import options as o
-from .from_files import apply_sources
+from .from_files import apply_deepspeed_config, apply_sources
 
 
 class Command(str, Enum):
@@ -51,6 +51,8 @@ def main_command(
     quiet: o.QuietOpt = False, debug: o.DebugOpt = False, gpu_memory: o.GpuMemoryOpt = None,
     no_levers: o.NoLeversOpt = False, headroom: o.HeadroomOpt = None, sweep_grid: o.SweepGridOpt = None,
     packing: o.PackingOpt = False, recipe: o.RecipeOpt = None, from_files: o.FromOpt = (),
+    zero: o.ZeroOpt = None, dp: o.DpOpt = None, offload_optimizer: o.OffloadOptimizerOpt = None,
+    offload_param: o.OffloadParamOpt = None, deepspeed: o.DeepspeedOpt = None,
 ) -> None:
     """Predict the peak memory of one training step (or inference forward) from a meta-device trace.
 
@@ -63,6 +65,7 @@ def main_command(
     del debug  # read by main() from the arguments, so that it also covers errors raised while parsing them
     opts = SimpleNamespace(**{k: v for k, v in locals().items() if k != "ctx"})
     apply_sources(ctx, opts)
+    apply_deepspeed_config(ctx, opts)
     command = next((c for c in Command if c.value == ctx.command.name), Command.RUN)
     fit_axis = _fit_axis(ctx, opts) if command is Command.FIT else None
     opts.quiet = _check_usage(opts, fit_axis, validate_run=command is Command.VALIDATE)
@@ -153,7 +156,9 @@ def _run_spec(opts: SimpleNamespace):
         fsdp=opts.fsdp, reshard_after_forward=_bool_option(opts.reshard_after_forward, "--reshard-after-forward"),
         rank=opts.rank, ddp=opts.ddp, tp=opts.tp, fsdp_plan=opts.fsdp_plan, cpu_offload=opts.cpu_offload,
         compile=opts.compile_model, compile_mode=opts.compile_mode, packing=opts.packing, recipe=opts.recipe,
-        sources=opts.sources, source_warnings=opts.source_warnings, **opts.source_fields)
+        sources=opts.sources, source_warnings=opts.source_warnings, zero=opts.zero, dp=opts.dp,
+        offload_optimizer=opts.offload_optimizer, offload_param=opts.offload_param, deepspeed_config=opts.deepspeed,
+        **opts.source_fields)
 
 
 def _execute(opts: SimpleNamespace, fit_axis: str | None, validate_run: bool) -> None:
