@@ -181,3 +181,14 @@ def bucket_sources(ds: DsConfig | None, resolved: dict, stage: int) -> dict[str,
         else:
             out[key] = {"value": default, "source": "DeepSpeed default"}
     return out
+
+
+def spec_config(spec, model_config) -> tuple[DsConfig | None, dict | None]:
+    """(the `--deepspeed` file of `spec` (a RunSpec with `zero`), its config with "auto" filled for the spec and
+    the model's config) or (None, None) without a file. Raises UsageError (`read_ds_config`, `resolve_auto`)."""
+    if spec.deepspeed_config is None:
+        return None, None
+    ds = read_ds_config(spec.deepspeed_config)
+    bf16 = spec.effective_precision.value.startswith("bf16")
+    return ds, resolve_auto(ds, batch=spec.batch, grad_accum=spec.grad_accum, dp=spec.dp, stage=spec.zero,
+                            bf16=bf16, hidden=hidden_size(model_config), clip_grad_norm=spec.clip_grad_norm)

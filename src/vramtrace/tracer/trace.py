@@ -560,10 +560,6 @@ def trace_step(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], Non
 def _trace_steps(spec: RunSpec, loaded: LoadedModel, progress: Callable[[str], None] | None, replay_steady: bool,
                  rebuild_decode: bool, keep_args: bool) -> TracedGraph:
     say = progress or (lambda _msg: None)
-    if spec.zero is not None:  # DeepSpeed's engine (tracer/zero.py)
-        from .zero import trace_zero
-
-        return trace_zero(spec, loaded, say)
     if keep_args:
         with keeping_args():
             return _trace_step(spec, loaded, say, False, None, every_layer=True)

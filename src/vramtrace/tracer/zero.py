@@ -159,31 +159,42 @@ def zero_config(spec: RunSpec, bf16: bool, file_config: dict | None = None) -> d
     user writes it: AdamW (`torch_adam`: torch.optim.AdamW, deepspeed/runtime/engine.py `_configure_basic_optimizer`),
     `train_micro_batch_size_per_gpu` = batch, `gradient_accumulation_steps`, `zero_optimization.stage` and the
     offloads (`pin_memory` true, DeepSpeed's default), `bf16.enabled` for bf16. DeepSpeed's defaults fill the rest
-    (deepspeed/runtime/zero/config.py: `reduce_bucket_size` 5e8 elements, ...)."""
-    cfg = copy.deepcopy(file_config) if file_config else {
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-        "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    (deepspeed/runtime/zero/config.py: `reduce_bucket_size` 5e8 elements, ...). Adam/AdamW always with
+    `torch_adam` (torch.optim's, where a GPU run would take DeepSpeed's FusedAdam or, offloaded, DeepSpeedCPUAdam:
+    the same two states per element; their step's temporaries are torch's). Raises UsageError for another
+    optimizer type."""
+    cfg = copy.deepcopy(file_config) if file_config else {"steps_per_print": 10**9, "wall_clock_breakdown": False}
+    # no optimizer block: the client's optimizer (HF Trainer passes torch's AdamW), the same states
+    optimizer = cfg.setdefault("optimizer", {"type": "AdamW", "params": {"lr": 1e-4}})
+    if str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
+        raise UsageError(f"--zero: the ds_config's optimizer {optimizer.get('type')!r} is not modelled yet; use "
+                         "Adam or AdamW")
+    optimizer.setdefault("params", {})["torch_adam"] = True  # torch.optim.AdamW: FusedAdam's states, no compile
     cfg.update(train_micro_batch_size_per_gpu=spec.batch, gradient_accumulation_steps=spec.grad_accum,
                train_batch_size=spec.batch * spec.grad_accum * spec.dp)
     zero = cfg.setdefault("zero_optimization", {})
     zero["stage"] = spec.zero
     for key, device in (("offload_optimizer", spec.offload_optimizer), ("offload_param", spec.offload_param)):
-        if device is not None:
+        if device is None:
+            zero.pop(key, None)  # the spec's offloads are what runs (the CLI takes the file's when not given)
+        else:
             zero[key] = {"pin_memory": True, **zero.get(key, {}), "device": device.value}
     cfg.pop("fp16", None)
     cfg["bf16"] = {**cfg.get("bf16", {}), "enabled": bf16}
     return cfg
 
 
-def trace_zero(spec: RunSpec, loaded: LoadedModel, say: Callable[[str], None], file_config: dict | None = None):
+def trace_zero(spec: RunSpec, loaded: LoadedModel, say: Callable[[str], None]):
     """Record `spec`'s ZeRO step as rank `spec.rank` (0 when None) of `spec.dp`: a `trace.TracedGraph` of every
     layer. Raises MissingExtraError (no deepspeed), UsageError (a precision not modelled), BridgeError,
     TraceError (what DeepSpeed or the model raised, one line)."""
     from .sharding import fake_rank
     from .trace import _TraceObserver, _trace_error
 
+    from ..sources.deepspeed import spec_config
+
     bf16 = zero_precision(loaded.precision)
-    config = zero_config(spec, bf16, file_config)
+    config = zero_config(spec, bf16, spec_config(spec, loaded.model.config)[1])
     rank = spec.rank or 0
     say(f"DeepSpeed ZeRO-{spec.zero}, rank {rank} of {spec.dp}")
     rec = StepRecorder()
