@@ -44,18 +44,15 @@ class Category(str, enum.Enum):
     # a large-pool block's rest of at most 1 MiB not split off (c10/cuda/CUDACachingAllocator.cpp `should_split`,
     # `alloc_found_block` counts `block->size` in memory_allocated()); not a storage, a line of the breakdown
     ALLOCATOR_REMAINDER = "allocator_remainder"
-    # DeepSpeed ZeRO (`--zero`, tracer/zero.py): the flat fp32 master partitions of the rank's shard of the
-    # parameters (stage_1_and_2.py `single_partition_of_fp32_groups`, stage3.py `fp32_partitioned_groups_flat`)
-    FP32_PARTITIONS = "fp32_partitions"
 
 
 # Categories only some steps have (a report leaves them out of its table when they hold nothing): a sharded
 # step's, a quantized model's.
 OPTIONAL = frozenset({Category.UNSHARDED_PARAMETERS, Category.COLLECTIVE_BUFFERS, Category.QUANTIZED_WEIGHTS,
                       Category.QUANT_CONSTANTS, Category.DEQUANTIZED_WEIGHTS, Category.PAGED_OPTIMIZER_STATE,
-                      Category.ALLOCATOR_REMAINDER, Category.FP32_PARTITIONS})
+                      Category.ALLOCATOR_REMAINDER})
 
 
 # Categories whose storages must outlive the step even under last-use freeing (graph-optimal figure).
-PERSISTENT = frozenset({Category.PARAMETER, Category.OPTIMIZER_STATE, Category.FP32_PARTITIONS, Category.INPUT, Category.KEPT,
+PERSISTENT = frozenset({Category.PARAMETER, Category.OPTIMIZER_STATE, Category.INPUT, Category.KEPT,
                         Category.CUBLAS_WORKSPACE, Category.QUANTIZED_WEIGHTS, Category.QUANT_CONSTANTS})

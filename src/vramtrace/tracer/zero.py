@@ -49,8 +49,8 @@ PLACEHOLDER_DEVICE = "meta_placeholder"  # DeepSpeed's own meta tensors: no memo
 ZERO_STATE_ATTRIBUTES: tuple[tuple[str, Category, str], ...] = (
     ("bit16_groups_flat", Category.PARAMETER, "ZeRO bit16 flat parameters"),
     ("fp16_partitioned_groups_flat", Category.PARAMETER, "ZeRO-3 bit16 parameter partitions"),
-    ("single_partition_of_fp32_groups", Category.FP32_PARTITIONS, "ZeRO fp32 master partition"),
-    ("fp32_partitioned_groups_flat", Category.FP32_PARTITIONS, "ZeRO-3 fp32 master partition"),
+    ("single_partition_of_fp32_groups", Category.OPTIMIZER_STATE, "ZeRO fp32 master partition"),
+    ("fp32_partitioned_groups_flat", Category.OPTIMIZER_STATE, "ZeRO-3 fp32 master partition"),
     ("grads_in_partition", Category.GRADIENT, "ZeRO contiguous gradient partition"),
     ("averaged_gradients", Category.GRADIENT, "ZeRO averaged gradients"),
     ("grad_partitions_flat_buffer", Category.GRADIENT, "ZeRO-3 gradient partitions"),
