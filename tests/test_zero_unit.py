@@ -223,3 +223,18 @@ def test_zero_bridges_restore_when_the_body_raises():
     with pytest.raises(RuntimeError, match="boom"), feature_bridges.deepspeed_zero(2, 0):
         raise RuntimeError("boom")
     assert {b.name: bridges.resolve(b) for b in bridges.ZERO_BRIDGES} == before
+
+
+def test_a_ds_config_given_with_from_is_read_as_deepspeed(tmp_path):
+    from vramtrace.sources import read_source
+    from vramtrace.sources.base import SourceFormat
+
+    path = _write(tmp_path, {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                             "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000000}})
+    source = read_source(path)
+    assert source.format is SourceFormat.DEEPSPEED  # not a TrainingArguments JSON (gradient_accumulation_steps)
+    assert [(e.option, e.value) for e in source.settings] == [("deepspeed_config", str(path.resolve()))]
+    # the CLI then reads it as --deepspeed: its stage sets --zero (else --dp alone is refused)
+    out = _cli(LLAMA, "--seq", "32", "--dp", "2", "--device", "cpu", "--from", str(path), prelude=_HIDE_DEEPSPEED)
+    assert out.returncode == 1 and out.stderr.strip().endswith(
+        "Error: --zero needs DeepSpeed: pip install 'vramtrace[deepspeed]'"), out.stderr

@@ -554,6 +554,9 @@ class RunSpec:
             raise _bad("NVMe offload is not modelled yet (DeepSpeed's aio swapper); use cpu")
         if self.quantization is not None or self.lora_rank is not None or self.compile:
             raise _bad("{zero} with {quantization}, {lora_rank} or {compile} is not modelled yet; drop one")
+        if OptimizerKind.parse(self.optimizer, "{optimizer}") not in (OptimizerKind.ADAMW, OptimizerKind.ADAM):
+            raise _bad("{zero} runs DeepSpeed's Adam/AdamW (the ds_config's optimizer); {optimizer} "
+                       f"{OptimizerKind.parse(self.optimizer, '{optimizer}').value} is not modelled with it yet")
         if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int)
                                       or not 0 <= self.rank < self.dp):
             raise _bad(f"{{rank}} must be in 0..{self.dp - 1} for {self.dp} ranks, got {self.rank}")

@@ -11,7 +11,7 @@ from rich.console import Console
 from ..errors import UsageError
 
 # RunSpec fields whose command-line parameter has another name
-_PARAM_OF_FIELD = {"compile": "compile_model"}
+_PARAM_OF_FIELD = {"compile": "compile_model", "deepspeed_config": "deepspeed"}
 # the CLI's text form of a RunSpec value: tuples comma-joined (--lora-targets), bools as true/false for the options
 # that take text (--reshard-after-forward, --use-cache)
 _TEXT_FIELDS = ("reshard_after_forward", "use_cache")
