@@ -22,9 +22,10 @@ _MARKERS = {
     SourceFormat.TRAINING_ARGUMENTS: ("per_device_train_batch_size", "gradient_accumulation_steps", "optim",
                                       "output_dir"),
 }
-FORMATS_TEXT = ("a DeepSpeed ds_config JSON (zero_optimization), an axolotl YAML (base_model, micro_batch_size, sequence_len, ...), a LLaMA-Factory YAML "
+FORMATS_TEXT = ("an axolotl YAML (base_model, micro_batch_size, sequence_len, ...), a LLaMA-Factory YAML "
                 "(model_name_or_path, finetuning_type, cutoff_len, ...), a TrainingArguments JSON "
-                "(per_device_train_batch_size, ...) or an accelerate config YAML (distributed_type, fsdp_config, ...)")
+                "(per_device_train_batch_size, ...), an accelerate config YAML (distributed_type, fsdp_config, ...) or a "
+                "DeepSpeed ds_config JSON (zero_optimization, ...)")
 
 
 def detect(data: Mapping[str, Any], name: str) -> SourceFormat:
