@@ -238,3 +238,18 @@ def test_a_ds_config_given_with_from_is_read_as_deepspeed(tmp_path):
     out = _cli(LLAMA, "--seq", "32", "--dp", "2", "--device", "cpu", "--from", str(path), prelude=_HIDE_DEEPSPEED)
     assert out.returncode == 1 and out.stderr.strip().endswith(
         "Error: --zero needs DeepSpeed: pip install 'vramtrace[deepspeed]'"), out.stderr
+
+
+def test_training_arguments_deepspeed_key_names_the_ds_config(tmp_path, monkeypatch):
+    from vramtrace.sources import read_source
+
+    _write(tmp_path, {"zero_optimization": {"stage": 3}}, "ds_z3.json")
+    args = _write(tmp_path, {"per_device_train_batch_size": 2, "output_dir": "out", "deepspeed": "ds_z3.json"},
+                  "args.json")
+    monkeypatch.chdir(tmp_path)  # the Trainer opens a relative path from the current directory
+    got = {e.option: e.value for e in read_source(args).settings}
+    assert got["deepspeed_config"] == str(tmp_path / "ds_z3.json")
+    monkeypatch.chdir(ROOT)
+    source = read_source(args)  # not there from here: one GPU, with the warning
+    assert "deepspeed_config" not in {e.option for e in source.settings}
+    assert any("deepspeed: DeepSpeed ZeRO" in w for w in source.warnings)
