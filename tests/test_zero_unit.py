@@ -253,3 +253,28 @@ def test_training_arguments_deepspeed_key_names_the_ds_config(tmp_path, monkeypa
     source = read_source(args)  # not there from here: one GPU, with the warning
     assert "deepspeed_config" not in {e.option for e in source.settings}
     assert any("deepspeed: DeepSpeed ZeRO" in w for w in source.warnings)
+
+
+def _real(case: str) -> dict:
+    """Rank 0 of a real 2-process DeepSpeed run of the issue-42 research (docs/research/issue-42-zero/real_zero.py:
+    tiny-llama-gqa, batch 2 x seq 32, torch_adam AdamW, gloo on the CPU)."""
+    path = ROOT / "docs" / "research" / "issue-42-zero" / "results" / "real_llama.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return next(r for r in rows if r["case"] == case)["ranks"][0]
+
+
+def test_zero2_bucket_term_is_the_real_runs(tmp_path):
+    """The default reduce_bucket_size (5e8 elements) against 1e6: the predicted peaks differ by what the real runs'
+    peaks differ by (the fp32 gradient bucket ZeRO-2 allocates in every backward), to the byte."""
+    pytest.importorskip("deepspeed")
+    from vramtrace.pipeline import analyze
+
+    small = _write(tmp_path, {"zero_optimization": {"stage": 2, "reduce_bucket_size": 1000000}})
+    base = dict(batch=2, seq=32, zero=2, dp=2, device="cpu", precision="fp32", use_cache=False)
+    default = analyze(RunSpec(LLAMA, **base), levers=False)
+    with_file = analyze(RunSpec(LLAMA, deepspeed_config=str(small), **base), levers=False)
+    real = _real("zero2-fp32-default")["peak"] - _real("zero2-fp32-1e6")["peak"]
+    assert default.peak_allocated_bytes - with_file.peak_allocated_bytes == real
+    buckets = {b.key: (b.value, b.source) for b in with_file.run.zero.buckets}
+    assert buckets["reduce_bucket_size"] == (1000000, "file")
+    assert {b.key: b.source for b in default.run.zero.buckets}["reduce_bucket_size"] == "DeepSpeed default"
