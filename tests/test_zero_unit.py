@@ -186,7 +186,7 @@ def test_cli_zero_usage_errors_are_one_line_exit_2(tmp_path):
 def test_zero_bridges_are_declared_for_deepspeed():
     from vramtrace import bridges
 
-    assert set(bridges.ZERO_BRIDGES) <= set(bridges.BRIDGES)
+    assert not set(bridges.ZERO_BRIDGES) & set(bridges.BRIDGES)  # not around every step: only a --zero trace's
     for bridge in bridges.ZERO_BRIDGES:
         assert bridge.library == "deepspeed" and bridge.written_for == "deepspeed >=0.19.8,<0.20"
         assert bridge.why and bridge.when_absent
@@ -278,3 +278,22 @@ def test_zero2_bucket_term_is_the_real_runs(tmp_path):
     buckets = {b.key: (b.value, b.source) for b in with_file.run.zero.buckets}
     assert buckets["reduce_bucket_size"] == (1000000, "file")
     assert {b.key: b.source for b in default.run.zero.buckets}["reduce_bucket_size"] == "DeepSpeed default"
+
+
+def test_zero_bridge_targets_exist_and_a_missing_one_stops_before_patching(monkeypatch):
+    deepspeed = pytest.importorskip("deepspeed")
+    from vramtrace import bridges, feature_bridges
+    from vramtrace.errors import BridgeError
+
+    for bridge in bridges.ZERO_BRIDGES:
+        assert bridges.resolve(bridge) is not None, bridge.name
+    before = {b.name: bridges.resolve(b) for b in bridges.ZERO_BRIDGES}
+    stage3 = sys.modules["deepspeed.runtime.zero.stage3"]
+    monkeypatch.delattr(stage3, "assert_ints_same_as_other_ranks")
+    with pytest.raises(BridgeError) as err:
+        with feature_bridges.deepspeed_zero(2, 0):
+            pytest.fail("deepspeed_zero went on without its target")
+    text = str(err.value)
+    assert "deepspeed.runtime.zero.stage3.assert_ints_same_as_other_ranks" in text and deepspeed.__version__ in text
+    monkeypatch.undo()
+    assert {b.name: bridges.resolve(b) for b in bridges.ZERO_BRIDGES} == before

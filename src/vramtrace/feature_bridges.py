@@ -309,10 +309,23 @@ def import_deepspeed():
 
 
 def _ds_resolve(bridge) -> dict[str, object]:
+    """`resolve(bridge)` of a ZeRO bridge once deepspeed imports: a missing target is a BridgeError naming it and
+    the extra that pins the version written for (its `when_absent` covers a missing deepspeed only)."""
+    from .errors import BridgeError
+
     found = resolve(bridge)
-    if found is None:  # deepspeed imports, so a target is missing (when_absent only covers a missing deepspeed)
-        raise _missing(bridge, ", ".join(f"{m}.{a}" for m, a in bridge.targets))
-    return found
+    if found is not None:
+        return found
+    for module, attribute in bridge.targets:
+        try:
+            _lookup(module, attribute)
+        except LookupError:
+            import deepspeed
+
+            raise BridgeError(f"{module}.{attribute} is missing in deepspeed {deepspeed.__version__} (bridge "
+                              f"{bridge.name}, written for {bridge.written_for}): this vramtrace does not support "
+                              "that deepspeed version; pip install 'vramtrace[deepspeed]'") from None
+    raise BridgeError(f"bridge {bridge.name}: a target did not resolve")
 
 
 @contextlib.contextmanager
