@@ -297,3 +297,10 @@ def test_zero_bridge_targets_exist_and_a_missing_one_stops_before_patching(monke
     assert "deepspeed.runtime.zero.stage3.assert_ints_same_as_other_ranks" in text and deepspeed.__version__ in text
     monkeypatch.undo()
     assert {b.name: bridges.resolve(b) for b in bridges.ZERO_BRIDGES} == before
+
+
+def test_fit_zero_axis_needs_zero_and_dp():
+    from vramtrace.fit import fit
+
+    with pytest.raises(UsageError, match="give --zero 1 --dp N"):
+        fit(RunSpec(LLAMA, batch=2, seq=32, device="cpu", gpu_memory_bytes=1 << 30), "zero")

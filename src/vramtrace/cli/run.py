@@ -85,6 +85,8 @@ def _fit_axis(ctx: typer.Context, opts: SimpleNamespace) -> str:
         if has_seq or has_batch:
             raise UsageError("--sweep gives the batches and sequences itself; drop --batch and --seq")
         return "sweep"
+    if has_seq and has_batch and opts.zero is not None:
+        return "zero"  # both sizes fixed, --zero --dp given: the smallest ZeRO stage that fits
     if has_seq and has_batch:
         return "fsdp"  # both sizes fixed: the fewest FSDP ranks that fit
     return "seq" if has_batch else "batch"
