@@ -199,7 +199,8 @@ def trace_zero(spec: RunSpec, loaded: LoadedModel, say: Callable[[str], None]):
     rank = spec.rank or 0
     say(f"DeepSpeed ZeRO-{spec.zero}, rank {rank} of {spec.dp}")
     rec = StepRecorder()
-    with quiet_transformers_logs(), fake_rank(spec.dp, rank), feature_bridges.deepspeed_zero(spec.dp, rank):
+    with (quiet_transformers_logs(), _quiet_warnings(), fake_rank(spec.dp, rank),
+          feature_bridges.deepspeed_zero(spec.dp, rank)):
         import deepspeed
         from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -241,6 +242,19 @@ def _categorise_buckets(rec: StepRecorder, elements: int) -> None:
     for s in rec.storages:
         if s.category is None and s.op == "aten.empty.memory_format" and s.shape == (elements,):
             s.category, s.name = Category.COLLECTIVE_BUFFERS, BUCKET_NAME
+
+
+@contextlib.contextmanager
+def _quiet_warnings():
+    """The warnings a ZeRO trace makes that say nothing to the user, off while it runs (the caller's filters back
+    after): DeepSpeed's calls of torch.distributed's deprecated collectives (torch/distributed/c10d_logger.py), and
+    the data pointers DeepSpeed's alignment checks read of fake tensors (stage_1_and_2.py `data_ptr()`)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.distributed\.")
+        warnings.filterwarnings("ignore", category=UserWarning, message="Accessing the data pointer of FakeTensor")
+        yield
 
 
 def _policy(spec: RunSpec, rec: StepRecorder) -> KernelPolicyMode:
