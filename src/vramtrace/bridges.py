@@ -374,6 +374,39 @@ KERNEL_CHOICES = Bridge(
     "nn.TransformerEncoderLayer's eval fast paths by their ops (`torch._native_multi_head_attention`, "
     "`torch._transformer_encoder_layer_fwd`); checked before a step is recorded", kind=BridgeKind.READ)
 
+_PP = "torch.distributed.pipelining."
+PIPELINE_P2P = Bridge(
+    "pipeline_p2p", "torch", ((_PP + "schedules", "_batch_p2p"), (_PP + "schedules", "_sorted_batch_p2p")),
+    TORCH_WRITTEN_FOR,
+    "a --pp step (`feature_bridges.pipelining_on_meta`, entered only for one): the schedules send and receive "
+    "through `_batch_p2p`/`_sorted_batch_p2p` (torch/distributed/pipelining/schedules.py), whose "
+    "`batch_isend_irecv` looks a backend up by the tensors' device, and meta has none; on the fake group every "
+    "send and receive completes at once anyway. A completed stand-in Work that HOLDS its ops' tensors, as gloo's "
+    "Work holds them until it is dropped: the schedules keep waited Works (ScheduleGPipe's `bwd_sends_to_wait`, "
+    "Schedule1F1B's `send_work`), and the tensors they keep count (1F1B stage 0: one micro-batch's output)")
+PIPELINE_STATIC_VOTE = Bridge(
+    "pipeline_static_vote", "torch", ((_PP + "schedules", "_PipelineSchedule._warmup_p2p"),), TORCH_WRITTEN_FOR,
+    "a --pp step: the first step's warm-up vote (schedules.py `_PipelineSchedule._warmup_p2p`) sums each "
+    "stage's 'metadata given' flag over the group and reads it back with `.item()`, which the fake group and "
+    "meta cannot answer: answer what the vote decides when every stage was given its metadata (vramtrace gives "
+    "them all, tracer/pipelining.py), `InferenceMode.STATIC`, with no round trip (it allocates nothing kept)")
+PIPELINE_MICRO_STEPS = Bridge(
+    "pipeline_micro_steps", "torch",
+    ((_PP + "stage", "_PipelineStageBase.forward_one_chunk"), (_PP + "stage", "_PipelineStageBase.backward_one_chunk")),
+    TORCH_WRITTEN_FOR,
+    "a --pp step: each forward and backward micro-step (stage.py `forward_one_chunk`, `backward_one_chunk`) "
+    "is reported to the trace as it begins and ends, with the micro-batches then in flight (PIPELINE_STAGE_STATE's "
+    "`fwd_cache`), so the report says where a stage's peak falls (F<i>/B<i>); the originals run unchanged")
+PIPELINE_STAGE_STATE = Bridge(
+    "pipeline_stage_state", "torch",
+    ((_PP + "stage", "_PipelineStageBase.clear_runtime_states"), (_PP + "stage", "_RecvInfo")), TORCH_WRITTEN_FOR,
+    "a --pp step reads a stage's private state, made in stage.py `_PipelineStageBase.__init__` and emptied by "
+    "`clear_runtime_states` at each step's start: `fwd_cache` (micro-batch -> its outputs and inputs, kept until "
+    "its backward: the micro-batches in flight) and the receive buffers of `args_recv_info` and `grad_recv_info` "
+    "(`_RecvInfo.buffer`, one per micro-batch and direction, kept for the stage's life), which the report counts "
+    "and categorises", kind=BridgeKind.READ)
+
+
 # DeepSpeed ZeRO (`--zero`, tracer/zero.py): DeepSpeed's own engine on one fake rank under FakeTensorMode, its
 # accelerator's device the meta device. Entered only for a --zero trace (`feature_bridges.deepspeed_zero`), and
 # kept out of BRIDGES: deepspeed is an optional extra that the test suite's Python may lack (tests/test_zero_unit.py
@@ -448,6 +481,9 @@ BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_C
                                QWEN_VL_POSITIONS, ACCUMULATION_USE_COUNTS, GRAD_SCALER_STATE, DTENSOR_PLAN_CACHES,
                                INDUCTOR_IR, AUTOGRAD_NODE, FUNCTION_MODE_STACK, DISPATCH_TOOLKIT, KERNEL_CHOICES,
                                FLASH_ATTENTION_STANDIN, PACKED_SEQUENCES)
+# issue 42, --pp: entered only around a pipeline stage's step (feature_bridges.pipelining_on_meta)
+PIPELINE_BRIDGES = (PIPELINE_P2P, PIPELINE_STATIC_VOTE, PIPELINE_MICRO_STEPS, PIPELINE_STAGE_STATE)
+BRIDGES += PIPELINE_BRIDGES
 # the private reads a recorded step makes, checked with the patches before anything is patched (`installed`)
 STEP_READS: tuple[Bridge, ...] = (ACCUMULATION_USE_COUNTS, GRAD_SCALER_STATE, AUTOGRAD_NODE, FUNCTION_MODE_STACK,
                                   DISPATCH_TOOLKIT, KERNEL_CHOICES)

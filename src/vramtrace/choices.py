@@ -289,6 +289,17 @@ class AttnImplementation(_Choice):
     FLEX_ATTENTION = "flex_attention"
 
 
+class PipelineSchedule(_Choice):
+    """The `torch.distributed.pipelining` schedule of a `--pp` run (`--pp-schedule`): `ScheduleGPipe` (every
+    micro-batch's forward, then every backward), `Schedule1F1B` (stage k warms up min(M, P - k) forwards, then
+    alternates), `ScheduleInterleaved1F1B` (several stages per rank, `--virtual-stages`) and the zero-bubble
+    schedules (torch/distributed/pipelining/schedules.py). Traced: gpipe and 1f1b."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved-1f1b"
+    ZERO_BUBBLE = "zero-bubble"
+
 class ZeroOffload(_Choice):
     """Where DeepSpeed ZeRO offloads (`--offload-optimizer`, `--offload-param`: the ds_config's
     `zero_optimization.offload_optimizer.device` / `offload_param.device`, deepspeed/runtime/zero/offload_config.py

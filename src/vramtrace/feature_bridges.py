@@ -277,6 +277,73 @@ def packed_sequences() -> Iterator[None]:
         yield
 
 
+class _HeldWork:
+    """A completed `dist.Work` stand-in that keeps its ops' tensors until it is dropped, as ProcessGroupGloo's
+    send/recv Works keep theirs (PIPELINE_P2P)."""
+
+    def __init__(self, ops):
+        self.tensors = [op.tensor for op in ops]
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def pipelining_on_meta(on_micro_step: Callable[[str, tuple[int, ...]], None],
+                       on_send: Callable[[list[torch.Tensor]], None]) -> Iterator[None]:
+    """PIPELINE_P2P, PIPELINE_STATIC_VOTE and PIPELINE_MICRO_STEPS while one rank's `schedule.step` of a --pp run
+    is traced (tracer/pipelining.py): the schedule's batched sends and receives complete at once with a Work that
+    holds their tensors (`on_send(tensors)` told of each backward send's), the warm-up vote answers STATIC, and
+    `on_micro_step(label, in_flight)` is told where each forward/backward micro-step begins ('F<i>', 'B<i>') and
+    ends ('loop'), with the micro-batches then in the stage's `fwd_cache` (plus the running one). The originals
+    back on exit. Raises BridgeError (nothing patched) when a target is missing."""
+    from .bridges import PIPELINE_MICRO_STEPS, PIPELINE_P2P, PIPELINE_STAGE_STATE, PIPELINE_STATIC_VOTE
+
+    for bridge in (PIPELINE_P2P, PIPELINE_STATIC_VOTE, PIPELINE_MICRO_STEPS, PIPELINE_STAGE_STATE):
+        resolve(bridge)
+    from torch.distributed import isend
+    from torch.distributed.pipelining import schedules, stage as stages
+    from torch.distributed.pipelining.stage import InferenceMode, PipelineStage
+
+    def batch_p2p(ops, desc=None):
+        if not ops:
+            return []
+        if desc is not None and desc.startswith("bwd_send"):
+            on_send([op.tensor for op in ops if op.op is isend])
+        return [_HeldWork(ops)]
+
+    def sorted_batch_p2p(ops, desc=None):
+        return {0: batch_p2p(ops, desc)} if ops else {}
+
+    def static_vote(self, stage_list, has_backward, p2p_done):
+        for s in stage_list:
+            if isinstance(s, PipelineStage):
+                s._inference_mode = InferenceMode.STATIC
+
+    base = stages._PipelineStageBase
+    forward, backward = base.forward_one_chunk, base.backward_one_chunk
+
+    def labelled(original, letter):
+        def run(self, chunk_id, *args, **kwargs):
+            on_micro_step(f"{letter}{chunk_id}", tuple(sorted({*self.fwd_cache, chunk_id})))
+            try:
+                return original(self, chunk_id, *args, **kwargs)
+            finally:
+                on_micro_step("loop", tuple(sorted(self.fwd_cache)))
+        return run
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_set(schedules, "_batch_p2p", batch_p2p))
+        stack.enter_context(_set(schedules, "_sorted_batch_p2p", sorted_batch_p2p))
+        stack.enter_context(_set(schedules._PipelineSchedule, "_warmup_p2p", static_vote))
+        stack.enter_context(_set(base, "forward_one_chunk", labelled(forward, "F")))
+        stack.enter_context(_set(base, "backward_one_chunk", labelled(backward, "B")))
+        yield
+
+
 # -- DeepSpeed ZeRO (`--zero`, tracer/zero.py; bridges.ZERO_BRIDGES) --------------------------------------------
 DEEPSPEED_MISSING = "--zero needs DeepSpeed: pip install 'vramtrace[deepspeed]'"
 # the environment DeepSpeed's comm layer reads for one rank (deepspeed/comm/comm.py `init_distributed`: without

@@ -487,6 +487,11 @@ FAMILIES: tuple[tuple[str, Callable[[_Search, RunSpec], list[Lever]]], ...] = (
 )
 
 
+# the families a --pp run does not compose with yet (pipeline_spec.py refuses --grad-accum, --lora-rank's cut,
+# --quantization and --fsdp with --pp)
+NOT_WITH_PP = frozenset({"micro_batch", "lora", "qlora", "fsdp"})
+
+
 def find_levers(spec: RunSpec, ev: Evaluator, budget_bytes: int) -> LeversSummary:
     """The levers of `spec` (resolved: precision set) against `budget_bytes` (on `search.compared_bytes`'s basis),
     as the report's `levers` section: the levers ranked (`Lever.row`), the combination (`_combine`), the traces
@@ -497,6 +502,8 @@ def find_levers(spec: RunSpec, ev: Evaluator, budget_bytes: int) -> LeversSummar
     found: list[Lever] = []
     skipped: list[SkippedLever] = []
     for name, family in FAMILIES:
+        if spec.pp is not None and name in NOT_WITH_PP:
+            continue
         if spec.zero is not None and name not in ZERO_FAMILIES:
             continue
         try:

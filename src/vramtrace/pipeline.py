@@ -247,6 +247,10 @@ def _trace_worst_rank(session: TraceSession, spec: RunSpec, loaded) -> tuple[Run
     from dataclasses import replace
 
     say = session.say
+    if spec.pp is not None:  # every distinct pipeline stage (pp_report.py)
+        from .pp_report import trace_stages
+
+        return trace_stages(session, spec, loaded)
     if spec.zero is not None and spec.rank is None:  # DeepSpeed ZeRO's rank classes (tracer/zero.py)
         from .tracer.zero import rank_classes as zero_classes
 
@@ -299,6 +303,12 @@ def _analyze_one_frozen(session: TraceSession, use_cache_variant: bool = True) -
                                                                                            _host_peak(spec, main)),
                                                                           **zero_summary(spec, loaded, rank_peaks,
                                                                                          _host_peak(spec, main))})
+    if spec.pp is not None:
+        from dataclasses import replace
+
+        from .pp_report import pipeline_summary
+
+        run_info = replace(run_info, pp=pipeline_summary(session, spec, loaded))
     report = summarize(
         model=_model_info(session.resolved, loaded, traced), run=run_info, params=loaded.params, ops=traced.ops,
         storages=main.table, steady=steady, first=main.timeline(step=0), graph_optimal=main.timeline(optimal=True),

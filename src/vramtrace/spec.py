@@ -10,7 +10,7 @@ from .errors import SpecError, UsageError
 # the choices live in choices.py; every name is re-exported here (`from vramtrace.spec import Precision`)
 from .choices import (  # noqa: F401
     _Choice, Mode, CacheKind, KvDtype, FsdpPlan, Quantization, Precision, Recipe, OptimizerKind, OptimizerImpl, Loop,
-    ZeroGrad, Device, Task, AttnImplementation, OPTIMIZER_IMPLS, BNB_OPTIMIZER_BUILDS, BNB_OPTIMIZERS, COMPILE_MODES,
+    ZeroGrad, Device, Task, AttnImplementation, PipelineSchedule, OPTIMIZER_IMPLS, BNB_OPTIMIZER_BUILDS, BNB_OPTIMIZERS, COMPILE_MODES,
     TASK_ALIASES, DEFAULT_CHOICES,
 )
 from .choices import ZeroOffload  # noqa: F401
@@ -189,6 +189,12 @@ class RunSpec:
         rank r // tp and TP rank r % tp); None: every distinct rank class (`analyze`).
     ddp: N ranks of PyTorch's DistributedDataParallel (its defaults: 25 MiB gradient buckets, buffers broadcast
         each forward; `tracer/sharding.py`), batch being the per-rank micro-batch; None: one device.
+    pp: P stages of `torch.distributed.pipelining` (manual PipelineStages of a decoder LM, `tracer/pipelining.py`),
+        each traced on a fake rank of P; `batch` is the batch of one `schedule.step`, split into `micro_batches`;
+        None: no pipeline. pp_schedule: `PipelineSchedule` (gpipe and 1f1b traced). micro_batches: M (None: P),
+        `batch` a multiple of it. virtual_stages: stages per rank of interleaved schedules (not modelled yet).
+        pp_split: decoder layers per stage, summing to the model's (None: even, the remainder on the earliest
+        stages). stage: the stage traced and reported (None: every distinct stage, the largest reported).
     compile: the model is `torch.compile(model, mode=compile_mode)` (Inductor; the optimizer eager): the step's
         graphs as Inductor compiles them (`tracer/compiled_step.py`); a CPU target's training step only.
     compile_mode: `COMPILE_MODES`: the Inductor options of torch.compile's `mode` (torch/_inductor/__init__.py
@@ -265,6 +271,12 @@ class RunSpec:
     packing: bool = False
     sources: tuple[SourceEntry, ...] = ()
     source_warnings: tuple[str, ...] = ()
+    pp: int | None = None
+    pp_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
+    micro_batches: int | None = None
+    virtual_stages: int | None = None
+    pp_split: tuple[int, ...] | None = None
+    stage: int | None = None
     zero: int | None = None
     dp: int | None = None
     offload_optimizer: ZeroOffload | None = None
@@ -326,6 +338,7 @@ class RunSpec:
                                                     and self.clip_grad_norm > 0):
             raise _bad(f"{{clip_grad_norm}} must be a positive number, got {self.clip_grad_norm!r}")
         self._check_step_options()
+        self._check_pipeline()
         self._check_compile()
         self._check_recipe()
         if self.checkpointing is None:  # not given: none, or for QLoRA peft's default
@@ -572,6 +585,13 @@ class RunSpec:
         if self.step is not None:
             raise _bad(f"{option} runs vramtrace's own loop on each rank; {{step}} {self.step} replaces it: drop "
                        f"{{step}} or {option}")
+
+    def _check_pipeline(self) -> None:
+        """Parse `pp_schedule` and `pp_split`; raise UsageError for pipeline options that do not go together
+        (tracer/pipelining.py says what a --pp run traces)."""
+        from .pipeline_spec import check_pipeline
+
+        check_pipeline(self, _bad)
 
     def _check_serve_profile(self) -> None:
         if self.serve_requests is None:

@@ -102,6 +102,8 @@ def step_summary(spec: RunSpec, loop_peaks: dict[str, int], use_cache_false_peak
     if spec.mode is not Mode.TRAIN:
         return {}
     out = {"loop": spec.loop.value if spec.step is None else f"--step {spec.step}",
+           **({"loop": f"--pp {spec.pp_schedule.value} (one rank's schedule.step, then its optimizer)"}
+              if spec.pp is not None else {}),
            "grad_accum": spec.grad_accum, "effective_batch": spec.batch * spec.grad_accum,
            "zero_grad": spec.zero_grad, "clip_grad_norm": spec.clip_grad_norm}
     if spec.use_cache is not None:

@@ -44,13 +44,17 @@ class Category(str, enum.Enum):
     # a large-pool block's rest of at most 1 MiB not split off (c10/cuda/CUDACachingAllocator.cpp `should_split`,
     # `alloc_found_block` counts `block->size` in memory_allocated()); not a storage, a line of the breakdown
     ALLOCATOR_REMAINDER = "allocator_remainder"
+    # a pipeline stage's (`--pp`, tracer/pipelining.py) receive buffers, one per micro-batch and direction, made in
+    # its first step and kept for its life (torch/distributed/pipelining/stage.py `_RecvInfo.buffer`), and the
+    # input gradients its send Works hold until the schedule drops them
+    PIPELINE_BUFFERS = "pipeline_buffers"
 
 
 # Categories only some steps have (a report leaves them out of its table when they hold nothing): a sharded
 # step's, a quantized model's.
 OPTIONAL = frozenset({Category.UNSHARDED_PARAMETERS, Category.COLLECTIVE_BUFFERS, Category.QUANTIZED_WEIGHTS,
                       Category.QUANT_CONSTANTS, Category.DEQUANTIZED_WEIGHTS, Category.PAGED_OPTIMIZER_STATE,
-                      Category.ALLOCATOR_REMAINDER})
+                      Category.ALLOCATOR_REMAINDER, Category.PIPELINE_BUFFERS})
 
 
 # Categories whose storages must outlive the step even under last-use freeing (graph-optimal figure).

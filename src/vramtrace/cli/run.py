@@ -51,6 +51,8 @@ def main_command(
     quiet: o.QuietOpt = False, debug: o.DebugOpt = False, gpu_memory: o.GpuMemoryOpt = None,
     no_levers: o.NoLeversOpt = False, headroom: o.HeadroomOpt = None, sweep_grid: o.SweepGridOpt = None,
     packing: o.PackingOpt = False, recipe: o.RecipeOpt = None, from_files: o.FromOpt = (),
+    pp: o.PpOpt = None, pp_schedule: o.PpScheduleOpt = "1f1b", micro_batches: o.MicroBatchesOpt = None,
+    virtual_stages: o.VirtualStagesOpt = None, pp_split: o.PpSplitOpt = None, stage: o.StageOpt = None,
     zero: o.ZeroOpt = None, dp: o.DpOpt = None, offload_optimizer: o.OffloadOptimizerOpt = None,
     offload_param: o.OffloadParamOpt = None, deepspeed: o.DeepspeedOpt = None,
 ) -> None:
@@ -81,6 +83,8 @@ def _fit_axis(ctx: typer.Context, opts: SimpleNamespace) -> str:
         return getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"
 
     has_seq, has_batch = given("seq"), given("batch")
+    if opts.pp is not None:
+        raise UsageError("`vramtrace fit` with --pp is not supported yet; run the pipeline with --batch and --seq")
     if opts.sweep_grid is not None:
         if has_seq or has_batch:
             raise UsageError("--sweep gives the batches and sequences itself; drop --batch and --seq")
@@ -158,9 +162,10 @@ def _run_spec(opts: SimpleNamespace):
         fsdp=opts.fsdp, reshard_after_forward=_bool_option(opts.reshard_after_forward, "--reshard-after-forward"),
         rank=opts.rank, ddp=opts.ddp, tp=opts.tp, fsdp_plan=opts.fsdp_plan, cpu_offload=opts.cpu_offload,
         compile=opts.compile_model, compile_mode=opts.compile_mode, packing=opts.packing, recipe=opts.recipe,
-        sources=opts.sources, source_warnings=opts.source_warnings, zero=opts.zero, dp=opts.dp,
-        offload_optimizer=opts.offload_optimizer, offload_param=opts.offload_param, deepspeed_config=opts.deepspeed,
-        **opts.source_fields)
+        sources=opts.sources, source_warnings=opts.source_warnings, pp=opts.pp, pp_schedule=opts.pp_schedule,
+        micro_batches=opts.micro_batches, virtual_stages=opts.virtual_stages, pp_split=opts.pp_split,
+        stage=opts.stage, zero=opts.zero, dp=opts.dp, offload_optimizer=opts.offload_optimizer,
+        offload_param=opts.offload_param, deepspeed_config=opts.deepspeed, **opts.source_fields)
 
 
 def _execute(opts: SimpleNamespace, fit_axis: str | None, validate_run: bool) -> None:

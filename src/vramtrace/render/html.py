@@ -35,6 +35,7 @@ CATEGORY_COLORS = {  # stacked bottom to top in this order
     Category.UNSHARDED_PARAMETERS: "#1f4e79", Category.COLLECTIVE_BUFFERS: "#a05195",
     Category.QUANTIZED_WEIGHTS: "#2f6f4f", Category.QUANT_CONSTANTS: "#8cd17d", Category.DEQUANTIZED_WEIGHTS: "#d37295",
     Category.PAGED_OPTIMIZER_STATE: "#b6992d", Category.ALLOCATOR_REMAINDER: "#d8b5a5",
+    Category.PIPELINE_BUFFERS: "#7f7f00",
 }
 
 

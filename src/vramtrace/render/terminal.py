@@ -27,6 +27,7 @@ _CATEGORY_LABELS = {
     "quantization_constants": "quantization constants", "dequantized_weights": "dequantized weight temporaries",
     "paged_optimizer_state": "paged optimizer state (CUDA managed memory)",
     "allocator_remainder": "allocator: unsplit block remainders",
+    "pipeline_buffers": "pipeline buffers (receive buffers, held sends)",
 }
 def sharding_line(r: RunInfo) -> str:
     """'FSDP2 over 8 ranks (reshard after forward), per rank: rank 0 shown (ranks 0-6 3.10 GiB, 7 2.90 GiB);
@@ -58,7 +59,7 @@ def step_line(r: RunInfo) -> str:
     """'loop trainer (output released before backward); grad-accum 4 (effective batch 16); ...' or ''."""
     if r.loop is None:
         return ""
-    parts = [r.loop if r.loop.startswith("--step") else f"loop {r.loop} ({_LOOP_CODE[r.loop]})"]
+    parts = [r.loop if r.loop.startswith("--") else f"loop {r.loop} ({_LOOP_CODE[r.loop]})"]
     if (r.grad_accum or 1) > 1:
         parts.append(f"grad-accum {r.grad_accum} (effective batch {r.effective_batch})")
     parts.append("zero_grad(set_to_none=" + ("True)" if r.zero_grad is ZeroGrad.NONE else "False)"))
@@ -187,6 +188,8 @@ def _header(report: MemoryReport) -> Table:
         head.add_row("step", escape(step_line(r)))
     if r.fsdp or r.tp:
         head.add_row("sharding", sharding_line(r))
+    if r.pp:
+        head.add_row("pipeline", pipeline_text(r))
     if r.ddp:
         head.add_row("sharding", f"DDP over {r.ddp.world} ranks (every rank holds the whole model and one "
                                  f"set of gradient buckets); per rank; global batch {r.ddp.global_batch}")
@@ -449,3 +452,17 @@ def sparkline(report: MemoryReport, width: int = 48) -> str:
     top = max(live) or 1
     cols = [max(live[c * n // width:max((c + 1) * n // width, c * n // width + 1)]) for c in range(width)]
     return "".join(_BARS[min(len(_BARS) - 1, v * len(_BARS) // (top + 1))] for v in cols)
+
+
+def pipeline_text(r: RunInfo) -> str:
+    """'1f1b over 4 stages, 4 micro-batches of 2 rows, split 1,1,1,1; stage 3 shown' and one line per stage:
+    'stage 0  2.43 MiB at B0, in flight 0-3; receive buffers 64.00 KiB, held sends 0 B'."""
+    p = r.pp
+    lines = [f"{p.schedule.value} over {p.stages} stages, {p.micro_batches} micro-batches of {p.micro_batch_rows} "
+             f"rows, split {','.join(map(str, p.split))}; stage {p.stage} shown"]
+    for s in p.stage_peaks:
+        flight = ",".join(map(str, s.in_flight)) or "none"
+        lines.append(f"stage {s.stage}  {format_bytes(s.peak_bytes)} at {s.at}, in flight {flight}; receive "
+                     f"buffers {format_bytes(s.recv_buffer_bytes)}, held sends {format_bytes(s.held_send_bytes)}"
+                     + (f" (as stage {s.traced_as})" if s.traced_as != s.stage else ""))
+    return "\n".join(lines)

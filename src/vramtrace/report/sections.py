@@ -12,6 +12,7 @@ from .data import UNSET, Omit, omittable
 from ..spec import (CacheKind, Device, FsdpPlan, KvDtype, Mode, OptimizerImpl, OptimizerKind, Precision, Recipe,
                     ZeroGrad)
 from ..sources.base import SourceEntry
+from ..choices import PipelineSchedule
 
 _FROZEN = dict(frozen=True, slots=True, kw_only=True)
 
@@ -268,6 +269,38 @@ class FsdpInfo:
 
 
 @dataclass(**_FROZEN)
+class StagePeak:
+    """One pipeline stage's figures (pp_report.py `pipeline_summary`): the steady step's peak allocated bytes
+    (`peak_bytes`), the micro-step running at it (`at`: 'F<i>' or 'B<i>', forward or backward of micro-batch i, or
+    'loop' between them), the micro-batches in flight then (`in_flight`: in the stage's `fwd_cache`, or running),
+    and the bytes at the peak of its receive buffers (`recv_buffer_bytes`) and of the input gradients its send
+    Works hold (`held_send_bytes`). Stages that run the same program share one trace (`traced_as`)."""
+
+    stage: int
+    peak_bytes: int
+    at: str
+    in_flight: tuple[int, ...]
+    recv_buffer_bytes: int
+    held_send_bytes: int
+    traced_as: int
+
+
+@dataclass(**_FROZEN)
+class PipelineInfo:
+    """The run's `pp` entry (`--pp`): `stages` (P), the `schedule`, `micro_batches` (M) of `micro_batch_rows` rows
+    each, `split` (decoder layers per stage), the `stage` reported (the largest peak unless --stage K) and each
+    stage's figures (`stage_peaks`, by stage)."""
+
+    stages: int
+    schedule: PipelineSchedule
+    micro_batches: int
+    micro_batch_rows: int
+    split: tuple[int, ...]
+    stage: int
+    stage_peaks: tuple[StagePeak, ...]
+
+
+@dataclass(**_FROZEN)
 class CpuKernels:
     """The run's `cpu_kernels` entry on the CPU target (tracer/trace.py `_cpu_kernels`, tracer/profiling.py
     `cpu_environment`): what its kernel workspaces depend on; `relaid_outputs`, `extrapolated_workspaces`: only
@@ -382,4 +415,5 @@ class RunInfo:
     sources: tuple[SourceEntry, ...] = omittable(Omit.EMPTY, ())  # the fields --from files set (RunSpec.sources)
     warnings: tuple[str, ...] = omittable(Omit.EMPTY, ())
     recipe: Recipe | None = omittable()  # --recipe: the framework whose model build was mirrored (tracer/recipes.py)
+    pp: PipelineInfo | None = omittable()  # --pp: the pipeline's stages (pp_report.py `pipeline_summary`)
     zero: ZeroInfo | None = omittable()  # --zero: DeepSpeed ZeRO (tracer/zero.py `zero_summary`)

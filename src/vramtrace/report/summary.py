@@ -276,6 +276,8 @@ def summarize(*, model: ModelInfo, run: RunInfo, params: int, ops: tuple, storag
     for r in live:
         breakdown[r.category] += r.bytes
     breakdown[Category.ALLOCATOR_REMAINDER.value] = remainder
+    if not breakdown[Category.PIPELINE_BUFFERS.value]:  # a --pp run's only: other reports keep their keys
+        del breakdown[Category.PIPELINE_BUFFERS.value]
     top = tuple(sorted(live, key=lambda r: (-r.bytes, r.id))[:top_n])
     forward = [i for i, ph in enumerate(steady.phases) if ph == "forward"]
     end_fwd = forward[-1] if forward else -1

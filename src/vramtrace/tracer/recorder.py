@@ -143,6 +143,7 @@ class StepRecorder(TorchDispatchMode):
         # op index -> (args, kwargs, output) with every tensor a TensorArg, for the ops of `__torch_dispatch__`
         # (not the pseudo-ops), when made under `keeping_args`; else None
         self.op_args: dict[int, tuple] | None = {} if _KEEP_ARGS.get() else None
+        self.pipeline = None  # --pp: the traced stage's micro-steps and buffers (tracer/pipelining.py StageTrace)
 
     @property
     def phase(self) -> Phase:

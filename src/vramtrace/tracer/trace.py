@@ -63,6 +63,7 @@ class TracedGraph:
     # op index -> (args, kwargs, output), tensors as recorder.TensorArg: a trace made with `keep_args`
     # (fx_export.to_fx_graph), else None
     op_args: dict[int, tuple] | None = None
+    pipeline: Any = None  # --pp: the traced stage's micro-steps and buffers (pipelining.StageTrace), else None
 
 
 KV_CACHE_NAME = "past_key_values"
@@ -260,6 +261,12 @@ def _record(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Cal
     there. A distributed step's steady step is traced, not replayed."""
     from .sharding import fake_rank, parallelize, wrap_ddp
 
+    if spec.pp is not None:  # one stage of a pipeline, on a fake rank of spec.pp (tracer/pipelining.py)
+        from .pipelining import record_stage
+
+        traced = TRACED_LAYERS if model is loaded.traced_model and model is not None else None
+        return record_stage(spec, loaded, lambda s, m, ld, layers, step_of: _record_on(
+            s, m, ld, say, layers, False, stop_after, step_of=step_of), traced)
     if spec.ddp is not None:
         with fake_rank(spec.ddp, 0):  # every DDP rank runs the same program
             model = copy.deepcopy(model)  # the reducer hooks the parameters' gradient accumulators
@@ -406,7 +413,8 @@ def _serve_buffers(spec: RunSpec, model: torch.nn.Module, rec: StepRecorder, ctx
 
 def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: Callable[[str], None],
                layers: torch.nn.ModuleList | None, replay_steady: bool = True, stop_after: int | None = None,
-               wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None):
+               wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+               step_of: Callable[[StepContext, StepRecorder], Callable] | None = None):
     """Apply the checkpointing policy to `model` (`loaded.model` or its shallow copy), then run the step on it
     with `loaded`'s inputs and loss under the recorder; a generation stops after `stop_after` tokens when given
     (`tracer/decoding.py`). Returns (recorder, kernel policy, optimizer or None, the release marks, how many
@@ -424,12 +432,14 @@ def _record_on(spec: RunSpec, model: torch.nn.Module, loaded: LoadedModel, say: 
     if train:
         apply_checkpointing(model, spec.checkpointing, _region_wrapper(rec, policy), layers)
     params = [p for p in model.parameters() if p.requires_grad] if train else []
-    optimizer = make_optimizer(spec, params) if train else None
+    optimizer = make_optimizer(spec, params) if train else None  # None without parameters (a --pp stage)
     user_step = load_user_step(spec.step) if spec.step is not None else None
     weight_names.update(_register_step_state(rec, spec, model, loaded, optimizer))
     ctx = StepContext(model, loaded.args, loaded.inputs, loaded.loss, optimizer,
                       (lambda: policy.autocast_region()) if compute_dtype is not None else contextlib.nullcontext,
                       _grad_scaler(spec, loaded), user_step)
+    if step_of is not None:  # --pp: one rank's pipeline step (tracer/pipelining.py `pipeline_step`)
+        ctx.user_step = user_step = step_of(ctx, rec)
     serve_buffers = _serve_buffers(spec, model, rec, ctx)  # alive through the recording
     # the steady step's micro-steps replay the first step's (replay.py) when nothing carries over between them
     repeatable = (replay_steady and train and user_step is None and ctx.scaler is None
@@ -499,7 +509,11 @@ def _trace_error(e: Exception, rec: StepRecorder) -> VramtraceError:
 def _check_parameters(model: torch.nn.Module, storages: list[RecStorage], spec: RunSpec) -> None:
     """The rebuilt records must hold exactly the full model's parameters (name and bytes; with `spec.fsdp` or
     `spec.tp`, the storages rank `spec.rank` holds of them: `sharding.param_bytes`)."""
-    if spec.world is None or spec.ddp is not None:
+    if spec.pp is not None:  # the traced stage's parameters
+        from .pipelining import stage_parameter_bytes
+
+        want = stage_parameter_bytes(spec, model)
+    elif spec.world is None or spec.ddp is not None:
         want = {n: p.untyped_storage().nbytes() for n, p in model.named_parameters()}
     else:
         want = param_bytes(model, spec, tp_layout(model, spec))
@@ -584,6 +598,10 @@ def _trace_step(spec: RunSpec, loaded: LoadedModel, say: Callable[[str], None], 
     plan, note = (None, "traced every layer") if every_layer else (loaded.layer_plan, loaded.replication_note)
     if plan is not None and spec.ddp is not None:  # the reducer sizes its buckets from every parameter at once
         plan, note = None, "traced every layer (DDP's gradient buckets are built from the whole model's parameters)"
+    if plan is not None and spec.pp is not None:  # the stage's layers, not the model's (tracer/pipelining.py)
+        from .pipelining import stage_plan
+
+        plan, note = stage_plan(spec, loaded)
     stop_after = None if traced_steps is None else traced_steps + 1  # the prefill makes the first token
     result = None
     if plan is not None:
@@ -594,6 +612,8 @@ def _trace_step(spec: RunSpec, loaded: LoadedModel, say: Callable[[str], None], 
         try:
             ops, storages, new_index = replicate_layers(plan, rec.ops, rec.storages)
             _check_parameters(loaded.model, storages, spec)
+            if rec.pipeline is not None:
+                rec.pipeline.remap(new_index, len(ops))
             marks = [MicroMarks(m.step, m.micro, new_index[m.forward_returned], new_index[m.loss_taken],
                                 new_index[m.body_end]) for m in marks]
             result = ops, storages, marks, _sdpa_counts(policy.sdpa_calls, plan), optimizer is not None
@@ -630,7 +650,8 @@ def _trace_step(spec: RunSpec, loaded: LoadedModel, say: Callable[[str], None], 
         storages=tuple(storages), marks=tuple(marks), steps=max((o.step for o in ops), default=0) + 1,
         counted_devices=counted, sdpa_backends=tuple(sorted(sdpa.items())), has_optimizer=has_optimizer,
         trace_note=note, unresolved=unresolved,
-        cpu_environment=_cpu_kernels(rec.workspace) if spec.device is Device.CPU else (), op_args=rec.op_args)
+        cpu_environment=_cpu_kernels(rec.workspace) if spec.device is Device.CPU else (), op_args=rec.op_args,
+        pipeline=rec.pipeline)
 
 
 def _cpu_kernels(probe: CpuWorkspaceProbe) -> tuple[tuple[str, str | int], ...]:

@@ -1,0 +1,100 @@
+"""The checks of a RunSpec's pipeline-parallel options (`--pp`, tracer/pipelining.py), torch-free.
+
+`check_pipeline(spec, bad)` parses `pp_schedule` and `pp_split` into the spec and raises `bad(template)` (spec.py
+`_bad`: a SpecError naming RunSpec's fields as `{field}`, which the CLI words as its options) for options that do
+not go together. What is traced: a training step of a transformers decoder LM cut into `pp` stages, one rank's
+`schedule.step` with `micro_batches` micro-batches of `batch // micro_batches` rows (`batch` is the batch of one
+pipeline step, as `schedule.step(x)` splits it: torch/distributed/pipelining/microbatch.py `split_args_kwargs_into_
+chunks`, `torch.tensor_split` on dim 0, which gives equal micro-batches only when M divides the batch).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .choices import Mode, PipelineSchedule, Precision
+
+TRACED_SCHEDULES = (PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B)
+
+
+def parse_split(value, pp: int | None, bad: Callable) -> tuple[int, ...] | None:
+    """`pp_split` as a tuple of non-negative ints: from a tuple/list of ints or a string 'a,b,...'. Raises
+    bad(...) for a malformed split or one of the wrong length."""
+    if value is None:
+        return None
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        split = tuple(int(str(p).strip()) for p in parts)
+    except ValueError:
+        split = ()
+    if not split or any(n < 0 for n in split) or any(isinstance(p, (bool, float)) for p in parts):
+        raise bad(f"bad {{pp_split}} {value!r}; give the decoder layers of each stage, e.g. 3,3,2 (0 allowed)")
+    if pp is not None and len(split) != pp:
+        raise bad(f"{{pp_split}} {','.join(map(str, split))} names {len(split)} stages; {{pp}} is {pp}: give one "
+                  "layer count per stage")
+    return split
+
+
+def _positive(spec, name: str, bad: Callable, least: int = 1) -> None:
+    v = getattr(spec, name)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < least):
+        raise bad(f"{{{name}}} must be an integer of at least {least}, got {v!r}")
+
+
+def check_pipeline(spec, bad: Callable) -> None:
+    """Parse `spec.pp_schedule` and `spec.pp_split` (object.__setattr__ on the frozen spec) and raise
+    bad(template) for pipeline options that are malformed, do not go together, or are not modelled yet."""
+    object.__setattr__(spec, "pp_schedule", PipelineSchedule.parse(spec.pp_schedule, "{pp_schedule}"))
+    _positive(spec, "pp", bad, 2)
+    _positive(spec, "micro_batches", bad)
+    _positive(spec, "virtual_stages", bad)
+    object.__setattr__(spec, "pp_split", parse_split(spec.pp_split, spec.pp, bad))
+    if spec.pp is None:
+        given = [f for f, v in (("{micro_batches}", spec.micro_batches), ("{virtual_stages}", spec.virtual_stages),
+                                ("{pp_split}", spec.pp_split), ("{stage}", spec.stage),
+                                ("{pp_schedule}", spec.pp_schedule is not PipelineSchedule.ONE_F_ONE_B or None))
+                 if v is not None]
+        if given:
+            raise bad(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to {{pp}} P (pipeline "
+                      "parallelism); add it or drop them")
+        return
+    if spec.pp_schedule not in TRACED_SCHEDULES:
+        raise bad(f"{{pp_schedule}} {spec.pp_schedule.value} is not modelled yet; use gpipe or 1f1b")
+    if spec.virtual_stages is not None:
+        raise bad("{virtual_stages} applies to {pp_schedule} interleaved-1f1b, which is not modelled yet; drop it")
+    if spec.stage is not None and (isinstance(spec.stage, bool) or not isinstance(spec.stage, int)
+                                   or not 0 <= spec.stage < spec.pp):
+        raise bad(f"{{stage}} must be in 0..{spec.pp - 1} for {spec.pp} stages, got {spec.stage!r}")
+    m = spec.micro_batches or spec.pp
+    if spec.pp_schedule is PipelineSchedule.ONE_F_ONE_B and m < spec.pp:
+        # torch/distributed/pipelining/schedules.py `Schedule1F1B.__init__` raises the same
+        raise bad(f"{{pp_schedule}} 1f1b needs at least as many micro-batches as stages: {{micro_batches}} {m} < "
+                  f"{{pp}} {spec.pp}")
+    if spec.batch % m:
+        raise bad(f"{{batch}} {spec.batch} does not split into {m} equal micro-batches ({{micro_batches}}"
+                  f"{'' if spec.micro_batches else ' defaults to {pp}'}); make {{batch}} a multiple of {m}")
+    _check_pipeline_composition(spec, bad)
+
+
+def _check_pipeline_composition(spec, bad: Callable) -> None:
+    """Raise bad(...) for what a --pp run does not trace yet (one line naming the option to drop)."""
+    from .custom_inputs import custom_ref
+
+    if Mode.parse(spec.mode, "mode") is not Mode.TRAIN:
+        raise bad(f"{{pp}} traces a training step; {{mode}} {Mode.parse(spec.mode, 'mode').value} is not "
+                  "supported with it yet")
+    if custom_ref(spec.model) is not None or not isinstance(spec.model, str):
+        raise bad("{pp} cuts a transformers decoder LM into stages; a custom module has no such layout: drop {pp}")
+    for flag, value in (("{fsdp}", spec.fsdp), ("{tp}", spec.tp), ("{ddp}", spec.ddp), ("{rank}", spec.rank),
+                        ("{quantization}", spec.quantization), ("{step}", spec.step),
+                        ("{clip_grad_norm}", spec.clip_grad_norm), ("{serve_requests}", spec.serve_requests)):
+        if value is not None:
+            raise bad(f"{{pp}} with {flag} is not supported yet; drop one of the two"
+                      + (" ({stage} K picks a stage)" if flag == "{rank}" else ""))
+    if spec.compile or spec.packing or spec.grad_accum != 1:
+        raise bad("{pp} with {compile}, {packing} or {grad_accum} is not supported yet (the schedule's "
+                  "micro-batches are its gradient accumulation); drop them")
+    if spec.precision is not None and Precision.parse(spec.precision, "precision") in (Precision.FP16_MIXED,
+                                                                                        Precision.FP16_AUTOCAST):
+        raise bad("{pp} with {precision} fp16 (a GradScaler around the schedule) is not modelled yet; use "
+                  "bf16-mixed or fp32")

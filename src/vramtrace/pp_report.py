@@ -1,0 +1,78 @@
+"""A `--pp` run's traces and report entry: every distinct stage traced (tracer/pipelining.py
+`distinct_stages`), the largest reported unless `--stage K`, and the `run.pp` entry (`PipelineInfo`: each stage's
+peak, the micro-step at it, the micro-batches in flight, its receive buffers and held sends)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .analysis.categories import Category
+from .report.sections import PipelineInfo, StagePeak
+from .spec import RunSpec
+
+
+def _stages(spec: RunSpec, loaded) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+    """(the split, the stage classes of `spec`'s pipeline; only the class of `spec.stage` when given)."""
+    from .tracer.pipelining import distinct_stages, stage_split
+
+    split = stage_split(spec, loaded.num_layers)
+    classes = distinct_stages(split, spec.pp_schedule, spec.micro_batches or spec.pp)
+    return split, classes
+
+
+def trace_stages(session, spec: RunSpec, loaded) -> tuple[RunSpec, object, dict]:
+    """Trace one stage of each class (`spec.stage`'s only, when given) and keep each trace in `session.traces`
+    under its spec (`stage` set). Returns (the spec reported: the largest peak's stage, else `spec.stage`; its
+    StepTables; {} for the ranks' peaks, which a pipeline reports per stage instead)."""
+    from .search import Trace
+
+    _split, classes = _stages(spec, loaded)
+    if spec.stage is not None:
+        classes = [g for g in classes if spec.stage in g]
+    found = {}
+    for group in classes:
+        k = spec.stage if spec.stage is not None else group[0]
+        stage_spec = replace(spec, stage=k)
+        others = [s for s in group if s != k]
+        session.say(f"stage {k}" + (f" (for stages {', '.join(map(str, group))})" if others else ""))
+        tables = session.record(stage_spec, loaded, progress=session.say)
+        session.traces[stage_spec] = Trace(tables, loaded.num_layers)
+        found[k] = tables
+    worst = max(found, key=lambda k: (found[k].peaks()[0], -k))
+    return replace(spec, stage=worst), found[worst], {}
+
+
+def _stage_figures(tables) -> tuple[int, str, tuple[int, ...], int, int]:
+    """(peak bytes, micro-step at the peak, in flight, receive-buffer bytes and held-send bytes alive then) of one
+    traced stage's steady step."""
+    from .tracer.pipelining import HELD_SEND, RECV_BUFFER
+
+    steady = tables.timeline()
+    at, in_flight = tables.traced.pipeline.at(steady.steps[steady.peak_step])
+    names = {row.sid: row.name for row in tables.table if row.category is Category.PIPELINE_BUFFERS}
+    recv = held = 0
+    for lt in steady.lifetimes:
+        if lt.sid in names and lt.birth <= steady.peak_step <= lt.death:
+            if names[lt.sid].startswith(RECV_BUFFER):
+                recv += lt.bytes
+            elif names[lt.sid] == HELD_SEND:
+                held += lt.bytes
+    return steady.peak_bytes, at, in_flight, recv, held
+
+
+def pipeline_summary(session, spec: RunSpec, loaded) -> PipelineInfo:
+    """The report's `run.pp` entry of `spec` (the stage reported in `spec.stage`), from the stage traces
+    `trace_stages` kept in `session.traces`; every stage listed, a stage not traced itself (one of a class) with
+    its class's figures."""
+    split, classes = _stages(spec, loaded)
+    rows = []
+    for group in classes:
+        traced = [k for k in group if replace(spec, stage=k) in session.traces]
+        if not traced:
+            continue
+        peak, at, in_flight, recv, held = _stage_figures(session.traces[replace(spec, stage=traced[0])].tables)
+        rows += [StagePeak(stage=k, peak_bytes=peak, at=at, in_flight=in_flight, recv_buffer_bytes=recv,
+                           held_send_bytes=held, traced_as=traced[0]) for k in group]
+    m = spec.micro_batches or spec.pp
+    return PipelineInfo(stages=spec.pp, schedule=spec.pp_schedule, micro_batches=m, micro_batch_rows=spec.batch // m,
+                        split=split, stage=spec.stage, stage_peaks=tuple(sorted(rows, key=lambda r: r.stage)))

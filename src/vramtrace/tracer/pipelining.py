@@ -1,0 +1,331 @@
+"""Pipeline parallelism (`--pp P`): one stage of `torch.distributed.pipelining` traced on a fake rank of P.
+
+The model built on meta is cut as users of `torch.distributed.pipelining` cut an HF decoder by hand (manual
+`PipelineStage`s, torchtitan's way): stage 0 = the input embedding and its decoder layers, a middle stage its
+layers, the last stage its layers, the final norm and the head; every stage keeps its own rotary embedding and
+computes (cos, sin) from `position_ids = arange(seq)` for each micro-batch (what `LlamaModel.forward` does once per
+forward, transformers/models/llama/modeling_llama.py). Only the hidden states cross stages; no attention mask is
+passed (sdpa then runs `is_causal=True`, transformers/integrations/sdpa_attention.py). Tied embeddings become two
+parameters, one per end (each stage holds its own module). Layers per stage: `--pp-split`, else an even split with
+the remainder on the earliest stages (`even_split`).
+
+Each stage `k` is traced alone, inside `sharding.fake_rank(P, k)`: a real `PipelineStage` in static metadata mode
+(its `input_args` a meta tensor with the dtype and `requires_grad` of the previous stage's real output, found by a
+meta forward of the stages before it: `hidden_meta`), the real schedule class (`ScheduleGPipe`, `Schedule1F1B`:
+their own order of micro-steps, their receive buffers, their defaults `scale_grads=True` and
+`return_outputs=True`), the loss `model.loss_function` with the vocabulary size given as `loss_fn`, and the loop
+of one rank (`pipeline_step`): `out = schedule.step(...)`, `del out`, `optimizer.step()`, `optimizer.zero_grad()`,
+each stage with its own optimizer of the spec's kind (none for a stage without parameters). The recorder records
+it like any step (`trace._record_on` with this step function), so the liveness analysis, categories and kernel
+rules apply unchanged. The bridges `PIPELINE_P2P` (a completed stand-in Work holding its ops' tensors, as gloo's
+Work does) and `PIPELINE_STATIC_VOTE` (the warm-up vote's answer when every stage was given its metadata) let the
+schedule run on meta with the fake group; `PIPELINE_MICRO_STEPS` labels each forward and backward micro-step.
+
+Checked against real multi-process gloo runs (docs/research/issue-42-pipelining.md: every stage's peak to the
+byte, fp32, GPipe and 1F1B, P = 2..4, uneven splits and a 0-layer stage).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import itertools
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from ..analysis.categories import Category
+from ..errors import UsageError
+from ..spec import PipelineSchedule, RunSpec, ZeroGrad
+
+
+def even_split(layers: int, stages: int) -> tuple[int, ...]:
+    """Decoder layers per stage: `layers // stages` each, the remainder one each on the earliest stages (what
+    torchtitan's `pipeline_module_split` does for an even split)."""
+    return tuple(layers // stages + (1 if k < layers % stages else 0) for k in range(stages))
+
+
+def stage_split(spec: RunSpec, num_layers: int) -> tuple[int, ...]:
+    """The layers of each of `spec.pp` stages: `spec.pp_split` (checked to sum to `num_layers`), else
+    `even_split`. Raises UsageError when the split does not add up."""
+    if spec.pp_split is None:
+        return even_split(num_layers, spec.pp)
+    if sum(spec.pp_split) != num_layers:
+        raise UsageError(f"--pp-split {','.join(map(str, spec.pp_split))} gives {sum(spec.pp_split)} decoder layers; "
+                         f"the model has {num_layers}: make the split sum to {num_layers}")
+    return tuple(spec.pp_split)
+
+
+def stage_classes(split: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The stages grouped by the modules they hold: the first and the last stage each alone (the embedding, the
+    head and the loss), middle stages with the same number of layers together (the same layers and the same
+    receive and send buffers). Whether they also run the same schedule: `distinct_stages`."""
+    groups: dict[tuple, list[int]] = {}
+    last = len(split) - 1
+    for k, n in enumerate(split):
+        key = ("first",) if k == 0 else ("last",) if k == last else ("middle", n)
+        groups.setdefault(key, []).append(k)
+    return sorted((tuple(g) for g in groups.values()), key=lambda g: g[0])
+
+
+def distinct_stages(split: tuple[int, ...], schedule: PipelineSchedule, micro_batches: int) -> list[tuple[int, ...]]:
+    """The stages that run the same program, grouped (`stage_classes`), refined by the schedule: under 1F1B
+    stage k warms up min(M, P - k) forwards (torch/distributed/pipelining/schedules.py `Schedule1F1B`
+    `_step_microbatches`: `warmup_chunks`), so middle stages share a program only when that count is the same."""
+    if schedule is PipelineSchedule.GPIPE:
+        return stage_classes(split)
+    groups: dict[tuple, list[int]] = {}
+    for g in stage_classes(split):
+        for k in g:
+            groups.setdefault((g[0], min(micro_batches, len(split) - k)), []).append(k)
+    return sorted((tuple(g) for g in groups.values()), key=lambda g: g[0])
+
+
+class StageModule(torch.nn.Module):
+    """A contiguous piece of an HF decoder LM: [embeddings] + layers[lo:hi] + [final norm + lm_head].
+    LlamaForCausalLM and its kin: `embed_tokens`, the layers called with (cos, sin) from the stage's own copy of
+    `rotary_emb` (LlamaModel.forward computes them once per forward), `norm`. GPT2LMHeadModel: `wte` + `wpe`
+    (positions arange(S)) then the embedding dropout (GPT2Model.forward), the blocks `h` called as block(h, None,
+    None) (no cache, no mask), `ln_f`. `forward(x)`: token ids (B, S) int64 on the first stage, else hidden states
+    (B, S, hidden); returns hidden states, or the logits (B, S, vocab) on the last stage. Its body runs under
+    `self.autocast()` (a mixed precision: autocast around each stage's forward, once per micro-batch, the
+    schedule's loss outside it; so each micro-batch's forward makes its own low-precision weight copies, saved for
+    its backward)."""
+
+    def __init__(self, model: torch.nn.Module, lo: int, hi: int, first: bool, last: bool):
+        super().__init__()
+        self.autocast = contextlib.nullcontext
+        self.gpt2 = hasattr(model, "transformer")
+        base = model.transformer if self.gpt2 else model.model
+        self.embed_tokens = (base.wte if self.gpt2 else base.embed_tokens) if first else None
+        self.embed_positions = base.wpe if first and self.gpt2 else None
+        self.drop = base.drop if first and self.gpt2 else None
+        self.layers = torch.nn.ModuleList((base.h if self.gpt2 else base.layers)[lo:hi])
+        self.rotary_emb = None if self.gpt2 else base.rotary_emb
+        self.norm = (base.ln_f if self.gpt2 else base.norm) if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.autocast():
+            h = self.embed_tokens(x) if self.embed_tokens is not None else x
+            pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+            if self.gpt2:
+                if self.embed_positions is not None:
+                    h = self.drop(h + self.embed_positions(pos))
+                for layer in self.layers:
+                    h = layer(h, None, None)
+            else:
+                pe = self.rotary_emb(h, position_ids=pos)
+                for layer in self.layers:
+                    h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
+            if self.lm_head is not None:
+                h = self.lm_head(self.norm(h))
+            return h
+
+
+_LAYOUTS = (("model", ("embed_tokens", "layers", "rotary_emb", "norm")),
+            ("transformer", ("wte", "wpe", "drop", "h", "ln_f")))
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Raise UsageError unless `model` is laid out as the decoder LMs `StageModule` cuts: LlamaForCausalLM and its
+    kin (`model.embed_tokens`, `model.layers`, `model.rotary_emb`, `model.norm`, `lm_head`) or GPT2LMHeadModel
+    (`transformer.wte`, `wpe`, `drop`, `h`, `ln_f`, `lm_head`)."""
+    if hasattr(model, "lm_head") and any(
+            hasattr(model, base) and all(hasattr(getattr(model, base), p) for p in parts)
+            for base, parts in _LAYOUTS):
+        return
+    raise UsageError(f"--pp cuts decoder LMs laid out as LlamaForCausalLM (model.embed_tokens, model.layers, "
+                     f"model.rotary_emb, model.norm, lm_head) or GPT2LMHeadModel; {type(model).__name__} is not "
+                     "modelled yet")
+
+
+def cut(model: torch.nn.Module, split: tuple[int, ...], k: int, keep: int | None = None) -> StageModule:
+    """Stage `k` of `model` under `split`, deep-copied (its own parameters: a tied head gets its own copy); with
+    `keep`, only the stage's first `keep` layers (a copy to trace and replicate, `stage_plan`)."""
+    bounds = list(itertools.accumulate(split, initial=0))
+    hi = bounds[k + 1] if keep is None else min(bounds[k + 1], bounds[k] + keep)
+    return copy.deepcopy(StageModule(model, bounds[k], hi, k == 0, k == len(split) - 1))
+
+
+def stage_plan(spec: RunSpec, loaded):
+    """(LayerPlan of stage `spec.stage`'s layers, note): the stage traced with `TRACED_LAYERS` of its layers and
+    the rest rebuilt (tracer/replication.py) when it has more and replication is on; else (None, why every layer
+    of the stage is traced)."""
+    from .replication import TRACED_LAYERS, LayerPlan
+
+    n = stage_split(spec, loaded.num_layers)[spec.stage or 0]
+    if not spec.replicate_layers or n <= TRACED_LAYERS:
+        return None, "traced every layer of the stage"
+    if spec.pp_schedule is not PipelineSchedule.GPIPE:
+        # 1F1B runs one micro-batch's backward between two others' forwards: the layer sweeps interleave, which
+        # replication.py does not rebuild (it raises NotPeriodic: checked on a 12-layer Llama)
+        return None, "traced every layer of the stage (1F1B interleaves the micro-batches' layer sweeps)"
+    return LayerPlan("layers", n), ""
+
+
+def stage_parameter_bytes(spec: RunSpec, model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of each parameter of stage `spec.stage` (0 when None) of `model`, by its name in the stage module."""
+    split = stage_split(spec, len(model.transformer.h if hasattr(model, "transformer") else model.model.layers))
+    return {n: p.untyped_storage().nbytes() for n, p in cut(model, split, spec.stage or 0).named_parameters()}
+
+
+def stage_outputs(model: torch.nn.Module, split: tuple[int, ...], micro: torch.Tensor, policy) -> list[torch.Tensor]:
+    """What each stage outputs for one micro-batch of token ids `micro` (mb, S): the stages run in order on meta
+    under `policy` (a `KernelPolicyMode`, its autocast on for a mixed precision) with grad enabled, so that each
+    output's dtype (an autocast output) and `requires_grad` are the real ones (a static `PipelineStage` whose input
+    meta did not require grad would run no input-gradient backward and send zeros: stage.py
+    `_retrieve_recv_activations`). Each a fresh meta leaf of the output's shape, dtype and requires_grad."""
+    bounds = list(itertools.accumulate(split, initial=0))
+    last = len(split) - 1
+    outs, h = [], micro
+    with torch.enable_grad(), policy:
+        for k in range(len(split)):
+            sub = StageModule(model, bounds[k], bounds[k + 1], k == 0, k == last)
+            if policy.autocast_dtype is not None:
+                sub.autocast = policy.autocast_region
+            h = sub(h)
+            outs.append(torch.empty_like(h, device="meta").requires_grad_(h.requires_grad))
+            h = h.detach().requires_grad_(h.requires_grad)
+    return outs
+
+
+@dataclass(slots=True)
+class StageTrace:
+    """What one traced stage's step leaves for the report: the micro-step running at each op (`labels`: (first
+    op index, label, micro-batches in flight) in op order, from `PIPELINE_MICRO_STEPS`). The receive buffers and
+    held sends are categorised in the records (`Category.PIPELINE_BUFFERS`, named `RECV_BUFFER...`/`HELD_SEND`)."""
+
+    labels: list[tuple[int, str, tuple[int, ...]]] = field(default_factory=list)
+
+    def remap(self, new_index: list[int], end: int) -> None:
+        """The labels' op indices after layer replication (`new_index`: traced op index -> rebuilt; `end`: the
+        rebuilt op count, for a label placed after the last op)."""
+        self.labels = [(new_index[i] if i < len(new_index) else end, label, flight)
+                       for i, label, flight in self.labels]
+
+    def at(self, op: int) -> tuple[str, tuple[int, ...]]:
+        """(label, in flight) of the micro-step running at op index `op` ('loop', () outside every micro-step)."""
+        found = ("loop", ())
+        for start, label, flight in self.labels:
+            if start > op:
+                break
+            found = (label, flight)
+        return found
+
+
+def schedule_class(schedule: PipelineSchedule):
+    """The torch schedule class of `schedule`. Raises UsageError for a schedule not modelled yet."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    classes = {PipelineSchedule.GPIPE: ScheduleGPipe, PipelineSchedule.ONE_F_ONE_B: Schedule1F1B}
+    if schedule not in classes:
+        raise UsageError(f"--pp-schedule {schedule.value} is not modelled yet; use gpipe or 1f1b")
+    return classes[schedule]
+
+
+def build_stage(spec: RunSpec, sub: StageModule, k: int, micro: torch.Tensor, outs: list[torch.Tensor],
+                loss_fn: Callable):
+    """(PipelineStage, schedule) of stage `k` in static metadata mode: `micro` one micro-batch of the stage-0
+    input, `outs` each stage's output meta (`stage_outputs`); the schedule with M = `spec.micro_batches` (None: P)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    first, last = k == 0, k == spec.pp - 1
+    received = None if first else outs[k - 1]
+    stage = PipelineStage(sub, k, spec.pp, torch.device("meta"), input_args=micro if first else received,
+                          output_args=outs[k], output_grads=None if last else outs[k],
+                          input_grads=None if first else received)
+    return stage, schedule_class(spec.pp_schedule)(stage, n_microbatches=spec.micro_batches or spec.pp,
+                                                    loss_fn=loss_fn)
+
+
+RECV_BUFFER = "receive buffer"  # the name prefix of a stage's receive buffers (`StageTrace`)
+HELD_SEND = "sent, held by its Work"  # the name of an input gradient a send Work holds
+
+
+def _name_buffers(stage, rec) -> None:
+    """Categorise the stage's receive buffers (made in its first step and kept for its life: stage.py
+    `PipelineStage._setup_forward_recv_info`, `_create_grad_recv_info`, one per micro-batch in `_RecvInfo.buffer`)
+    as pipeline buffers, named by direction and micro-batch."""
+    for kind, infos in (("activation", stage.args_recv_info), ("gradient", getattr(stage, "grad_recv_info", {}))):
+        for chunk, recvs in infos.items():
+            for info in recvs:
+                if getattr(info, "buffer", None) is not None:
+                    rec.set_category(info.buffer, Category.PIPELINE_BUFFERS,
+                                     f"{RECV_BUFFER} ({kind}, micro-batch {chunk})")
+
+
+def pipeline_step(spec: RunSpec, sched, stage, ids: torch.Tensor | None, labels: torch.Tensor | None, ctx, rec,
+                  info: StageTrace) -> Callable:
+    """The step function of one rank (`trace._record_on`'s `step_of`), as a user's loop writes it (a mixed
+    precision's autocast inside each stage forward, `StageModule`):
+
+        out = schedule.step(ids)                        # stage 0
+        out = schedule.step(target=labels, losses=[])   # the last stage
+        out = schedule.step()                           # a middle stage
+        del out; optimizer.step(); optimizer.zero_grad()   # no optimizer on a stage without parameters
+
+    under the bridges of `feature_bridges.pipelining_on_meta`, which report each micro-step to `info` with the op
+    index it starts at (`rec.ops`) and the micro-batches then in `stage.fwd_cache` (in flight)."""
+    from .. import feature_bridges
+
+    def on_micro_step(label: str, in_flight: tuple[int, ...]) -> None:
+        info.labels.append((len(rec.ops), label, in_flight))
+
+    def on_send(tensors) -> None:
+        for t in tensors:
+            rec.set_category(t, Category.PIPELINE_BUFFERS, HELD_SEND)
+
+    def step(model, batch, optimizer) -> None:
+        stage.submod.autocast = ctx.autocast
+        with feature_bridges.pipelining_on_meta(on_micro_step, on_send):
+            if ids is not None:
+                out = sched.step(ids)
+            elif labels is not None:
+                out = sched.step(target=labels, losses=[])
+            else:
+                out = sched.step()
+        del out
+        _name_buffers(stage, rec)
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=spec.zero_grad is ZeroGrad.NONE)
+    return step
+
+
+def record_stage(spec: RunSpec, loaded, record_on: Callable, traced_layers: int | None = None):
+    """Trace stage `spec.stage` (0 when None) of `spec.pp` of `loaded.model`: `record_on(spec, stage module, the
+    stage's LoadedModel, its layers, step_of=...)` (trace.py `_record_on`) inside `sharding.fake_rank(P, k)`; with
+    `traced_layers`, the stage keeps only its first that many layers (`stage_plan`: the rest rebuilt by layer
+    replication). Returns what `record_on` returns; the recorder's `pipeline` holds the stage's `StageTrace`.
+    Raises UsageError (a model not cut this way, a bad split, a schedule not modelled)."""
+    model = loaded.model
+    from .kernels import KernelPolicyMode
+    from .sharding import fake_rank
+
+    check_model(model)
+    split = stage_split(spec, loaded.num_layers)
+    k, P = spec.stage or 0, spec.pp
+    first, last = k == 0, k == P - 1
+    ids = loaded.inputs["input_ids"]
+    labels = loaded.inputs.get("labels", ids)
+    micro = torch.empty((spec.batch // (spec.micro_batches or P), *ids.shape[1:]), dtype=ids.dtype, device="meta")
+    outs = stage_outputs(model, split, micro, KernelPolicyMode(spec.device, spec.gpu_preset.sm,
+                                                               loaded.compute_dtype))
+    vocab = model.config.get_text_config().vocab_size
+    loss_fn = functools.partial(model.loss_function, vocab_size=vocab)
+    with fake_rank(P, k):
+        sub = cut(model, split, k, traced_layers)
+        stage, sched = build_stage(spec, sub, k, micro, outs, loss_fn)
+        inputs = {"input_ids": ids} if first else {"labels": labels} if last else {}
+        stage_loaded = replace(loaded, model=sub, inputs=inputs, args=(), held={}, layer_plan=None,
+                               traced_model=None)
+        info = StageTrace()
+
+        def step_of(ctx, rec):
+            rec.pipeline = info
+            return pipeline_step(spec, sched, stage, ids if first else None, labels if last else None, ctx, rec,
+                                 info)
+        return record_on(spec, sub, stage_loaded, sub.layers, step_of=step_of)

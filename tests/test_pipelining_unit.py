@@ -1,0 +1,158 @@
+"""Pipeline parallelism (`--pp`, tracer/pipelining.py) without the real gloo oracle: the split rules, the stage
+classes, the options' checks, the bridges, the report entry, and one pipeline against the stored real run of
+docs/research/issue-42-pp (real_pp.py: one gloo process per stage, measured with the profiler; the live oracle's
+comparisons are tests/test_pipelining.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FIXTURES, deep_config, run_cli
+from vramtrace import RunSpec, analyze
+from vramtrace.errors import UsageError
+from vramtrace.spec import PipelineSchedule
+from vramtrace.units import format_bytes
+from vramtrace.tracer.pipelining import distinct_stages, even_split, stage_split
+
+LLAMA = str(FIXTURES / "tiny-llama-gqa.json")
+REAL = Path(__file__).resolve().parent.parent / "docs" / "research" / "issue-42-pp" / "results"
+
+
+@pytest.mark.parametrize("layers,stages,split", [
+    (4, 2, (2, 2)), (5, 2, (3, 2)), (5, 3, (2, 2, 1)), (2, 3, (1, 1, 0)), (80, 8, (10,) * 8)])
+def test_the_even_split_puts_the_remainder_on_the_earliest_stages(layers, stages, split):
+    assert even_split(layers, stages) == split
+
+
+def test_a_given_split_must_add_up_to_the_layers():
+    spec = RunSpec(LLAMA, batch=4, seq=8, device="cpu", pp=2, pp_split="3,1")
+    assert stage_split(spec, 4) == (3, 1)
+    with pytest.raises(UsageError, match="--pp-split 3,1 gives 4 decoder layers; the model has 2"):
+        stage_split(spec, 2)
+
+
+@pytest.mark.parametrize("split,schedule,m,classes", [
+    ((1, 1, 1, 1), PipelineSchedule.GPIPE, 4, [(0,), (1, 2), (3,)]),
+    ((2, 1, 1, 2, 2), PipelineSchedule.GPIPE, 5, [(0,), (1, 2), (3,), (4,)]),
+    ((3, 0, 1), PipelineSchedule.GPIPE, 4, [(0,), (1,), (2,)]),
+    # 1F1B: stage k warms up min(M, P - k) forwards, so no two stages run the same program
+    ((1, 1, 1, 1), PipelineSchedule.ONE_F_ONE_B, 8, [(0,), (1,), (2,), (3,)]),
+])
+def test_stages_that_run_the_same_program_are_traced_once(split, schedule, m, classes):
+    assert distinct_stages(split, schedule, m) == classes
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"pp": 1}, "pp must be an integer of at least 2"),
+    ({"pp": 2, "batch": 3}, "batch 3 does not split into 2 equal micro-batches"),
+    ({"pp": 2, "micro_batches": 3}, "batch 4 does not split into 3 equal micro-batches"),
+    ({"pp": 4, "pp_schedule": "1f1b", "micro_batches": 2, "batch": 4}, "1f1b needs at least as many micro-batches"),
+    ({"pp": 2, "pp_split": "1,1,1"}, "pp_split 1,1,1 names 3 stages; pp is 2"),
+    ({"pp": 2, "pp_split": "2,-1"}, "bad pp_split"),
+    ({"pp": 2, "pp_split": "a,b"}, "bad pp_split"),
+    ({"pp": 2, "stage": 2}, "stage must be in 0..1 for 2 stages"),
+    ({"pp": 2, "pp_schedule": "interleaved-1f1b"}, "interleaved-1f1b is not modelled yet"),
+    ({"pp": 2, "pp_schedule": "zero-bubble"}, "zero-bubble is not modelled yet"),
+    ({"pp": 2, "pp_schedule": "dualpipe"}, "unknown pp_schedule 'dualpipe'"),
+    ({"pp": 2, "virtual_stages": 2}, "virtual_stages applies to pp_schedule interleaved-1f1b"),
+    ({"micro_batches": 4}, "micro_batches applies to pp P"),
+    ({"stage": 0, "pp_split": "1,1"}, "pp_split, stage apply to pp P"),
+    ({"pp": 2, "fsdp": 2}, "pp with fsdp is not supported yet"),
+    ({"pp": 2, "mode": "inference"}, "pp traces a training step"),
+    ({"pp": 2, "grad_accum": 2}, "grad_accum is not supported yet"),
+    ({"pp": 2, "precision": "fp16-mixed"}, "fp16 .* is not modelled yet"),
+])
+def test_bad_pipeline_options_are_usage_errors(kwargs, message):
+    with pytest.raises(UsageError, match=message):
+        RunSpec(LLAMA, **{"batch": 4, "seq": 8, "device": "cpu", **kwargs})
+
+
+def test_the_cli_words_a_bad_pipeline_option_as_its_flag(capsys):
+    r = run_cli(capsys, LLAMA, "--batch", "6", "--seq", "8", "--device", "cpu", "--pp", "4", "--pp-schedule", "gpipe")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "Error: --batch 6 does not split into 4 equal micro-batches (--micro-batches defaults to --pp); make "
+        "--batch a multiple of 4"]
+
+
+def test_the_pipeline_bridges_patch_their_targets_and_restore_them_after_an_error():
+    from torch.distributed.pipelining import schedules, stage
+
+    from vramtrace import feature_bridges
+
+    targets = [(schedules, "_batch_p2p"), (schedules, "_sorted_batch_p2p"),
+               (schedules._PipelineSchedule, "_warmup_p2p"), (stage._PipelineStageBase, "forward_one_chunk"),
+               (stage._PipelineStageBase, "backward_one_chunk")]
+    before = [getattr(o, n) for o, n in targets]
+    with pytest.raises(KeyError, match="inside"):
+        with feature_bridges.pipelining_on_meta(print, print):
+            assert all(getattr(o, n) is not b for (o, n), b in zip(targets, before))
+            raise KeyError("inside")
+    assert all(getattr(o, n) is b for (o, n), b in zip(targets, before))
+
+
+def test_the_stand_in_work_holds_what_it_sent():
+    """gloo's Work keeps its tensor until it is dropped (the doc's 1F1B stage-0 mismatch without this)."""
+    import torch.distributed as dist
+
+    from torch.distributed.pipelining import schedules
+
+    from vramtrace import feature_bridges
+    from vramtrace.tracer.sharding import fake_rank
+
+    sent = []
+    t = torch.empty(3, device="meta")
+    with fake_rank(2, 0), feature_bridges.pipelining_on_meta(print, sent.extend):
+        works = schedules._batch_p2p([dist.P2POp(dist.isend, t, 1)], desc="bwd_send")
+    assert sent == [t] and works[0].tensors == [t] and works[0].wait()
+
+
+@pytest.fixture(scope="module")
+def real_1f1b_3_301(tmp_path_factory):
+    """The stored real run (real_pp.py, 1F1B, 3 stages split 3,0,1: a 0-layer middle stage) and vramtrace's
+    report of the same pipeline."""
+    real = json.loads((REAL / "real_1f1b_3_3-0-1.json").read_text())
+    config = deep_config(tmp_path_factory.mktemp("pp"), "tiny-llama-gqa", real["layers"])
+    spec = RunSpec(config, batch=real["batch"], seq=real["seq"], device="cpu", precision="fp32",
+                   checkpointing="none", pp=real["pp"], pp_schedule=real["schedule"], micro_batches=real["M"],
+                   pp_split=tuple(real["split"]))
+    return real, spec, analyze(spec)
+
+
+def test_every_stage_matches_the_real_gloo_run_to_the_byte(real_1f1b_3_301):
+    real, _spec, report = real_1f1b_3_301
+    got = {s.stage: (s.peak_bytes, s.at) for s in report.run.pp.stage_peaks}
+    assert got == {r["rank"]: (r["peak"], r["where"]) for r in real["stages"]}
+    assert report.peak_allocated_bytes == max(r["peak"] for r in real["stages"]) and report.run.pp.stage == 0
+
+
+def test_the_report_lists_each_stage_and_its_buffers(real_1f1b_3_301):
+    real, _spec, report = real_1f1b_3_301
+    pp = report.run.pp
+    assert (pp.stages, pp.schedule, pp.micro_batches, pp.micro_batch_rows, pp.split) == (
+        3, PipelineSchedule.ONE_F_ONE_B, 4, 2, (3, 0, 1))
+    # receive buffers, one per micro-batch (real_pp.py measured them on each rank): the ends M, a middle stage 2M
+    assert [s.recv_buffer_bytes for s in pp.stage_peaks] == [r["recv_buffers"] for r in real["stages"]]
+    d = json.loads(json.dumps(report.to_dict()))
+    assert [s["stage"] for s in d["run"]["pp"]["stage_peaks"]] == [0, 1, 2]
+
+
+def test_the_cli_prints_one_line_per_stage(capsys, real_1f1b_3_301):
+    _real, spec, report = real_1f1b_3_301
+    r = run_cli(capsys, spec.model, "--batch", "8", "--seq", "32", "--device", "cpu", "--precision", "fp32",
+                "--pp", "3", "--pp-split", "3,0,1", "--micro-batches", "4", "--stage", "2")
+    assert r.returncode == 0
+    out = " ".join(line.strip("│ ") for line in r.stdout.splitlines())  # the panel's wrapped lines joined
+    assert "1f1b over 3 stages, 4 micro-batches of 2 rows, split 3,0,1; stage 2 shown" in out
+    last = next(s for s in report.run.pp.stage_peaks if s.stage == 2)
+    assert f"stage 2  {format_bytes(last.peak_bytes)} at {last.at}" in out and "stage 0 " not in out
+    assert f"({last.peak_bytes:,} bytes)" in out
+
+
+def test_fit_with_pp_is_refused_in_one_line(capsys):
+    r = run_cli(capsys, "fit", LLAMA, "--seq", "8", "--device", "cpu", "--gpu-memory", "3MiB", "--pp", "2")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "Error: `vramtrace fit` with --pp is not supported yet; run the pipeline with --batch and --seq"]
