@@ -116,6 +116,6 @@ def test_pyproject_declares_what_the_package_imports():
         if name in UNDECLARED:
             continue
         dists = {d.lower().replace("_", "-") for d in distributions.get(name, [name])}
-        if not dists & (core | extras["lora"] | extras["quant"] | extras["trainer"]):
+        if not dists & (core | extras["lora"] | extras["quant"] | extras["trainer"] | extras["deepspeed"]):
             missing.append((name, sorted(dists)))
     assert not missing, f"imported but not declared in pyproject.toml: {missing}"

@@ -410,6 +410,73 @@ PIPELINE_RECV_BUFFER = Bridge(
     "activation or gradient is received into, one per micro-batch and direction, kept for the stage's life; None "
     "for a root argument) to categorise it as a pipeline buffer", kind=BridgeKind.READ, assigns=("buffer",))
 
+
+# DeepSpeed ZeRO (`--zero`, tracer/zero.py): DeepSpeed's own engine on one fake rank under FakeTensorMode, its
+# accelerator's device the meta device. Entered only for a --zero trace (`feature_bridges.deepspeed_zero`), and
+# kept out of BRIDGES: deepspeed is an optional extra that the test suite's Python may lack (tests/test_zero_unit.py
+# checks these targets where deepspeed is installed).
+DEEPSPEED_WRITTEN_FOR = "deepspeed >=0.19.8,<0.20"
+_DS_ABSENT = "deepspeed (the optional extra [deepspeed]) is not installed: --zero stops before tracing"
+_DS_ZERO = "deepspeed.runtime.zero."
+DS_ACCELERATOR_DEVICE = Bridge(
+    "ds_accelerator_device", "deepspeed",
+    (("deepspeed.accelerator.cpu_accelerator", "CPU_Accelerator.device_name"),
+     ("deepspeed.accelerator.cpu_accelerator", "CPU_Accelerator.current_device_name"),
+     ("deepspeed.accelerator.cpu_accelerator", "CPU_Accelerator.on_accelerator"),
+     ("deepspeed.accelerator.real_accelerator", "set_accelerator")), DEEPSPEED_WRITTEN_FOR,
+    "DeepSpeed puts its device buffers on `get_accelerator().current_device_name()` and its offload buffers on "
+    "'cpu' (runtime/zero/stage_1_and_2.py, stage3.py): the trace sets DeepSpeed's CPU accelerator (DeepSpeed's "
+    "own, chosen whatever DS_ACCELERATOR says) with the meta device as its device, so device buffers are meta "
+    "tensors and host buffers fake CPU ones; the previous accelerator, communication backend (`comm.cdb`) "
+    "and process groups (deepspeed/comm/comm.py `cdb`, deepspeed/utils/groups.py's module globals, made on the "
+    "trace's fake group) are put back on exit", when_absent=_DS_ABSENT)
+DS_SHM_COMM = Bridge(
+    "ds_shm_comm", "deepspeed", (("deepspeed.comm.torch", "build_shm_op"),), DEEPSPEED_WRITTEN_FOR,
+    "TorchBackend.__init__ (comm/torch.py) initializes a shared-memory op that waits for the other ranks' "
+    "processes, which one process on a fake group never has (it hangs): None (the op serves only "
+    "inference_all_reduce)", when_absent=_DS_ABSENT)
+DS_ENGINE_DEVICE = Bridge(
+    "ds_engine_device", "deepspeed", (("deepspeed.runtime.engine", "DeepSpeedEngine.__init__"),),
+    DEEPSPEED_WRITTEN_FOR,
+    "DeepSpeedEngine moves the module to its device (engine.py `_configure_distributed_model`, "
+    "`self.module.to(self.device)`): the trace's model is on the meta device already; `dont_change_device=True`",
+    when_absent=_DS_ABSENT)
+DS_GRAD_NORM_CHECK = Bridge(
+    "ds_grad_norm_check", "deepspeed",
+    ((_DS_ZERO + "stage_1_and_2", "is_invalid_grad_norm"), (_DS_ZERO + "stage3", "is_invalid_grad_norm")),
+    DEEPSPEED_WRITTEN_FOR,
+    "runtime/utils.py `is_invalid_grad_norm` reads the norm (`bool(...any())`), imported by name into both ZeRO "
+    "optimizers: its ops run, the answer is False (a finite norm: no overflow)", when_absent=_DS_ABSENT)
+DS_RANK_CHECKS = Bridge(
+    "ds_rank_checks", "deepspeed",
+    ((_DS_ZERO + "stage3", "assert_ints_same_as_other_ranks"),
+     (_DS_ZERO + "partitioned_param_coordinator", "assert_ints_same_as_other_ranks"),
+     (_DS_ZERO + "partition_parameters", "assert_ints_same_as_other_ranks")), DEEPSPEED_WRITTEN_FOR,
+    "zero/utils.py `assert_ints_same_as_other_ranks` reads an all-gathered list of ints (`.item()`), a "
+    "consistency check between ranks (ZeRO-3's reduce buckets and trace order): nothing to check on one fake rank",
+    when_absent=_DS_ABSENT)
+DS_OFFLOAD_NORM = Bridge(
+    "ds_offload_norm", "deepspeed",
+    ((_DS_ZERO + "stage3", "DeepSpeedZeroOptimizer_Stage3.complete_grad_norm_calculation_for_cpu_offload"),),
+    DEEPSPEED_WRITTEN_FOR,
+    "ZeRO-3 with optimizer offload makes the gradient norm a Python float (`float(total_norm)`, stage3.py): the "
+    "same code with the norm kept a tensor, copied into the one-element tensor it allocates",
+    when_absent=_DS_ABSENT)
+DS_OVERFLOW_CHECK = Bridge(
+    "ds_overflow_check", "deepspeed", ((_DS_ZERO + "stage_1_and_2", "DeepSpeedZeroOptimizer.has_overflow"),),
+    DEEPSPEED_WRITTEN_FOR,
+    "ZeRO-1/2's `has_overflow` (called by `check_overflow` every bf16 step) reads `overflow_gpu[0].item()`: the "
+    "same ops (the partitioned gradients' inf/nan check, its byte(), the all-reduce), the answer False",
+    when_absent=_DS_ABSENT)
+DS_ZERO3_LINEAR_AUTOCAST = Bridge(
+    "ds_zero3_linear_autocast", "deepspeed", ((_DS_ZERO + "linear", "get_accelerator"),), DEEPSPEED_WRITTEN_FOR,
+    "ZeRO-3's linear (runtime/zero/linear.py `LinearFunctionForZeroStage3`) asks torch's autocast state of the "
+    "accelerator's device type (`torch.get_autocast_dtype`, `torch.autocast(device_type=...)`), which torch has no "
+    "autocast for when it is meta: that module's accelerator names 'cpu', whose autocast is off as the target "
+    "device's is in a ZeRO step (DeepSpeed casts the module itself)", when_absent=_DS_ABSENT)
+ZERO_BRIDGES: tuple[Bridge, ...] = (DS_ACCELERATOR_DEVICE, DS_SHM_COMM, DS_ENGINE_DEVICE, DS_GRAD_NORM_CHECK,
+                                    DS_RANK_CHECKS, DS_OFFLOAD_NORM, DS_OVERFLOW_CHECK, DS_ZERO3_LINEAR_AUTOCAST)
+
 BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_CHECK, PADDING_MASK_CHECK,
                                PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION, MHA_FAST_PATH,
                                FUNCTIONAL_TORCH_FUNCTION_CHECK, GRAD_SCALER_FOUND_INF, CLIP_GRAD_FOREACH,

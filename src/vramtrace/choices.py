@@ -299,3 +299,11 @@ class PipelineSchedule(_Choice):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED_1F1B = "interleaved-1f1b"
     ZERO_BUBBLE = "zero-bubble"
+
+class ZeroOffload(_Choice):
+    """Where DeepSpeed ZeRO offloads (`--offload-optimizer`, `--offload-param`: the ds_config's
+    `zero_optimization.offload_optimizer.device` / `offload_param.device`, deepspeed/runtime/zero/offload_config.py
+    `OffloadDeviceEnum`; its `none` is no offload, a None here)."""
+
+    CPU = "cpu"
+    NVME = "nvme"

@@ -55,3 +55,8 @@ class WouldNotFit(VramtraceError):
 
 class ReportWriteError(VramtraceError):
     """A report file could not be written."""
+
+
+class MissingExtraError(VramtraceError):
+    """An option needs an optional extra that is not installed (DeepSpeed for `--zero`); the message is the one
+    install line. The CLI exits with status 1."""

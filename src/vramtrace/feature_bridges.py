@@ -342,3 +342,184 @@ def pipelining_on_meta(on_micro_step: Callable[[str, tuple[int, ...]], None],
         stack.enter_context(_set(base, "forward_one_chunk", labelled(forward, "F")))
         stack.enter_context(_set(base, "backward_one_chunk", labelled(backward, "B")))
         yield
+
+
+# -- DeepSpeed ZeRO (`--zero`, tracer/zero.py; bridges.ZERO_BRIDGES) --------------------------------------------
+DEEPSPEED_MISSING = "--zero needs DeepSpeed: pip install 'vramtrace[deepspeed]'"
+# the environment DeepSpeed's comm layer reads for one rank (deepspeed/comm/comm.py `init_distributed`: without
+# LOCAL_RANK it tries MPI discovery); set while tracing, the caller's values back on exit
+_DS_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE",
+           "MASTER_ADDR", "MASTER_PORT")
+
+
+def import_deepspeed():
+    """The `deepspeed` module, imported with the caller's environment, root logger level and warning filters put
+    back (its import reads DS_* variables and configures its own logger `DeepSpeed`, which it keeps). Raises
+    MissingExtraError without it."""
+    import logging
+    import os
+    import warnings
+
+    from .errors import MissingExtraError
+
+    env, level = dict(os.environ), logging.getLogger().level
+    try:
+        with warnings.catch_warnings():
+            import deepspeed
+    except ImportError:
+        raise MissingExtraError(DEEPSPEED_MISSING) from None
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        logging.getLogger().setLevel(level)
+    return deepspeed
+
+
+def _ds_resolve(bridge) -> dict[str, object]:
+    """`resolve(bridge)` of a ZeRO bridge once deepspeed imports: a missing target is a BridgeError naming it and
+    the extra that pins the version written for (its `when_absent` covers a missing deepspeed only)."""
+    from .errors import BridgeError
+
+    found = resolve(bridge)
+    if found is not None:
+        return found
+    for module, attribute in bridge.targets:
+        try:
+            _lookup(module, attribute)
+        except LookupError:
+            import deepspeed
+
+            raise BridgeError(f"{module}.{attribute} is missing in deepspeed {deepspeed.__version__} (bridge "
+                              f"{bridge.name}, written for {bridge.written_for}): this vramtrace does not support "
+                              "that deepspeed version; pip install 'vramtrace[deepspeed]'") from None
+    raise BridgeError(f"bridge {bridge.name}: a target did not resolve")
+
+
+@contextlib.contextmanager
+def deepspeed_zero(world: int, rank: int) -> Iterator[object]:
+    """ZERO_BRIDGES while DeepSpeed's engine is built and stepped as rank `rank` of `world` on torch's fake process
+    group (which the caller starts): DeepSpeed's CPU accelerator with the meta device as its device, set as
+    DeepSpeed's accelerator; the shared-memory op skipped; the engine's module left where it is; DeepSpeed's
+    reads of tensor values answered (no overflow, a finite norm, ranks consistent). Yields the accelerator. On exit
+    the originals, DeepSpeed's previous accelerator and communication backend, and the environment are back.
+    Raises MissingExtraError without deepspeed, BridgeError (nothing patched) when a target is missing."""
+    import os
+
+    from .bridges import (DS_ACCELERATOR_DEVICE, DS_ENGINE_DEVICE, DS_GRAD_NORM_CHECK, DS_OFFLOAD_NORM,
+                          DS_OVERFLOW_CHECK, DS_RANK_CHECKS, DS_SHM_COMM, ZERO_BRIDGES)
+
+    import_deepspeed()
+    for bridge in ZERO_BRIDGES:
+        _ds_resolve(bridge)
+    cpu_acc = importlib.import_module("deepspeed.accelerator.cpu_accelerator").CPU_Accelerator
+    real = importlib.import_module("deepspeed.accelerator.real_accelerator")
+    comm = importlib.import_module("deepspeed.comm.comm")
+    env = {k: os.environ.get(k) for k in _DS_ENV}
+    previous_accelerator, previous_cdb = real.ds_accelerator, comm.cdb
+    groups = importlib.import_module("deepspeed.utils.groups")  # its process groups, made on this trace's fake group
+    saved_groups = {k: dict(v) if isinstance(v, dict) else v for k, v in vars(groups).items()
+                    if not k.startswith("__") and (v is None or isinstance(v, dict))}
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), CROSS_RANK="0", CROSS_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="29500")
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_set(cpu_acc, "device_name", lambda self, device_index=None: "meta"))
+            stack.enter_context(_set(cpu_acc, "current_device_name", lambda self: "meta"))
+            stack.enter_context(_set(cpu_acc, "on_accelerator", lambda self, t: t.device.type == "meta"))
+            accelerator = cpu_acc()
+            real.set_accelerator(accelerator)
+            comm.cdb = None  # a backend of this trace's fake group, made by `deepspeed.initialize`
+            _ds_patches(stack, _ds_resolve(DS_SHM_COMM), _ds_resolve(DS_ENGINE_DEVICE), _ds_resolve(DS_GRAD_NORM_CHECK),
+                        _ds_resolve(DS_RANK_CHECKS), _ds_resolve(DS_OFFLOAD_NORM), _ds_resolve(DS_OVERFLOW_CHECK))
+            yield accelerator
+    finally:
+        real.ds_accelerator, comm.cdb = previous_accelerator, previous_cdb
+        for k, v in saved_groups.items():
+            setattr(groups, k, dict(v) if isinstance(v, dict) else v)
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _ds_patches(stack: contextlib.ExitStack, shm: dict, engine: dict, norm_check: dict, rank_checks: dict,
+                offload_norm: dict, overflow: dict) -> None:
+    """The patches of DS_SHM_COMM, DS_ENGINE_DEVICE, DS_GRAD_NORM_CHECK, DS_RANK_CHECKS, DS_OFFLOAD_NORM and
+    DS_OVERFLOW_CHECK (each dict: `resolve`'s targets, the originals), entered on `stack`."""
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    stack.enter_context(_set(ds_torch, "build_shm_op", lambda: None))
+    engine_class = importlib.import_module("deepspeed.runtime.engine").DeepSpeedEngine
+    engine_init = engine["deepspeed.runtime.engine.DeepSpeedEngine.__init__"]
+
+    def init(self, *args, **kwargs):
+        kwargs["dont_change_device"] = True
+        return engine_init(self, *args, **kwargs)
+
+    stack.enter_context(_set(engine_class, "__init__", init))
+
+    def is_invalid_grad_norm(norm) -> bool:
+        if torch.is_tensor(norm):
+            (~torch.isfinite(norm) | (norm < 0)).any()  # its ops, as runtime/utils.py runs them
+        return False
+
+    for target in norm_check:
+        module, _, attribute = target.rpartition(".")
+        stack.enter_context(_set(importlib.import_module(module), attribute, is_invalid_grad_norm))
+    for target in rank_checks:
+        module, _, attribute = target.rpartition(".")
+        stack.enter_context(_set(importlib.import_module(module), attribute, lambda ints: None))
+    stage3 = importlib.import_module("deepspeed.runtime.zero.stage3")
+    stack.enter_context(_set(stage3.DeepSpeedZeroOptimizer_Stage3, "complete_grad_norm_calculation_for_cpu_offload",
+                             _offload_grad_norm))
+    stage12 = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2")
+    stack.enter_context(_set(stage12.DeepSpeedZeroOptimizer, "has_overflow", _zero12_has_overflow))
+    from types import SimpleNamespace
+
+    autocast_device = SimpleNamespace(device_name=lambda device_index=None: "cpu")  # DS_ZERO3_LINEAR_AUTOCAST
+    stack.enter_context(_set(importlib.import_module("deepspeed.runtime.zero.linear"), "get_accelerator",
+                             lambda: autocast_device))
+
+
+def _offload_grad_norm(self, params):
+    """deepspeed 0.19.8 runtime/zero/stage3.py `complete_grad_norm_calculation_for_cpu_offload` with the norm
+    summed as a tensor: `get_accelerator().FloatTensor([float(total_norm)])` becomes a one-element fp32 tensor on
+    the accelerator's device that the norm is copied into (the same allocation, no value read)."""
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
+
+    process_group = self._get_param_partition_group(params[0])
+    counts_every_rank = self._grad_norm_counts_every_rank(params, process_group)
+    total_norm = 0.0
+    for p in params:
+        if counts_every_rank or is_model_parallel_parameter(p) or self.model_parallel_rank == 0:
+            param_id = self.get_param_id(p)
+            if param_id in self.norm_for_param_grads:
+                total_norm += self.norm_for_param_grads[param_id] ** 2
+    total_norm_acc = torch.empty(1, dtype=torch.float, device=get_accelerator().current_device_name())
+    if torch.is_tensor(total_norm):
+        total_norm_acc.copy_(total_norm.reshape(1))
+    dist.all_reduce(total_norm_acc, op=dist.ReduceOp.SUM, group=process_group)
+    if not counts_every_rank:
+        self._model_parallel_all_reduce(tensor=total_norm_acc, op=dist.ReduceOp.SUM)
+    total_norm = total_norm_acc[0] ** 0.5
+    mask_nan_or_inf_with_val_inplace(total_norm, device=total_norm.device)
+    return total_norm.cpu()
+
+
+def _zero12_has_overflow(self, partition_gradients=True) -> bool:
+    """deepspeed 0.19.8 runtime/zero/stage_1_and_2.py `DeepSpeedZeroOptimizer.has_overflow`: its ops (the
+    partitioned gradients' inf/nan check, its `byte()` on the accelerator, the all-reduces), answered False."""
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    device = get_accelerator().current_device_name()
+    if self.cpu_offload:
+        overflow_acc = torch.empty(1, dtype=torch.uint8, device=device)  # ByteTensor([self.local_overflow])
+    else:
+        overflow_acc = self.has_overflow_partitioned_grads_serial().byte().to(device)
+    dist.all_reduce(overflow_acc, op=dist.ReduceOp.MAX, group=self.dp_process_group)
+    self._model_parallel_all_reduce(tensor=overflow_acc, op=dist.ReduceOp.MAX)
+    return False

@@ -134,8 +134,10 @@ def fit(spec: RunSpec, axis: str, capacity_bytes: int | None = None, headroom: f
     fit (`vramtrace.levers`). Raises UsageError (bad axis, capacity or headroom; the CPU target without a
     capacity), and what `analyze` raises."""
     say = progress or (lambda _m: None)
-    if axis not in ("batch", "seq", "fsdp"):
-        raise UsageError(f"fit searches 'batch', 'seq' or 'fsdp', got {axis!r}")
+    if axis not in ("batch", "seq", "fsdp", "zero"):
+        raise UsageError(f"fit searches 'batch', 'seq', 'fsdp' or 'zero', got {axis!r}")
+    if axis == "zero" and spec.zero is None:
+        raise UsageError("fit's ZeRO axis searches the stage at the run's ranks: give --zero 1 --dp N")
     if axis == "fsdp" and spec.world is not None:
         raise UsageError("fit with --batch and --seq searches the number of FSDP ranks itself; drop --fsdp/--ddp/--tp")
     if not 0 <= headroom < 1:
@@ -222,6 +224,8 @@ class _Search:
 def _fit(session: TraceSession, axis: str, capacity: int, budget: int, cuda: bool, levers: bool) -> FitResult:
     if axis == "fsdp":
         return _fit_ranks(session, capacity, budget, cuda)
+    if axis == "zero":
+        return _fit_stage(session, capacity, budget, cuda)
     s = _Search(session, axis, cuda, budget)
     spec = session.spec
     limit = MAX_BATCH
@@ -335,6 +339,32 @@ def _fit_ranks(session: TraceSession, capacity: int, budget: int, cuda: bool) ->
                      tuple(exact[n] for n in sorted(exact)),
                      "bisection over powers of two by exact traces (FSDP2 on each layer and the root)", len(exact),
                      cuda_context_bytes=ctx.nbytes if ctx else 0, cuda_context_source=ctx.source if ctx else "")
+
+
+def _fit_stage(session: TraceSession, capacity: int, budget: int, cuda: bool) -> FitResult:
+    """The smallest DeepSpeed ZeRO stage, from the run's `--zero` up to 3, whose step fits at the run's `--dp`
+    (the per-rank batch and sequence kept): each stage traced in order (DeepSpeed's engine, tracer/zero.py) until
+    one fits. `best`: that stage, `next`: the stage below it that does not (None when the run's stage fits)."""
+    spec = session.spec
+    exact: dict[int, FitPoint] = {}
+    best = None
+    for stage in range(spec.zero, 4):
+        made = session.trace(replace(spec, zero=stage), f"exact trace at --zero {stage}")
+        exact[stage] = evaluate(made.tables, stage, cuda, budget, True)
+        if exact[stage].fits:
+            best = stage
+            break
+    if best is None:
+        below = 3  # not even ZeRO-3 fits
+    else:
+        below = best - 1 if best > spec.zero else None
+    ctx = spec.cuda_context_figure if cuda else None
+    return FitResult("zero", spec.batch, 3, capacity, budget, _basis(spec, cuda, ranks=True),
+                     exact[best] if best is not None else None, exact.get(below),
+                     tuple(exact[n] for n in sorted(exact)),
+                     f"each ZeRO stage from {spec.zero} traced in order at --dp {spec.dp} (DeepSpeed's engine)",
+                     len(exact), cuda_context_bytes=ctx.nbytes if ctx else 0,
+                     cuda_context_source=ctx.source if ctx else "")
 
 
 def _powers(n: int) -> list[int]:

@@ -50,8 +50,8 @@ LORA_RANK = 16  # the LoRA lever's rank: peft's examples and HF's PEFT guides st
 # what a skipped family's row calls it
 FAMILY_TITLES = {"use_cache": "no KV cache", "optimizer_impl": "another optimizer implementation",
                  "optimizer_8bit": "8-bit optimizer", "checkpointing": "checkpointing", "micro_batch": "micro-batches",
-                 "lora": f"LoRA r={LORA_RANK}", "qlora": "QLoRA", "fsdp": "FSDP2", "combination": "the combination",
-                 "pp": "every lever"}
+                 "lora": f"LoRA r={LORA_RANK}", "qlora": "QLoRA", "fsdp": "FSDP2", "zero": "ZeRO stage",
+                 "combination": "the combination", "pp": "every lever"}
 
 
 class Extra(str, Enum):
@@ -127,7 +127,7 @@ class Lever:
 
 
 # RunSpec fields whose option is `--name value` (the value as the CLI takes it)
-_VALUE_OPTIONS = ("checkpointing", "lora_rank", "fsdp", "quantization", "bnb_compute_dtype")
+_VALUE_OPTIONS = ("checkpointing", "lora_rank", "fsdp", "quantization", "bnb_compute_dtype", "zero")
 
 
 def options_text(changes: dict) -> str:
@@ -270,7 +270,7 @@ class Evaluator:
         if self.base is None:
             return ""
         diff = {f: getattr(spec, f) for f in ("use_cache", "optimizer_impl", "checkpointing", "batch", "grad_accum",
-                                              "lora_rank", "fsdp", "optimizer", "quantization")
+                                              "lora_rank", "fsdp", "optimizer", "quantization", "zero")
                 if getattr(spec, f) != getattr(self.base, f)}
         if "batch" in diff or "grad_accum" in diff:
             diff.update(batch=spec.batch, grad_accum=spec.grad_accum)
@@ -459,10 +459,31 @@ def _sharding(s: _Search, on: RunSpec) -> list[Lever]:
     return [lever(fewest_ranks(lambda n: lever(n).fits, smallest=2) or MAX_RANKS)]
 
 
+def _zero_stage(s: _Search, on: RunSpec) -> list[Lever]:
+    """A higher DeepSpeed ZeRO stage at the run's `--dp` (`--zero`): the smallest stage above the run's that fits,
+    or 3 when none does. Only for a --zero run (its --dp is the hardware the user has)."""
+    if on.zero is None or on.zero == 3:
+        return []
+
+    def lever(stage: int) -> Lever:
+        sharded = {2: "the gradients", 3: "the gradients and the parameters"}[stage]
+        return s.lever("zero", on, {"zero": stage}, (5, float(stage)),
+                       f"DeepSpeed ZeRO-{stage} on the same {on.dp} GPUs: also shards {sharded} (more communication)")
+
+    for stage in range(on.zero + 1, 4):
+        found = lever(stage)
+        if found.fits:
+            return [found]
+    return [found]
+
+
+# the families a --zero run tries (the others change what DeepSpeed runs: LoRA, quantization, FSDP2, the optimizer)
+ZERO_FAMILIES = ("use_cache", "checkpointing", "micro_batch", "zero")
+
 FAMILIES: tuple[tuple[str, Callable[[_Search, RunSpec], list[Lever]]], ...] = (
     ("use_cache", _use_cache), ("optimizer_impl", _optimizer_impl), ("optimizer_8bit", _optimizer_8bit),
     ("checkpointing", _checkpointing), ("micro_batch", _micro_batch), ("lora", _lora), ("qlora", _qlora),
-    ("fsdp", _sharding),
+    ("fsdp", _sharding), ("zero", _zero_stage),
 )
 
 
@@ -483,6 +504,8 @@ def find_levers(spec: RunSpec, ev: Evaluator, budget_bytes: int) -> LeversSummar
     if spec.pp is not None:
         skipped.append(NotTraced(SkipReason.NOT_MODELLED, "--pp", PP_NOT_TRACED).row("pp"))
     for name, family in FAMILIES if spec.pp is None else ():
+        if spec.zero is not None and name not in ZERO_FAMILIES:
+            continue
         try:
             found += [lv for lv in family(s, spec) if compared_bytes(lv.outcome) < base_bytes]
         except NotTraced as e:

@@ -12,7 +12,7 @@ from .report.sections import ComparisonRow, CpuKernels, LeversSummary, ModelInfo
 from .search import Trace, TraceSession, frozen_session
 from .spec import KBIT_TRAINING_CHECKPOINTING, RECIPE_CHECKPOINTING, CheckpointingKind, Device, Mode, RunSpec
 from .summaries import (adapters_summary, checkpointing_summary, compile_summary, cuda_context_summary, moe_summary,
-                        ranks_text, sharding_summary, step_summary, target_warnings)
+                        ranks_text, sharding_summary, step_summary, target_warnings, zero_summary)
 
 
 def analyze(spec: RunSpec | None = None, progress: Callable[[str], None] | None = None, levers: bool = True, *,
@@ -251,11 +251,18 @@ def _trace_worst_rank(session: TraceSession, spec: RunSpec, loaded) -> tuple[Run
         from .pp_stages import trace_stages
 
         return trace_stages(session, spec, loaded)
-    if spec.world is None or spec.ddp is not None or spec.rank is not None:
-        return spec, session.record(spec, loaded, progress=say), {}
-    from .tracer.sharding import rank_classes
+    if spec.zero is not None and spec.rank is None:  # DeepSpeed ZeRO's rank classes (tracer/zero.py)
+        from .tracer.zero import rank_classes as zero_classes
 
-    classes = rank_classes(loaded.model, spec)
+        classes = zero_classes(spec)
+        if len(classes) == 1:
+            return replace(spec, rank=0), session.record(replace(spec, rank=0), loaded, progress=say), {}
+    elif spec.world is None or spec.ddp is not None or spec.rank is not None:
+        return spec, session.record(spec, loaded, progress=say), {}
+    else:
+        from .tracer.sharding import rank_classes
+
+        classes = rank_classes(loaded.model, spec)
     tables, rank_peaks = {}, {}
     for ranks in classes:
         say(f"rank {ranks[0]} (for ranks {ranks_text(ranks)})")
@@ -292,8 +299,10 @@ def _analyze_one_frozen(session: TraceSession, use_cache_variant: bool = True) -
         say("the same step with use_cache false")
         cache_off_peak = _use_cache_false_peak(session, spec)
     run_info = _run_info(spec, session.precision_source, loaded, main, steady,
-                         step_summary(spec, loop_peaks, cache_off_peak), sharding_summary(spec, rank_peaks,
-                                                                                          _host_peak(spec, main)))
+                         step_summary(spec, loop_peaks, cache_off_peak), {**sharding_summary(spec, rank_peaks,
+                                                                                           _host_peak(spec, main)),
+                                                                          **zero_summary(spec, loaded, rank_peaks,
+                                                                                         _host_peak(spec, main))})
     if spec.pp is not None:
         from dataclasses import replace
 
@@ -309,7 +318,8 @@ def _analyze_one_frozen(session: TraceSession, use_cache_variant: bool = True) -
 
 def _host_peak(spec: RunSpec, main) -> int | None:
     """FSDP2's CPUOffloadPolicy: the peak of what lives in host memory, outside the GPU's figures (else None)."""
-    if not spec.cpu_offload:
+    if not spec.cpu_offload and not (spec.zero is not None and spec.device is Device.CUDA
+                                     and (spec.offload_optimizer or spec.offload_param)):
         return None
     from .analysis.liveness import build_timeline
     from .tracer.recorder import HOST_DEVICE

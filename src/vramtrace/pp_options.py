@@ -85,7 +85,8 @@ def _check_pipeline_composition(spec, bad: Callable) -> None:
                   "supported with it yet")
     if custom_ref(spec.model) is not None or not isinstance(spec.model, str):
         raise bad("{pp} cuts a transformers decoder LM into stages; a custom module has no such layout: drop {pp}")
-    for flag, value in (("{fsdp}", spec.fsdp), ("{tp}", spec.tp), ("{ddp}", spec.ddp), ("{rank}", spec.rank),
+    for flag, value in (("{fsdp}", spec.fsdp), ("{tp}", spec.tp), ("{ddp}", spec.ddp), ("{zero}", spec.zero),
+                        ("{rank}", spec.rank),
                         ("{quantization}", spec.quantization), ("{lora_rank}", spec.lora_rank),
                         ("{recipe}", spec.recipe), ("{step}", spec.step),
                         ("{clip_grad_norm}", spec.clip_grad_norm), ("{serve_requests}", spec.serve_requests)):

@@ -13,6 +13,8 @@ from .choices import (  # noqa: F401
     ZeroGrad, Device, Task, AttnImplementation, PipelineSchedule, OPTIMIZER_IMPLS, BNB_OPTIMIZER_BUILDS, BNB_OPTIMIZERS, COMPILE_MODES,
     TASK_ALIASES, DEFAULT_CHOICES,
 )
+from .choices import ZeroOffload  # noqa: F401
+
 from .custom_inputs import InProcessModel, InputSpec, custom_ref
 from .gpus import GpuPreset, parse_gpu
 from .optimizer_names import HF_OPTIM_NAMES
@@ -275,6 +277,11 @@ class RunSpec:
     virtual_stages: int | None = None
     pp_split: tuple[int, ...] | None = None
     stage: int | None = None
+    zero: int | None = None
+    dp: int | None = None
+    offload_optimizer: ZeroOffload | None = None
+    offload_param: ZeroOffload | None = None
+    deepspeed_config: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq", "lora_rank", "image_size", "images", "choices", "grad_accum", "new_tokens",
@@ -315,6 +322,7 @@ class RunSpec:
         self._check_generate_options()
         self._check_serve_profile()
         self._check_sharding()
+        self._check_zero()
         if self.precision is not None:
             object.__setattr__(self, "precision", Precision.parse(self.precision, "precision"))
             if self.precision.is_autocast and (self.fsdp is not None or self.tp is not None):
@@ -526,7 +534,7 @@ class RunSpec:
             raise _bad("{fsdp_plan} transformers says per module whether it reshards after forward; drop "
                        "{reshard_after_forward}")
         if self.world is None:
-            if self.rank is not None:
+            if self.rank is not None and self.zero is None:  # --zero checks its own (`_check_zero`)
                 raise _bad("{rank} applies to {fsdp} N or {tp} N; add one or drop it")
             return
         if self.fsdp is not None or self.mode is Mode.TRAIN:  # TP alone also serves (inference, generate)
@@ -536,6 +544,36 @@ class RunSpec:
         if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int)
                                       or not 0 <= self.rank < self.world):
             raise _bad(f"{{rank}} must be in 0..{self.world - 1} for {self.world} ranks, got {self.rank}")
+
+    def _check_zero(self) -> None:
+        """Parse the ZeRO offloads; raise UsageError for ZeRO options that do not go together (tracer/zero.py)."""
+        for name in ("offload_optimizer", "offload_param"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, ZeroOffload.parse(getattr(self, name), f"{{{name}}} device"))
+        if self.zero is None:
+            if self.dp is not None or self.offload_optimizer or self.offload_param or self.deepspeed_config:
+                raise _bad("{dp}, {offload_optimizer}, {offload_param} and {deepspeed_config} apply to {zero} 1|2|3; "
+                           "add it or drop them")
+            return
+        if isinstance(self.zero, bool) or self.zero not in (1, 2, 3):
+            raise _bad(f"{{zero}} must be 1, 2 or 3 (DeepSpeed's ZeRO stage), got {self.zero!r}")
+        if self.dp is None or isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp <= 0:
+            raise _bad(f"{{zero}} needs {{dp}} N, the data-parallel ranks (a positive integer), got {self.dp!r}")
+        if self.fsdp is not None or self.tp is not None or self.ddp is not None:
+            raise _bad("{zero} is DeepSpeed's sharding; it does not combine with {fsdp}, {tp} or {ddp}")
+        if self.offload_param is not None and self.zero != 3:
+            raise _bad("{offload_param} offloads ZeRO-3's parameter partitions; it needs {zero} 3")
+        if ZeroOffload.NVME in (self.offload_optimizer, self.offload_param):
+            raise _bad("NVMe offload is not modelled yet (DeepSpeed's aio swapper); use cpu")
+        if self.quantization is not None or self.lora_rank is not None or self.compile:
+            raise _bad("{zero} with {quantization}, {lora_rank} or {compile} is not modelled yet; drop one")
+        if OptimizerKind.parse(self.optimizer, "{optimizer}") not in (OptimizerKind.ADAMW, OptimizerKind.ADAM):
+            raise _bad("{zero} runs DeepSpeed's Adam/AdamW (the ds_config's optimizer); {optimizer} "
+                       f"{OptimizerKind.parse(self.optimizer, '{optimizer}').value} is not modelled with it yet")
+        if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int)
+                                      or not 0 <= self.rank < self.dp):
+            raise _bad(f"{{rank}} must be in 0..{self.dp - 1} for {self.dp} ranks, got {self.rank}")
+        self._check_distributed("{zero}")
 
     def _check_distributed(self, option: str) -> None:
         if self.mode is not Mode.TRAIN:

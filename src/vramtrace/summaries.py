@@ -157,6 +157,26 @@ def sharding_summary(spec: RunSpec, rank_peaks: dict[str, int], host_peak: int |
     return out
 
 
+def zero_summary(spec: RunSpec, loaded, rank_peaks: dict[str, int], host_peak: int | None = None) -> dict:
+    """The report's `run` entry of a --zero run: {'zero': `ZeroInfo`} (stage, dp, rank reported, global batch
+    (micro-batch × dp × accumulation), offload devices, the ds_config file, each bucket size that applies with
+    its source (sources/deepspeed.py `bucket_sources`), rank_peaks when every rank class was traced, the host peak
+    of an offload on a CUDA target); {} without --zero. Raises UsageError for a ds_config `spec_config` refuses."""
+    if spec.zero is None:
+        return {}
+    from .report.sections import ZeroBucket, ZeroInfo
+    from .sources.deepspeed import bucket_sources, spec_config
+
+    ds, resolved = spec_config(spec, loaded.model.config)
+    buckets = bucket_sources(ds, resolved or {}, spec.zero)
+    return {"zero": ZeroInfo(
+        stage=spec.zero, dp=spec.dp, rank=spec.rank, global_batch=spec.batch * spec.dp * spec.grad_accum,
+        offload_optimizer=spec.offload_optimizer.value if spec.offload_optimizer else None,
+        offload_param=spec.offload_param.value if spec.offload_param else None,
+        buckets=tuple(ZeroBucket(key=k, value=v["value"], source=v["source"]) for k, v in buckets.items()),
+        deepspeed_config=spec.deepspeed_config, rank_peaks=rank_peaks or None, host_peak_bytes=host_peak)}
+
+
 def target_warnings(spec: RunSpec, precision: str) -> list[str]:
     """What the target GPU cannot do natively: bf16 below sm80 (V100, T4), where torch emulates it (slowly);
     `torch.cuda.is_bf16_supported()` still answers True there (torch/cuda/__init__.py, including_emulation). And

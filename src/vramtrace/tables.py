@@ -64,6 +64,10 @@ def step_tables(spec: RunSpec, loaded, progress: Callable[[str], None] | None = 
         from .tracer.compiled_step import trace_compiled
 
         traced = trace_compiled(spec, loaded, progress)
+    elif spec.zero is not None:  # DeepSpeed's engine (tracer/zero.py)
+        from .tracer.zero import trace_zero
+
+        traced = trace_zero(spec, loaded, progress or (lambda _msg: None))
     else:
         traced = trace_step(spec, loaded, progress=progress)
     loop = spec.loop.value if spec.step is None else "trainer"  # a --step function is traced as written

@@ -11,7 +11,7 @@ from rich.console import Console
 from ..errors import UsageError
 
 # RunSpec fields whose command-line parameter has another name
-_PARAM_OF_FIELD = {"compile": "compile_model"}
+_PARAM_OF_FIELD = {"compile": "compile_model", "deepspeed_config": "deepspeed"}
 # the CLI's text form of a RunSpec value: tuples comma-joined (--lora-targets), bools as true/false for the options
 # that take text (--reshard-after-forward, --use-cache)
 _TEXT_FIELDS = ("reshard_after_forward", "use_cache")
@@ -69,3 +69,33 @@ def apply_sources(ctx: typer.Context, opts: SimpleNamespace) -> None:
     for line in opts.source_warnings:
         err.print(f"warning: {line}", markup=False)
 
+
+
+# a ds_config's values -> the option they set when the command line does not (`apply_deepspeed_config`)
+_DS_OPTIONS = (("stage", "zero"), ("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param"),
+               ("micro_batch", "batch"), ("grad_accum", "grad_accum"))
+_DS_PRECISIONS = {"bf16": "bf16-mixed", "fp16": "fp16-mixed", "fp32": "fp32"}  # DeepSpeed's: fp32 masters
+
+
+def apply_deepspeed_config(ctx: typer.Context, opts: SimpleNamespace) -> None:
+    """`--deepspeed FILE`: the ZeRO stage, offload devices, micro-batch, accumulation and precision the file fixes
+    (sources/deepspeed.py `read_ds_config`; "auto" fixes nothing) set the options the command line did not give.
+    A value the command line gives that differs from the file's wins, with a warning in the report. Raises
+    UsageError for a file `read_ds_config` refuses."""
+    if not getattr(opts, "deepspeed", None):
+        return
+    from ..sources.deepspeed import read_ds_config
+
+    ds = read_ds_config(opts.deepspeed)
+    pairs = [*((getattr(ds, field), option) for field, option in _DS_OPTIONS),
+             (_DS_PRECISIONS.get(ds.precision), "precision")]
+    warnings = []
+    for value, option in pairs:
+        if value is None:
+            continue
+        if not _typed(ctx, option):
+            setattr(opts, option, value)
+        elif str(getattr(opts, option)) != str(value):
+            warnings.append(f"--deepspeed {ds.path} sets {option.replace('_', '-')} {value}; "
+                            f"--{option.replace('_', '-')} {getattr(opts, option)} used")
+    opts.source_warnings = tuple(opts.source_warnings) + tuple(warnings)

@@ -14,7 +14,7 @@ from ..spec import (DEFAULT_CHOICES, TASK_ALIASES, AttnImplementation, CacheKind
 
 # RunSpec fields whose option is not `--` and the field's name with dashes (`flag_of`)
 FIELD_FLAGS = {"inputs": "--input", "memory_budget_bytes": "--memory-budget", "gpu_memory_bytes": "--gpu-memory",
-               "cuda_context_bytes": "--cuda-context"}
+               "cuda_context_bytes": "--cuda-context", "deepspeed_config": "--deepspeed"}
 
 
 def flag_of(field: str) -> str:
@@ -160,6 +160,17 @@ TpOpt = Annotated[Optional[int], typer.Option("--tp", help="N ranks of tensor pa
     "(transformers' base_model_tp_plan); with --fsdp M, a 2-D mesh of M x N ranks")]
 RankOpt = Annotated[Optional[int], typer.Option("--rank", help="--fsdp/--tp: trace this rank only [default: every "
     "distinct rank, the largest reported]")]
+ZeroOpt = Annotated[Optional[int], typer.Option("--zero", help="DeepSpeed ZeRO stage 1 | 2 | 3 on --dp ranks: "
+    "DeepSpeed's own engine traced on a fake rank (needs the extra vramtrace[deepspeed]); --batch is "
+    "train_micro_batch_size_per_gpu")]
+DpOpt = Annotated[Optional[int], typer.Option("--dp", help="--zero: N data-parallel ranks")]
+OffloadOptimizerOpt = Annotated[Optional[str], typer.Option("--offload-optimizer", help="--zero: cpu (ZeRO-Offload: "
+    "the fp32 master partitions and the optimizer state in pinned host memory, the step on the CPU)")]
+OffloadParamOpt = Annotated[Optional[str], typer.Option("--offload-param", help="--zero 3: cpu (the parameter "
+    "partitions in host memory)")]
+DeepspeedOpt = Annotated[Optional[str], typer.Option("--deepspeed", help="--zero: a ds_config JSON file (its "
+    "zero_optimization keys go to DeepSpeed as they are; \"auto\" filled as HF's Trainer fills it; its stage, "
+    "offloads, micro-batch, accumulation and bf16/fp16 apply unless given here)")]
 StrictOpt = Annotated[bool, typer.Option(
     "--strict", help="an op without a meta kernel is an error, not an unresolved entry")]
 ComparePoliciesOpt = Annotated[bool, typer.Option("--compare", help="compare checkpointing none, layers and selective")]

@@ -15,7 +15,7 @@ from rich.console import Console
 
 from ..errors import UsageError
 from . import options as o
-from .from_files import apply_sources
+from .from_files import apply_deepspeed_config, apply_sources
 
 
 class Command(str, Enum):
@@ -53,6 +53,8 @@ def main_command(
     packing: o.PackingOpt = False, recipe: o.RecipeOpt = None, from_files: o.FromOpt = (),
     pp: o.PpOpt = None, pp_schedule: o.PpScheduleOpt = "1f1b", micro_batches: o.MicroBatchesOpt = None,
     virtual_stages: o.VirtualStagesOpt = None, pp_split: o.PpSplitOpt = None, stage: o.StageOpt = None,
+    zero: o.ZeroOpt = None, dp: o.DpOpt = None, offload_optimizer: o.OffloadOptimizerOpt = None,
+    offload_param: o.OffloadParamOpt = None, deepspeed: o.DeepspeedOpt = None,
 ) -> None:
     """Predict the peak memory of one training step (or inference forward) from a meta-device trace.
 
@@ -65,6 +67,7 @@ def main_command(
     del debug  # read by main() from the arguments, so that it also covers errors raised while parsing them
     opts = SimpleNamespace(**{k: v for k, v in locals().items() if k != "ctx"})
     apply_sources(ctx, opts)
+    apply_deepspeed_config(ctx, opts)
     command = next((c for c in Command if c.value == ctx.command.name), Command.RUN)
     fit_axis = _fit_axis(ctx, opts) if command is Command.FIT else None
     opts.quiet = _check_usage(opts, fit_axis, validate_run=command is Command.VALIDATE)
@@ -86,6 +89,8 @@ def _fit_axis(ctx: typer.Context, opts: SimpleNamespace) -> str:
         if has_seq or has_batch:
             raise UsageError("--sweep gives the batches and sequences itself; drop --batch and --seq")
         return "sweep"
+    if has_seq and has_batch and opts.zero is not None:
+        return "zero"  # both sizes fixed, --zero --dp given: the smallest ZeRO stage that fits
     if has_seq and has_batch:
         return "fsdp"  # both sizes fixed: the fewest FSDP ranks that fit
     return "seq" if has_batch else "batch"
@@ -159,7 +164,8 @@ def _run_spec(opts: SimpleNamespace):
         compile=opts.compile_model, compile_mode=opts.compile_mode, packing=opts.packing, recipe=opts.recipe,
         sources=opts.sources, source_warnings=opts.source_warnings, pp=opts.pp, pp_schedule=opts.pp_schedule,
         micro_batches=opts.micro_batches, virtual_stages=opts.virtual_stages, pp_split=opts.pp_split,
-        stage=opts.stage, **opts.source_fields)
+        stage=opts.stage, zero=opts.zero, dp=opts.dp, offload_optimizer=opts.offload_optimizer,
+        offload_param=opts.offload_param, deepspeed_config=opts.deepspeed, **opts.source_fields)
 
 
 def _execute(opts: SimpleNamespace, fit_axis: str | None, validate_run: bool) -> None:

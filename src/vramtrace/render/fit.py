@@ -8,20 +8,22 @@ from rich.table import Table
 
 from ..units import format_bytes
 
-_AXIS = {"batch": "micro-batch", "seq": "sequence length", "fsdp": "FSDP ranks (GPUs)"}
+_AXIS = {"batch": "micro-batch", "seq": "sequence length", "fsdp": "FSDP ranks (GPUs)", "zero": "ZeRO stage"}
 
 
 def render_fit(result, console: Console, model: str, target: str) -> None:
     """Print the answer, the first size that does not fit, how it was found, and the curve."""
     r = result
     other = (f" at seq {r.fixed}" if r.axis == "batch" and r.fixed else f" at batch {r.fixed}" if r.axis == "seq"
-             else f" at per-rank batch {r.fixed}" if r.axis == "fsdp" else "")
+             else f" at per-rank batch {r.fixed}" if r.axis in ("fsdp", "zero") else "")
     budget = (f"{format_bytes(r.budget_bytes)} of {format_bytes(r.capacity_bytes)}" if r.budget_bytes != r.capacity_bytes
               else format_bytes(r.capacity_bytes))
     console.print(f"[bold]{escape(model)}[/] on {escape(target)} ({budget}){other}")
     basis = "reserved" if (r.best or r.next).peak_reserved_bytes is not None else "allocated"
     if r.axis == "fsdp":
         _render_ranks(r, console, basis)
+    elif r.axis == "zero":
+        _render_stage(r, console)
     elif r.best is None:
         console.print(f"[bold red]Does not fit even at {_AXIS[r.axis]} {r.next.x}[/]: {_why_not(r, r.next)}")
     else:
@@ -93,6 +95,16 @@ def _render_ranks(r, console: Console, basis: str) -> None:
     console.print(f"Fewest GPUs that fit (FSDP2, --fsdp): [bold magenta]{r.best.x}[/] (per rank, {_why(r, r.best)})")
     if r.next is not None:
         console.print(f"{r.next.x} GPUs do not fit: per rank, {_why_not(r, r.next)}")
+
+
+def _render_stage(r, console: Console) -> None:
+    """The smallest ZeRO stage that fits at the run's ranks, and the stage below it that does not."""
+    if r.best is None:
+        console.print(f"[bold red]Does not fit even with ZeRO-{r.next.x}[/]: per rank, {_why_not(r, r.next)}")
+        return
+    console.print(f"Smallest ZeRO stage that fits (--zero): [bold magenta]{r.best.x}[/] (per rank, {_why(r, r.best)})")
+    if r.next is not None:
+        console.print(f"ZeRO-{r.next.x} does not fit: per rank, {_why_not(r, r.next)}")
 
 
 def _peak(p) -> int:

@@ -318,6 +318,37 @@ class CpuKernels:
 
 
 @dataclass(**_FROZEN)
+class ZeroBucket:
+    """One DeepSpeed bucket size of a --zero run (elements; `stage3_param_persistence_threshold`: parameters) and
+    where it came from: 'file' (the --deepspeed ds_config), 'HF auto' (its "auto", filled as transformers'
+    integration fills it) or 'DeepSpeed default' (deepspeed/runtime/zero/config.py)."""
+
+    key: str
+    value: int
+    source: str
+
+
+@dataclass(**_FROZEN)
+class ZeroInfo:
+    """The run's `zero` entry (tracer/zero.py `zero_summary`): DeepSpeed ZeRO's stage, data-parallel ranks, the
+    rank reported, the global batch, the offload devices, the ds_config file, the bucket sizes with their
+    sources; `rank_peaks`: peak bytes per rank class traced, when every class was; `host_peak_bytes`: on a CUDA
+    target with an offload, the steady step's peak of the rank's storages in host memory (outside the device's
+    figures)."""
+
+    stage: int
+    dp: int
+    rank: int | None
+    global_batch: int
+    offload_optimizer: str | None
+    offload_param: str | None
+    buckets: tuple[ZeroBucket, ...]
+    deepspeed_config: str | None = omittable()
+    rank_peaks: dict[str, int] | None = omittable()
+    host_peak_bytes: int | None = omittable()
+
+
+@dataclass(**_FROZEN)
 class RunInfo:
     """The report's `run` section (pipeline.py `_run_info`): the run's settings and its traced step's figures.
     Enum-valued settings hold the spec's enums (str enums: format them by `.value`). Paths that do not produce an
@@ -386,3 +417,4 @@ class RunInfo:
     warnings: tuple[str, ...] = omittable(Omit.EMPTY, ())
     recipe: Recipe | None = omittable()  # --recipe: the framework whose model build was mirrored (tracer/recipes.py)
     pp: PipelineInfo | None = omittable()  # --pp: the pipeline's stages (pp_stages.py `pipeline_summary`)
+    zero: ZeroInfo | None = omittable()  # --zero: DeepSpeed ZeRO (tracer/zero.py `zero_summary`)

@@ -14,6 +14,7 @@ class SourceFormat(str, enum.Enum):
     LLAMAFACTORY = "llamafactory"  # a LLaMA-Factory 0.9.5 training YAML (`llamafactory-cli train config.yaml`)
     TRAINING_ARGUMENTS = "training-arguments"  # transformers' TrainingArguments as JSON (`args.to_json_string()`)
     ACCELERATE = "accelerate"  # an accelerate 1.15 config YAML (`accelerate config`, `accelerate launch --config_file`)
+    DEEPSPEED = "deepspeed"  # a DeepSpeed config JSON (ds_config.json: `--deepspeed FILE`, sources/deepspeed.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from .base import Reading, Source, SourceEntry, SourceFormat, Target
 # keys only one format writes: how `detect` tells them apart (axolotl's and LLaMA-Factory's schemas, accelerate's
 # `accelerate config` output, TrainingArguments' fields)
 _MARKERS = {
+    SourceFormat.DEEPSPEED: ("zero_optimization",),  # first: a ds_config also holds gradient_accumulation_steps
     SourceFormat.AXOLOTL: ("base_model", "micro_batch_size", "sequence_len", "adapter", "lora_r", "sample_packing",
                            "lora_target_linear"),
     SourceFormat.LLAMAFACTORY: ("model_name_or_path", "finetuning_type", "cutoff_len", "stage", "lora_rank",
@@ -23,7 +24,8 @@ _MARKERS = {
 }
 FORMATS_TEXT = ("an axolotl YAML (base_model, micro_batch_size, sequence_len, ...), a LLaMA-Factory YAML "
                 "(model_name_or_path, finetuning_type, cutoff_len, ...), a TrainingArguments JSON "
-                "(per_device_train_batch_size, ...) or an accelerate config YAML (distributed_type, fsdp_config, ...)")
+                "(per_device_train_batch_size, ...), an accelerate config YAML (distributed_type, fsdp_config, ...) or a "
+                "DeepSpeed ds_config JSON (zero_optimization, ...)")
 
 
 def detect(data: Mapping[str, Any], name: str) -> SourceFormat:
@@ -65,6 +67,8 @@ def read_source(path: str | Path, target: Target = Target()) -> Source:
             model = llamafactory.read(r, target)
         elif fmt is SourceFormat.TRAINING_ARGUMENTS:
             training_args.read(r, target)
+        elif fmt is SourceFormat.DEEPSPEED:  # the file as --deepspeed FILE (cli/from_files.py apply_deepspeed_config)
+            r.set("deepspeed_config", str(Path(name).expanduser().resolve()), "zero_optimization")
         else:
             accelerate.read(r)
     except (ValueError, TypeError, AttributeError) as e:  # a value of the wrong type (int("abc"), a list for a dict)

@@ -52,9 +52,24 @@ def read(r: Reading, target: Target) -> None:
     # Trainer.__init__ (trainer.py:645): model.config.use_cache = args.use_cache, default False
     r.set("use_cache", bool(r.get("use_cache", False)), "use_cache")
     if r.has("deepspeed"):
-        r.warn("deepspeed", DEEPSPEED_WARNING)
+        _read_deepspeed(r)
     _read_fsdp(r)
     r.check_rest(HARMLESS, WARNED, "TrainingArguments")
+
+
+def _read_deepspeed(r: Reading) -> None:
+    """`deepspeed`: the path of a ds_config, read as `--deepspeed FILE` (cli/from_files.py `apply_deepspeed_config`:
+    its stage sets --zero; --dp comes from the command line). A relative path is read from the current directory,
+    as the Trainer opens it (transformers/integrations/deepspeed.py `HfDeepSpeedConfig`). A dict, or a file that is
+    not there, keeps the prediction on one GPU, with a warning."""
+    from pathlib import Path
+
+    value = r.get("deepspeed")
+    path = Path(value).expanduser() if isinstance(value, str) else None
+    if path is not None and path.is_file():
+        r.set("deepspeed_config", str(path.resolve()), "deepspeed")
+    else:
+        r.warn("deepspeed", DEEPSPEED_WARNING)
 
 
 def _read_precision(r: Reading) -> None:
