@@ -94,7 +94,7 @@ def test_llamafactory_examples(path):
     assert got.get("quantization") == ("nf4" if data.get("quantization_bit") == 4 else None)
     if data.get("quantization_bit"):
         assert got["double_quant"] is True and got["bnb_compute_dtype"] == "bf16"
-    assert any("deepspeed: DeepSpeed ZeRO is not modelled" in w for w in source.warnings) == ("deepspeed" in data)
+    assert any("deepspeed: the DeepSpeed config it names is not read from here" in w for w in source.warnings) == ("deepspeed" in data)
     assert "packing" not in got and "attn_implementation" not in got  # packing None for sft; flash_attn auto
 
 
@@ -173,8 +173,8 @@ def test_warnings_for_deepspeed_and_memory_keys(tmp_path):
     cfg.write_text("base_model: x/y\ndeepspeed: deepspeed_configs/zero2.json\nliger_rms_norm: true\n"
                    "some_future_key: 3\nlearning_rate: 0.1\nwandb_project: p\n")
     warnings = read_source(cfg).warnings
-    assert "ds.yml: deepspeed: DeepSpeed ZeRO is not modelled yet (issue 42); the prediction is for one GPU " \
-           "without ZeRO" in warnings
+    assert "ds.yml: deepspeed: the DeepSpeed config it names is not read from here: pass it as --deepspeed FILE " \
+           "with --dp N (docs/zero.md); the prediction is for one GPU without ZeRO" in warnings
     assert any(w.startswith("ds.yml: liger_rms_norm: True changes memory") for w in warnings)
     assert any(w.startswith("ds.yml: some_future_key: not a key vramtrace's axolotl reader knows") for w in warnings)
     assert not any("learning_rate" in w or "wandb_project" in w for w in warnings)  # harmless keys: quiet

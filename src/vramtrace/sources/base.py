@@ -117,7 +117,8 @@ class Target:
     bf16: bool = True
 
 
-DEEPSPEED_WARNING = "DeepSpeed ZeRO is not modelled yet (issue 42); the prediction is for one GPU without ZeRO"
+DEEPSPEED_WARNING = ("the DeepSpeed config it names is not read from here: pass it as --deepspeed FILE with --dp N "
+                     "(docs/zero.md); the prediction is for one GPU without ZeRO")
 
 
 def round_up(n: int, multiple: int) -> int:
