@@ -260,7 +260,7 @@ def _not_modelled(args) -> list[str]:
     if getattr(args, "n_gpu", 1) > 1:
         lines.append(f"{args.n_gpu} GPUs under DataParallel (the check predicts one GPU's step)")
     if getattr(args, "deepspeed", None):
-        lines.append("deepspeed (ZeRO is not modelled yet)")
+        lines.append("deepspeed (the callback predicts one GPU without ZeRO; use vramtrace's --deepspeed FILE --dp N)")
     if getattr(args, "fsdp", None):
         lines.append("fsdp (use vramtrace's --fsdp N on the command line)")
     if getattr(args, "torch_compile", False):

@@ -26,7 +26,7 @@ _FSDP_HARMLESS = frozenset({
 
 def read(r: Reading) -> None:
     """Read an accelerate config mapping into `r`: `distributed_type` FSDP with `num_processes` N -> fsdp N (and
-    its fsdp_config), MULTI_GPU -> ddp N, DEEPSPEED -> a warning; `mixed_precision` bf16/fp16 -> bf16-mixed /
+    its fsdp_config), MULTI_GPU -> ddp N, DEEPSPEED -> a warning naming --zero and --dp; `mixed_precision` bf16/fp16 -> bf16-mixed /
     fp16-mixed (FSDP's MixedPrecisionPolicy over fp32 parameters, `set_mixed_precision` l.2109)."""
     kind = str(r.get("distributed_type", "NO")).upper()
     ranks = int(r.get("num_processes", 1))
@@ -36,8 +36,9 @@ def read(r: Reading) -> None:
     elif kind == "MULTI_GPU" and ranks > 1:
         r.set("ddp", ranks, "distributed_type", "num_processes")
     elif kind == "DEEPSPEED":
-        r.warn("distributed_type", "DeepSpeed ZeRO is not modelled yet (issue 42); the prediction is for one GPU "
-                                   "without ZeRO")
+        r.warn("distributed_type", f"DeepSpeed's settings in an accelerate config are not read yet: pass --zero "
+                                   f"STAGE --dp {ranks} (or --deepspeed FILE, docs/zero.md); the prediction is for "
+                                   "one GPU without ZeRO")
     elif kind not in ("NO", "MULTI_GPU"):
         r.warn("distributed_type", f"{kind} is not modelled; the prediction is for one device")
     r.mark("fsdp_config")
