@@ -53,16 +53,18 @@ def _real(case) -> tuple[dict, ...]:
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_zero_matches_real_deepspeed_ranks(case, tmp_path):
-    """Each rank's predicted peak equals that rank's real peak within 0.5%; vramtrace reads the same ds_config
-    (`--deepspeed FILE`) the real run used."""
+    """The predicted peak equals each rank's real peak within 0.5% (the ranks are one class: one trace); vramtrace
+    reads the same ds_config (`--deepspeed FILE`) the real run used."""
     model, stage, precision, bucket, offload = case
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps(zero_ds_config(stage=stage, dp=DP, precision=precision, batch=BATCH,
                                                 reduce_bucket_size=bucket, offload_optimizer=offload)))
+    spec = RunSpec(str(model), batch=BATCH, seq=SEQ, device="cpu", precision=precision, zero=stage, dp=DP,
+                   offload_optimizer=offload, deepspeed_config=str(config))
+    report = analyze(spec)  # every distinct rank class traced (one here: DeepSpeed pads every partition alike)
+    assert report.run.zero.rank_peaks is None or len(report.run.zero.rank_peaks) == 1
     for real in _real(case):
-        spec = RunSpec(str(model), batch=BATCH, seq=SEQ, device="cpu", precision=precision, zero=stage, dp=DP,
-                       rank=real["rank"], offload_optimizer=offload, deepspeed_config=str(config))
-        assert_within(analyze(spec).peak_allocated_bytes, real["peak"], 0.005, _id(case), real)
+        assert_within(report.peak_allocated_bytes, real["peak"], 0.005, _id(case), real)
 
 
 def test_oracle_zero1_start_is_the_model_states():
