@@ -304,3 +304,21 @@ def test_fit_zero_axis_needs_zero_and_dp():
 
     with pytest.raises(UsageError, match="give --zero 1 --dp N"):
         fit(RunSpec(LLAMA, batch=2, seq=32, device="cpu", gpu_memory_bytes=1 << 30), "zero")
+
+
+def test_a_zero3_trace_leaves_torch_as_it_found_it():
+    """ZeRO-3's Init replaces torch.nn.functional.linear "unless manually reset" (partition_parameters.py): after a
+    trace, F.linear, DeepSpeed's kept original and every other torch.nn.functional / torch.Tensor name are back."""
+    pytest.importorskip("deepspeed")
+    import torch
+    from vramtrace.pipeline import analyze
+
+    init_class = sys.modules["deepspeed.runtime.zero.partition_parameters"].InsertPostInitMethodToModuleSubClasses
+    linear, had_bk = torch.nn.functional.linear, "linear_bk" in vars(init_class)
+    functional, tensor = dict(vars(torch.nn.functional)), dict(vars(torch.Tensor))
+    analyze(RunSpec(LLAMA, batch=2, seq=32, zero=3, dp=2, device="cpu", precision="fp32", use_cache=False),
+            levers=False)
+    assert torch.nn.functional.linear is linear
+    assert ("linear_bk" in vars(init_class)) == had_bk
+    assert {k for k, v in vars(torch.nn.functional).items() if functional.get(k) is not v} == set()
+    assert {k for k, v in vars(torch.Tensor).items() if tensor.get(k) is not v} == set()

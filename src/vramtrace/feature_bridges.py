@@ -348,6 +348,7 @@ def pipelining_on_meta(on_micro_step: Callable[[str, tuple[int, ...]], None],
 DEEPSPEED_MISSING = "--zero needs DeepSpeed: pip install 'vramtrace[deepspeed]'"
 # the environment DeepSpeed's comm layer reads for one rank (deepspeed/comm/comm.py `init_distributed`: without
 # LOCAL_RANK it tries MPI discovery); set while tracing, the caller's values back on exit
+_DS_PARTITION = "deepspeed.runtime.zero.partition_parameters"
 _DS_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE",
            "MASTER_ADDR", "MASTER_PORT")
 
@@ -417,6 +418,8 @@ def deepspeed_zero(world: int, rank: int) -> Iterator[object]:
     env = {k: os.environ.get(k) for k in _DS_ENV}
     previous_accelerator, previous_cdb = real.ds_accelerator, comm.cdb
     groups = importlib.import_module("deepspeed.utils.groups")  # its process groups, made on this trace's fake group
+    init_class = importlib.import_module(_DS_PARTITION).InsertPostInitMethodToModuleSubClasses  # DS_ZERO3_LINEAR_RESTORE
+    linear, linear_bk = torch.nn.functional.linear, dict(vars(init_class)).get("linear_bk")
     saved_groups = {k: dict(v) if isinstance(v, dict) else v for k, v in vars(groups).items()
                     if not k.startswith("__") and (v is None or isinstance(v, dict))}
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
@@ -435,6 +438,11 @@ def deepspeed_zero(world: int, rank: int) -> Iterator[object]:
             yield accelerator
     finally:
         real.ds_accelerator, comm.cdb = previous_accelerator, previous_cdb
+        torch.nn.functional.linear = linear
+        if linear_bk is not None:
+            init_class.linear_bk = linear_bk
+        elif "linear_bk" in vars(init_class):
+            delattr(init_class, "linear_bk")
         for k, v in saved_groups.items():
             setattr(groups, k, dict(v) if isinstance(v, dict) else v)
         for k, v in env.items():
