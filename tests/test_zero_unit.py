@@ -322,3 +322,18 @@ def test_a_zero3_trace_leaves_torch_as_it_found_it():
     assert ("linear_bk" in vars(init_class)) == had_bk
     assert {k for k, v in vars(torch.nn.functional).items() if functional.get(k) is not v} == set()
     assert {k for k, v in vars(torch.Tensor).items() if tensor.get(k) is not v} == set()
+
+
+def test_library_spec_takes_the_files_offloads_and_refuses_a_mismatch(tmp_path):
+    path = _write(tmp_path, {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto",
+                             "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                   "offload_param": {"device": "cpu"}}})
+    spec = RunSpec(LLAMA, batch=2, seq=32, zero=3, dp=2, grad_accum=4, deepspeed_config=str(path))
+    assert (spec.offload_optimizer, spec.offload_param) == (ZeroOffload.CPU, ZeroOffload.CPU)
+    for kwargs, message in ((dict(zero=2), "sets zero_optimization.stage 3 but zero is 2"),
+                            (dict(batch=4), "sets train_micro_batch_size_per_gpu 2 but batch is 4")):
+        with pytest.raises(UsageError, match=message):
+            RunSpec(LLAMA, **{**dict(batch=2, seq=32, zero=3, dp=2, deepspeed_config=str(path)), **kwargs})
+    fixed = _write(tmp_path, {"gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1}}, "ga.json")
+    with pytest.raises(UsageError, match="sets gradient_accumulation_steps 2 but grad_accum is 1"):
+        RunSpec(LLAMA, batch=2, seq=32, zero=1, dp=2, deepspeed_config=str(fixed))

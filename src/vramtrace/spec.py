@@ -561,6 +561,7 @@ class RunSpec:
             raise _bad(f"{{zero}} needs {{dp}} N, the data-parallel ranks (a positive integer), got {self.dp!r}")
         if self.fsdp is not None or self.tp is not None or self.ddp is not None:
             raise _bad("{zero} is DeepSpeed's sharding; it does not combine with {fsdp}, {tp} or {ddp}")
+        self._match_ds_config()
         if self.offload_param is not None and self.zero != 3:
             raise _bad("{offload_param} offloads ZeRO-3's parameter partitions; it needs {zero} 3")
         if ZeroOffload.NVME in (self.offload_optimizer, self.offload_param):
@@ -574,6 +575,26 @@ class RunSpec:
                                       or not 0 <= self.rank < self.dp):
             raise _bad(f"{{rank}} must be in 0..{self.dp - 1} for {self.dp} ranks, got {self.rank}")
         self._check_distributed("{zero}")
+
+    def _match_ds_config(self) -> None:
+        """With `deepspeed_config`: the file's offload devices where the spec gives none; raise UsageError where
+        the file fixes (not "auto") a stage, micro-batch or accumulation the spec's differs from (HF's
+        integration refuses such a mismatch: transformers integrations/deepspeed.py `HfDeepSpeedConfig.fill_match`),
+        or a file `read_ds_config` refuses."""
+        if self.deepspeed_config is None:
+            return
+        from .sources.deepspeed import read_ds_config
+
+        ds = read_ds_config(self.deepspeed_config)
+        for name in ("offload_optimizer", "offload_param"):
+            if getattr(self, name) is None and getattr(ds, name) is not None:
+                object.__setattr__(self, name, ZeroOffload.parse(getattr(ds, name), f"{{{name}}} device"))
+        for key, value, field in (("zero_optimization.stage", ds.stage, "zero"),
+                                  ("train_micro_batch_size_per_gpu", ds.micro_batch, "batch"),
+                                  ("gradient_accumulation_steps", ds.grad_accum, "grad_accum")):
+            if value is not None and value != getattr(self, field):
+                raise _bad(f"{{deepspeed_config}} {ds.path} sets {key} {value} but {{{field}}} is "
+                           f"{getattr(self, field)}; make them agree or set it to \"auto\" in the file")
 
     def _check_distributed(self, option: str) -> None:
         if self.mode is not Mode.TRAIN:
