@@ -337,3 +337,16 @@ def test_library_spec_takes_the_files_offloads_and_refuses_a_mismatch(tmp_path):
     fixed = _write(tmp_path, {"gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1}}, "ga.json")
     with pytest.raises(UsageError, match="sets gradient_accumulation_steps 2 but grad_accum is 1"):
         RunSpec(LLAMA, batch=2, seq=32, zero=1, dp=2, deepspeed_config=str(fixed))
+
+
+def test_clip_grad_norm_sets_deepspeeds_gradient_clipping(tmp_path):
+    from vramtrace.tracer.zero import zero_config
+
+    base = dict(batch=2, seq=32, zero=2, dp=2)
+    assert zero_config(RunSpec(LLAMA, clip_grad_norm=0.5, **base), False)["gradient_clipping"] == 0.5
+    assert "gradient_clipping" not in zero_config(RunSpec(LLAMA, **base), False)  # DeepSpeed's default: none
+    path = _write(tmp_path, {"gradient_clipping": 2.0, "zero_optimization": {"stage": 2}})
+    assert zero_config(RunSpec(LLAMA, deepspeed_config=str(path), **base), False,
+                       read_ds_config(path).config)["gradient_clipping"] == 2.0
+    with pytest.raises(UsageError, match="sets gradient_clipping 2.0 but clip_grad_norm is 0.5"):
+        RunSpec(LLAMA, deepspeed_config=str(path), clip_grad_norm=0.5, **base)

@@ -578,9 +578,9 @@ class RunSpec:
 
     def _match_ds_config(self) -> None:
         """With `deepspeed_config`: the file's offload devices where the spec gives none; raise UsageError where
-        the file fixes (not "auto") a stage, micro-batch or accumulation the spec's differs from (HF's
-        integration refuses such a mismatch: transformers integrations/deepspeed.py `HfDeepSpeedConfig.fill_match`),
-        or a file `read_ds_config` refuses."""
+        the file fixes (not "auto") a stage, micro-batch, accumulation or clipping (when `clip_grad_norm` is given)
+        that the spec's differs from (HF's integration refuses such a mismatch: transformers
+        integrations/deepspeed.py `HfDeepSpeedConfig.fill_match`), or for a file `read_ds_config` refuses."""
         if self.deepspeed_config is None:
             return
         from .sources.deepspeed import read_ds_config
@@ -595,6 +595,10 @@ class RunSpec:
             if value is not None and value != getattr(self, field):
                 raise _bad(f"{{deepspeed_config}} {ds.path} sets {key} {value} but {{{field}}} is "
                            f"{getattr(self, field)}; make them agree or set it to \"auto\" in the file")
+        clipping = ds.config.get("gradient_clipping")
+        if self.clip_grad_norm is not None and clipping not in (None, "auto") and clipping != self.clip_grad_norm:
+            raise _bad(f"{{deepspeed_config}} {ds.path} sets gradient_clipping {clipping} but {{clip_grad_norm}} is "
+                       f"{self.clip_grad_norm}; make them agree or set it to \"auto\" in the file")
 
     def _check_distributed(self, option: str) -> None:
         if self.mode is not Mode.TRAIN:
