@@ -144,6 +144,8 @@ def test_ds_config_fixed_values(tmp_path):
     (dict(zero=2, dp=2, fsdp=2), "does not combine with fsdp"),
     (dict(zero=3, dp=2, rank=2), "rank must be in 0..1"),
     (dict(zero=2, dp=2, mode="inference"), "runs a training step"),
+    (dict(zero=2, dp=2, optimizer_impl="foreach"), "optimizer_impl would not change; drop it"),
+    (dict(zero=2, dp=2, zero_grad="zeros", loop="script"), "zero_grad, loop would not change; drop them"),
 ])
 def test_spec_refuses_zero_options_that_do_not_go_together(kwargs, message):
     with pytest.raises(UsageError, match=message):

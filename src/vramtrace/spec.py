@@ -568,6 +568,14 @@ class RunSpec:
             raise _bad("NVMe offload is not modelled yet (DeepSpeed's aio swapper); use cpu")
         if self.quantization is not None or self.lora_rank is not None or self.compile:
             raise _bad("{zero} with {quantization}, {lora_rank} or {compile} is not modelled yet; drop one")
+        ignored = [name for name, given in (
+            ("{optimizer_impl}", OptimizerImpl.parse(self.optimizer_impl, "optimizer implementation")
+             is not OptimizerImpl.DEFAULT),
+            ("{zero_grad}", ZeroGrad.parse(self.zero_grad, "{zero_grad} value") is not ZeroGrad.NONE),
+            ("{loop}", Loop.parse(self.loop, "loop") is not Loop.TRAINER)) if given]
+        if ignored:  # DeepSpeed's engine runs its own step, zeroing and optimizer (tracer/zero.py `zero_config`)
+            raise _bad(f"{{zero}} runs DeepSpeed's engine loop (engine.backward, engine.step), which "
+                       f"{', '.join(ignored)} would not change; drop {'it' if len(ignored) == 1 else 'them'}")
         if OptimizerKind.parse(self.optimizer, "{optimizer}") not in (OptimizerKind.ADAMW, OptimizerKind.ADAM):
             raise _bad("{zero} runs DeepSpeed's Adam/AdamW (the ds_config's optimizer); {optimizer} "
                        f"{OptimizerKind.parse(self.optimizer, '{optimizer}').value} is not modelled with it yet")
