@@ -205,7 +205,12 @@ def test_zero_bridges_patch_inside_and_restore_on_exit(monkeypatch):
     real = sys.modules["deepspeed.accelerator.real_accelerator"]
     accelerator_before = real.ds_accelerator
     environ_before = dict(os.environ)
+    import logging
+
+    ds_logger = logging.getLogger("DeepSpeed")
+    level_before = ds_logger.level
     with feature_bridges.deepspeed_zero(4, 3) as accelerator:
+        assert ds_logger.level == logging.ERROR  # its handler writes to stdout, the report's
         assert accelerator.current_device_name() == "meta" and real.ds_accelerator is accelerator
         assert os.environ["RANK"] == "3" and os.environ["WORLD_SIZE"] == "4" and os.environ["LOCAL_RANK"] == "3"
         inside = {b.name: bridges.resolve(b) for b in bridges.ZERO_BRIDGES}
@@ -215,6 +220,7 @@ def test_zero_bridges_patch_inside_and_restore_on_exit(monkeypatch):
     assert {b.name: bridges.resolve(b) for b in bridges.ZERO_BRIDGES} == before
     assert real.ds_accelerator is accelerator_before
     assert dict(os.environ) == environ_before
+    assert ds_logger.level == level_before
 
 
 def test_zero_bridges_restore_when_the_body_raises():

@@ -401,9 +401,11 @@ def deepspeed_zero(world: int, rank: int) -> Iterator[object]:
     """ZERO_BRIDGES while DeepSpeed's engine is built and stepped as rank `rank` of `world` on torch's fake process
     group (which the caller starts): DeepSpeed's CPU accelerator with the meta device as its device, set as
     DeepSpeed's accelerator; the shared-memory op skipped; the engine's module left where it is; DeepSpeed's
-    reads of tensor values answered (no overflow, a finite norm, ranks consistent). Yields the accelerator. On exit
-    the originals, DeepSpeed's previous accelerator and communication backend, and the environment are back.
+    reads of tensor values answered (no overflow, a finite norm, ranks consistent); DeepSpeed's logger (whose
+    handler writes to stdout) at ERROR. Yields the accelerator. On exit the originals, DeepSpeed's previous
+    accelerator, communication backend and logger level, `torch.nn.functional.linear`, and the environment are back.
     Raises MissingExtraError without deepspeed, BridgeError (nothing patched) when a target is missing."""
+    import logging
     import os
 
     from .bridges import (DS_ACCELERATOR_DEVICE, DS_ENGINE_DEVICE, DS_GRAD_NORM_CHECK, DS_OFFLOAD_NORM,
@@ -422,6 +424,9 @@ def deepspeed_zero(world: int, rank: int) -> Iterator[object]:
     linear, linear_bk = torch.nn.functional.linear, dict(vars(init_class)).get("linear_bk")
     saved_groups = {k: dict(v) if isinstance(v, dict) else v for k, v in vars(groups).items()
                     if not k.startswith("__") and (v is None or isinstance(v, dict))}
+    ds_logger = logging.getLogger("DeepSpeed")  # deepspeed/utils/logging.py: a handler to stdout, the report's
+    ds_level = ds_logger.level
+    ds_logger.setLevel(logging.ERROR)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), CROSS_RANK="0", CROSS_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT="29500")
@@ -438,6 +443,7 @@ def deepspeed_zero(world: int, rank: int) -> Iterator[object]:
             yield accelerator
     finally:
         real.ds_accelerator, comm.cdb = previous_accelerator, previous_cdb
+        ds_logger.setLevel(ds_level)
         torch.nn.functional.linear = linear
         if linear_bk is not None:
             init_class.linear_bk = linear_bk
