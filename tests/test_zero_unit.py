@@ -125,6 +125,12 @@ def test_bad_ds_config_is_one_line_naming_the_file(tmp_path, content, message):
     assert text.startswith(f"--deepspeed {path}: ") and message in text and "\n" not in text
 
 
+def test_ds_config_stage_0_is_refused_in_one_line(tmp_path):
+    path = _write(tmp_path, {"zero_optimization": {"stage": 0}})
+    with pytest.raises(UsageError, match=r"stage 0 is not ZeRO: drop --deepspeed or set stage 1-3$"):
+        read_ds_config(path)
+
+
 def test_ds_config_fixed_values(tmp_path):
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "bf16": {"enabled": True},
               "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"}}}

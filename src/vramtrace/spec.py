@@ -11,9 +11,8 @@ from .errors import SpecError, UsageError
 from .choices import (  # noqa: F401
     _Choice, Mode, CacheKind, KvDtype, FsdpPlan, Quantization, Precision, Recipe, OptimizerKind, OptimizerImpl, Loop,
     ZeroGrad, Device, Task, AttnImplementation, PipelineSchedule, OPTIMIZER_IMPLS, BNB_OPTIMIZER_BUILDS, BNB_OPTIMIZERS, COMPILE_MODES,
-    TASK_ALIASES, DEFAULT_CHOICES,
+    TASK_ALIASES, DEFAULT_CHOICES, ZeroOffload,
 )
-from .choices import ZeroOffload  # noqa: F401
 
 from .custom_inputs import InProcessModel, InputSpec, custom_ref
 from .gpus import GpuPreset, parse_gpu
