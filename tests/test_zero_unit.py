@@ -266,7 +266,7 @@ def test_training_arguments_deepspeed_key_names_the_ds_config(tmp_path, monkeypa
     monkeypatch.chdir(ROOT)
     source = read_source(args)  # not there from here: one GPU, with the warning
     assert "deepspeed_config" not in {e.option for e in source.settings}
-    assert any("deepspeed: DeepSpeed ZeRO" in w for w in source.warnings)
+    assert any("pass it as --deepspeed FILE with --dp N" in w for w in source.warnings)
 
 
 def _real(case: str) -> dict:
