@@ -125,6 +125,12 @@ def test_bad_ds_config_is_one_line_naming_the_file(tmp_path, content, message):
     assert text.startswith(f"--deepspeed {path}: ") and message in text and "\n" not in text
 
 
+def test_ds_config_stage_0_is_refused_in_one_line(tmp_path):
+    path = _write(tmp_path, {"zero_optimization": {"stage": 0}})
+    with pytest.raises(UsageError, match=r"stage 0 is not ZeRO: drop --deepspeed or set stage 1-3$"):
+        read_ds_config(path)
+
+
 def test_ds_config_fixed_values(tmp_path):
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "bf16": {"enabled": True},
               "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"}}}
@@ -144,6 +150,8 @@ def test_ds_config_fixed_values(tmp_path):
     (dict(zero=2, dp=2, fsdp=2), "does not combine with fsdp"),
     (dict(zero=3, dp=2, rank=2), "rank must be in 0..1"),
     (dict(zero=2, dp=2, mode="inference"), "runs a training step"),
+    (dict(zero=2, dp=2, optimizer_impl="foreach"), "optimizer_impl would not change; drop it"),
+    (dict(zero=2, dp=2, zero_grad="zeros", loop="script"), "zero_grad, loop would not change; drop them"),
 ])
 def test_spec_refuses_zero_options_that_do_not_go_together(kwargs, message):
     with pytest.raises(UsageError, match=message):
@@ -203,7 +211,12 @@ def test_zero_bridges_patch_inside_and_restore_on_exit(monkeypatch):
     real = sys.modules["deepspeed.accelerator.real_accelerator"]
     accelerator_before = real.ds_accelerator
     environ_before = dict(os.environ)
+    import logging
+
+    ds_logger = logging.getLogger("DeepSpeed")
+    level_before = ds_logger.level
     with feature_bridges.deepspeed_zero(4, 3) as accelerator:
+        assert ds_logger.level == logging.ERROR  # its handler writes to stdout, the report's
         assert accelerator.current_device_name() == "meta" and real.ds_accelerator is accelerator
         assert os.environ["RANK"] == "3" and os.environ["WORLD_SIZE"] == "4" and os.environ["LOCAL_RANK"] == "3"
         inside = {b.name: bridges.resolve(b) for b in bridges.ZERO_BRIDGES}
@@ -213,6 +226,7 @@ def test_zero_bridges_patch_inside_and_restore_on_exit(monkeypatch):
     assert {b.name: bridges.resolve(b) for b in bridges.ZERO_BRIDGES} == before
     assert real.ds_accelerator is accelerator_before
     assert dict(os.environ) == environ_before
+    assert ds_logger.level == level_before
 
 
 def test_zero_bridges_restore_when_the_body_raises():
@@ -252,7 +266,7 @@ def test_training_arguments_deepspeed_key_names_the_ds_config(tmp_path, monkeypa
     monkeypatch.chdir(ROOT)
     source = read_source(args)  # not there from here: one GPU, with the warning
     assert "deepspeed_config" not in {e.option for e in source.settings}
-    assert any("deepspeed: DeepSpeed ZeRO" in w for w in source.warnings)
+    assert any("pass it as --deepspeed FILE with --dp N" in w for w in source.warnings)
 
 
 def _real(case: str) -> dict:
@@ -304,3 +318,49 @@ def test_fit_zero_axis_needs_zero_and_dp():
 
     with pytest.raises(UsageError, match="give --zero 1 --dp N"):
         fit(RunSpec(LLAMA, batch=2, seq=32, device="cpu", gpu_memory_bytes=1 << 30), "zero")
+
+
+def test_a_zero3_trace_leaves_torch_as_it_found_it():
+    """ZeRO-3's Init replaces torch.nn.functional.linear "unless manually reset" (partition_parameters.py): after a
+    trace, F.linear, DeepSpeed's kept original and every other torch.nn.functional / torch.Tensor name are back."""
+    pytest.importorskip("deepspeed")
+    import torch
+    from vramtrace.pipeline import analyze
+
+    init_class = sys.modules["deepspeed.runtime.zero.partition_parameters"].InsertPostInitMethodToModuleSubClasses
+    linear, had_bk = torch.nn.functional.linear, "linear_bk" in vars(init_class)
+    functional, tensor = dict(vars(torch.nn.functional)), dict(vars(torch.Tensor))
+    analyze(RunSpec(LLAMA, batch=2, seq=32, zero=3, dp=2, device="cpu", precision="fp32", use_cache=False),
+            levers=False)
+    assert torch.nn.functional.linear is linear
+    assert ("linear_bk" in vars(init_class)) == had_bk
+    assert {k for k, v in vars(torch.nn.functional).items() if functional.get(k) is not v} == set()
+    assert {k for k, v in vars(torch.Tensor).items() if tensor.get(k) is not v} == set()
+
+
+def test_library_spec_takes_the_files_offloads_and_refuses_a_mismatch(tmp_path):
+    path = _write(tmp_path, {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto",
+                             "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                   "offload_param": {"device": "cpu"}}})
+    spec = RunSpec(LLAMA, batch=2, seq=32, zero=3, dp=2, grad_accum=4, deepspeed_config=str(path))
+    assert (spec.offload_optimizer, spec.offload_param) == (ZeroOffload.CPU, ZeroOffload.CPU)
+    for kwargs, message in ((dict(zero=2), "sets zero_optimization.stage 3 but zero is 2"),
+                            (dict(batch=4), "sets train_micro_batch_size_per_gpu 2 but batch is 4")):
+        with pytest.raises(UsageError, match=message):
+            RunSpec(LLAMA, **{**dict(batch=2, seq=32, zero=3, dp=2, deepspeed_config=str(path)), **kwargs})
+    fixed = _write(tmp_path, {"gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1}}, "ga.json")
+    with pytest.raises(UsageError, match="sets gradient_accumulation_steps 2 but grad_accum is 1"):
+        RunSpec(LLAMA, batch=2, seq=32, zero=1, dp=2, deepspeed_config=str(fixed))
+
+
+def test_clip_grad_norm_sets_deepspeeds_gradient_clipping(tmp_path):
+    from vramtrace.tracer.zero import zero_config
+
+    base = dict(batch=2, seq=32, zero=2, dp=2)
+    assert zero_config(RunSpec(LLAMA, clip_grad_norm=0.5, **base), False)["gradient_clipping"] == 0.5
+    assert "gradient_clipping" not in zero_config(RunSpec(LLAMA, **base), False)  # DeepSpeed's default: none
+    path = _write(tmp_path, {"gradient_clipping": 2.0, "zero_optimization": {"stage": 2}})
+    assert zero_config(RunSpec(LLAMA, deepspeed_config=str(path), **base), False,
+                       read_ds_config(path).config)["gradient_clipping"] == 2.0
+    with pytest.raises(UsageError, match="sets gradient_clipping 2.0 but clip_grad_norm is 0.5"):
+        RunSpec(LLAMA, deepspeed_config=str(path), clip_grad_norm=0.5, **base)

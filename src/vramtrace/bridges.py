@@ -474,8 +474,18 @@ DS_ZERO3_LINEAR_AUTOCAST = Bridge(
     "accelerator's device type (`torch.get_autocast_dtype`, `torch.autocast(device_type=...)`), which torch has no "
     "autocast for when it is meta: that module's accelerator names 'cpu', whose autocast is off as the target "
     "device's is in a ZeRO step (DeepSpeed casts the module itself)", when_absent=_DS_ABSENT)
+DS_ZERO3_LINEAR_RESTORE = Bridge(
+    "ds_zero3_linear_restore", "deepspeed",
+    (("torch.nn.functional", "linear"), (_DS_ZERO + "partition_parameters", "InsertPostInitMethodToModuleSubClasses")),
+    DEEPSPEED_WRITTEN_FOR,
+    "ZeRO-3's `Init` (runtime/zero/partition_parameters.py `InsertPostInitMethodToModuleSubClasses.__init__`, "
+    "'This will persist unless manually reset'; also its quantized-weights wrap) replaces "
+    "`torch.nn.functional.linear` for the rest of the process and keeps the original as the class's `linear_bk`: "
+    "the trace runs with DeepSpeed's linear as a real ZeRO-3 step does, and puts both back on exit",
+    when_absent=_DS_ABSENT)
 ZERO_BRIDGES: tuple[Bridge, ...] = (DS_ACCELERATOR_DEVICE, DS_SHM_COMM, DS_ENGINE_DEVICE, DS_GRAD_NORM_CHECK,
-                                    DS_RANK_CHECKS, DS_OFFLOAD_NORM, DS_OVERFLOW_CHECK, DS_ZERO3_LINEAR_AUTOCAST)
+                                    DS_RANK_CHECKS, DS_OFFLOAD_NORM, DS_OVERFLOW_CHECK, DS_ZERO3_LINEAR_AUTOCAST,
+                                    DS_ZERO3_LINEAR_RESTORE)
 
 BRIDGES: tuple[Bridge, ...] = (HOST_RNG_STATE, MAYBE_AUTOCAST, PACKED_SEQUENCE_CHECK, PADDING_MASK_CHECK,
                                PADDING_WARNING, MOE_GROUPED_MM, CHECKPOINT_FUNCTION, MHA_FAST_PATH,

@@ -307,3 +307,13 @@ class ZeroOffload(_Choice):
 
     CPU = "cpu"
     NVME = "nvme"
+
+
+class BucketSource(_Choice):
+    """Where a --zero run's bucket size comes from (report `run.zero.buckets[].source`): the --deepspeed file, its
+    "auto" filled as HF's integration fills it (transformers integrations/deepspeed.py), or DeepSpeed's default
+    (deepspeed/runtime/zero/config.py `DeepSpeedZeroConfig`)."""
+
+    FILE = "file"
+    HF_AUTO = "HF auto"
+    DEEPSPEED_DEFAULT = "DeepSpeed default"

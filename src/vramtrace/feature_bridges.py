@@ -348,6 +348,7 @@ def pipelining_on_meta(on_micro_step: Callable[[str, tuple[int, ...]], None],
 DEEPSPEED_MISSING = "--zero needs DeepSpeed: pip install 'vramtrace[deepspeed]'"
 # the environment DeepSpeed's comm layer reads for one rank (deepspeed/comm/comm.py `init_distributed`: without
 # LOCAL_RANK it tries MPI discovery); set while tracing, the caller's values back on exit
+_DS_PARTITION = "deepspeed.runtime.zero.partition_parameters"
 _DS_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE",
            "MASTER_ADDR", "MASTER_PORT")
 
@@ -400,9 +401,11 @@ def deepspeed_zero(world: int, rank: int) -> Iterator[object]:
     """ZERO_BRIDGES while DeepSpeed's engine is built and stepped as rank `rank` of `world` on torch's fake process
     group (which the caller starts): DeepSpeed's CPU accelerator with the meta device as its device, set as
     DeepSpeed's accelerator; the shared-memory op skipped; the engine's module left where it is; DeepSpeed's
-    reads of tensor values answered (no overflow, a finite norm, ranks consistent). Yields the accelerator. On exit
-    the originals, DeepSpeed's previous accelerator and communication backend, and the environment are back.
+    reads of tensor values answered (no overflow, a finite norm, ranks consistent); DeepSpeed's logger (whose
+    handler writes to stdout) at ERROR. Yields the accelerator. On exit the originals, DeepSpeed's previous
+    accelerator, communication backend and logger level, `torch.nn.functional.linear`, and the environment are back.
     Raises MissingExtraError without deepspeed, BridgeError (nothing patched) when a target is missing."""
+    import logging
     import os
 
     from .bridges import (DS_ACCELERATOR_DEVICE, DS_ENGINE_DEVICE, DS_GRAD_NORM_CHECK, DS_OFFLOAD_NORM,
@@ -417,8 +420,13 @@ def deepspeed_zero(world: int, rank: int) -> Iterator[object]:
     env = {k: os.environ.get(k) for k in _DS_ENV}
     previous_accelerator, previous_cdb = real.ds_accelerator, comm.cdb
     groups = importlib.import_module("deepspeed.utils.groups")  # its process groups, made on this trace's fake group
+    init_class = importlib.import_module(_DS_PARTITION).InsertPostInitMethodToModuleSubClasses  # DS_ZERO3_LINEAR_RESTORE
+    linear, linear_bk = torch.nn.functional.linear, dict(vars(init_class)).get("linear_bk")
     saved_groups = {k: dict(v) if isinstance(v, dict) else v for k, v in vars(groups).items()
                     if not k.startswith("__") and (v is None or isinstance(v, dict))}
+    ds_logger = logging.getLogger("DeepSpeed")  # deepspeed/utils/logging.py: a handler to stdout, the report's
+    ds_level = ds_logger.level
+    ds_logger.setLevel(logging.ERROR)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), CROSS_RANK="0", CROSS_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT="29500")
@@ -435,6 +443,12 @@ def deepspeed_zero(world: int, rank: int) -> Iterator[object]:
             yield accelerator
     finally:
         real.ds_accelerator, comm.cdb = previous_accelerator, previous_cdb
+        ds_logger.setLevel(ds_level)
+        torch.nn.functional.linear = linear
+        if linear_bk is not None:
+            init_class.linear_bk = linear_bk
+        elif "linear_bk" in vars(init_class):
+            delattr(init_class, "linear_bk")
         for k, v in saved_groups.items():
             setattr(groups, k, dict(v) if isinstance(v, dict) else v)
         for k, v in env.items():

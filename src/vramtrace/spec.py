@@ -11,9 +11,8 @@ from .errors import SpecError, UsageError
 from .choices import (  # noqa: F401
     _Choice, Mode, CacheKind, KvDtype, FsdpPlan, Quantization, Precision, Recipe, OptimizerKind, OptimizerImpl, Loop,
     ZeroGrad, Device, Task, AttnImplementation, PipelineSchedule, OPTIMIZER_IMPLS, BNB_OPTIMIZER_BUILDS, BNB_OPTIMIZERS, COMPILE_MODES,
-    TASK_ALIASES, DEFAULT_CHOICES,
+    TASK_ALIASES, DEFAULT_CHOICES, ZeroOffload,
 )
-from .choices import ZeroOffload  # noqa: F401
 
 from .custom_inputs import InProcessModel, InputSpec, custom_ref
 from .gpus import GpuPreset, parse_gpu
@@ -561,12 +560,21 @@ class RunSpec:
             raise _bad(f"{{zero}} needs {{dp}} N, the data-parallel ranks (a positive integer), got {self.dp!r}")
         if self.fsdp is not None or self.tp is not None or self.ddp is not None:
             raise _bad("{zero} is DeepSpeed's sharding; it does not combine with {fsdp}, {tp} or {ddp}")
+        self._match_ds_config()
         if self.offload_param is not None and self.zero != 3:
             raise _bad("{offload_param} offloads ZeRO-3's parameter partitions; it needs {zero} 3")
         if ZeroOffload.NVME in (self.offload_optimizer, self.offload_param):
             raise _bad("NVMe offload is not modelled yet (DeepSpeed's aio swapper); use cpu")
         if self.quantization is not None or self.lora_rank is not None or self.compile:
             raise _bad("{zero} with {quantization}, {lora_rank} or {compile} is not modelled yet; drop one")
+        ignored = [name for name, given in (
+            ("{optimizer_impl}", OptimizerImpl.parse(self.optimizer_impl, "optimizer implementation")
+             is not OptimizerImpl.DEFAULT),
+            ("{zero_grad}", ZeroGrad.parse(self.zero_grad, "{zero_grad} value") is not ZeroGrad.NONE),
+            ("{loop}", Loop.parse(self.loop, "loop") is not Loop.TRAINER)) if given]
+        if ignored:  # DeepSpeed's engine runs its own step, zeroing and optimizer (tracer/zero.py `zero_config`)
+            raise _bad(f"{{zero}} runs DeepSpeed's engine loop (engine.backward, engine.step), which "
+                       f"{', '.join(ignored)} would not change; drop {'it' if len(ignored) == 1 else 'them'}")
         if OptimizerKind.parse(self.optimizer, "{optimizer}") not in (OptimizerKind.ADAMW, OptimizerKind.ADAM):
             raise _bad("{zero} runs DeepSpeed's Adam/AdamW (the ds_config's optimizer); {optimizer} "
                        f"{OptimizerKind.parse(self.optimizer, '{optimizer}').value} is not modelled with it yet")
@@ -574,6 +582,30 @@ class RunSpec:
                                       or not 0 <= self.rank < self.dp):
             raise _bad(f"{{rank}} must be in 0..{self.dp - 1} for {self.dp} ranks, got {self.rank}")
         self._check_distributed("{zero}")
+
+    def _match_ds_config(self) -> None:
+        """With `deepspeed_config`: the file's offload devices where the spec gives none; raise UsageError where
+        the file fixes (not "auto") a stage, micro-batch, accumulation or clipping (when `clip_grad_norm` is given)
+        that the spec's differs from (HF's integration refuses such a mismatch: transformers
+        integrations/deepspeed.py `HfDeepSpeedConfig.fill_match`), or for a file `read_ds_config` refuses."""
+        if self.deepspeed_config is None:
+            return
+        from .sources.deepspeed import read_ds_config
+
+        ds = read_ds_config(self.deepspeed_config)
+        for name in ("offload_optimizer", "offload_param"):
+            if getattr(self, name) is None and getattr(ds, name) is not None:
+                object.__setattr__(self, name, ZeroOffload.parse(getattr(ds, name), f"{{{name}}} device"))
+        for key, value, field in (("zero_optimization.stage", ds.stage, "zero"),
+                                  ("train_micro_batch_size_per_gpu", ds.micro_batch, "batch"),
+                                  ("gradient_accumulation_steps", ds.grad_accum, "grad_accum")):
+            if value is not None and value != getattr(self, field):
+                raise _bad(f"{{deepspeed_config}} {ds.path} sets {key} {value} but {{{field}}} is "
+                           f"{getattr(self, field)}; make them agree or set it to \"auto\" in the file")
+        clipping = ds.config.get("gradient_clipping")
+        if self.clip_grad_norm is not None and clipping not in (None, "auto") and clipping != self.clip_grad_norm:
+            raise _bad(f"{{deepspeed_config}} {ds.path} sets gradient_clipping {clipping} but {{clip_grad_norm}} is "
+                       f"{self.clip_grad_norm}; make them agree or set it to \"auto\" in the file")
 
     def _check_distributed(self, option: str) -> None:
         if self.mode is not Mode.TRAIN:

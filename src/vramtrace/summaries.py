@@ -173,7 +173,7 @@ def zero_summary(spec: RunSpec, loaded, rank_peaks: dict[str, int], host_peak: i
         stage=spec.zero, dp=spec.dp, rank=spec.rank, global_batch=spec.batch * spec.dp * spec.grad_accum,
         offload_optimizer=spec.offload_optimizer.value if spec.offload_optimizer else None,
         offload_param=spec.offload_param.value if spec.offload_param else None,
-        buckets=tuple(ZeroBucket(key=k, value=v["value"], source=v["source"]) for k, v in buckets.items()),
+        buckets=tuple(ZeroBucket(key=k, value=v["value"], source=v["source"].value) for k, v in buckets.items()),
         deepspeed_config=spec.deepspeed_config, rank_peaks=rank_peaks or None, host_peak_bytes=host_peak)}
 
 

@@ -80,8 +80,9 @@ _DS_PRECISIONS = {"bf16": "bf16-mixed", "fp16": "fp16-mixed", "fp32": "fp32"}  #
 def apply_deepspeed_config(ctx: typer.Context, opts: SimpleNamespace) -> None:
     """`--deepspeed FILE`: the ZeRO stage, offload devices, micro-batch, accumulation and precision the file fixes
     (sources/deepspeed.py `read_ds_config`; "auto" fixes nothing) set the options the command line did not give.
-    A value the command line gives that differs from the file's wins, with a warning in the report. Raises
-    UsageError for a file `read_ds_config` refuses."""
+    A precision the command line gives that differs from the file's wins, with a warning in the report; a stage,
+    batch or accumulation that differs is refused by the spec (spec.py `_match_ds_config`). Raises UsageError for a
+    file `read_ds_config` refuses."""
     if not getattr(opts, "deepspeed", None):
         return
     from ..sources.deepspeed import read_ds_config

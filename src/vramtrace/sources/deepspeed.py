@@ -26,6 +26,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..choices import BucketSource
 from ..errors import UsageError
 
 AUTO = "auto"
@@ -92,7 +93,7 @@ def _precision(config: dict) -> str | None:
 
 def read_ds_config(path: str | Path) -> DsConfig:
     """The ds_config at `path`. Raises UsageError (one line naming the file): missing, not JSON, not an object,
-    a bad stage, batch, accumulation or offload device."""
+    a bad stage (stage 0 too: not ZeRO), batch, accumulation or offload device."""
     path = str(path)
     try:
         config = json.loads(Path(path).read_text())
@@ -110,7 +111,9 @@ def read_ds_config(path: str | Path) -> DsConfig:
     stage = zero.get("stage")
     if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
         raise _bad(path, f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
-    return DsConfig(path, config, stage or None, _offload(path, zero, "offload_optimizer"),
+    if stage == 0:
+        raise _bad(path, "stage 0 is not ZeRO: drop --deepspeed or set stage 1-3")
+    return DsConfig(path, config, stage, _offload(path, zero, "offload_optimizer"),
                     _offload(path, zero, "offload_param"), _int_or_auto(path, config, "train_micro_batch_size_per_gpu"),
                     _int_or_auto(path, config, "gradient_accumulation_steps"), _precision(config))
 
@@ -167,7 +170,7 @@ def resolve_auto(ds: DsConfig, *, batch: int, grad_accum: int, dp: int, stage: i
 
 
 def bucket_sources(ds: DsConfig | None, resolved: dict, stage: int) -> dict[str, dict]:
-    """{key: {"value": elements, "source": "file" | "HF auto" | "DeepSpeed default"}} of the bucket sizes that
+    """{key: {"value": elements, "source": a `BucketSource`}} of the bucket sizes that
     apply at `stage` (the stage-3 ones at stage 3 only)."""
     given = (ds.config.get("zero_optimization", {}) if ds is not None else {})
     zero = resolved.get("zero_optimization", {})
@@ -176,10 +179,10 @@ def bucket_sources(ds: DsConfig | None, resolved: dict, stage: int) -> dict[str,
         if key in STAGE3_ONLY and stage != 3:
             continue
         if key in given:
-            source = "HF auto" if given[key] == AUTO else "file"
+            source = BucketSource.HF_AUTO if given[key] == AUTO else BucketSource.FILE
             out[key] = {"value": int(zero[key]), "source": source}
         else:
-            out[key] = {"value": default, "source": "DeepSpeed default"}
+            out[key] = {"value": default, "source": BucketSource.DEEPSPEED_DEFAULT}
     return out
 
 

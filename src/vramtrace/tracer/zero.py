@@ -156,8 +156,9 @@ def _run_engine(spec: RunSpec, engine, loaded: LoadedModel, kwargs: dict, args: 
 
 def zero_config(spec: RunSpec, bf16: bool, file_config: dict | None = None) -> dict:
     """The ds_config `deepspeed.initialize` gets: `file_config` (a `--deepspeed` file's, its "auto" values
-    resolved: sources/deepspeed.py) with the spec's stage, offloads, batch and accumulation over it, else one as a
-    user writes it: AdamW (`torch_adam`: torch.optim.AdamW, deepspeed/runtime/engine.py `_configure_basic_optimizer`),
+    resolved: sources/deepspeed.py) with the spec's stage, offloads, batch, accumulation and clipping (when given)
+    over it, else one as a user writes it: AdamW (`torch_adam`: torch.optim.AdamW, deepspeed/runtime/engine.py
+    `_configure_basic_optimizer`),
     `train_micro_batch_size_per_gpu` = batch, `gradient_accumulation_steps`, `zero_optimization.stage` and the
     offloads (`pin_memory` true, DeepSpeed's default), `bf16.enabled` for bf16. DeepSpeed's defaults fill the rest
     (deepspeed/runtime/zero/config.py: `reduce_bucket_size` 5e8 elements, ...). Adam/AdamW always with
@@ -173,6 +174,8 @@ def zero_config(spec: RunSpec, bf16: bool, file_config: dict | None = None) -> d
     optimizer.setdefault("params", {})["torch_adam"] = True  # torch.optim.AdamW: FusedAdam's states, no compile
     cfg.update(train_micro_batch_size_per_gpu=spec.batch, gradient_accumulation_steps=spec.grad_accum,
                train_batch_size=spec.batch * spec.grad_accum * spec.dp)
+    if spec.clip_grad_norm is not None:  # DeepSpeed clips in its optimizer's step (engine.py `gradient_clipping`)
+        cfg["gradient_clipping"] = spec.clip_grad_norm
     zero = cfg.setdefault("zero_optimization", {})
     zero["stage"] = spec.zero
     for key, device in (("offload_optimizer", spec.offload_optimizer), ("offload_param", spec.offload_param)):
