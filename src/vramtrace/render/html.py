@@ -225,7 +225,9 @@ def render_html(reports: list[MemoryReport], labels: list[str] | None = None) ->
     from .._version import __version__
 
     labels = labels or [f"{r.run.checkpointing}" if len(reports) > 1 else r.model.ref for r in reports]
-    data = {"categories": [c.value for c in CATEGORY_COLORS], "colors": list(CATEGORY_COLORS.values()),
+    # the pipeline's category (last, so no other index moves) only on a page with a --pp report
+    shown = [c for c in CATEGORY_COLORS if c is not Category.PIPELINE_BUFFERS or any(r.run.pp for r in reports)]
+    data = {"categories": [c.value for c in shown], "colors": [CATEGORY_COLORS[c] for c in shown],
             "reports": [_payload(r, label) for r, label in zip(reports, labels)]}
     # no "<" at all inside the data block, so no name can end the script or open a comment
     data_json = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")
