@@ -2,7 +2,7 @@
 P gloo CPU processes (tests/pp_oracle.py `measure_pp_peaks`: public APIs only, the steady step after two warm-ups),
 within 0.5% per stage.
 
-Six real cases cover the done-when grid's axes between them (each case runs all its stages at once): GPipe and
+Eight real cases cover the done-when grid's axes between them (each case runs all its stages at once): GPipe and
 1F1B; 2, 3 and 4 stages; an even split, uneven splits and a middle stage of 0 layers; 4 and 8 micro-batches; fp32
 and bf16-mixed; a Llama (rotary, untied head, GQA) and GPT-2 (position embeddings, tied head, dropout). The full
 grid is benchmarks/pp_accuracy.py (its table is in docs/accuracy.md)."""
@@ -21,7 +21,11 @@ if "pp" not in RunSpec.__dataclass_fields__:  # until the tracer of issue 42 (--
 
 BATCH, SEQ = 8, 32  # one pipeline step's rows, split into M micro-batches of BATCH // M rows
 
-# (fixture config, schedule, stages P, decoder layers per stage, micro-batches M, precision); every model has 4 layers
+# (fixture config, schedule, stages P, decoder layers per stage, micro-batches M, precision); the model has the
+# split's layers. A stage of more than 4 layers is traced with 4 and the rest rebuilt (tracer/replication.py):
+# the last two cases check that rebuild against the real run (a GPipe stage's M forwards each make their own
+# autocast copies of the weights, alive until their backward; a 1F1B stage's received gradient is summed in its
+# last layer into the buffer every layer below adds into)
 CASES = {
     "llama-gpipe-2-even-fp32": ("tiny-llama-gqa", "gpipe", 2, (2, 2), 4, "fp32"),
     "llama-1f1b-3-zero-layer-stage-fp32": ("tiny-llama-gqa", "1f1b", 3, (3, 0, 1), 4, "fp32"),
@@ -29,6 +33,8 @@ CASES = {
     "llama-1f1b-2-m8-fp32": ("tiny-llama-gqa", "1f1b", 2, (2, 2), 8, "fp32"),
     "gpt2-1f1b-2-uneven-fp32": ("tiny-gpt2", "1f1b", 2, (3, 1), 4, "fp32"),
     "gpt2-gpipe-3-uneven-bf16-mixed": ("tiny-gpt2", "gpipe", 3, (1, 2, 1), 4, "bf16-mixed"),
+    "llama-1f1b-2-replicated-bf16-mixed": ("tiny-llama-gqa", "1f1b", 2, (7, 6), 4, "bf16-mixed"),
+    "gpt2-gpipe-2-replicated-bf16-mixed": ("tiny-gpt2", "gpipe", 2, (6, 2), 4, "bf16-mixed"),
 }
 
 
@@ -39,7 +45,7 @@ def test_each_stage_matches_a_real_gloo_pipeline(tmp_path, case):
     real peak's allocator event falls in, or 'loop' between them, e.g. the last stage's merge of the M outputs);
     the report's peak is the largest stage's."""
     config, schedule, pp, split, micro_batches, precision = CASES[case]
-    path = deep_config(tmp_path, config, 4)
+    path = deep_config(tmp_path, config, sum(split))
     real = measure_pp_peaks(path, pp=pp, schedule=schedule, split=split, micro_batches=micro_batches,
                             batch=BATCH, seq=SEQ, precision=precision)
     report = analyze(RunSpec(path, batch=BATCH, seq=SEQ, device="cpu", precision=precision, pp=pp,

@@ -168,10 +168,8 @@ def stage_plan(spec: RunSpec, loaded):
     n = stage_split(spec, loaded.num_layers)[spec.stage or 0]
     if not spec.replicate_layers or n <= TRACED_LAYERS:
         return None, "traced every layer of the stage"
-    if spec.pp_schedule is not PipelineSchedule.GPIPE:
-        # 1F1B runs one micro-batch's backward between two others' forwards: the layer sweeps interleave, which
-        # replication.py does not rebuild (it raises NotPeriodic: checked on a 12-layer Llama)
-        return None, "traced every layer of the stage (1F1B interleaves the micro-batches' layer sweeps)"
+    # each micro-batch's forward and backward is one sweep over the stage's layers, whatever order the schedule
+    # runs them in (GPipe all forwards first; 1F1B one backward between two forwards)
     return LayerPlan("layers", n), ""
 
 

@@ -178,11 +178,14 @@ def _own_births(plan: LayerPlan, o: RecOp, born: list[int], unit: tuple[_Unit, t
     """Set the owners of the storages op `o` allocated: the layer in its name (a gradient, an optimizer state:
     an optimizer may create the next parameter's step counter in this layer's unit), else its unit's layer, or
     for a foreach op outside the units, the layer of the first list's matching input. Raises NotPeriodic."""
+    # a name recurs in every step and micro-step (a gradient, an autocast copy): the key says which, and in which
+    # sweep of the phase: a pipeline stage's forwards of M micro-batches are M sweeps of one phase, each making
+    # its own autocast copies of the weights, alive until that micro-batch's backward
+    when = unit[0].tag if unit is not None else (o.step, o.micro, str(o.phase))
     for s in born:
         layer = plan.layer_of(storages[s].name)
         if layer is not None:
-            # a name recurs in every step and micro-step (a gradient, an autocast copy): the key says which
-            owner[s] = (layer, ("named", o.step, o.micro, str(o.phase), plan.rename(storages[s].name, {layer: -1})))
+            owner[s] = (layer, ("named", *when, plan.rename(storages[s].name, {layer: -1})))
     if unit is not None:
         u, off = unit
         for slot, s in enumerate(born):
@@ -313,6 +316,23 @@ class _Ownership:
             phases.setdefault((o.step, o.micro, o.phase), []).append(o.index)
         for group, idxs in phases.items():
             self.units += self._settle(group, idxs)
+        self._share_boundary_chains()
+
+    def _share_boundary_chains(self) -> None:
+        """Make global a storage of a kept boundary layer (the first `head` or the last) that ops two or more layers
+        away use: one storage serves every layer. The backward's residual-stream gradient is one: autograd
+        accumulates a gradient into the buffer it arrived in when nothing else holds that buffer
+        (torch/csrc/autograd/input_buffer.cpp `InputBuffer::accumulate`, in place while its use count is 1), so the
+        sum made in the last layer (its incoming gradient is held elsewhere: a pipeline stage's received gradient)
+        is added into by every layer below it. The template and the check layer then refer to the same storage,
+        which the periodicity check requires; a storage only one of them uses still fails it."""
+        kept = set(range(self.plan.head)) | {self.plan.traced - 1}
+        for s, own in enumerate(self.owner):
+            if own is None or own[0] not in kept:
+                continue
+            users = {self.owner_layer[u] for u in self.uses.get(s, ())} - {None}
+            if any(abs(layer - own[0]) > 1 for layer in users):
+                self.owner[s] = None
 
     def _settle(self, group: tuple, idxs: list[int]) -> list[_Unit]:
         """The units of one phase of one micro-step. Ownership feeds back into the tags (an op reading a step
