@@ -1055,9 +1055,7 @@ def _measure_ranks(spec, timeout: float) -> list[int]:
     Gradient accumulation is the literal loop: every micro-step's backward synchronises (no `no_sync` /
     `set_requires_gradient_sync(False)`). The peaks include gloo's own CPU buffers (see `_GlooAllGather`)."""
     import multiprocessing as mp
-    import multiprocessing.connection
     import tempfile
-    import time
 
     assert _v(spec.device) == "cpu"
     kind, world = _world(spec)
@@ -1070,41 +1068,59 @@ def _measure_ranks(spec, timeout: float) -> list[int]:
     ctx.set_forkserver_preload([__name__, "transformers.modeling_utils", "torch.distributed.fsdp",
                                 "torch.distributed.tensor", "torch.nn.parallel"])
     with tempfile.TemporaryDirectory(prefix="oracle-ranks-") as tmp:
-        procs = [ctx.Process(target=_rank_main, args=(r, world, plain, os.path.join(tmp, "store"), tmp),
-                             name=f"oracle-rank{r}", daemon=True) for r in range(world)]
-        for p in procs:
-            p.start()
-        stopped = []
-        try:
-            deadline = time.monotonic() + timeout
-            pending = {p.sentinel: r for r, p in enumerate(procs)}
-            failed = False
-            while pending and not failed:  # a failed rank stops the others: they may wait on it in a collective
-                ready = multiprocessing.connection.wait(list(pending), timeout=max(deadline - time.monotonic(), 0))
-                if not ready:
-                    raise TimeoutError(f"oracle: distributed case timed out after {timeout:.0f}s "
-                                       f"(ranks still running: {sorted(pending.values())})")
-                for sentinel in ready:
-                    r = pending.pop(sentinel)
-                    procs[r].join()
-                    failed |= procs[r].exitcode != 0 or "error" in _rank_result(tmp, r)
-        finally:
-            for r, p in enumerate(procs):
-                if p.is_alive():
-                    stopped.append(r)
-                    p.terminate()
-                p.join()
-        results = [_rank_result(tmp, r) for r in range(world)]
+        results, stopped, codes = run_rank_processes(
+            ctx, world, lambda r: (_rank_main, (r, world, plain, os.path.join(tmp, "store"), tmp), f"oracle-rank{r}"),
+            tmp, timeout, "distributed case")
     note = f" (ranks {stopped} were stopped)" if stopped else ""
     errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
     if errors:
         raise RuntimeError(f"oracle: a rank of the distributed case failed{note}\n" + "\n".join(errors))
-    missing = [f"rank {r} (exit code {p.exitcode})" for r, (p, res) in enumerate(zip(procs, results))
+    missing = [f"rank {r} (exit code {codes[r]})" for r, res in enumerate(results)
                if "peak" not in res and r not in stopped]
     if missing or stopped:
         raise RuntimeError(f"oracle: distributed case: no result from {', '.join(missing)}{note}; see the ranks' "
                            "stderr")
     return [res["peak"] for res in results]
+
+
+def run_rank_processes(ctx, world: int, process_of, tmp: str, timeout: float, what: str
+                       ) -> tuple[list[dict], list[int], list[int]]:
+    """Run `world` rank processes from the multiprocessing context `ctx` (`process_of(r)` gives (target, args,
+    name) of rank r) and wait for them: a failed rank (a non-zero exit code, or an "error" key in its result) stops
+    the others, which may wait on it in a collective forever. Each rank writes its result dict to
+    `tmp`/rank<r>.json (`_rank_result`). Returns (each rank's result, {} when it wrote none; the ranks that were
+    still running and terminated; each rank's exit code). Raises TimeoutError after `timeout` seconds, naming `what` and the ranks still
+    running. Shared by the FSDP/DDP/TP oracle (`_measure_ranks`), tests/pp_oracle.py and tests/zero_oracle.py."""
+    import multiprocessing.connection
+    import time
+
+    procs = []
+    for r in range(world):
+        target, args, name = process_of(r)
+        procs.append(ctx.Process(target=target, args=args, name=name, daemon=True))
+    for p in procs:
+        p.start()
+    stopped = []
+    try:
+        deadline = time.monotonic() + timeout
+        pending = {p.sentinel: r for r, p in enumerate(procs)}
+        failed = False
+        while pending and not failed:
+            ready = multiprocessing.connection.wait(list(pending), timeout=max(deadline - time.monotonic(), 0))
+            if not ready:
+                raise TimeoutError(f"oracle: {what} timed out after {timeout:.0f}s (ranks still running: "
+                                   f"{sorted(pending.values())})")
+            for sentinel in ready:
+                r = pending.pop(sentinel)
+                procs[r].join()
+                failed |= procs[r].exitcode != 0 or "error" in _rank_result(tmp, r)
+    finally:
+        for r, p in enumerate(procs):
+            if p.is_alive():
+                stopped.append(r)
+                p.terminate()
+            p.join()
+    return [_rank_result(tmp, r) for r in range(world)], stopped, [p.exitcode for p in procs]
 
 
 def _rank_result(tmp: str, rank: int) -> dict:

@@ -58,6 +58,8 @@ from pathlib import Path
 
 import torch
 
+from oracle import run_rank_processes
+
 MARKER_BYTES = 1_234_577  # a size no tiny case allocates: marks where the measured step starts
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 PRECISIONS = {"fp32": None, "bf16-mixed": torch.bfloat16}
@@ -368,9 +370,7 @@ def measure_pp_peaks(config_path, *, pp: int, schedule: str = "1f1b", split=None
     layers of each of the P * V stages, and each entry is a rank's (its `stages` listed). Raises ValueError for a
     case it cannot run, RuntimeError when a rank fails or stays unclean, TimeoutError past `timeout` seconds."""
     import multiprocessing as mp
-    import multiprocessing.connection
     import tempfile
-    import time
 
     case = _case(config_path, pp, schedule, split, micro_batches or pp, batch, seq, precision, attempts,
                  virtual_stages)
@@ -378,37 +378,14 @@ def measure_pp_peaks(config_path, *, pp: int, schedule: str = "1f1b", split=None
     ctx.set_forkserver_preload([__name__, "transformers.modeling_utils", "torch.distributed.pipelining",
                                 "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"])
     with tempfile.TemporaryDirectory(prefix="pp-oracle-") as tmp:
-        procs = [ctx.Process(target=_rank_main, args=(r, case, os.path.join(tmp, "store"), tmp), daemon=True,
-                             name=f"pp-oracle-rank{r}") for r in range(pp)]
-        for p in procs:
-            p.start()
-        try:
-            deadline = time.monotonic() + timeout
-            pending = {p.sentinel: r for r, p in enumerate(procs)}
-            failed = False
-            while pending and not failed:  # a failed rank stops the others: they would wait on it forever
-                ready = multiprocessing.connection.wait(list(pending), timeout=max(deadline - time.monotonic(), 0))
-                if not ready:
-                    raise TimeoutError(f"oracle: pipeline case timed out after {timeout:.0f}s")
-                for sentinel in ready:
-                    r = pending.pop(sentinel)
-                    procs[r].join()
-                    failed |= procs[r].exitcode != 0 or "error" in _result(tmp, r)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-                p.join()
-        results = [_result(tmp, r) for r in range(pp)]
+        results, _stopped, _codes = run_rank_processes(
+            ctx, pp, lambda r: (_rank_main, (r, case, os.path.join(tmp, "store"), tmp), f"pp-oracle-rank{r}"),
+            tmp, timeout, "pipeline case")
     errors = [f"stage {r}:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
     if errors or not all("peak_bytes" in res for res in results):
         raise RuntimeError("oracle: a stage of the pipeline case failed\n" + "\n".join(errors))
     return results
 
-
-def _result(tmp: str, rank: int) -> dict:
-    path = Path(tmp, f"rank{rank}.json")
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 if __name__ == "__main__":  # python tests/pp_oracle.py CONFIG PP SCHEDULE [SPLIT] [M] [PRECISION]

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from oracle import _GlooThreadsSettle, _quiet_fd2, _thread_ids, hf_batch, hf_config, hf_model
+from oracle import _GlooThreadsSettle, _quiet_fd2, _thread_ids, hf_batch, hf_config, hf_model, run_rank_processes
 
 MARKER_BYTES = 1_234_577  # as tests/oracle.py: a size no tiny case allocates
 PRECISIONS = ("fp32", "bf16")
@@ -224,40 +224,16 @@ def _free_port() -> int:
 def run_ranks(case: dict, world: int, timeout: float = 600.0) -> list[dict]:
     """Run `_rank_main` on `world` forked ranks; each rank's result dict, by rank."""
     import multiprocessing as mp
-    import multiprocessing.connection
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the fork server imports deepspeed with it
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["oracle", "zero_oracle", "transformers.modeling_utils", "deepspeed"])
     case = dict(case, port=_free_port())
     with tempfile.TemporaryDirectory(prefix="zero-oracle-") as tmp:
-        procs = [ctx.Process(target=_rank_main, args=(r, world, case, tmp), daemon=True)
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline, pending, failed = time.monotonic() + timeout, {p.sentinel: r for r, p in enumerate(procs)}, False
-        try:
-            while pending and not failed:
-                ready = multiprocessing.connection.wait(list(pending), timeout=max(deadline - time.monotonic(), 0))
-                if not ready:
-                    running = sorted(pending.values())
-                    raise TimeoutError(f"zero oracle: timed out after {timeout:.0f}s (ranks {running} still running)")
-                for sentinel in ready:
-                    r = pending.pop(sentinel)
-                    procs[r].join()
-                    failed |= procs[r].exitcode != 0 or "error" in _result(tmp, r)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-                p.join()
-        results = [_result(tmp, r) for r in range(world)]
+        results, _stopped, _codes = run_rank_processes(
+            ctx, world, lambda r: (_rank_main, (r, world, case, tmp), f"zero-oracle-rank{r}"), tmp, timeout,
+            "ZeRO case")
     errors = [f"rank {r}:\n{res.get('error', 'no result')}" for r, res in enumerate(results) if "steps" not in res]
     if errors:
         raise RuntimeError("zero oracle: a rank failed\n" + "\n".join(errors))
     return results
-
-
-def _result(tmp: str, rank: int) -> dict:
-    path = Path(tmp, f"rank{rank}.json")
-    return json.loads(path.read_text()) if path.exists() else {}
