@@ -4,8 +4,10 @@ by P gloo processes (tests/pp_oracle.py `measure_pp_peaks`: torch.distributed.pi
 Reproduce: python benchmarks/pp_accuracy.py [--quick] [--only SUBSTRING]   (CPU only, sets HF_HUB_OFFLINE=1)
 The grid: tiny-llama-gqa and tiny-gpt2 (fixtures/configs) with 4 decoder layers, batch 8 x seq 32 per pipeline step,
 AdamW per stage; GPipe and 1F1B; P = 2 (2,2), 3 (2,1,1), 3 (3,0,1: a middle stage of 0 layers), 4 (1,1,1,1);
-M = 4 micro-batches; fp32 and bf16-mixed (autocast inside each stage's forward); plus 1F1B with M = 8 for P = 2, 3, 4.
-`--quick`: the six cases of tests/test_pipelining.py. Columns: the real stage's peak and the micro-step at it, the
+M = 4 micro-batches; fp32 and bf16-mixed (autocast inside each stage's forward); plus 1F1B with M = 8 for P = 2, 3, 4;
+plus stages of more than 4 layers, which vramtrace traces with 4 and rebuilds (layer replication): P = 2 (7,6) and
+P = 3 (6,5,5), both schedules, both precisions, both models (the model has the split's layers).
+`--quick`: the eight cases of tests/test_pipelining.py. Columns: the real stage's peak and the micro-step at it, the
 prediction (`analyze(RunSpec(..., pp=P, pp_schedule=S, micro_batches=M, pp_split=split)).run.pp.stage_peaks[k]`)
 and its micro-step, and the error (predicted - real). A case vramtrace refuses prints its one-line error.
 """
@@ -26,7 +28,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 SPLITS = {2: [(2, 2)], 3: [(2, 1, 1), (3, 0, 1)], 4: [(1, 1, 1, 1)]}
 QUICK = [("tiny-llama-gqa", "gpipe", (2, 2), 4, "fp32"), ("tiny-llama-gqa", "1f1b", (3, 0, 1), 4, "fp32"),
          ("tiny-llama-gqa", "1f1b", (1, 1, 1, 1), 4, "bf16-mixed"), ("tiny-llama-gqa", "1f1b", (2, 2), 8, "fp32"),
-         ("tiny-gpt2", "1f1b", (3, 1), 4, "fp32"), ("tiny-gpt2", "gpipe", (1, 2, 1), 4, "bf16-mixed")]
+         ("tiny-gpt2", "1f1b", (3, 1), 4, "fp32"), ("tiny-gpt2", "gpipe", (1, 2, 1), 4, "bf16-mixed"),
+         ("tiny-llama-gqa", "1f1b", (7, 6), 4, "bf16-mixed"), ("tiny-gpt2", "gpipe", (6, 2), 4, "bf16-mixed")]
+REPLICATED = [(7, 6), (6, 5, 5)]  # stages of more than 4 layers: traced with 4, the rest rebuilt
 
 
 def grid() -> list[tuple]:
@@ -37,6 +41,8 @@ def grid() -> list[tuple]:
                 for pp, splits in SPLITS.items():
                     cases += [(model, schedule, split, 4, precision) for split in splits]
         cases += [(model, "1f1b", SPLITS[pp][0], 8, "fp32") for pp in (2, 3, 4)]
+        cases += [(model, schedule, split, 4, precision) for precision in ("fp32", "bf16-mixed")
+                  for schedule in ("gpipe", "1f1b") for split in REPLICATED]
     return cases
 
 
@@ -74,7 +80,7 @@ def rows(path: str, model: str, schedule: str, split: tuple, m: int, precision: 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="only the six cases of tests/test_pipelining.py")
+    p.add_argument("--quick", action="store_true", help="only the eight cases of tests/test_pipelining.py")
     p.add_argument("--only", default=None, help="only the cases whose row head contains this text")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=32)
@@ -86,7 +92,7 @@ def main(argv=None) -> None:
         for model, schedule, split, m, precision in (QUICK if args.quick else grid()):
             if args.only and args.only not in f"{model} {precision} {schedule} {len(split)} {split} {m}":
                 continue
-            path = config_with_layers(tmp, model, 4)
+            path = config_with_layers(tmp, model, sum(split))
             for row in rows(path, model, schedule, split, m, precision, args.batch, args.seq):
                 print(row, flush=True)
 
