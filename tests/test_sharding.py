@@ -118,6 +118,15 @@ def test_the_report_shows_the_largest_rank_class_and_each_class_peak(tmp_path):
     assert shown.peak_allocated_bytes == f.rank_peaks["2"]
 
 
+def test_on_a_cuda_target_each_rank_class_peak_is_the_reports_own_figure():
+    """On a CUDA target a report's peak is the caching-allocator replay's peak allocated (unsplit block remainders
+    included: on Llama-2-7B under FSDP2 over 8 ranks, 58.7 MB above the liveness peak); each rank class's peak is on
+    that basis too (it was the liveness peak until 2026-11-27), so the reported class's entry equals the report's
+    peak and the class picked is the one whose report shows the most."""
+    report = analyze(RunSpec("meta-llama/Llama-2-7b", batch=1, seq=4096, fsdp=8), levers=False)
+    assert report.run.fsdp.rank_peaks == {"0-7": report.peak_allocated_bytes}
+
+
 def test_sharding_categories_hold_what_fsdp_allocates():
     """fp32, no reshard after forward, at a backward peak: every layer's parameters unsharded (the whole model
     minus nothing: FSDP2 gathers each layer, and the root's embeddings and head, whole), sharded parameters

@@ -243,7 +243,9 @@ def _analyze_one(spec: RunSpec, say: Callable[[str], None]):
 
 def _trace_worst_rank(session: TraceSession, spec: RunSpec, loaded) -> tuple[RunSpec, object, dict]:
     """(the spec traced, its StepTables, {ranks text: peak allocated} of each rank class): for a distributed run
-    without --rank, every distinct rank class traced and the one with the largest peak reported; else `spec`."""
+    without --rank, every distinct rank class traced and the one with the largest peak reported; else `spec`. The
+    peaks are the report's own figure (`StepTables.peaks`: the allocator replay's on a CUDA target, the liveness
+    peak on the CPU), so the rank reported is the one whose report shows the most."""
     from dataclasses import replace
 
     say = session.say
@@ -267,7 +269,8 @@ def _trace_worst_rank(session: TraceSession, spec: RunSpec, loaded) -> tuple[Run
     for ranks in classes:
         say(f"rank {ranks[0]} (for ranks {ranks_text(ranks)})")
         tables[ranks] = session.record(replace(spec, rank=ranks[0]), loaded, progress=say)
-        rank_peaks[ranks_text(ranks)] = tables[ranks].peaks()[0]
+        # on the report's basis: the allocator replay's peak allocated on a CUDA target (as pp_stages.py does)
+        rank_peaks[ranks_text(ranks)] = tables[ranks].peaks(cuda=spec.device is Device.CUDA)[0]
     worst = max(classes, key=lambda g: (rank_peaks[ranks_text(g)], -g[0]))
     return replace(spec, rank=worst[0]), tables[worst], rank_peaks
 
