@@ -159,10 +159,13 @@ def test_the_cli_prints_one_line_per_stage(capsys, real_1f1b_3_301):
     assert f"({last.peak_bytes:,} bytes)" in out
 
 
-def test_fit_with_pp_is_refused_in_one_line(capsys):
-    r = run_cli(capsys, "fit", LLAMA, "--seq", "8", "--device", "cpu", "--gpu-memory", "3MiB", "--pp", "2")
+def test_fit_with_pp_and_a_split_is_refused_in_one_line(capsys):
+    """`vramtrace fit --pp` searches the depth (tests/test_pp_fit.py); a --pp-split fixes it."""
+    r = run_cli(capsys, "fit", LLAMA, "--batch", "4", "--seq", "8", "--device", "cpu", "--gpu-memory", "3MiB",
+                "--pp", "2", "--pp-split", "1,1")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "Error: `vramtrace fit` with --pp is not supported yet; run the pipeline with --batch and --seq"]
+        "Error: fit --pp searches the pipeline depth, which --pp-split fixes (one layer count per stage): drop "
+        "--pp-split"]
 
 
 def test_validate_with_pp_is_refused_in_one_line(capsys):

@@ -477,6 +477,36 @@ def _zero_stage(s: _Search, on: RunSpec) -> list[Lever]:
     return [found]
 
 
+def pipeline_depth(spec: RunSpec, depth: int, num_layers: int, stage: int | None = None) -> RunSpec | None:
+    """`spec` (a --pp run without --pp-split) at pipeline depth `depth` (`pp`), its stage `stage`, or None when
+    `depth` is no valid depth for it (pp_options.py `check_pipeline`): more stages than the `num_layers` decoder
+    layers, or a batch that does not split into the micro-batches. The micro-batches M: the run's `--micro-batches`
+    when given and valid; 1F1B needs M >= depth (torch's `Schedule1F1B.__init__`), so a given M below the depth
+    becomes the depth; M defaulted (None: M = P) follows the depth. The even split of the depth (no --pp-split)."""
+    from .choices import PipelineSchedule
+
+    if depth > num_layers:
+        return None
+    m = spec.micro_batches
+    if m is not None and spec.pp_schedule is PipelineSchedule.ONE_F_ONE_B and m < depth:
+        m = depth
+    if spec.batch % (m or depth):
+        return None
+    return replace(spec, pp=depth, micro_batches=m, stage=stage)
+
+
+def pipeline_outcome(session: TraceSession, spec: RunSpec, cuda: bool) -> Outcome:
+    """The `tables.Outcome` of the pipeline `spec` (a --pp spec; `stage` None: every distinct stage traced,
+    pp_stages.py `stage_traces`, not kept): its largest stage's on the verdict's basis (`search.compared_bytes`:
+    peak reserved on a CUDA target), so that it fits the budget exactly when every stage does. With `spec.stage`:
+    that stage's."""
+    from .pp_stages import stage_traces
+    from .tables import outcome
+
+    found = [outcome(t.tables, t.num_layers, cuda) for t in stage_traces(session, spec, keep=False).values()]
+    return max(found, key=lambda o: (compared_bytes(o), o.peak_allocated_bytes))
+
+
 # the families a --zero run tries (the others change what DeepSpeed runs: LoRA, quantization, FSDP2, the optimizer)
 ZERO_FAMILIES = ("use_cache", "checkpointing", "micro_batch", "zero")
 

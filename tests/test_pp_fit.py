@@ -1,0 +1,47 @@
+"""Pipeline parallelism in "what makes it fit": `vramtrace fit --pp` (the smallest pipeline depth that fits, fit.py
+`_fit_depth`) and the levers of a --pp run (levers.py: a deeper pipeline, more micro-batches). Every figure is
+checked against a separate `analyze()` of the changed run (whose per-stage peaks tests/test_pipelining.py checks
+against real gloo ranks), and against the budget it was searched for."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import FIXTURES, deep_config, run_cli
+from vramtrace import RunSpec, analyze
+from vramtrace.errors import UsageError
+from vramtrace.fit import fit
+
+LLAMA = str(FIXTURES / "tiny-llama-gqa.json")
+BUDGET = 3 << 20  # between the 4-layer tiny Llama's largest stage at --pp 2 (3.5 MiB) and at --pp 4 (2.5 MiB)
+
+
+def test_fit_finds_the_smallest_pipeline_depth_whose_largest_stage_fits(tmp_path):
+    model = deep_config(tmp_path, "tiny-llama-gqa", 4)
+    base = dict(batch=8, seq=16, device="cpu", precision="fp32", pp_schedule="gpipe")
+    result = fit(RunSpec(model, pp=2, gpu_memory_bytes=BUDGET, **base), "pp")
+    assert result.axis == "pp" and result.budget_bytes == BUDGET
+    # --pp 3 is no depth for batch 8 (M follows P: 8 rows do not split into 3 micro-batches), so 2 then 4
+    assert [p.x for p in result.curve] == [2, 4] and "skipped --pp 3" in result.method
+    assert (result.best.x, result.next.x) == (4, 2)
+    # each point is the largest stage of the report of the same run, traced on its own
+    for p in result.curve:
+        report = analyze(RunSpec(model, pp=p.x, **base))
+        assert p.peak_allocated_bytes == report.peak_allocated_bytes == max(
+            s.peak_bytes for s in report.run.pp.stage_peaks)
+        assert p.exact and p.fits == (report.peak_allocated_bytes <= BUDGET)
+    assert result.best.peak_allocated_bytes <= BUDGET < result.next.peak_allocated_bytes
+
+
+def test_fit_pp_needs_the_batch_and_the_sequence(capsys):
+    r = run_cli(capsys, "fit", LLAMA, "--seq", "8", "--device", "cpu", "--gpu-memory", "3MiB", "--pp", "2")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "Error: `vramtrace fit --pp P` searches the smallest pipeline depth from P that fits at a given --batch and "
+        "--seq: give both (and no --sweep)"]
+
+
+def test_fit_pp_axis_needs_a_pipeline():
+    with pytest.raises(UsageError, match="give --pp P"):
+        fit(RunSpec(LLAMA, batch=2, seq=8, device="cpu", gpu_memory_bytes=1 << 30), "pp")
