@@ -45,3 +45,49 @@ def test_fit_pp_needs_the_batch_and_the_sequence(capsys):
 def test_fit_pp_axis_needs_a_pipeline():
     with pytest.raises(UsageError, match="give --pp P"):
         fit(RunSpec(LLAMA, batch=2, seq=8, device="cpu", gpu_memory_bytes=1 << 30), "pp")
+
+
+def _levers(capsys, tmp_path, model, *extra) -> dict:
+    out = tmp_path / "r.json"
+    r = run_cli(capsys, model, "--batch", "8", "--seq", "16", "--device", "cpu", "--precision", "fp32", "--pp", "2",
+                "--gpu-memory", "3MiB", "--json", out, *extra)
+    assert r.returncode == 0, r.stderr
+    return json.loads(out.read_text())
+
+
+def test_levers_under_pp_size_the_whole_pipeline(capsys, tmp_path):
+    """A 1F1B pipeline of 2 stages that does not fit: more micro-batches (the same batch per schedule.step) and a
+    deeper pipeline, each lever's figure that of the whole changed pipeline (its largest stage), as a separate
+    analyze() of the changed run reports it."""
+    model = deep_config(tmp_path, "tiny-llama-gqa", 4)
+    report = _levers(capsys, tmp_path, model)
+    levers = report["levers"]
+    assert levers["base_bytes"] == report["peak_allocated_bytes"] > BUDGET
+    rows = {lv["family"]: lv for lv in levers["levers"]}
+    assert {"micro_batch", "pp"} <= set(rows) <= {"use_cache", "optimizer_impl", "checkpointing", "micro_batch", "pp"}
+    base = dict(batch=8, seq=16, device="cpu", precision="fp32", pp=2)
+    # the first doubling of M = P = 2 that fits; --pp 3 is no depth for batch 8 (M follows P), so --pp 4
+    for family, options, spec in (("micro_batch", "--micro-batches 4", RunSpec(model, **{**base, "micro_batches": 4})),
+                                  ("pp", "--pp 4", RunSpec(model, **{**base, "pp": 4}))):
+        row, expected = rows[family], analyze(spec)
+        assert row["options"] == options
+        assert row["peak_allocated_bytes"] == expected.peak_allocated_bytes == max(
+            s.peak_bytes for s in expected.run.pp.stage_peaks)
+        assert row["fits"] == (row["peak_allocated_bytes"] <= BUDGET) and row["fits"]
+    assert [s["family"] for s in levers["skipped"]] == ["not_under_pp"]
+
+
+def test_levers_under_pp_with_a_stage_size_that_stage(capsys, tmp_path):
+    model = deep_config(tmp_path, "tiny-llama-gqa", 4)
+    """--stage K: each lever sized on that stage alone, and says so; a deeper pipeline's figure is its last stage's
+    when K is the last (the stage with the head and the loss)."""
+    model = deep_config(tmp_path, "tiny-llama-gqa", 4)
+    report = _levers(capsys, tmp_path, model, "--stage", "1", "--pp-schedule", "gpipe")
+    rows = {lv["family"]: lv for lv in report["levers"]["levers"]}
+    assert "checkpointing" in rows and all(
+        lv["cost"].endswith("(stage 1 only, as --stage)") for f, lv in rows.items() if f != "pp")
+    assert rows["pp"]["cost"].endswith("(stage 3 only, as --stage 1 of 2)")
+    deeper = analyze(RunSpec(model, batch=8, seq=16, device="cpu", precision="fp32", pp=4, pp_schedule="gpipe",
+                             stage=3))
+    assert rows["pp"]["options"] == "--pp 4 --stage 3"
+    assert rows["pp"]["peak_allocated_bytes"] == deeper.peak_allocated_bytes
