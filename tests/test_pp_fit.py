@@ -78,7 +78,6 @@ def test_levers_under_pp_size_the_whole_pipeline(capsys, tmp_path):
 
 
 def test_levers_under_pp_with_a_stage_size_that_stage(capsys, tmp_path):
-    model = deep_config(tmp_path, "tiny-llama-gqa", 4)
     """--stage K: each lever sized on that stage alone, and says so; a deeper pipeline's figure is its last stage's
     when K is the last (the stage with the head and the loss)."""
     model = deep_config(tmp_path, "tiny-llama-gqa", 4)
