@@ -18,21 +18,26 @@ LLAMA = str(FIXTURES / "tiny-llama-gqa.json")
 BUDGET = 3 << 20  # between the 4-layer tiny Llama's largest stage at --pp 2 (3.5 MiB) and at --pp 4 (2.5 MiB)
 
 
-def test_fit_finds_the_smallest_pipeline_depth_whose_largest_stage_fits(tmp_path):
+def test_fit_finds_the_smallest_pipeline_depth_whose_largest_stage_fits(capsys, tmp_path):
     model = deep_config(tmp_path, "tiny-llama-gqa", 4)
-    base = dict(batch=8, seq=16, device="cpu", precision="fp32", pp_schedule="gpipe")
-    result = fit(RunSpec(model, pp=2, gpu_memory_bytes=BUDGET, **base), "pp")
-    assert result.axis == "pp" and result.budget_bytes == BUDGET
+    out = tmp_path / "fit.json"
+    r = run_cli(capsys, "fit", model, "--batch", "8", "--seq", "16", "--device", "cpu", "--precision", "fp32",
+                "--pp", "2", "--pp-schedule", "gpipe", "--gpu-memory", "3MiB", "--json", out)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert result["axis"] == "pp" and result["budget_bytes"] == BUDGET
     # --pp 3 is no depth for batch 8 (M follows P: 8 rows do not split into 3 micro-batches), so 2 then 4
-    assert [p.x for p in result.curve] == [2, 4] and "skipped --pp 3" in result.method
-    assert (result.best.x, result.next.x) == (4, 2)
+    assert [p["x"] for p in result["curve"]] == [2, 4] and "skipped --pp 3" in result["method"]
+    assert (result["best"]["x"], result["next"]["x"]) == (4, 2)
+    assert "Smallest pipeline depth that fits (--pp): 4" in " ".join(r.stdout.split())
     # each point is the largest stage of the report of the same run, traced on its own
-    for p in result.curve:
-        report = analyze(RunSpec(model, pp=p.x, **base))
-        assert p.peak_allocated_bytes == report.peak_allocated_bytes == max(
+    for p in result["curve"]:
+        report = analyze(RunSpec(model, batch=8, seq=16, device="cpu", precision="fp32", pp=p["x"],
+                                 pp_schedule="gpipe"))
+        assert p["peak_allocated_bytes"] == report.peak_allocated_bytes == max(
             s.peak_bytes for s in report.run.pp.stage_peaks)
-        assert p.exact and p.fits == (report.peak_allocated_bytes <= BUDGET)
-    assert result.best.peak_allocated_bytes <= BUDGET < result.next.peak_allocated_bytes
+        assert p["exact"] and p["fits"] == (report.peak_allocated_bytes <= BUDGET)
+    assert result["best"]["peak_allocated_bytes"] <= BUDGET < result["next"]["peak_allocated_bytes"]
 
 
 def test_fit_pp_needs_the_batch_and_the_sequence(capsys):
@@ -90,3 +95,14 @@ def test_levers_under_pp_with_a_stage_size_that_stage(capsys, tmp_path):
                              stage=3))
     assert rows["pp"]["options"] == "--pp 4 --stage 3"
     assert rows["pp"]["peak_allocated_bytes"] == deeper.peak_allocated_bytes
+
+
+def test_fit_pp_with_a_stage_sizes_every_stage():
+    """The pipeline fits only when all its stages do: --stage is dropped, and the method says so."""
+    spec = RunSpec(LLAMA, batch=4, seq=8, device="cpu", precision="fp32", pp=2, stage=0, gpu_memory_bytes=1 << 30)
+    result = fit(spec, "pp")
+    assert "--stage dropped: every stage sized" in result.method
+    assert (result.best.x, result.next, result.traces) == (2, None, 2)
+    whole = analyze(RunSpec(LLAMA, batch=4, seq=8, device="cpu", precision="fp32", pp=2))
+    assert result.best.peak_allocated_bytes == whole.peak_allocated_bytes == max(
+        s.peak_bytes for s in whole.run.pp.stage_peaks)
