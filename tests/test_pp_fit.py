@@ -47,9 +47,11 @@ def test_fit_pp_needs_the_batch_and_the_sequence(capsys):
         "--seq: give both (and no --sweep)"]
 
 
-def test_fit_pp_axis_needs_a_pipeline():
+def test_fit_pp_axis_needs_a_pipeline_and_a_pipeline_only_the_pp_axis():
     with pytest.raises(UsageError, match="give --pp P"):
         fit(RunSpec(LLAMA, batch=2, seq=8, device="cpu", gpu_memory_bytes=1 << 30), "pp")
+    with pytest.raises(UsageError, match="with --pp, fit searches the depth"):
+        fit(RunSpec(LLAMA, batch=2, seq=8, device="cpu", gpu_memory_bytes=1 << 30, pp=2), "batch")
 
 
 def _levers(capsys, tmp_path, model, *extra) -> dict:

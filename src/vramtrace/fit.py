@@ -57,7 +57,8 @@ class FitPoint:
 
 @dataclass(frozen=True, slots=True)
 class FitResult:
-    """The answer of `fit`. `axis` 'batch' or 'seq', `fixed` the other size; `best` the largest size that fits
+    """The answer of `fit`. `axis` 'batch' or 'seq', `fixed` the other size (axes 'fsdp', 'zero' and 'pp': the
+    batch, per rank or per pipeline step, with `limit` the largest rank count, stage or depth); `best` the largest size that fits
     (None: not even the smallest), `next` the size one past it (None when `best` is the axis's limit);
     `budget_bytes` = capacity × (1 - headroom) - the CUDA context (what cudaMalloc may take); `method` says how
     the answer was found; `traces` counts the exact traces it took; `allocated_bound` the largest size whose peak
@@ -141,6 +142,9 @@ def fit(spec: RunSpec, axis: str, capacity_bytes: int | None = None, headroom: f
         raise UsageError("fit's ZeRO axis searches the stage at the run's ranks: give --zero 1 --dp N")
     if axis == "pp" and spec.pp is None:
         raise UsageError("fit's pipeline axis searches the depth from the run's: give --pp P with --batch and --seq")
+    if axis != "pp" and spec.pp is not None:
+        raise UsageError(f"fit's {axis} axis does not search a pipeline (its traces would size stage 0 alone); with "
+                         "--pp, fit searches the depth: give --batch and --seq")
     if axis == "pp" and spec.pp_split is not None:
         raise UsageError("fit --pp searches the pipeline depth, which --pp-split fixes (one layer count per "
                          "stage): drop --pp-split")
