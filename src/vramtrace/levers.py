@@ -16,7 +16,12 @@ Levers are ranked from cheapest, by what they cost the run, then by how much the
      GPU utilisation at small micro-batches), ranked by k;
   4. a different training: LoRA trains adapters on the frozen base weights; QLoRA keeps those base weights in 4-bit
      NF4 (bitsandbytes);
-  5. more hardware: FSDP2 over the fewest GPUs that fits (`--fsdp N`), ranked by N.
+  5. more hardware: FSDP2 over the fewest GPUs that fits (`--fsdp N`), ranked by N; for a --zero run a higher
+     ZeRO stage on its GPUs; for a --pp run a deeper pipeline (`--pp P'`).
+
+Under --pp every lever is traced on the whole pipeline (every distinct stage; its figure the largest stage's, so
+it fits exactly when every stage does), or on stage K alone with --stage K; the families are `PP_FAMILIES`, the
+micro-batch lever there meaning more micro-batches per pipeline step (`--micro-batches`).
 
 When no single lever fits, a combination is built: each family's strongest lever is added in rank order until
 the run fits; then the non-free levers the fit does not need are dropped (most expensive first), and
