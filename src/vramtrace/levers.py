@@ -384,8 +384,7 @@ def _checkpointing(s: _Search, on: RunSpec) -> list[Lever]:
         lv = s.lever("checkpointing", on, {"checkpointing": PP_CHECKPOINTING}, (2, 0.0), "")
         return [replace(lv, rank=(2, lv.outcome.recompute_overhead),
                         cost=f"recompute: {100 * lv.outcome.recompute_overhead:.1f}% more FLOPs in the backward, "
-                             "each decoder layer of every stage checkpointed (under --pp not yet checked against "
-                             "a real run)" + lv.cost)]
+                             "each decoder layer of every stage checkpointed" + lv.cost)]
     seen: dict[str, Outcome] = {"none": base}
 
     def evaluate(policy: str) -> Outcome:
