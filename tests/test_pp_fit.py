@@ -108,3 +108,16 @@ def test_fit_pp_with_a_stage_sizes_every_stage():
     whole = analyze(RunSpec(LLAMA, batch=4, seq=8, device="cpu", precision="fp32", pp=2))
     assert result.best.peak_allocated_bytes == whole.peak_allocated_bytes == max(
         s.peak_bytes for s in whole.run.pp.stage_peaks)
+
+
+def test_fit_pp_when_no_depth_fits_names_the_deepest_and_the_layer_limit(capsys, tmp_path):
+    """2 decoder layers: no deeper pipeline than 2 stages; 1 MiB is below its largest stage (1.6 MiB)."""
+    out = tmp_path / "fit.json"
+    r = run_cli(capsys, "fit", LLAMA, "--batch", "4", "--seq", "8", "--device", "cpu", "--precision", "fp32",
+                "--pp", "2", "--gpu-memory", "1MiB", "--json", out)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert result["best"] is None and result["next"]["x"] == result["limit"] == 2
+    assert result["next"]["peak_allocated_bytes"] > result["budget_bytes"] == 1 << 20
+    text = " ".join(r.stdout.split())
+    assert "Does not fit even with --pp 2" in text and "up to the model's 2 decoder layers" in text

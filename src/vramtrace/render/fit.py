@@ -116,6 +116,7 @@ def _render_depth(r, console: Console) -> None:
     if r.best is None:
         console.print(f"[bold red]Does not fit even with --pp {r.next.x}[/]: its largest stage, "
                       f"{_why_not(r, r.next)}")
+        console.print(f"[dim]depths searched up to the model's {r.limit} decoder layers (a stage each at most)[/]")
         return
     console.print(f"Smallest pipeline depth that fits (--pp): [bold magenta]{r.best.x}[/] (its largest stage, "
                   f"{_why(r, r.best)})")
