@@ -159,10 +159,13 @@ def test_the_cli_prints_one_line_per_stage(capsys, real_1f1b_3_301):
     assert f"({last.peak_bytes:,} bytes)" in out
 
 
-def test_fit_with_pp_is_refused_in_one_line(capsys):
-    r = run_cli(capsys, "fit", LLAMA, "--seq", "8", "--device", "cpu", "--gpu-memory", "3MiB", "--pp", "2")
+def test_fit_with_pp_and_a_split_is_refused_in_one_line(capsys):
+    """`vramtrace fit --pp` searches the depth (tests/test_pp_fit.py); a --pp-split fixes it."""
+    r = run_cli(capsys, "fit", LLAMA, "--batch", "4", "--seq", "8", "--device", "cpu", "--gpu-memory", "3MiB",
+                "--pp", "2", "--pp-split", "1,1")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "Error: `vramtrace fit` with --pp is not supported yet; run the pipeline with --batch and --seq"]
+        "Error: fit --pp searches the pipeline depth, which --pp-split fixes (one layer count per stage): drop "
+        "--pp-split"]
 
 
 def test_validate_with_pp_is_refused_in_one_line(capsys):
@@ -172,18 +175,22 @@ def test_validate_with_pp_is_refused_in_one_line(capsys):
         "with torchrun and compare each stage's torch.cuda.max_memory_allocated()"]
 
 
-def test_levers_under_pp_are_one_skipped_row_naming_why(capsys, tmp_path):
-    """The spec of a --pp report is its largest stage's: a lever traced on it alone could say "fits" while another
-    stage does not, so none is traced."""
+def test_levers_under_pp_skip_what_does_not_compose_with_it_in_one_row(capsys, tmp_path):
+    """The levers of a --pp run size the whole pipeline (tests/test_pp_fit.py); the families --pp does not trace
+    (LoRA, QLoRA, FSDP2, the 8-bit optimizer) are one skipped row. 2 layers: no deeper pipeline than 2 stages."""
     out = tmp_path / "r.json"
     r = run_cli(capsys, LLAMA, "--batch", "4", "--seq", "8", "--device", "cpu", "--pp", "2", "--gpu-memory", "1KiB",
                 "--json", out)
     assert r.returncode == 0, r.stderr
     levers = json.loads(out.read_text())["levers"]
-    assert levers["levers"] == [] and levers["combination"] is None
-    assert levers["skipped"] == [{"family": "pp", "title": "every lever", "options": "--pp", "reason": "not_modelled",
-                                  "detail": "levers under --pp are not traced per stage yet (each would size only "
-                                            "the reported stage)"}]
+    assert {lv["family"] for lv in levers["levers"]} == {"checkpointing", "micro_batch"}
+    assert not any(lv["fits"] for lv in levers["levers"])
+    assert levers["skipped"] == [{"family": "not_under_pp", "title": "LoRA, QLoRA, the 8-bit optimizer and FSDP2",
+                                  "options": "--lora-rank, --quantization, --optimizer adamw-8bit, --fsdp",
+                                  "reason": "not_modelled",
+                                  "detail": "not traced under --pp yet: --pp does not compose with --lora-rank, "
+                                            "--quantization or --fsdp yet, and bitsandbytes' 8-bit optimizers are "
+                                            "not traced on a pipeline stage"}]
 
 
 def test_on_a_cuda_target_the_stage_peaks_are_on_the_reports_basis():

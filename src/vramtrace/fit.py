@@ -57,7 +57,8 @@ class FitPoint:
 
 @dataclass(frozen=True, slots=True)
 class FitResult:
-    """The answer of `fit`. `axis` 'batch' or 'seq', `fixed` the other size; `best` the largest size that fits
+    """The answer of `fit`. `axis` 'batch' or 'seq', `fixed` the other size (axes 'fsdp', 'zero' and 'pp': the
+    batch, per rank or per pipeline step, with `limit` the largest rank count, stage or depth); `best` the largest size that fits
     (None: not even the smallest), `next` the size one past it (None when `best` is the axis's limit);
     `budget_bytes` = capacity × (1 - headroom) - the CUDA context (what cudaMalloc may take); `method` says how
     the answer was found; `traces` counts the exact traces it took; `allocated_bound` the largest size whose peak
@@ -128,16 +129,25 @@ def evaluate(tables, x: int, cuda: bool, budget: int, exact: bool, rows: tuple |
 def fit(spec: RunSpec, axis: str, capacity_bytes: int | None = None, headroom: float = 0.0,
         progress: Callable[[str], None] | None = None, levers: bool = True) -> FitResult:
     """The largest batch (`axis` 'batch', at `spec.seq`) or the longest sequence (`axis` 'seq', at
-    `spec.batch`), or the fewest FSDP2 ranks (`axis` 'fsdp', at both: `_fit_ranks`), whose step fits in
+    `spec.batch`), or the fewest FSDP2 ranks (`axis` 'fsdp', at both: `_fit_ranks`), the smallest ZeRO stage
+    (`axis` 'zero': `_fit_stage`) or pipeline depth (`axis` 'pp': `_fit_depth`), whose step fits in
     `capacity_bytes` (default: `spec.capacity`) less `headroom` (a fraction in
     [0, 1)). When not even the smallest size fits and `levers` is true, the result's `levers` says what makes it
     fit (`vramtrace.levers`). Raises UsageError (bad axis, capacity or headroom; the CPU target without a
     capacity), and what `analyze` raises."""
     say = progress or (lambda _m: None)
-    if axis not in ("batch", "seq", "fsdp", "zero"):
-        raise UsageError(f"fit searches 'batch', 'seq', 'fsdp' or 'zero', got {axis!r}")
+    if axis not in ("batch", "seq", "fsdp", "zero", "pp"):
+        raise UsageError(f"fit searches 'batch', 'seq', 'fsdp', 'zero' or 'pp', got {axis!r}")
     if axis == "zero" and spec.zero is None:
         raise UsageError("fit's ZeRO axis searches the stage at the run's ranks: give --zero 1 --dp N")
+    if axis == "pp" and spec.pp is None:
+        raise UsageError("fit's pipeline axis searches the depth from the run's: give --pp P with --batch and --seq")
+    if axis != "pp" and spec.pp is not None:
+        raise UsageError(f"fit's {axis} axis does not search a pipeline (its traces would size stage 0 alone); with "
+                         "--pp, fit searches the depth: give --batch and --seq")
+    if axis == "pp" and spec.pp_split is not None:
+        raise UsageError("fit --pp searches the pipeline depth, which --pp-split fixes (one layer count per "
+                         "stage): drop --pp-split")
     if axis == "fsdp" and spec.world is not None:
         raise UsageError("fit with --batch and --seq searches the number of FSDP ranks itself; drop --fsdp/--ddp/--tp")
     if not 0 <= headroom < 1:
@@ -226,6 +236,8 @@ def _fit(session: TraceSession, axis: str, capacity: int, budget: int, cuda: boo
         return _fit_ranks(session, capacity, budget, cuda)
     if axis == "zero":
         return _fit_stage(session, capacity, budget, cuda)
+    if axis == "pp":
+        return _fit_depth(session, capacity, budget, cuda)
     s = _Search(session, axis, cuda, budget)
     spec = session.spec
     limit = MAX_BATCH
@@ -308,9 +320,9 @@ def _result(s: _Search, spec: RunSpec, capacity: int, limit: int, best: int, bou
                      bound, ctx.nbytes if ctx else 0, ctx.source if ctx else "")
 
 
-def _basis(spec: RunSpec, cuda: bool, ranks: bool = False) -> str:
+def _basis(spec: RunSpec, cuda: bool, ranks: bool = False, stages: bool = False) -> str:
     """What "fits" means for `spec` (the text shown under the answer)."""
-    rank = ", rank 0" if ranks else ""
+    rank = ", rank 0" if ranks else ", every pipeline stage" if stages else ""
     if not cuda:
         return f"peak allocated (CPU target){rank}"
     return (f"the caching-allocator replay (cuBLAS workspaces included) of the first and steady steps with the "
@@ -365,6 +377,70 @@ def _fit_stage(session: TraceSession, capacity: int, budget: int, cuda: bool) ->
                      f"each ZeRO stage from {spec.zero} traced in order at --dp {spec.dp} (DeepSpeed's engine)",
                      len(exact), cuda_context_bytes=ctx.nbytes if ctx else 0,
                      cuda_context_source=ctx.source if ctx else "")
+
+
+def _fit_depth(session: TraceSession, capacity: int, budget: int, cuda: bool) -> FitResult:
+    """The smallest pipeline depth P' >= the run's `--pp` P whose step fits (the batch and sequence kept): each
+    depth traced exactly, every distinct stage (pp_stages.py `stage_traces`), in order P, P + 1, ... up to the
+    decoder layer count, until one fits. Consecutive depths, not powers of two: a user picks any depth that divides
+    their GPUs, and the largest stage's peak is not monotone in the depth (the split's remainder moves, the
+    micro-batches follow the depth), so a bisection could pass the smallest depth that fits; it stops at the first
+    that fits, so the traces are those of the depths below the answer. A depth is skipped where the run's options
+    do not go together with it (`levers.pipeline_depth`: the batch not a multiple of the micro-batches).
+
+    A depth fits when every stage does. Its FitPoint is its largest stage's (the stage the report of the same spec
+    shows, `trace_stages`), or, on a CUDA target where that one fits and another stage does not, the largest of
+    those that do not. `--stage K` is dropped: the pipeline fits only when all its stages do, so every stage is
+    sized. `best`: that depth, `next`: the valid depth below it (None when the run's P fits)."""
+    from .levers import pipeline_depth
+    from .pp_stages import stage_traces
+
+    spec = session.spec
+    exact: dict[int, FitPoint] = {}
+    depths: list[int] = []
+    skipped: list[int] = []
+    best, layers, depth, traces = None, None, spec.pp, 0
+    while layers is None or depth <= layers:
+        on = replace(spec, stage=None) if layers is None else pipeline_depth(spec, depth, layers)
+        if on is None:
+            skipped.append(depth)
+        else:
+            session.say(f"exact trace at --pp {depth}")
+            stages = stage_traces(session, on)
+            traces += len(stages)
+            layers = next(iter(stages.values())).num_layers
+            exact[depth] = _worst_stage(stages, cuda, budget, depth)
+            depths.append(depth)
+            if exact[depth].fits:
+                best = depth
+                break
+        depth += 1
+    if best is None:
+        below = depths[-1]  # not even the deepest fits
+    else:
+        below = depths[-2] if len(depths) > 1 else None
+    m = "the micro-batches follow the depth (M = P')" if spec.micro_batches is None else (
+        f"--micro-batches {spec.micro_batches} kept (1F1B: raised to the depth where it is below it)")
+    method = (f"each pipeline depth from --pp {spec.pp} traced in order, every distinct stage (a depth fits when "
+              f"its largest stage does{'; --stage dropped: every stage sized' if spec.stage is not None else ''}); "
+              f"{spec.pp_schedule.value}, {m}, even split"
+              + (f"; skipped --pp {', '.join(map(str, skipped))} (batch {spec.batch} does not split into its "
+                 "micro-batches)" if skipped else ""))
+    ctx = spec.cuda_context_figure if cuda else None
+    return FitResult("pp", spec.batch, layers, capacity, budget, _basis(spec, cuda, stages=True),
+                     exact[best] if best is not None else None, exact.get(below),
+                     tuple(exact[n] for n in sorted(exact)), method, traces,
+                     cuda_context_bytes=ctx.nbytes if ctx else 0, cuda_context_source=ctx.source if ctx else "")
+
+
+def _worst_stage(stages: dict, cuda: bool, budget: int, depth: int) -> FitPoint:
+    """The FitPoint at `depth` of a pipeline's stage traces `stages` ({stage: search.Trace}): fits when every stage
+    does; the bytes of its largest stage by the report's basis (`StepTables.peaks`, as `trace_stages` picks it),
+    unless that one fits and another does not (the largest of those, then)."""
+    points = {k: evaluate(t.tables, depth, cuda, budget, True) for k, t in stages.items()}
+    order = sorted(points, key=lambda k: (stages[k].tables.peaks(cuda=cuda)[0], -k), reverse=True)
+    failing = [k for k in order if not points[k].fits]
+    return points[failing[0] if failing else order[0]]
 
 
 def _powers(n: int) -> list[int]:

@@ -16,7 +16,12 @@ Levers are ranked from cheapest, by what they cost the run, then by how much the
      GPU utilisation at small micro-batches), ranked by k;
   4. a different training: LoRA trains adapters on the frozen base weights; QLoRA keeps those base weights in 4-bit
      NF4 (bitsandbytes);
-  5. more hardware: FSDP2 over the fewest GPUs that fits (`--fsdp N`), ranked by N.
+  5. more hardware: FSDP2 over the fewest GPUs that fits (`--fsdp N`), ranked by N; for a --zero run a higher
+     ZeRO stage on its GPUs; for a --pp run a deeper pipeline (`--pp P'`).
+
+Under --pp every lever is traced on the whole pipeline (every distinct stage; its figure the largest stage's, so
+it fits exactly when every stage does), or on stage K alone with --stage K; the families are `PP_FAMILIES`, the
+micro-batch lever there meaning more micro-batches per pipeline step (`--micro-batches`).
 
 When no single lever fits, a combination is built: each family's strongest lever is added in rank order until
 the run fits; then the non-free levers the fit does not need are dropped (most expensive first), and
@@ -51,7 +56,8 @@ LORA_RANK = 16  # the LoRA lever's rank: peft's examples and HF's PEFT guides st
 FAMILY_TITLES = {"use_cache": "no KV cache", "optimizer_impl": "another optimizer implementation",
                  "optimizer_8bit": "8-bit optimizer", "checkpointing": "checkpointing", "micro_batch": "micro-batches",
                  "lora": f"LoRA r={LORA_RANK}", "qlora": "QLoRA", "fsdp": "FSDP2", "zero": "ZeRO stage",
-                 "combination": "the combination", "pp": "every lever"}
+                 "combination": "the combination", "pp": "a deeper pipeline",
+                 "not_under_pp": "LoRA, QLoRA, the 8-bit optimizer and FSDP2"}
 
 
 class Extra(str, Enum):
@@ -127,7 +133,8 @@ class Lever:
 
 
 # RunSpec fields whose option is `--name value` (the value as the CLI takes it)
-_VALUE_OPTIONS = ("checkpointing", "lora_rank", "fsdp", "quantization", "bnb_compute_dtype", "zero")
+_VALUE_OPTIONS = ("checkpointing", "lora_rank", "fsdp", "quantization", "bnb_compute_dtype", "zero", "pp",
+                  "micro_batches", "stage")
 
 
 def options_text(changes: dict) -> str:
@@ -270,7 +277,8 @@ class Evaluator:
         if self.base is None:
             return ""
         diff = {f: getattr(spec, f) for f in ("use_cache", "optimizer_impl", "checkpointing", "batch", "grad_accum",
-                                              "lora_rank", "fsdp", "optimizer", "quantization", "zero")
+                                              "lora_rank", "fsdp", "optimizer", "quantization", "zero", "pp",
+                                              "micro_batches", "stage")
                 if getattr(spec, f) != getattr(self.base, f)}
         if "batch" in diff or "grad_accum" in diff:
             diff.update(batch=spec.batch, grad_accum=spec.grad_accum)
@@ -298,8 +306,11 @@ class Evaluator:
         if self.base is not None:
             self.say(f"what makes it fit, trace {self.traces + 1}: {options}")
         try:
-            made = self.session.fresh(spec)  # not kept: only its outcome is
-            out = outcome(made.tables, made.num_layers, self.cuda)
+            if spec.pp is not None and spec.stage is None:  # the whole pipeline: its largest stage
+                out = pipeline_outcome(self.session, spec, self.cuda)
+            else:
+                made = self.session.fresh(spec)  # not kept: only its outcome is
+                out = outcome(made.tables, made.num_layers, self.cuda)
         except Exception as e:  # noqa: BLE001 - any failure of one lever's trace must not lose the report
             logging.getLogger(__name__).debug("the lever %s could not be traced", options, exc_info=True)
             first = str(e).strip().splitlines()[0] if str(e).strip() else "(no message)"
@@ -321,6 +332,9 @@ class _Search:
         return fits_budget(out, self.budget)
 
     def lever(self, family: str, on: RunSpec, changes: dict, rank: tuple[int, float], cost: str) -> Lever:
+        if on.pp is not None and on.stage is not None:  # --stage K: the lever sized on that stage alone
+            k = changes.get("stage", on.stage)  # a deeper pipeline's last stage for the last
+            cost += f" (stage {k} only, as --stage{'' if k == on.stage else f' {on.stage} of {on.pp}'})"
         try:
             out = self.ev(replace(on, **changes))
         except NotTraced as e:  # named by the lever's own options
@@ -360,10 +374,17 @@ def _optimizer_impl(s: _Search, on: RunSpec) -> list[Lever]:
 
 def _checkpointing(s: _Search, on: RunSpec) -> list[Lever]:
     """The checkpointing plans the planner's search traces (`planner.search_checkpointing`: selective, layers,
-    and the fewest every_n_layers that fits), when the run has no checkpointing and a layer stack."""
+    and the fewest every_n_layers that fits), when the run has no checkpointing and a layer stack. Under --pp:
+    `PP_CHECKPOINTING`, each decoder layer of every stage (transformers' policies need a `PreTrainedModel`,
+    which a stage is not: docs/pipelining.md)."""
     base = s.ev(on)
     if on.mode is not Mode.TRAIN or on.checkpointing.kind is not CheckpointingKind.NONE or not base.num_layers:
         return []
+    if on.pp is not None:
+        lv = s.lever("checkpointing", on, {"checkpointing": PP_CHECKPOINTING}, (2, 0.0), "")
+        return [replace(lv, rank=(2, lv.outcome.recompute_overhead),
+                        cost=f"recompute: {100 * lv.outcome.recompute_overhead:.1f}% more FLOPs in the backward, "
+                             "each decoder layer of every stage checkpointed" + lv.cost)]
     seen: dict[str, Outcome] = {"none": base}
 
     def evaluate(policy: str) -> Outcome:
@@ -383,6 +404,8 @@ def _micro_batch(s: _Search, on: RunSpec) -> list[Lever]:
     batch (the peak grows with b, so the divisors are bisected); the smallest (b = 1) when none fits."""
     if on.mode is not Mode.TRAIN or on.step is not None or on.batch <= 1:
         return []
+    if on.pp is not None:
+        return _pp_micro_batches(s, on)
     divisors = [b for b in range(1, on.batch) if on.batch % b == 0]
 
     def lever(b: int) -> Lever:
@@ -400,6 +423,23 @@ def _micro_batch(s: _Search, on: RunSpec) -> list[Lever]:
         else:
             hi = mid - 1
     return [best or lever(1)]
+
+
+def _pp_micro_batches(s: _Search, on: RunSpec) -> list[Lever]:
+    """Under --pp: more micro-batches per pipeline step (`--micro-batches`), each of fewer rows, the batch of one
+    `schedule.step` kept (--grad-accum does not compose with --pp: the micro-batches are its accumulation). M
+    doubled while it divides the batch, each traced in order until one fits; the largest when none does."""
+    m = on.pp_micro_batches
+    found = None
+    while on.batch % (2 * m) == 0:
+        m *= 2
+        found = s.lever("micro_batch", on, {"micro_batches": m}, (3, float(m)),
+                        f"throughput: {m} micro-batches of {on.batch // m} rows per pipeline step instead of "
+                        f"{on.pp_micro_batches} of {on.batch // on.pp_micro_batches} (the same batch {on.batch} per "
+                        "schedule.step, smaller micro-batches: less of each in flight, lower GPU utilisation)")
+        if found.fits:
+            break
+    return [found] if found is not None else []
 
 
 def _lora(s: _Search, on: RunSpec) -> list[Lever]:
@@ -477,34 +517,111 @@ def _zero_stage(s: _Search, on: RunSpec) -> list[Lever]:
     return [found]
 
 
+def pipeline_depth(spec: RunSpec, depth: int, num_layers: int, stage: int | None = None) -> RunSpec | None:
+    """`spec` (a --pp run without --pp-split) at pipeline depth `depth` (`pp`), its stage `stage`, or None when
+    `depth` is no valid depth for it (pp_options.py `check_pipeline`): more stages than the `num_layers` decoder
+    layers, or a batch that does not split into the micro-batches. The micro-batches M: the run's `--micro-batches`
+    when given and valid; 1F1B needs M >= depth (torch's `Schedule1F1B.__init__`), so a given M below the depth
+    becomes the depth; M defaulted (None: M = P) follows the depth. The even split of the depth (no --pp-split)."""
+    from .choices import PipelineSchedule
+
+    if depth > num_layers:
+        return None
+    m = spec.micro_batches
+    if m is not None and spec.pp_schedule is PipelineSchedule.ONE_F_ONE_B and m < depth:
+        m = depth
+    if spec.batch % (m or depth):
+        return None
+    return replace(spec, pp=depth, micro_batches=m, stage=stage)
+
+
+def pipeline_outcome(session: TraceSession, spec: RunSpec, cuda: bool) -> Outcome:
+    """The `tables.Outcome` of the pipeline `spec` (a --pp spec; `stage` None: every distinct stage traced,
+    pp_stages.py `stage_traces`, not kept): its largest stage's on the verdict's basis (`search.compared_bytes`:
+    peak reserved on a CUDA target), so that it fits the budget exactly when every stage does. With `spec.stage`:
+    that stage's."""
+    from .pp_stages import stage_traces
+    from .tables import outcome
+
+    found = [outcome(t.tables, t.num_layers, cuda) for t in stage_traces(session, spec, keep=False).values()]
+    return max(found, key=lambda o: (compared_bytes(o), o.peak_allocated_bytes))
+
+
+def _pipeline_depth(s: _Search, on: RunSpec) -> list[Lever]:
+    """A deeper pipeline (`--pp`), only for a --pp run without --pp-split (its P is the hardware the user has;
+    a split fixes the depth): the smallest depth P' in P + 1 .. 2P (at most twice the GPUs; `vramtrace fit --pp`
+    searches every depth) that fits, each traced in order with the candidate rules of the fit axis
+    (`pipeline_depth`: at most the decoder layers, the batch split into its micro-batches); the deepest traced
+    when none fits. With --stage K, stage K of the deeper pipeline, the last stage's as the last (P' - 1)."""
+    if on.pp is None or on.pp_split is not None:
+        return []
+    layers = s.ev(on).num_layers
+    found = None
+    for depth in range(on.pp + 1, 2 * on.pp + 1):
+        # --stage K: the same stage of the deeper pipeline (the last stays the last: it holds the head and the loss)
+        stage = depth - 1 if on.stage == on.pp - 1 else on.stage
+        deeper = pipeline_depth(on, depth, layers, stage)
+        if deeper is None:
+            continue
+        changes = {"pp": depth}
+        if deeper.micro_batches != on.micro_batches:
+            changes["micro_batches"] = deeper.micro_batches
+        if stage != on.stage:
+            changes["stage"] = stage
+        found = s.lever("pp", on, changes, (5, float(depth)),
+                        f"hardware: {depth} pipeline stages ({depth} GPUs) instead of {on.pp}, "
+                        f"{deeper.pp_micro_batches} micro-batches, the layers split evenly")
+        if found.fits:
+            break
+    return [found] if found is not None else []
+
+
+def whole_pipeline(ev: Evaluator, spec: RunSpec) -> RunSpec:
+    """The spec whose levers a --pp report lists when the user did not pass --stage: `spec` (the reported stage's)
+    with `stage` None, seeded into `ev` with its largest stage's outcome (`pipeline_outcome`'s basis) from the stage
+    outcomes `ev` holds (the report's own traces: every distinct stage), so that it is not traced again."""
+    whole = replace(spec, stage=None)
+    stages = [o for t, o in ev.cache.items() if isinstance(o, Outcome) and t.pp is not None and t.stage is not None
+              and replace(t, stage=None) == whole]
+    if stages:
+        ev.seed(whole, max(stages, key=lambda o: (compared_bytes(o), o.peak_allocated_bytes)))
+    return whole
+
+
 # the families a --zero run tries (the others change what DeepSpeed runs: LoRA, quantization, FSDP2, the optimizer)
 ZERO_FAMILIES = ("use_cache", "checkpointing", "micro_batch", "zero")
+# the families a --pp run tries, each on the whole pipeline (every stage; --stage K: that stage): --pp does not
+# compose with LoRA, quantization or FSDP2 yet, and bitsandbytes' optimizers are not traced on a stage
+PP_FAMILIES = ("use_cache", "optimizer_impl", "checkpointing", "micro_batch", "pp")
+PP_CHECKPOINTING = "modules:layers.*"  # each decoder layer of a stage (docs/pipelining.md)
 
 FAMILIES: tuple[tuple[str, Callable[[_Search, RunSpec], list[Lever]]], ...] = (
     ("use_cache", _use_cache), ("optimizer_impl", _optimizer_impl), ("optimizer_8bit", _optimizer_8bit),
     ("checkpointing", _checkpointing), ("micro_batch", _micro_batch), ("lora", _lora), ("qlora", _qlora),
-    ("fsdp", _sharding), ("zero", _zero_stage),
+    ("fsdp", _sharding), ("zero", _zero_stage), ("pp", _pipeline_depth),
 )
 
 
-# under --pp the spec is the reported stage's (`spec.stage`, the largest): a lever traced on it alone may "fit"
-# while another stage does not, so no lever is traced (one skipped row says why)
-PP_NOT_TRACED = "levers under --pp are not traced per stage yet (each would size only the reported stage)"
+# under --pp, the families not in PP_FAMILIES (one skipped row says why)
+PP_NOT_TRACED = ("not traced under --pp yet: --pp does not compose with --lora-rank, --quantization or --fsdp yet, "
+                 "and bitsandbytes' 8-bit optimizers are not traced on a pipeline stage")
 
 
 def find_levers(spec: RunSpec, ev: Evaluator, budget_bytes: int) -> LeversSummary:
-    """The levers of `spec` (resolved: precision set) against `budget_bytes` (on `search.compared_bytes`'s basis),
+    """The levers of `spec` (resolved: precision set; a --pp spec with `stage` None sizes the whole pipeline, its
+    largest stage: `pipeline_outcome`, `whole_pipeline`) against `budget_bytes` (on `search.compared_bytes`'s basis),
     as the report's `levers` section: the levers ranked (`Lever.row`), the combination (`_combine`), the traces
-    made, the families skipped (`NotTraced.row`: an extra missing, its trace failed; every family under --pp) and the
+    made, the families skipped (`NotTraced.row`: an extra missing, its trace failed; those not traced under --pp) and the
     outcomes found in the disk cache (`LeverDiskCache`). Levers that save nothing are left out."""
     s = _Search(spec, ev, budget_bytes)
     base_bytes = compared_bytes(s.base)
     found: list[Lever] = []
     skipped: list[SkippedLever] = []
     if spec.pp is not None:
-        skipped.append(NotTraced(SkipReason.NOT_MODELLED, "--pp", PP_NOT_TRACED).row("pp"))
-    for name, family in FAMILIES if spec.pp is None else ():
-        if spec.zero is not None and name not in ZERO_FAMILIES:
+        skipped.append(NotTraced(SkipReason.NOT_MODELLED, "--lora-rank, --quantization, --optimizer adamw-8bit, "
+                                 "--fsdp", PP_NOT_TRACED).row("not_under_pp"))
+    for name, family in FAMILIES:
+        if (spec.zero is not None and name not in ZERO_FAMILIES) or (spec.pp is not None and name not in PP_FAMILIES):
             continue
         try:
             found += [lv for lv in family(s, spec) if compared_bytes(lv.outcome) < base_bytes]

@@ -205,7 +205,7 @@ class Analysed:
 def _levers(done: Analysed) -> LeversSummary:
     """The report's `levers` (`levers.find_levers`) of a run that does not fit, against the capacity less the CUDA
     context, seeded with the traces the report made (not traced again)."""
-    from .levers import Evaluator, find_levers
+    from .levers import Evaluator, find_levers, whole_pipeline
 
     cuda = done.spec.device is Device.CUDA
     ev = Evaluator(done.session, cuda)
@@ -213,8 +213,11 @@ def _levers(done: Analysed) -> LeversSummary:
         ev.seed(traced_spec, found)
         if traced_spec != done.spec:  # the use_cache false variant: for the next run's report too
             ev.disk.put(traced_spec, found)
+    spec = done.spec
+    if spec.pp is not None and done.session.spec.stage is None:  # no --stage: the levers size every stage
+        spec = whole_pipeline(ev, spec)
     fit = done.report.fit
-    return find_levers(done.spec, ev, fit.capacity_bytes - (fit.cuda_context_bytes or 0))
+    return find_levers(spec, ev, fit.capacity_bytes - (fit.cuda_context_bytes or 0))
 
 
 def _use_cache_false_peak(session: TraceSession, spec: RunSpec) -> int:

@@ -80,3 +80,24 @@ def pipeline_summary(session, spec: RunSpec, loaded) -> PipelineInfo:
     m = spec.pp_micro_batches
     return PipelineInfo(stages=spec.pp, schedule=spec.pp_schedule, micro_batches=m, micro_batch_rows=spec.batch // m,
                         split=split, stage=spec.stage, stage_peaks=tuple(sorted(rows, key=lambda r: r.stage)))
+
+
+def stage_traces(session, spec: RunSpec, keep: bool = True) -> dict[int, object]:
+    """Every distinct stage of the pipeline `spec` (`stage` None; `spec.stage`'s only when given) built and traced
+    by `trace_stages`: {stage k: its `search.Trace`} for the stage traced for each class. Kept in `session.traces`
+    (under `replace(spec, stage=k)`) when `keep`, else taken out again (a lever keeps only its outcome); the heap
+    refrozen after, also when a trace raises. Used by `vramtrace fit`'s pp axis and the levers under --pp
+    (fit.py, levers.py), which size the whole pipeline: it fits when its largest stage does."""
+    before = set(session.traces)
+    try:
+        loaded = session.load(spec)
+        trace_stages(session, spec, loaded)
+    finally:
+        session.heap.refreeze()
+    made = {k: replace(spec, stage=k) for k in ((spec.stage,) if spec.stage is not None else range(spec.pp))}
+    found = {k: session.traces[s] for k, s in made.items() if s in session.traces}
+    if not keep:
+        for s in made.values():
+            if s not in before:
+                session.traces.pop(s, None)
+    return found

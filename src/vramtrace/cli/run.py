@@ -77,14 +77,18 @@ def main_command(
 def _fit_axis(ctx: typer.Context, opts: SimpleNamespace) -> str:
     """`vramtrace fit`'s search axis from the options given on the command line (click's parameter source): the
     batch at a given --seq (or with neither, for models without a sequence), the sequence at a given --batch, the
-    fewest FSDP ranks at both; "sweep" with --sweep. Raises UsageError for --sweep with either."""
+    fewest FSDP ranks at both (with --zero: the smallest ZeRO stage; with --pp: the smallest pipeline depth); "sweep"
+    with --sweep. Raises UsageError for --sweep with either."""
     def given(name: str) -> bool:
         # click's ParameterSource enum, by member name: typer >= 0.2x vendors click in a private module
         return getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"
 
     has_seq, has_batch = given("seq"), given("batch")
     if opts.pp is not None:
-        raise UsageError("`vramtrace fit` with --pp is not supported yet; run the pipeline with --batch and --seq")
+        if opts.sweep_grid is not None or not (has_seq and has_batch):
+            raise UsageError("`vramtrace fit --pp P` searches the smallest pipeline depth from P that fits at a "
+                             "given --batch and --seq: give both (and no --sweep)")
+        return "pp"  # both sizes fixed, --pp given: the smallest pipeline depth that fits
     if opts.sweep_grid is not None:
         if has_seq or has_batch:
             raise UsageError("--sweep gives the batches and sequences itself; drop --batch and --seq")

@@ -8,14 +8,16 @@ from rich.table import Table
 
 from ..units import format_bytes
 
-_AXIS = {"batch": "micro-batch", "seq": "sequence length", "fsdp": "FSDP ranks (GPUs)", "zero": "ZeRO stage"}
+_AXIS = {"batch": "micro-batch", "seq": "sequence length", "fsdp": "FSDP ranks (GPUs)", "zero": "ZeRO stage",
+         "pp": "pipeline depth (stages)"}
 
 
 def render_fit(result, console: Console, model: str, target: str) -> None:
     """Print the answer, the first size that does not fit, how it was found, and the curve."""
     r = result
     other = (f" at seq {r.fixed}" if r.axis == "batch" and r.fixed else f" at batch {r.fixed}" if r.axis == "seq"
-             else f" at per-rank batch {r.fixed}" if r.axis in ("fsdp", "zero") else "")
+             else f" at per-rank batch {r.fixed}" if r.axis in ("fsdp", "zero")
+             else f" at batch {r.fixed} per pipeline step" if r.axis == "pp" else "")
     budget = (f"{format_bytes(r.budget_bytes)} of {format_bytes(r.capacity_bytes)}" if r.budget_bytes != r.capacity_bytes
               else format_bytes(r.capacity_bytes))
     console.print(f"[bold]{escape(model)}[/] on {escape(target)} ({budget}){other}")
@@ -24,6 +26,8 @@ def render_fit(result, console: Console, model: str, target: str) -> None:
         _render_ranks(r, console, basis)
     elif r.axis == "zero":
         _render_stage(r, console)
+    elif r.axis == "pp":
+        _render_depth(r, console)
     elif r.best is None:
         console.print(f"[bold red]Does not fit even at {_AXIS[r.axis]} {r.next.x}[/]: {_why_not(r, r.next)}")
     else:
@@ -105,6 +109,19 @@ def _render_stage(r, console: Console) -> None:
     console.print(f"Smallest ZeRO stage that fits (--zero): [bold magenta]{r.best.x}[/] (per rank, {_why(r, r.best)})")
     if r.next is not None:
         console.print(f"ZeRO-{r.next.x} does not fit: per rank, {_why_not(r, r.next)}")
+
+
+def _render_depth(r, console: Console) -> None:
+    """The smallest pipeline depth that fits (its largest stage), and the depth below it that does not."""
+    if r.best is None:
+        console.print(f"[bold red]Does not fit even with --pp {r.next.x}[/]: its largest stage, "
+                      f"{_why_not(r, r.next)}")
+        console.print(f"[dim]depths searched up to the model's {r.limit} decoder layers (a stage each at most)[/]")
+        return
+    console.print(f"Smallest pipeline depth that fits (--pp): [bold magenta]{r.best.x}[/] (its largest stage, "
+                  f"{_why(r, r.best)})")
+    if r.next is not None:
+        console.print(f"--pp {r.next.x} does not fit: its largest stage, {_why_not(r, r.next)}")
 
 
 def _peak(p) -> int:

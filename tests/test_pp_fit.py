@@ -1,0 +1,123 @@
+"""Pipeline parallelism in "what makes it fit": `vramtrace fit --pp` (the smallest pipeline depth that fits, fit.py
+`_fit_depth`) and the levers of a --pp run (levers.py: a deeper pipeline, more micro-batches). Every figure is
+checked against a separate `analyze()` of the changed run (whose per-stage peaks tests/test_pipelining.py checks
+against real gloo ranks), and against the budget it was searched for."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import FIXTURES, deep_config, run_cli
+from vramtrace import RunSpec, analyze
+from vramtrace.errors import UsageError
+from vramtrace.fit import fit
+
+LLAMA = str(FIXTURES / "tiny-llama-gqa.json")
+BUDGET = 3 << 20  # between the 4-layer tiny Llama's largest stage at --pp 2 (3.5 MiB) and at --pp 4 (2.5 MiB)
+
+
+def test_fit_finds_the_smallest_pipeline_depth_whose_largest_stage_fits(capsys, tmp_path):
+    model = deep_config(tmp_path, "tiny-llama-gqa", 4)
+    out = tmp_path / "fit.json"
+    r = run_cli(capsys, "fit", model, "--batch", "8", "--seq", "16", "--device", "cpu", "--precision", "fp32",
+                "--pp", "2", "--pp-schedule", "gpipe", "--gpu-memory", "3MiB", "--json", out)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert result["axis"] == "pp" and result["budget_bytes"] == BUDGET
+    # --pp 3 is no depth for batch 8 (M follows P: 8 rows do not split into 3 micro-batches), so 2 then 4
+    assert [p["x"] for p in result["curve"]] == [2, 4] and "skipped --pp 3" in result["method"]
+    assert (result["best"]["x"], result["next"]["x"]) == (4, 2)
+    assert "Smallest pipeline depth that fits (--pp): 4" in " ".join(r.stdout.split())
+    # each point is the largest stage of the report of the same run, traced on its own
+    for p in result["curve"]:
+        report = analyze(RunSpec(model, batch=8, seq=16, device="cpu", precision="fp32", pp=p["x"],
+                                 pp_schedule="gpipe"))
+        assert p["peak_allocated_bytes"] == report.peak_allocated_bytes == max(
+            s.peak_bytes for s in report.run.pp.stage_peaks)
+        assert p["exact"] and p["fits"] == (report.peak_allocated_bytes <= BUDGET)
+    assert result["best"]["peak_allocated_bytes"] <= BUDGET < result["next"]["peak_allocated_bytes"]
+
+
+def test_fit_pp_needs_the_batch_and_the_sequence(capsys):
+    r = run_cli(capsys, "fit", LLAMA, "--seq", "8", "--device", "cpu", "--gpu-memory", "3MiB", "--pp", "2")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "Error: `vramtrace fit --pp P` searches the smallest pipeline depth from P that fits at a given --batch and "
+        "--seq: give both (and no --sweep)"]
+
+
+def test_fit_pp_axis_needs_a_pipeline_and_a_pipeline_only_the_pp_axis():
+    with pytest.raises(UsageError, match="give --pp P"):
+        fit(RunSpec(LLAMA, batch=2, seq=8, device="cpu", gpu_memory_bytes=1 << 30), "pp")
+    with pytest.raises(UsageError, match="with --pp, fit searches the depth"):
+        fit(RunSpec(LLAMA, batch=2, seq=8, device="cpu", gpu_memory_bytes=1 << 30, pp=2), "batch")
+
+
+def _levers(capsys, tmp_path, model, *extra) -> dict:
+    out = tmp_path / "r.json"
+    r = run_cli(capsys, model, "--batch", "8", "--seq", "16", "--device", "cpu", "--precision", "fp32", "--pp", "2",
+                "--gpu-memory", "3MiB", "--json", out, *extra)
+    assert r.returncode == 0, r.stderr
+    return json.loads(out.read_text())
+
+
+def test_levers_under_pp_size_the_whole_pipeline(capsys, tmp_path):
+    """A 1F1B pipeline of 2 stages that does not fit: more micro-batches (the same batch per schedule.step) and a
+    deeper pipeline, each lever's figure that of the whole changed pipeline (its largest stage), as a separate
+    analyze() of the changed run reports it."""
+    model = deep_config(tmp_path, "tiny-llama-gqa", 4)
+    report = _levers(capsys, tmp_path, model)
+    levers = report["levers"]
+    assert levers["base_bytes"] == report["peak_allocated_bytes"] > BUDGET
+    rows = {lv["family"]: lv for lv in levers["levers"]}
+    assert {"micro_batch", "pp"} <= set(rows) <= {"use_cache", "optimizer_impl", "checkpointing", "micro_batch", "pp"}
+    base = dict(batch=8, seq=16, device="cpu", precision="fp32", pp=2)
+    # the first doubling of M = P = 2 that fits; --pp 3 is no depth for batch 8 (M follows P), so --pp 4
+    for family, options, spec in (("micro_batch", "--micro-batches 4", RunSpec(model, **{**base, "micro_batches": 4})),
+                                  ("pp", "--pp 4", RunSpec(model, **{**base, "pp": 4}))):
+        row, expected = rows[family], analyze(spec)
+        assert row["options"] == options
+        assert row["peak_allocated_bytes"] == expected.peak_allocated_bytes == max(
+            s.peak_bytes for s in expected.run.pp.stage_peaks)
+        assert row["fits"] == (row["peak_allocated_bytes"] <= BUDGET) and row["fits"]
+    assert [s["family"] for s in levers["skipped"]] == ["not_under_pp"]
+
+
+def test_levers_under_pp_with_a_stage_size_that_stage(capsys, tmp_path):
+    """--stage K: each lever sized on that stage alone, and says so; a deeper pipeline's figure is its last stage's
+    when K is the last (the stage with the head and the loss)."""
+    model = deep_config(tmp_path, "tiny-llama-gqa", 4)
+    report = _levers(capsys, tmp_path, model, "--stage", "1", "--pp-schedule", "gpipe")
+    rows = {lv["family"]: lv for lv in report["levers"]["levers"]}
+    assert "checkpointing" in rows and all(
+        lv["cost"].endswith("(stage 1 only, as --stage)") for f, lv in rows.items() if f != "pp")
+    assert rows["pp"]["cost"].endswith("(stage 3 only, as --stage 1 of 2)")
+    deeper = analyze(RunSpec(model, batch=8, seq=16, device="cpu", precision="fp32", pp=4, pp_schedule="gpipe",
+                             stage=3))
+    assert rows["pp"]["options"] == "--pp 4 --stage 3"
+    assert rows["pp"]["peak_allocated_bytes"] == deeper.peak_allocated_bytes
+
+
+def test_fit_pp_with_a_stage_sizes_every_stage():
+    """The pipeline fits only when all its stages do: --stage is dropped, and the method says so."""
+    spec = RunSpec(LLAMA, batch=4, seq=8, device="cpu", precision="fp32", pp=2, stage=0, gpu_memory_bytes=1 << 30)
+    result = fit(spec, "pp")
+    assert "--stage dropped: every stage sized" in result.method
+    assert (result.best.x, result.next, result.traces) == (2, None, 2)
+    whole = analyze(RunSpec(LLAMA, batch=4, seq=8, device="cpu", precision="fp32", pp=2))
+    assert result.best.peak_allocated_bytes == whole.peak_allocated_bytes == max(
+        s.peak_bytes for s in whole.run.pp.stage_peaks)
+
+
+def test_fit_pp_when_no_depth_fits_names_the_deepest_and_the_layer_limit(capsys, tmp_path):
+    """2 decoder layers: no deeper pipeline than 2 stages; 1 MiB is below its largest stage (1.6 MiB)."""
+    out = tmp_path / "fit.json"
+    r = run_cli(capsys, "fit", LLAMA, "--batch", "4", "--seq", "8", "--device", "cpu", "--precision", "fp32",
+                "--pp", "2", "--gpu-memory", "1MiB", "--json", out)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert result["best"] is None and result["next"]["x"] == result["limit"] == 2
+    assert result["next"]["peak_allocated_bytes"] > result["budget_bytes"] == 1 << 20
+    text = " ".join(r.stdout.split())
+    assert "Does not fit even with --pp 2" in text and "up to the model's 2 decoder layers" in text
