@@ -184,9 +184,14 @@ def check_model(model: torch.nn.Module) -> None:
 def cut(model: torch.nn.Module, split: tuple[int, ...], k: int, keep: int | None = None) -> StageModule:
     """Stage `k` of `model` under `split`, deep-copied (its own parameters: a tied head gets its own copy); with
     `keep`, only the stage's first `keep` layers (a copy to trace and replicate, `stage_plan`)."""
+    return copy.deepcopy(_stage_module(model, split, k, keep))
+
+
+def _stage_module(model: torch.nn.Module, split: tuple[int, ...], k: int, keep: int | None = None) -> StageModule:
+    """Stage `k` of `model` under `split`, its modules `model`'s own (not copied)."""
     bounds = list(itertools.accumulate(split, initial=0))
     hi = bounds[k + 1] if keep is None else min(bounds[k + 1], bounds[k] + keep)
-    return copy.deepcopy(StageModule(model, bounds[k], hi, k == 0, k == len(split) - 1))
+    return StageModule(model, bounds[k], hi, k == 0, k == len(split) - 1)
 
 
 def stage_plan(spec: RunSpec, loaded):
@@ -209,11 +214,14 @@ def stage_plan(spec: RunSpec, loaded):
 def cut_rank(spec: RunSpec, model: torch.nn.Module, split: tuple[int, ...], keep: int | None = None
              ) -> StageModule | RankModule:
     """What rank `spec.stage` (0 when None) holds: its stage (`cut`), or under interleaved-1f1b a RankModule of
-    its `rank_stages`."""
+    its `rank_stages`, deep-copied together: the modules its stages share stay one (a Llama's `rotary_emb`, whose
+    `inv_freq` buffers the rank then holds once, as a user who cuts the rank's stages from one model does:
+    tests/pp_oracle.py `_build`)."""
     k = spec.stage or 0
     if spec.pp_virtual_stages == 1:
         return cut(model, split, k, keep)
-    return RankModule([cut(model, split, s) for s in rank_stages(k, spec.pp, spec.pp_virtual_stages)])
+    return copy.deepcopy(RankModule([_stage_module(model, split, s)
+                                     for s in rank_stages(k, spec.pp, spec.pp_virtual_stages)]))
 
 
 def stage_parameter_bytes(spec: RunSpec, model: torch.nn.Module) -> dict[str, int]:
