@@ -56,3 +56,35 @@ def test_each_stage_matches_a_real_gloo_pipeline(tmp_path, case):
         assert_within(peaks[k].peak_bytes, measured["peak_bytes"], 0.005, f"stage {k}", measured, peaks[k])
         assert peaks[k].at == measured["at"], (k, measured, peaks[k])
     assert report.peak_allocated_bytes == max(p.peak_bytes for p in peaks)
+
+
+# interleaved-1f1b (ScheduleInterleaved1F1B, V = 2 stages per rank, rank r holding stages r and r + P): (fixture
+# config, ranks P, decoder layers of each of the P × V stages, micro-batches M, precision); figures per rank
+INTERLEAVED_CASES = {
+    "llama-interleaved-2-fp32": ("tiny-llama-gqa", 2, (1, 1, 1, 1), 4, "fp32"),
+    "gpt2-interleaved-2-m8-bf16-mixed": ("tiny-gpt2", 2, (1, 1, 1, 1), 8, "bf16-mixed"),
+    "llama-interleaved-3-uneven-bf16-mixed": ("tiny-llama-gqa", 3, (2, 1, 0, 1, 1, 1), 6, "bf16-mixed"),
+}
+
+
+@pytest.mark.parametrize("case", list(INTERLEAVED_CASES))
+def test_each_interleaved_rank_matches_a_real_gloo_pipeline(tmp_path, case):
+    """Under interleaved-1f1b each rank's predicted peak (`stage_peaks[r]`, `holds` its stages) equals the real
+    rank's (all its stages together, one AdamW over their parameters) within 0.5%, in the same micro-step of the
+    same stage ('B<i>@<k>'); the report's peak is the largest rank's."""
+    config, pp, split, micro_batches, precision = INTERLEAVED_CASES[case]
+    path = deep_config(tmp_path, config, sum(split))
+    batch = BATCH if BATCH % micro_batches == 0 else micro_batches * 2  # M = 6: 12 rows, 2 per micro-batch
+    real = measure_pp_peaks(path, pp=pp, schedule="interleaved-1f1b", split=split, micro_batches=micro_batches,
+                            batch=batch, seq=SEQ, precision=precision, virtual_stages=2)
+    report = analyze(RunSpec(path, batch=batch, seq=SEQ, device="cpu", precision=precision, pp=pp,
+                             pp_schedule="interleaved-1f1b", micro_batches=micro_batches, pp_split=split))
+    info = report.run.pp
+    assert (info.stages, info.virtual_stages, info.split) == (pp, 2, split)
+    peaks = info.stage_peaks
+    assert [(p.stage, p.holds) for p in peaks] == [(r, (r, r + pp)) for r in range(pp)]
+    for r, measured in enumerate(real):
+        assert list(peaks[r].holds) == measured["stages"]
+        assert_within(peaks[r].peak_bytes, measured["peak_bytes"], 0.005, f"rank {r}", measured, peaks[r])
+        assert peaks[r].at == measured["at"], (r, measured, peaks[r])
+    assert report.peak_allocated_bytes == max(p.peak_bytes for p in peaks)
