@@ -219,6 +219,25 @@ def test_the_cli_prints_one_line_per_stage(capsys, real_1f1b_3_301):
     assert f"({last.peak_bytes:,} bytes)" in out
 
 
+def test_the_cli_traces_one_interleaved_rank_with_stage(capsys, tmp_path):
+    """--stage K under interleaved-1f1b is rank K with all its stages: one line for it, its peak the real gloo
+    run's (docs/research/issue-42-pipelining.md section 4, tests/pp_oracle.py: tiny Llama of 4 layers, P = 2,
+    M = 4, split 1,1,1,1, rank 1 holding stages 1 and 3: 4267940 B in micro-batch 3's backward on stage 3)."""
+    config = deep_config(tmp_path, "tiny-llama-gqa", 4)
+    out = tmp_path / "r.json"
+    r = run_cli(capsys, config, "--batch", "8", "--seq", "32", "--device", "cpu", "--precision", "fp32", "--pp", "2",
+                "--pp-schedule", "interleaved-1f1b", "--virtual-stages", "2", "--pp-split", "1,1,1,1",
+                "--micro-batches", "4", "--stage", "1", "--no-levers", "--json", out)
+    assert r.returncode == 0, r.stderr
+    text = " ".join(line.strip("│ ") for line in r.stdout.splitlines())
+    assert "interleaved-1f1b over 2 ranks of 2 stages, 4 micro-batches of 2 rows, split 1,1,1,1; rank 1 shown" in text
+    assert f"rank 1 (stages 1,3)  {format_bytes(4267940)} at B3@3" in text and "rank 0 " not in text
+    assert "(4,267,940 bytes)" in text
+    pp = json.loads(out.read_text())["run"]["pp"]
+    assert (pp["virtual_stages"], pp["stage"], pp["split"]) == (2, 1, [1, 1, 1, 1])
+    assert [(s["stage"], s["holds"], s["peak_bytes"]) for s in pp["stage_peaks"]] == [(1, [1, 3], 4267940)]
+
+
 def test_fit_with_pp_is_refused_in_one_line(capsys):
     r = run_cli(capsys, "fit", LLAMA, "--seq", "8", "--device", "cpu", "--gpu-memory", "3MiB", "--pp", "2")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [

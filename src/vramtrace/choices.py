@@ -293,7 +293,7 @@ class PipelineSchedule(_Choice):
     """The `torch.distributed.pipelining` schedule of a `--pp` run (`--pp-schedule`): `ScheduleGPipe` (every
     micro-batch's forward, then every backward), `Schedule1F1B` (stage k warms up min(M, P - k) forwards, then
     alternates), `ScheduleInterleaved1F1B` (several stages per rank, `--virtual-stages`) and the zero-bubble
-    schedules (torch/distributed/pipelining/schedules.py). Traced: gpipe and 1f1b."""
+    schedules (torch/distributed/pipelining/schedules.py). Traced: gpipe, 1f1b and interleaved-1f1b."""
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"

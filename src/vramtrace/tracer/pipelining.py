@@ -21,8 +21,15 @@ rules apply unchanged. The bridges `PIPELINE_P2P` (a completed stand-in Work hol
 Work does) and `PIPELINE_STATIC_VOTE` (the warm-up vote's answer when every stage was given its metadata) let the
 schedule run on meta with the fake group; `PIPELINE_MICRO_STEPS` labels each forward and backward micro-step.
 
+Interleaved 1F1B (`ScheduleInterleaved1F1B`, V = `spec.pp_virtual_stages` stages per rank): the model is cut into
+P × V stages and rank r holds stages r, r + P, ... (`rank_stages`), each a static `PipelineStage` as above, cut
+from one copy of the model (`cut_rank`: a `RankModule`, whose stages share what the model shares, the rotary
+module); the schedule is given the list of them, and the rank has one optimizer over all their parameters. A
+rank is then what is traced and reported (`spec.stage` names the rank).
+
 Checked against real multi-process gloo runs (docs/research/issue-42-pipelining.md: every stage's peak to the
-byte, fp32, GPipe and 1F1B, P = 2..4, uneven splits and a 0-layer stage).
+byte, fp32, GPipe and 1F1B, P = 2..4, uneven splits and a 0-layer stage; interleaved-1f1b every rank to the byte
+for Llama, P = 2 and 3; tests/test_pipelining.py).
 """
 
 from __future__ import annotations
