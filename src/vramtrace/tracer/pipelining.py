@@ -157,6 +157,12 @@ class RankModule(torch.nn.Module):
         self.stages = torch.nn.ModuleList(stages)
 
     @property
+    def forward_roots(self) -> tuple[StageModule, ...]:
+        """The modules whose forward is the rank's forward (tracer/hooks.py `module_hooks`: ops inside them are
+        the forward phase, what they save for backward activations): its stages."""
+        return tuple(self.stages)
+
+    @property
     def layer_stack(self) -> torch.nn.ModuleList:
         """Every decoder layer of the rank's stages, in stage order (not registered twice: a fresh list)."""
         return torch.nn.ModuleList([layer for sub in self.stages for layer in sub.layers])
