@@ -72,7 +72,9 @@ def test_interleaved_stages_are_placed_in_a_loop_and_split_over_p_times_v():
     ({"pp": 2, "pp_schedule": "dualpipe"}, "unknown pp_schedule 'dualpipe'"),
     ({"pp": 2, "virtual_stages": 2}, "virtual_stages applies to pp_schedule interleaved-1f1b .* drop virtual_stag"),
     ({"pp": 2, "pp_schedule": "gpipe", "virtual_stages": 2}, "gpipe runs one stage per rank"),
-    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 1}, "virtual_stages must be an integer of "
+    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 1}, "virtual_stages 1 is one stage per rank, "
+                                                                         "what pp_schedule 1f1b runs"),
+    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 0}, "virtual_stages must be an integer of "
                                                                          "at least 2"),
     # the split names the P × V stages under interleaved-1f1b (V = 2 by default)
     ({"pp": 2, "pp_schedule": "interleaved-1f1b", "pp_split": "1,1"}, r"names 2 stages; pp 2 × 2 virtual stages "

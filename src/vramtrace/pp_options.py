@@ -49,6 +49,9 @@ def check_pipeline(spec, bad: Callable) -> None:
     object.__setattr__(spec, "pp_schedule", PipelineSchedule.parse(spec.pp_schedule, "{pp_schedule}"))
     _positive(spec, "pp", bad, 2)
     _positive(spec, "micro_batches", bad)
+    if spec.virtual_stages == 1 and not isinstance(spec.virtual_stages, bool):
+        raise bad("{virtual_stages} 1 is one stage per rank, what {pp_schedule} 1f1b runs: use it, or give "
+                  "{virtual_stages} 2 or more")
     _positive(spec, "virtual_stages", bad, 2)
     interleaved = spec.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B
     if spec.virtual_stages is not None and spec.pp is not None and not interleaved:
