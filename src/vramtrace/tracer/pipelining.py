@@ -93,7 +93,7 @@ def distinct_stages(split: tuple[int, ...], schedule: PipelineSchedule, micro_ba
     Under interleaved-1f1b (`ranks` P, `split` the P × V stages' layers) the groups are of ranks, each alone: rank
     r warms up (V - 1) × M / rounds + 2 (P - 1 - r) forwards (`_get_warmup_ops`), a count of its own, and holds
     its own stages."""
-    if schedule is PipelineSchedule.INTERLEAVED_1F1B:
+    if schedule.multi_stage:
         return [(r,) for r in range(ranks)]
     if schedule is PipelineSchedule.GPIPE:
         return stage_classes(split)
@@ -214,8 +214,8 @@ def stage_plan(spec: RunSpec, loaded):
     the replication's one stack does not describe: every layer is traced."""
     from .replication import TRACED_LAYERS, LayerPlan
 
-    if spec.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B:
-        return None, "traced every layer of the rank's stages (interleaved-1f1b: several layer stacks per rank)"
+    if spec.pp_schedule.multi_stage:
+        return None, f"traced every layer of the rank's stages ({spec.pp_schedule.value}: a layer stack per stage)"
     n = stage_split(spec, loaded.num_layers)[spec.stage or 0]
     if not spec.replicate_layers or n <= TRACED_LAYERS:
         return None, "traced every layer of the stage"
@@ -290,12 +290,15 @@ class StageTrace:
 
 def schedule_class(schedule: PipelineSchedule):
     """The torch schedule class of `schedule`. Raises UsageError for a schedule not modelled yet."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble)
 
     classes = {PipelineSchedule.GPIPE: ScheduleGPipe, PipelineSchedule.ONE_F_ONE_B: Schedule1F1B,
-               PipelineSchedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B}
+               PipelineSchedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
+               PipelineSchedule.ZERO_BUBBLE: ScheduleInterleavedZeroBubble}
     if schedule not in classes:
-        raise UsageError(f"--pp-schedule {schedule.value} is not modelled yet; use gpipe, 1f1b or interleaved-1f1b")
+        raise UsageError(f"--pp-schedule {schedule.value} is not modelled yet; use one of "
+                         f"{', '.join(s.value for s in classes)}")
     return classes[schedule]
 
 
@@ -353,9 +356,12 @@ def pipeline_step(spec: RunSpec, sched, stages, ids: torch.Tensor | None, labels
         out = schedule.step()                           # a middle stage
         del out; optimizer.step(); optimizer.zero_grad()   # no optimizer on a stage without parameters
 
-    under the bridges of `feature_bridges.pipelining_on_meta`, which report each micro-step to `info` with the op
+    under the bridges of `feature_bridges.pipelining_on_meta` and a saved-tensor hook of its own (`pack`), which
+    report each micro-step to `info` with the op
     index it starts at (`rec.ops`) and the micro-batches then in `stage.fwd_cache` (in flight). `stages`: the
     rank's PipelineStages (several under interleaved-1f1b, whose micro-steps are labelled 'F<i>@<stage>')."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
     from .. import feature_bridges
 
     def on_micro_step(label: str, in_flight: tuple[int, ...]) -> None:
@@ -367,10 +373,24 @@ def pipeline_step(spec: RunSpec, sched, stages, ids: torch.Tensor | None, labels
 
     several = tuple(stages) if len(stages) > 1 else ()
 
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        # the recorder's saved-tensor hook (it marks activations), keeping an alias without the autograd graph:
+        # returned as is, an output its own node saves (log_softmax's) would hold that node, a cycle through C++
+        # that Python's gc cannot break. A backward frees saved tensors as it runs, so it does not matter there;
+        # zero-bubble's input-gradient backward keeps the graph for the weight pass, and the graph's saved tensors
+        # then outlived the step (rank 1 of a tiny Llama +52%); autograd itself saves an output without its
+        # grad_fn (torch/csrc/autograd/saved_variable.cpp), what the alias does
+        rec.pack_hook(t)
+        if t.grad_fn is None:
+            return t
+        with _disable_current_modes():  # the alias is no op of the step (bridges.py DISPATCH_TOOLKIT)
+            return t.detach()
+
     def step(model, batch, optimizer) -> None:
         for stage in stages:
             stage.submod.autocast = ctx.autocast
-        with feature_bridges.pipelining_on_meta(on_micro_step, on_send, several):
+        with feature_bridges.pipelining_on_meta(on_micro_step, on_send, several), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if ids is not None:
                 out = sched.step(ids)
             elif labels is not None:
