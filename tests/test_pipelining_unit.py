@@ -43,6 +43,7 @@ def test_a_given_split_must_add_up_to_the_layers():
     ((1, 1, 1, 1), PipelineSchedule.ONE_F_ONE_B, 8, [(0,), (1,), (2,), (3,)]),
     # interleaved-1f1b over 2 ranks of 2 stages: grouped by rank, each alone (its own warm-up count)
     ((1, 1, 1, 1), PipelineSchedule.INTERLEAVED_1F1B, 4, [(0,), (1,)]),
+    ((1, 1, 1, 1), PipelineSchedule.ZERO_BUBBLE, 4, [(0,), (1,)]),
 ])
 def test_stages_that_run_the_same_program_are_traced_once(split, schedule, m, classes):
     assert distinct_stages(split, schedule, m, 2) == classes
@@ -68,7 +69,6 @@ def test_interleaved_stages_are_placed_in_a_loop_and_split_over_p_times_v():
     ({"pp": 2, "pp_split": "2,-1"}, "bad pp_split"),
     ({"pp": 2, "pp_split": "a,b"}, "bad pp_split"),
     ({"pp": 2, "stage": 2}, "stage must be in 0..1 for 2 stages"),
-    ({"pp": 2, "pp_schedule": "zero-bubble"}, "zero-bubble is not modelled yet"),
     ({"pp": 2, "pp_schedule": "dualpipe"}, "unknown pp_schedule 'dualpipe'"),
     ({"pp": 2, "virtual_stages": 2}, "virtual_stages applies to pp_schedule interleaved-1f1b .* drop virtual_stag"),
     ({"pp": 2, "pp_schedule": "gpipe", "virtual_stages": 2}, "gpipe runs one stage per rank"),
@@ -77,11 +77,13 @@ def test_interleaved_stages_are_placed_in_a_loop_and_split_over_p_times_v():
     ({"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 0}, "virtual_stages must be an integer of "
                                                                          "at least 2"),
     # the split names the P × V stages under interleaved-1f1b (V = 2 by default)
-    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "pp_split": "1,1"}, r"names 2 stages; pp 2 × 2 virtual stages "
-                                                                        r"\(interleaved-1f1b\) make 4"),
+    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "pp_split": "1,1"}, r"names 2 stages; pp 2 × virtual_stages 2 "
+                                                                        r"make 4"),
     ({"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 3, "pp_split": "1,1,1,1"}, "make 6"),
     ({"pp": 2, "pp_schedule": "interleaved-1f1b", "stage": 2}, r"stage must be in 0..1 for 2 ranks \(stage K is "
                                                                 r"rank K under interleaved-1f1b\)"),
+    ({"pp": 2, "pp_schedule": "zero-bubble", "stage": 3}, r"for 2 ranks \(stage K is rank K under zero-bubble\)"),
+    ({"pp": 2, "pp_schedule": "zero-bubble", "pp_split": "2,2"}, r"names 2 stages; pp 2 × virtual_stages 2 make 4"),
     # ScheduleInterleaved1F1B runs max(1, M // P) rounds and needs M a multiple of them: M = 5 over P = 2 is 2
     # rounds; M = 3 over P = 2 is one round, allowed (tests below); M = 6 over P = 2 is 3 rounds, allowed
     ({"pp": 2, "pp_schedule": "interleaved-1f1b", "micro_batches": 5, "batch": 10}, "5 is not a multiple of 2"),
@@ -104,17 +106,19 @@ def test_bad_pipeline_options_are_usage_errors(kwargs, message):
         RunSpec(LLAMA, **{"batch": 4, "seq": 8, "device": "cpu", **kwargs})
 
 
-def _interleaved_schedule_builds(pp: int, m: int) -> bool:
-    """Whether torch's own ScheduleInterleaved1F1B takes M micro-batches over P ranks of 2 stages (rank 0's
-    stages 0 and P, on torch's fake process group)."""
+def _interleaved_schedule_builds(schedule: str, pp: int, m: int) -> bool:
+    """Whether torch's own ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble takes M micro-batches over P
+    ranks of 2 stages (rank 0's stages 0 and P, on torch's fake process group)."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (PipelineStage, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    cls = {"interleaved-1f1b": ScheduleInterleaved1F1B, "zero-bubble": ScheduleInterleavedZeroBubble}[schedule]
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
     try:
         stages = [PipelineStage(torch.nn.Linear(2, 2), k, 2 * pp, torch.device("cpu")) for k in (0, pp)]
-        ScheduleInterleaved1F1B(stages, n_microbatches=m)
+        cls(stages, n_microbatches=m)
         return True
     except ValueError:
         return False
@@ -122,19 +126,20 @@ def _interleaved_schedule_builds(pp: int, m: int) -> bool:
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zero-bubble"])
 @pytest.mark.parametrize("pp", [2, 3, 4])
-def test_interleaved_micro_batch_counts_are_refused_exactly_where_torch_refuses_them(pp):
-    """--micro-batches M under interleaved-1f1b is a usage error for exactly the M (1..12) torch's schedule
-    raises on when built (M not a multiple of max(1, M // P) rounds)."""
+def test_interleaved_micro_batch_counts_are_refused_exactly_where_torch_refuses_them(pp, schedule):
+    """--micro-batches M under interleaved-1f1b and zero-bubble is a usage error for exactly the M (1..12) torch's
+    schedule raises on when built (M not a multiple of max(1, M // P) rounds)."""
     def accepted(m):
         try:
-            RunSpec(LLAMA, batch=m, seq=8, device="cpu", pp=pp, pp_schedule="interleaved-1f1b", micro_batches=m)
+            RunSpec(LLAMA, batch=m, seq=8, device="cpu", pp=pp, pp_schedule=schedule, micro_batches=m)
             return True
         except UsageError:
             return False
     ms = range(1, 13)
     refused = [m for m in ms if not accepted(m)]
-    assert refused == [m for m in ms if not _interleaved_schedule_builds(pp, m)]
+    assert refused == [m for m in ms if not _interleaved_schedule_builds(schedule, pp, m)]
     assert refused  # some M is refused for each P here (e.g. 2 rounds of an odd M)
 
 
