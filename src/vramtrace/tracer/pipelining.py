@@ -25,7 +25,8 @@ Interleaved 1F1B (`ScheduleInterleaved1F1B`, V = `spec.pp_virtual_stages` stages
 P × V stages and rank r holds stages r, r + P, ... (`rank_stages`), each a static `PipelineStage` as above, cut
 from one copy of the model (`cut_rank`: a `RankModule`, whose stages share what the model shares, the rotary
 module); the schedule is given the list of them, and the rank has one optimizer over all their parameters. A
-rank is then what is traced and reported (`spec.stage` names the rank).
+rank is then what is traced and reported (`spec.stage` names the rank). Zero bubble (`ScheduleInterleavedZeroBubble`)
+the same way, its backward split into input-gradient and weight-gradient micro-steps (`W<i>@<k>`).
 
 Checked against real multi-process gloo runs (docs/research/issue-42-pipelining.md: every stage's peak to the
 byte, fp32, GPipe and 1F1B, P = 2..4, uneven splits and a 0-layer stage; interleaved-1f1b every rank to the byte
