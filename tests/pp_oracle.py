@@ -25,6 +25,8 @@ stage = rank):
   inference (no `input_args`), `batch` rows per step split into M micro-batches. "interleaved-1f1b":
   `ScheduleInterleaved1F1B([stages], ...)` with V virtual stages per rank (P * V stages, rank r holding stages r,
   r + P, ..., torch's loop placement), one AdamW over the rank's parameters; figures are then per rank.
+  "zero-bubble": `ScheduleInterleavedZeroBubble([stages], ...)`, the same placement, its backward split into the
+  input gradient ("B<i>") and the weight gradient ("W<i>", `backward_weight_one_chunk`).
 - precision "bf16-mixed": fp32 weights and `torch.autocast("cpu", dtype=torch.bfloat16)` around the body of each
   stage's forward (`_Stage.forward`): each rank autocasts its own piece of the model, as tests/oracle.py autocasts the
   whole model's forward for one process. The schedule calls `loss_fn` on the last stage's output outside that
@@ -61,7 +63,8 @@ import torch
 from oracle import run_rank_processes
 
 MARKER_BYTES = 1_234_577  # a size no tiny case allocates: marks where the measured step starts
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")  # schedules of V stages per rank
 PRECISIONS = {"fp32": None, "bf16-mixed": torch.bfloat16}
 
 
@@ -161,8 +164,8 @@ class _NoOptimizer:
 
 
 def _instrument(stages, opt, virtual: bool) -> None:
-    """`record_function` ranges around each micro-step ("F<i>", "B<i>"; with virtual stages "F<i>@<stage>") and
-    the optimizer step (they allocate nothing)."""
+    """`record_function` ranges around each micro-step ("F<i>", "B<i>", "W<i>"; with virtual stages
+    "F<i>@<stage>") and the optimizer step (they allocate nothing)."""
     from torch.profiler import record_function
 
     for stage in stages:
@@ -177,7 +180,13 @@ def _instrument(stages, opt, virtual: bool) -> None:
             with record_function(f"B{i}{_where}"):
                 return _bwd(i, *a, **k)
 
-        stage.forward_one_chunk, stage.backward_one_chunk = f, b
+        wgt = stage.backward_weight_one_chunk
+
+        def w(i, *a, _w=wgt, _where=where, **k):
+            with record_function(f"W{i}{_where}"):
+                return _w(i, *a, **k)
+
+        stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk = f, b, w
     ostep = opt.step
 
     def s(*a, **k):
@@ -240,7 +249,7 @@ def _profile(step, warm_steps: int):
     events = prof.profiler.kineto_results.events()
     memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
     ranges = [(e.start_ns(), e.start_ns() + e.duration_ns(), e.name()) for e in events
-              if re.fullmatch(r"[FB]\d+(@\d+)?|opt", e.name())]
+              if re.fullmatch(r"[FBW]\d+(@\d+)?|opt", e.name())]
     return [(e.nbytes(), e.start_ns()) for e in memory], ranges
 
 
@@ -311,7 +320,7 @@ def _rank_main(rank: int, case, init_file: str, out_dir: str) -> None:
     try:
         import torch.distributed as dist
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B)
+                                                  ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
 
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=case.pp)
         try:
@@ -320,8 +329,10 @@ def _rank_main(rank: int, case, init_file: str, out_dir: str) -> None:
             indices = _stage_indices(case, rank)
             first, last = 0 in indices, n_stages - 1 in indices
             stages = [PipelineStage(sub, k, n_stages, torch.device("cpu")) for sub, k in zip(subs, indices)]
-            if case.schedule == "interleaved-1f1b":
-                sched = ScheduleInterleaved1F1B(stages, n_microbatches=case.micro_batches, loss_fn=loss_fn)
+            if case.schedule in MULTI_STAGE:
+                cls = {"interleaved-1f1b": ScheduleInterleaved1F1B,
+                       "zero-bubble": ScheduleInterleavedZeroBubble}[case.schedule]
+                sched = cls(stages, n_microbatches=case.micro_batches, loss_fn=loss_fn)
             else:
                 cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[case.schedule]
                 sched = cls(stages[0], n_microbatches=case.micro_batches, loss_fn=loss_fn)
@@ -343,9 +354,9 @@ def _case(config_path, pp, schedule, split, micro_batches, batch, seq, precision
 
     if schedule not in SCHEDULES:
         raise ValueError(f"oracle: schedule {schedule!r} is not one of {SCHEDULES}")
-    virtual_stages = virtual_stages or (2 if schedule == "interleaved-1f1b" else 1)
-    if (virtual_stages > 1) != (schedule == "interleaved-1f1b"):
-        raise ValueError("oracle: virtual stages (more than one stage per rank) go with interleaved-1f1b only")
+    virtual_stages = virtual_stages or (2 if schedule in MULTI_STAGE else 1)
+    if (virtual_stages > 1) != (schedule in MULTI_STAGE):
+        raise ValueError(f"oracle: virtual stages (more than one stage per rank) go with {MULTI_STAGE} only")
     if precision not in PRECISIONS:
         raise ValueError(f"oracle: precision {precision!r} is not one of {tuple(PRECISIONS)}")
     cfg = json.loads(Path(config_path).read_text())
@@ -367,7 +378,8 @@ def measure_pp_peaks(config_path, *, pp: int, schedule: str = "1f1b", split=None
     """Each stage's figures (index = stage = rank) of the pipeline step run for real on P gloo CPU ranks (module
     docstring). `micro_batches` None means M = P. "interleaved-1f1b": `ScheduleInterleaved1F1B` with
     `virtual_stages` V (default 2) stages per rank, rank r holding stages r, r + P, ...; `split` then gives the
-    layers of each of the P * V stages, and each entry is a rank's (its `stages` listed). Raises ValueError for a
+    layers of each of the P * V stages, and each entry is a rank's (its `stages` listed); "zero-bubble" likewise
+    (`ScheduleInterleavedZeroBubble`). Raises ValueError for a
     case it cannot run, RuntimeError when a rank fails or stays unclean, TimeoutError past `timeout` seconds."""
     import multiprocessing as mp
     import tempfile

@@ -5,7 +5,9 @@ within 0.5% per stage.
 Eight real cases cover the done-when grid's axes between them (each case runs all its stages at once): GPipe and
 1F1B; 2, 3 and 4 stages; an even split, uneven splits and a middle stage of 0 layers; 4 and 8 micro-batches; fp32
 and bf16-mixed; a Llama (rotary, untied head, GQA) and GPT-2 (position embeddings, tied head, dropout). The full
-grid is benchmarks/pp_accuracy.py (its table is in docs/accuracy.md)."""
+grid is benchmarks/pp_accuracy.py (its table is in docs/accuracy.md). Four interleaved-1f1b and two zero-bubble
+cases check each rank (all its stages together): 2 and 3 ranks, V = 2 and 3, fp32 and bf16-mixed, Llama and GPT-2,
+an uneven split with a 0-layer stage."""
 
 from __future__ import annotations
 
@@ -55,4 +57,44 @@ def test_each_stage_matches_a_real_gloo_pipeline(tmp_path, case):
     for k, measured in enumerate(real):
         assert_within(peaks[k].peak_bytes, measured["peak_bytes"], 0.005, f"stage {k}", measured, peaks[k])
         assert peaks[k].at == measured["at"], (k, measured, peaks[k])
+    assert report.peak_allocated_bytes == max(p.peak_bytes for p in peaks)
+
+
+# interleaved-1f1b (ScheduleInterleaved1F1B) and zero-bubble (ScheduleInterleavedZeroBubble), V stages per rank,
+# rank r holding stages r, r + P, ...: (schedule, fixture config, ranks P, V, decoder layers of each of the P × V
+# stages, micro-batches M, precision); figures per rank
+INTERLEAVED_CASES = {
+    "llama-interleaved-2-fp32": ("interleaved-1f1b", "tiny-llama-gqa", 2, 2, (1, 1, 1, 1), 4, "fp32"),
+    "gpt2-interleaved-2-m8-bf16-mixed": ("interleaved-1f1b", "tiny-gpt2", 2, 2, (1, 1, 1, 1), 8, "bf16-mixed"),
+    "llama-interleaved-3-uneven-bf16-mixed": ("interleaved-1f1b", "tiny-llama-gqa", 3, 2, (2, 1, 0, 1, 1, 1), 6,
+                                              "bf16-mixed"),
+    "llama-interleaved-2-v3-fp32": ("interleaved-1f1b", "tiny-llama-gqa", 2, 3, (1,) * 6, 4, "fp32"),
+    "llama-zero-bubble-2-fp32": ("zero-bubble", "tiny-llama-gqa", 2, 2, (1, 1, 1, 1), 4, "fp32"),
+    # rank 0's peak falls in a weight-gradient micro-step (W1@0)
+    "llama-zero-bubble-3-uneven-bf16-mixed": ("zero-bubble", "tiny-llama-gqa", 3, 2, (2, 1, 0, 1, 1, 1), 6,
+                                              "bf16-mixed"),
+}
+
+
+@pytest.mark.parametrize("case", list(INTERLEAVED_CASES))
+def test_each_interleaved_rank_matches_a_real_gloo_pipeline(tmp_path, case):
+    """Under interleaved-1f1b and zero-bubble each rank's predicted peak (`stage_peaks[r]`, `holds` its stages) equals the real
+    rank's (all its stages together, one AdamW over their parameters) within 0.5%, in the same micro-step of the
+    same stage ('B<i>@<k>', 'W<i>@<k>'); the report's peak is the largest rank's."""
+    schedule, config, pp, v, split, micro_batches, precision = INTERLEAVED_CASES[case]
+    path = deep_config(tmp_path, config, sum(split))
+    batch = BATCH if BATCH % micro_batches == 0 else micro_batches * 2  # M = 6: 12 rows, 2 per micro-batch
+    real = measure_pp_peaks(path, pp=pp, schedule=schedule, split=split, micro_batches=micro_batches,
+                            batch=batch, seq=SEQ, precision=precision, virtual_stages=v)
+    report = analyze(RunSpec(path, batch=batch, seq=SEQ, device="cpu", precision=precision, pp=pp,
+                             pp_schedule=schedule, micro_batches=micro_batches, pp_split=split,
+                             virtual_stages=None if v == 2 else v))  # V = 2: the default
+    info = report.run.pp
+    assert (info.stages, info.virtual_stages, info.split) == (pp, v, split)
+    peaks = info.stage_peaks
+    assert [(p.stage, p.holds) for p in peaks] == [(r, tuple(range(r, pp * v, pp))) for r in range(pp)]
+    for r, measured in enumerate(real):
+        assert list(peaks[r].holds) == measured["stages"]
+        assert_within(peaks[r].peak_bytes, measured["peak_bytes"], 0.005, f"rank {r}", measured, peaks[r])
+        assert peaks[r].at == measured["at"], (r, measured, peaks[r])
     assert report.peak_allocated_bytes == max(p.peak_bytes for p in peaks)

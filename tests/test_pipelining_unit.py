@@ -16,7 +16,7 @@ from vramtrace import RunSpec, analyze
 from vramtrace.errors import UsageError
 from vramtrace.spec import PipelineSchedule
 from vramtrace.units import format_bytes
-from vramtrace.tracer.pipelining import distinct_stages, even_split, stage_split
+from vramtrace.tracer.pipelining import distinct_stages, even_split, rank_stages, stage_split
 
 LLAMA = str(FIXTURES / "tiny-llama-gqa.json")
 REAL = Path(__file__).resolve().parent.parent / "docs" / "research" / "issue-42-pp" / "results"
@@ -41,9 +41,23 @@ def test_a_given_split_must_add_up_to_the_layers():
     ((3, 0, 1), PipelineSchedule.GPIPE, 4, [(0,), (1,), (2,)]),
     # 1F1B: stage k warms up min(M, P - k) forwards, so no two stages run the same program
     ((1, 1, 1, 1), PipelineSchedule.ONE_F_ONE_B, 8, [(0,), (1,), (2,), (3,)]),
+    # interleaved-1f1b over 2 ranks of 2 stages: grouped by rank, each alone (its own warm-up count)
+    ((1, 1, 1, 1), PipelineSchedule.INTERLEAVED_1F1B, 4, [(0,), (1,)]),
+    ((1, 1, 1, 1), PipelineSchedule.ZERO_BUBBLE, 4, [(0,), (1,)]),
 ])
 def test_stages_that_run_the_same_program_are_traced_once(split, schedule, m, classes):
-    assert distinct_stages(split, schedule, m) == classes
+    assert distinct_stages(split, schedule, m, 2) == classes
+
+
+def test_interleaved_stages_are_placed_in_a_loop_and_split_over_p_times_v():
+    """Rank r of P holds stages r, r + P, ... (ScheduleInterleaved1F1B's placement); the even split is over the
+    P × V stages, V = 2 when not given."""
+    assert [rank_stages(r, 3, 2) for r in range(3)] == [(0, 3), (1, 4), (2, 5)]
+    spec = RunSpec(LLAMA, batch=4, seq=8, device="cpu", pp=2, pp_schedule="interleaved-1f1b")
+    assert spec.pp_virtual_stages == 2
+    assert stage_split(spec, 5) == (2, 1, 1, 1)
+    spec3 = RunSpec(LLAMA, batch=4, seq=8, device="cpu", pp=2, pp_schedule="interleaved-1f1b", virtual_stages=3)
+    assert stage_split(spec3, 6) == (1,) * 6
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -55,10 +69,26 @@ def test_stages_that_run_the_same_program_are_traced_once(split, schedule, m, cl
     ({"pp": 2, "pp_split": "2,-1"}, "bad pp_split"),
     ({"pp": 2, "pp_split": "a,b"}, "bad pp_split"),
     ({"pp": 2, "stage": 2}, "stage must be in 0..1 for 2 stages"),
-    ({"pp": 2, "pp_schedule": "interleaved-1f1b"}, "interleaved-1f1b is not modelled yet"),
-    ({"pp": 2, "pp_schedule": "zero-bubble"}, "zero-bubble is not modelled yet"),
     ({"pp": 2, "pp_schedule": "dualpipe"}, "unknown pp_schedule 'dualpipe'"),
-    ({"pp": 2, "virtual_stages": 2}, "virtual_stages applies to pp_schedule interleaved-1f1b"),
+    ({"pp": 2, "virtual_stages": 2}, "virtual_stages applies to pp_schedule interleaved-1f1b .* drop virtual_stag"),
+    ({"pp": 2, "pp_schedule": "gpipe", "virtual_stages": 2}, "gpipe runs one stage per rank"),
+    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 1}, "virtual_stages 1 is one stage per rank, "
+                                                                         "what pp_schedule 1f1b runs"),
+    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 0}, "virtual_stages must be an integer of "
+                                                                         "at least 2"),
+    # the split names the P × V stages under interleaved-1f1b (V = 2 by default)
+    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "pp_split": "1,1"}, r"names 2 stages; pp 2 × virtual_stages 2 "
+                                                                        r"make 4"),
+    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 3, "pp_split": "1,1,1,1"}, "make 6"),
+    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "stage": 2}, r"stage must be in 0..1 for 2 ranks \(stage K is "
+                                                                r"rank K under interleaved-1f1b\)"),
+    ({"pp": 2, "pp_schedule": "zero-bubble", "stage": 3}, r"for 2 ranks \(stage K is rank K under zero-bubble\)"),
+    ({"pp": 2, "pp_schedule": "zero-bubble", "pp_split": "2,2"}, r"names 2 stages; pp 2 × virtual_stages 2 make 4"),
+    # ScheduleInterleaved1F1B runs max(1, M // P) rounds and needs M a multiple of them: M = 5 over P = 2 is 2
+    # rounds; M = 3 over P = 2 is one round, allowed (tests below); M = 6 over P = 2 is 3 rounds, allowed
+    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "micro_batches": 5, "batch": 10}, "5 is not a multiple of 2"),
+    ({"pp": 4, "pp_schedule": "interleaved-1f1b", "micro_batches": 9, "batch": 9}, "9 is not a multiple of 2"),
+    ({"micro_batches": 4, "virtual_stages": 2}, "micro_batches, virtual_stages apply to pp P"),
     ({"micro_batches": 4}, "micro_batches applies to pp P"),
     ({"stage": 0, "pp_split": "1,1"}, "pp_split, stage apply to pp P"),
     ({"pp": 2, "fsdp": 2}, "pp with fsdp is not supported yet"),
@@ -74,6 +104,43 @@ def test_stages_that_run_the_same_program_are_traced_once(split, schedule, m, cl
 def test_bad_pipeline_options_are_usage_errors(kwargs, message):
     with pytest.raises(UsageError, match=message):
         RunSpec(LLAMA, **{"batch": 4, "seq": 8, "device": "cpu", **kwargs})
+
+
+def _interleaved_schedule_builds(schedule: str, pp: int, m: int) -> bool:
+    """Whether torch's own ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble takes M micro-batches over P
+    ranks of 2 stages (rank 0's stages 0 and P, on torch's fake process group)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import (PipelineStage, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    cls = {"interleaved-1f1b": ScheduleInterleaved1F1B, "zero-bubble": ScheduleInterleavedZeroBubble}[schedule]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
+    try:
+        stages = [PipelineStage(torch.nn.Linear(2, 2), k, 2 * pp, torch.device("cpu")) for k in (0, pp)]
+        cls(stages, n_microbatches=m)
+        return True
+    except ValueError:
+        return False
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zero-bubble"])
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_interleaved_micro_batch_counts_are_refused_exactly_where_torch_refuses_them(pp, schedule):
+    """--micro-batches M under interleaved-1f1b and zero-bubble is a usage error for exactly the M (1..12) torch's
+    schedule raises on when built (M not a multiple of max(1, M // P) rounds)."""
+    def accepted(m):
+        try:
+            RunSpec(LLAMA, batch=m, seq=8, device="cpu", pp=pp, pp_schedule=schedule, micro_batches=m)
+            return True
+        except UsageError:
+            return False
+    ms = range(1, 13)
+    refused = [m for m in ms if not accepted(m)]
+    assert refused == [m for m in ms if not _interleaved_schedule_builds(schedule, pp, m)]
+    assert refused  # some M is refused for each P here (e.g. 2 rounds of an odd M)
 
 
 def test_the_cli_words_a_bad_pipeline_option_as_its_flag(capsys):
@@ -157,6 +224,29 @@ def test_the_cli_prints_one_line_per_stage(capsys, real_1f1b_3_301):
     last = next(s for s in report.run.pp.stage_peaks if s.stage == 2)
     assert f"stage 2  {format_bytes(last.peak_bytes)} at {last.at}" in out and "stage 0 " not in out
     assert f"({last.peak_bytes:,} bytes)" in out
+
+
+def test_the_cli_traces_one_interleaved_rank_with_stage(capsys, tmp_path):
+    """--stage K under interleaved-1f1b is rank K with all its stages: one line for it, its peak the real gloo
+    run's (docs/research/issue-42-pipelining.md section 4, tests/pp_oracle.py: tiny Llama of 4 layers, P = 2,
+    M = 4, split 1,1,1,1, rank 1 holding stages 1 and 3: 4267940 B in micro-batch 3's backward on stage 3)."""
+    config = deep_config(tmp_path, "tiny-llama-gqa", 4)
+    out = tmp_path / "r.json"
+    r = run_cli(capsys, config, "--batch", "8", "--seq", "32", "--device", "cpu", "--precision", "fp32", "--pp", "2",
+                "--pp-schedule", "interleaved-1f1b", "--virtual-stages", "2", "--pp-split", "1,1,1,1",
+                "--micro-batches", "4", "--stage", "1", "--no-levers", "--json", out)
+    assert r.returncode == 0, r.stderr
+    text = " ".join(line.strip("│ ") for line in r.stdout.splitlines())
+    assert "interleaved-1f1b over 2 ranks of 2 stages, 4 micro-batches of 2 rows, split 1,1,1,1; rank 1 shown" in text
+    assert f"rank 1 (stages 1,3)  {format_bytes(4267940)} at B3@3" in text and "rank 0 " not in text
+    assert "(4,267,940 bytes)" in text
+    report = json.loads(out.read_text())
+    pp = report["run"]["pp"]
+    assert (pp["virtual_stages"], pp["stage"], pp["split"]) == (2, 1, [1, 1, 1, 1])
+    # the schedule calls each stage's module, not the rank's: what their forwards save is still the forward's
+    # activations (micro-batches 2 and 3 are in flight at the peak), not temporaries of the step
+    assert report["breakdown_at_peak"]["activation"] > 0 and report["peak_phase"] == "backward"
+    assert [(s["stage"], s["holds"], s["peak_bytes"]) for s in pp["stage_peaks"]] == [(1, [1, 3], 4267940)]
 
 
 def test_fit_with_pp_and_a_split_is_refused_in_one_line(capsys):

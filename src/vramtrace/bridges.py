@@ -392,11 +392,14 @@ PIPELINE_STATIC_VOTE = Bridge(
     "them all, tracer/pipelining.py), `InferenceMode.STATIC`, with no round trip (it allocates nothing kept)")
 PIPELINE_MICRO_STEPS = Bridge(
     "pipeline_micro_steps", "torch",
-    ((_PP + "stage", "_PipelineStageBase.forward_one_chunk"), (_PP + "stage", "_PipelineStageBase.backward_one_chunk")),
+    ((_PP + "stage", "_PipelineStageBase.forward_one_chunk"), (_PP + "stage", "_PipelineStageBase.backward_one_chunk"),
+     (_PP + "stage", "_PipelineStageBase.backward_weight_one_chunk")),
     TORCH_WRITTEN_FOR,
-    "a --pp step: each forward and backward micro-step (stage.py `forward_one_chunk`, `backward_one_chunk`) "
-    "is reported to the trace as it begins and ends, with the micro-batches then in flight (PIPELINE_STAGE_STATE's "
-    "`fwd_cache`), so the report says where a stage's peak falls (F<i>/B<i>); the originals run unchanged")
+    "a --pp step: each forward, backward and weight-gradient micro-step (stage.py `forward_one_chunk`, "
+    "`backward_one_chunk`, `backward_weight_one_chunk`: zero-bubble's split backward) is reported to the trace as "
+    "it begins and ends, with the micro-batches then in flight (PIPELINE_STAGE_STATE's `fwd_cache`), so the report "
+    "says where a stage's peak falls (F<i>/B<i>/W<i>; F<i>@<k>... on stage k when a rank holds several, "
+    "interleaved-1f1b and zero-bubble); the originals run unchanged")
 PIPELINE_STAGE_STATE = Bridge(
     "pipeline_stage_state", "torch", ((_PP + "stage", "_PipelineStageBase.__init__"),), TORCH_WRITTEN_FOR,
     "a --pp step reads a stage's private state, assigned in stage.py `_PipelineStageBase.__init__` (and emptied "

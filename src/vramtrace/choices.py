@@ -293,12 +293,18 @@ class PipelineSchedule(_Choice):
     """The `torch.distributed.pipelining` schedule of a `--pp` run (`--pp-schedule`): `ScheduleGPipe` (every
     micro-batch's forward, then every backward), `Schedule1F1B` (stage k warms up min(M, P - k) forwards, then
     alternates), `ScheduleInterleaved1F1B` (several stages per rank, `--virtual-stages`) and the zero-bubble
-    schedules (torch/distributed/pipelining/schedules.py). Traced: gpipe and 1f1b."""
+    schedules (torch/distributed/pipelining/schedules.py). Traced: all four; zero-bubble is
+    `ScheduleInterleavedZeroBubble` (the interleaved placement, V stages per rank)."""
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED_1F1B = "interleaved-1f1b"
     ZERO_BUBBLE = "zero-bubble"
+
+    @property
+    def multi_stage(self) -> bool:
+        """Whether a rank holds several stages (`--virtual-stages`): interleaved-1f1b and zero-bubble."""
+        return self in (PipelineSchedule.INTERLEAVED_1F1B, PipelineSchedule.ZERO_BUBBLE)
 
 class ZeroOffload(_Choice):
     """Where DeepSpeed ZeRO offloads (`--offload-optimizer`, `--offload-param`: the ds_config's

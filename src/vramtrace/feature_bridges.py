@@ -293,13 +293,16 @@ class _HeldWork:
 
 @contextlib.contextmanager
 def pipelining_on_meta(on_micro_step: Callable[[str, tuple[int, ...]], None],
-                       on_send: Callable[[list[torch.Tensor]], None]) -> Iterator[None]:
+                       on_send: Callable[[list[torch.Tensor]], None], several: tuple = ()) -> Iterator[None]:
     """PIPELINE_P2P, PIPELINE_STATIC_VOTE and PIPELINE_MICRO_STEPS while one rank's `schedule.step` of a --pp run
     is traced (tracer/pipelining.py): the schedule's batched sends and receives complete at once with a Work that
     holds their tensors (`on_send(tensors)` told of each backward send's), the warm-up vote answers STATIC, and
-    `on_micro_step(label, in_flight)` is told where each forward/backward micro-step begins ('F<i>', 'B<i>') and
-    ends ('loop'), with the micro-batches then in the stage's `fwd_cache` (plus the running one). The originals
-    back on exit. Raises BridgeError (nothing patched) when a target is missing."""
+    `on_micro_step(label, in_flight)` is told where each forward/backward/weight-gradient micro-step begins ('F<i>',
+    'B<i>', 'W<i>') and
+    ends ('loop'), with the micro-batches then in the stage's `fwd_cache` (plus the running one). `several`: the
+    rank's stages when it holds several (interleaved-1f1b): each label then names its stage ('F<i>@<k>', as
+    tests/pp_oracle.py `_instrument` does) and the micro-batches in flight are those in any of their `fwd_cache`s.
+    The originals back on exit. Raises BridgeError (nothing patched) when a target is missing."""
     from .bridges import PIPELINE_BRIDGES
 
     for bridge in PIPELINE_BRIDGES:  # the stage-state reads too (tracer/pipelining.py), checked before anything
@@ -324,15 +327,19 @@ def pipelining_on_meta(on_micro_step: Callable[[str, tuple[int, ...]], None],
                 s._inference_mode = InferenceMode.STATIC
 
     base = stages._PipelineStageBase
-    forward, backward = base.forward_one_chunk, base.backward_one_chunk
+    forward, backward, weight = base.forward_one_chunk, base.backward_one_chunk, base.backward_weight_one_chunk
+
+    def in_flight(stage, *running: int) -> tuple[int, ...]:
+        return tuple(sorted(set(running).union(*(s.fwd_cache for s in several or (stage,)))))
 
     def labelled(original, letter):
         def run(self, chunk_id, *args, **kwargs):
-            on_micro_step(f"{letter}{chunk_id}", tuple(sorted({*self.fwd_cache, chunk_id})))
+            on_micro_step(f"{letter}{chunk_id}" + (f"@{self.stage_index}" if several else ""),
+                          in_flight(self, chunk_id))
             try:
                 return original(self, chunk_id, *args, **kwargs)
             finally:
-                on_micro_step("loop", tuple(sorted(self.fwd_cache)))
+                on_micro_step("loop", in_flight(self))
         return run
 
     with contextlib.ExitStack() as stack:
@@ -341,6 +348,7 @@ def pipelining_on_meta(on_micro_step: Callable[[str, tuple[int, ...]], None],
         stack.enter_context(_set(schedules._PipelineSchedule, "_warmup_p2p", static_vote))
         stack.enter_context(_set(base, "forward_one_chunk", labelled(forward, "F")))
         stack.enter_context(_set(base, "backward_one_chunk", labelled(backward, "B")))
+        stack.enter_context(_set(base, "backward_weight_one_chunk", labelled(weight, "W")))
         yield
 
 

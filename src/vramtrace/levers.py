@@ -520,10 +520,13 @@ def _zero_stage(s: _Search, on: RunSpec) -> list[Lever]:
 def pipeline_depth(spec: RunSpec, depth: int, num_layers: int, stage: int | None = None) -> RunSpec | None:
     """`spec` (a --pp run without --pp-split) at pipeline depth `depth` (`pp`), its stage `stage`, or None when
     `depth` is no valid depth for it (pp_options.py `check_pipeline`): more stages than the `num_layers` decoder
-    layers, or a batch that does not split into the micro-batches. The micro-batches M: the run's `--micro-batches`
-    when given and valid; 1F1B needs M >= depth (torch's `Schedule1F1B.__init__`), so a given M below the depth
-    becomes the depth; M defaulted (None: M = P) follows the depth. The even split of the depth (no --pp-split)."""
+    layers, or a batch that does not split into the micro-batches, or any other pipeline the spec's own checks
+    refuse (an interleaved schedule's M that torch's `ScheduleInterleaved1F1B` refuses). The micro-batches M: the
+    run's `--micro-batches` when given and valid; 1F1B needs M >= depth (torch's `Schedule1F1B.__init__`), so a
+    given M below the depth becomes the depth; M defaulted (None: M = P) follows the depth. The even split of the
+    depth (no --pp-split)."""
     from .choices import PipelineSchedule
+    from .errors import SpecError
 
     if depth > num_layers:
         return None
@@ -532,7 +535,10 @@ def pipeline_depth(spec: RunSpec, depth: int, num_layers: int, stage: int | None
         m = depth
     if spec.batch % (m or depth):
         return None
-    return replace(spec, pp=depth, micro_batches=m, stage=stage)
+    try:
+        return replace(spec, pp=depth, micro_batches=m, stage=stage)
+    except SpecError:
+        return None
 
 
 def pipeline_outcome(session: TraceSession, spec: RunSpec, cuda: bool) -> Outcome:

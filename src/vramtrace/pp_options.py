@@ -14,12 +14,13 @@ from typing import Callable
 
 from .choices import Loop, Mode, PipelineSchedule, Precision
 
-TRACED_SCHEDULES = (PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B)
+TRACED_SCHEDULES = (PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B, PipelineSchedule.INTERLEAVED_1F1B,
+                    PipelineSchedule.ZERO_BUBBLE)
 
 
-def parse_split(value, pp: int | None, bad: Callable) -> tuple[int, ...] | None:
+def parse_split(value, pp: int | None, bad: Callable, virtual: int = 1) -> tuple[int, ...] | None:
     """`pp_split` as a tuple of non-negative ints: from a tuple/list of ints or a string 'a,b,...'. Raises
-    bad(...) for a malformed split or one of the wrong length."""
+    bad(...) for a malformed split or one of the wrong length (pp × `virtual` stages)."""
     if value is None:
         return None
     parts = value.split(",") if isinstance(value, str) else list(value)
@@ -29,8 +30,10 @@ def parse_split(value, pp: int | None, bad: Callable) -> tuple[int, ...] | None:
         split = ()
     if not split or any(n < 0 for n in split) or any(isinstance(p, (bool, float)) for p in parts):
         raise bad(f"bad {{pp_split}} {value!r}; give the decoder layers of each stage, e.g. 3,3,2 (0 allowed)")
-    if pp is not None and len(split) != pp:
-        raise bad(f"{{pp_split}} {','.join(map(str, split))} names {len(split)} stages; {{pp}} is {pp}: give one "
+    if pp is not None and len(split) != pp * virtual:
+        stages = f"{{pp}} {pp} × {{virtual_stages}} {virtual} make {pp * virtual}" if virtual > 1 \
+            else f"{{pp}} is {pp}"
+        raise bad(f"{{pp_split}} {','.join(map(str, split))} names {len(split)} stages; {stages}: give one "
                   "layer count per stage")
     return split
 
@@ -47,8 +50,16 @@ def check_pipeline(spec, bad: Callable) -> None:
     object.__setattr__(spec, "pp_schedule", PipelineSchedule.parse(spec.pp_schedule, "{pp_schedule}"))
     _positive(spec, "pp", bad, 2)
     _positive(spec, "micro_batches", bad)
-    _positive(spec, "virtual_stages", bad)
-    object.__setattr__(spec, "pp_split", parse_split(spec.pp_split, spec.pp, bad))
+    if spec.virtual_stages == 1 and not isinstance(spec.virtual_stages, bool):
+        raise bad("{virtual_stages} 1 is one stage per rank, what {pp_schedule} 1f1b runs: use it, or give "
+                  "{virtual_stages} 2 or more")
+    _positive(spec, "virtual_stages", bad, 2)
+    interleaved = spec.pp_schedule.multi_stage
+    if spec.virtual_stages is not None and spec.pp is not None and not interleaved:
+        raise bad(f"{{virtual_stages}} applies to {{pp_schedule}} interleaved-1f1b and zero-bubble (several stages "
+                  "per rank); "
+                  f"{spec.pp_schedule.value} runs one stage per rank: drop {{virtual_stages}}")
+    object.__setattr__(spec, "pp_split", parse_split(spec.pp_split, spec.pp, bad, spec.pp_virtual_stages or 1))
     if spec.pp is None:
         given = [f for f, v in (("{micro_batches}", spec.micro_batches), ("{virtual_stages}", spec.virtual_stages),
                                 ("{pp_split}", spec.pp_split), ("{stage}", spec.stage),
@@ -59,17 +70,24 @@ def check_pipeline(spec, bad: Callable) -> None:
                       "parallelism); add it or drop them")
         return
     if spec.pp_schedule not in TRACED_SCHEDULES:
-        raise bad(f"{{pp_schedule}} {spec.pp_schedule.value} is not modelled yet; use gpipe or 1f1b")
-    if spec.virtual_stages is not None:
-        raise bad("{virtual_stages} applies to {pp_schedule} interleaved-1f1b, which is not modelled yet; drop it")
+        raise bad(f"{{pp_schedule}} {spec.pp_schedule.value} is not modelled yet; use one of "
+                  f"{', '.join(s.value for s in TRACED_SCHEDULES)}")
     if spec.stage is not None and (isinstance(spec.stage, bool) or not isinstance(spec.stage, int)
                                    or not 0 <= spec.stage < spec.pp):
-        raise bad(f"{{stage}} must be in 0..{spec.pp - 1} for {spec.pp} stages, got {spec.stage!r}")
+        what = f"ranks ({{stage}} K is rank K under {spec.pp_schedule.value})" if interleaved else "stages"
+        raise bad(f"{{stage}} must be in 0..{spec.pp - 1} for {spec.pp} {what}, got {spec.stage!r}")
     m = spec.pp_micro_batches
     if spec.pp_schedule is PipelineSchedule.ONE_F_ONE_B and m < spec.pp:
         # torch/distributed/pipelining/schedules.py `Schedule1F1B.__init__` raises the same
         raise bad(f"{{pp_schedule}} 1f1b needs at least as many micro-batches as stages: {{micro_batches}} {m} < "
                   f"{{pp}} {spec.pp}")
+    rounds = max(1, m // spec.pp)
+    if interleaved and m % rounds:
+        # torch/distributed/pipelining/schedules.py `ScheduleInterleaved1F1B.__init__` and
+        # `ScheduleInterleavedZeroBubble.__init__` raise the same: they run max(1, M // P) rounds of equal size
+        raise bad(f"{{pp_schedule}} {spec.pp_schedule.value} runs max(1, M // P) = {rounds} rounds of equal size: "
+                  f"{{micro_batches}} {m} is not a multiple of {rounds}; use a multiple of {rounds} (e.g. "
+                  f"{rounds * spec.pp}) or fewer than {2 * spec.pp}")
     if spec.batch % m:
         raise bad(f"{{batch}} {spec.batch} does not split into {m} equal micro-batches ({{micro_batches}}"
                   f"{'' if spec.micro_batches else ' defaults to {pp}'}); make {{batch}} a multiple of {m}")

@@ -1,6 +1,7 @@
 """A `--pp` run's traces and report entry: every distinct stage traced (tracer/pipelining.py
 `distinct_stages`), the largest reported unless `--stage K`, and the `run.pp` entry (`PipelineInfo`: each stage's
-peak, the micro-step at it, the micro-batches in flight, its receive buffers and held sends)."""
+peak, the micro-step at it, the micro-batches in flight, its receive buffers and held sends). Under
+interleaved-1f1b every rank (its stages together) is traced and listed instead of every stage."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def _stages(spec: RunSpec, loaded) -> tuple[tuple[int, ...], list[tuple[int, ...
     from .tracer.pipelining import distinct_stages, stage_split
 
     split = stage_split(spec, loaded.num_layers)
-    classes = distinct_stages(split, spec.pp_schedule, spec.pp_micro_batches)
+    classes = distinct_stages(split, spec.pp_schedule, spec.pp_micro_batches, spec.pp)
     return split, classes
 
 
@@ -67,7 +68,10 @@ def pipeline_summary(session, spec: RunSpec, loaded) -> PipelineInfo:
     """The report's `run.pp` entry of `spec` (the stage reported in `spec.stage`), from the stage traces
     `trace_stages` kept in `session.traces`; every stage listed, a stage not traced itself (one of a class) with
     its class's figures."""
+    from .tracer.pipelining import rank_stages
+
     split, classes = _stages(spec, loaded)
+    v = spec.pp_virtual_stages
     rows = []
     for group in classes:
         traced = [k for k in group if replace(spec, stage=k) in session.traces]
@@ -76,10 +80,12 @@ def pipeline_summary(session, spec: RunSpec, loaded) -> PipelineInfo:
         peak, at, in_flight, recv, held = _stage_figures(session.traces[replace(spec, stage=traced[0])].tables,
                                                          spec.device is Device.CUDA)
         rows += [StagePeak(stage=k, peak_bytes=peak, at=at, in_flight=in_flight, recv_buffer_bytes=recv,
-                           held_send_bytes=held, traced_as=traced[0]) for k in group]
+                           held_send_bytes=held, traced_as=traced[0],
+                           holds=rank_stages(k, spec.pp, v) if v > 1 else None) for k in group]
     m = spec.pp_micro_batches
     return PipelineInfo(stages=spec.pp, schedule=spec.pp_schedule, micro_batches=m, micro_batch_rows=spec.batch // m,
-                        split=split, stage=spec.stage, stage_peaks=tuple(sorted(rows, key=lambda r: r.stage)))
+                        split=split, stage=spec.stage, stage_peaks=tuple(sorted(rows, key=lambda r: r.stage)),
+                        virtual_stages=v if v > 1 else None)
 
 
 def stage_traces(session, spec: RunSpec, keep: bool = True) -> dict[int, object]:

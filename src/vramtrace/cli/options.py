@@ -208,13 +208,16 @@ FromOpt = Annotated[list[str], typer.Option("--from", help="a training config fi
 PpOpt = Annotated[Optional[int], typer.Option("--pp", help="P stages of torch.distributed.pipelining (manual "
     "PipelineStages: stage 0 the embedding and its layers, the last its layers, norm, head and loss), each stage "
     "traced on a fake rank; --batch is the batch of one schedule.step, split into --micro-batches")]
-PpScheduleOpt = Annotated[str, typer.Option("--pp-schedule", help="--pp: gpipe | 1f1b (ScheduleGPipe, Schedule1F1B; "
-    "interleaved-1f1b and zero-bubble are not modelled yet)")]
+PpScheduleOpt = Annotated[str, typer.Option("--pp-schedule", help="--pp: gpipe | 1f1b | interleaved-1f1b | "
+    "zero-bubble (ScheduleGPipe, Schedule1F1B; ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble with "
+    "--virtual-stages per rank)")]
 MicroBatchesOpt = Annotated[Optional[int], typer.Option("--micro-batches", help="--pp: M micro-batches of "
     "batch / M rows per step [default: P]")]
-VirtualStagesOpt = Annotated[Optional[int], typer.Option("--virtual-stages", help="--pp-schedule interleaved-1f1b: "
-    "stages per rank (not modelled yet)")]
+VirtualStagesOpt = Annotated[Optional[int], typer.Option("--virtual-stages", help="--pp-schedule interleaved-1f1b "
+    "or zero-bubble: "
+    "V stages per rank, rank r holding stages r, r + P, ... (P x V stages in all) [default: 2]")]
 PpSplitOpt = Annotated[Optional[str], typer.Option("--pp-split", help="--pp: decoder layers per stage, e.g. 3,3,2 "
-    "(0 allowed) [default: even, the remainder on the earliest stages]")]
-StageOpt = Annotated[Optional[int], typer.Option("--stage", help="--pp: trace and report this stage only "
-    "[default: every distinct stage, the largest reported]")]
+    "(0 allowed; P x V of them with --virtual-stages) [default: even, the remainder on the earliest stages]")]
+StageOpt = Annotated[Optional[int], typer.Option("--stage", help="--pp: trace and report this stage only (under "
+    "interleaved-1f1b and zero-bubble: this rank, all its stages) [default: every distinct stage, the largest "
+    "reported]")]

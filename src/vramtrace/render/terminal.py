@@ -456,13 +456,19 @@ def sparkline(report: MemoryReport, width: int = 48) -> str:
 
 def pipeline_text(r: RunInfo) -> str:
     """'1f1b over 4 stages, 4 micro-batches of 2 rows, split 1,1,1,1; stage 3 shown' and one line per stage:
-    'stage 0  2.43 MiB at B0, in flight 0-3; receive buffers 64.00 KiB, held sends 0 B'."""
+    'stage 0  2.43 MiB at B0, in flight 0-3; receive buffers 64.00 KiB, held sends 0 B'. Under interleaved-1f1b
+    and zero-bubble
+    'interleaved-1f1b over 2 ranks of 2 stages, ...; rank 1 shown' and one line per rank: 'rank 0 (stages 0,2)
+    ...'."""
     p = r.pp
-    lines = [f"{p.schedule.value} over {p.stages} stages, {p.micro_batches} micro-batches of {p.micro_batch_rows} "
-             f"rows, split {','.join(map(str, p.split))}; stage {p.stage} shown"]
+    who = "rank" if p.virtual_stages else "stage"
+    over = f"{p.stages} ranks of {p.virtual_stages} stages" if p.virtual_stages else f"{p.stages} stages"
+    lines = [f"{p.schedule.value} over {over}, {p.micro_batches} micro-batches of {p.micro_batch_rows} "
+             f"rows, split {','.join(map(str, p.split))}; {who} {p.stage} shown"]
     for s in p.stage_peaks:
         flight = ",".join(map(str, s.in_flight)) or "none"
-        lines.append(f"stage {s.stage}  {format_bytes(s.peak_bytes)} at {s.at}, in flight {flight}; receive "
+        held = f" (stages {','.join(map(str, s.holds))})" if s.holds else ""
+        lines.append(f"{who} {s.stage}{held}  {format_bytes(s.peak_bytes)} at {s.at}, in flight {flight}; receive "
                      f"buffers {format_bytes(s.recv_buffer_bytes)}, held sends {format_bytes(s.held_send_bytes)}"
                      + (f" (as stage {s.traced_as})" if s.traced_as != s.stage else ""))
     return "\n".join(lines)

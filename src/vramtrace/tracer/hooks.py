@@ -14,16 +14,19 @@ from .recorder import StepRecorder, tag_autograd_nodes
 
 @contextlib.contextmanager
 def module_hooks(model: torch.nn.Module, rec: StepRecorder):
-    """Keep `rec.module_stack` (and `rec.forward_depth`: inside the model's own forward) while modules run; tag the
-    autograd nodes each module's forward created with its path."""
+    """Keep `rec.module_stack` (and `rec.forward_depth`: inside the model's own forward, or one of its
+    `forward_roots` when it declares them: an interleaved pipeline rank's stages, tracer/pipelining.py
+    `RankModule`, which the schedule calls one by one) while modules run; tag the autograd nodes each module's
+    forward created with its path."""
     names = {id(m): n for n, m in model.named_modules()}
+    roots = {id(m) for m in getattr(model, "forward_roots", (model,))}
 
     def pre(mod, args):
-        rec.forward_depth += mod is model
+        rec.forward_depth += id(mod) in roots
         rec.module_stack.append(names.get(id(mod), type(mod).__name__))
 
     def post(mod, args, out):
-        rec.forward_depth -= mod is model
+        rec.forward_depth -= id(mod) in roots
         path = rec.module_stack.pop() if rec.module_stack else ""
         if torch.is_grad_enabled():
             tag_autograd_nodes(out, path, rec.watch_node)

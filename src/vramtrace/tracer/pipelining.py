@@ -21,8 +21,16 @@ rules apply unchanged. The bridges `PIPELINE_P2P` (a completed stand-in Work hol
 Work does) and `PIPELINE_STATIC_VOTE` (the warm-up vote's answer when every stage was given its metadata) let the
 schedule run on meta with the fake group; `PIPELINE_MICRO_STEPS` labels each forward and backward micro-step.
 
+Interleaved 1F1B (`ScheduleInterleaved1F1B`, V = `spec.pp_virtual_stages` stages per rank): the model is cut into
+P × V stages and rank r holds stages r, r + P, ... (`rank_stages`), each a static `PipelineStage` as above, cut
+from one copy of the model (`cut_rank`: a `RankModule`, whose stages share what the model shares, the rotary
+module); the schedule is given the list of them, and the rank has one optimizer over all their parameters. A
+rank is then what is traced and reported (`spec.stage` names the rank). Zero bubble (`ScheduleInterleavedZeroBubble`)
+the same way, its backward split into input-gradient and weight-gradient micro-steps (`W<i>@<k>`).
+
 Checked against real multi-process gloo runs (docs/research/issue-42-pipelining.md: every stage's peak to the
-byte, fp32, GPipe and 1F1B, P = 2..4, uneven splits and a 0-layer stage).
+byte, fp32, GPipe and 1F1B, P = 2..4, uneven splits and a 0-layer stage; interleaved-1f1b every rank to the byte
+for Llama, P = 2 and 3; tests/test_pipelining.py).
 """
 
 from __future__ import annotations
@@ -48,10 +56,11 @@ def even_split(layers: int, stages: int) -> tuple[int, ...]:
 
 
 def stage_split(spec: RunSpec, num_layers: int) -> tuple[int, ...]:
-    """The layers of each of `spec.pp` stages: `spec.pp_split` (checked to sum to `num_layers`), else
-    `even_split`. Raises UsageError when the split does not add up."""
+    """The layers of each of the P × V stages (`spec.pp` ranks of `spec.pp_virtual_stages` stages each; V is 1
+    but under interleaved-1f1b): `spec.pp_split` (checked to sum to `num_layers`), else `even_split`. Raises
+    UsageError when the split does not add up."""
     if spec.pp_split is None:
-        return even_split(num_layers, spec.pp)
+        return even_split(num_layers, spec.pp * spec.pp_virtual_stages)
     if sum(spec.pp_split) != num_layers:
         raise UsageError(f"--pp-split {','.join(map(str, spec.pp_split))} gives {sum(spec.pp_split)} decoder layers; "
                          f"the model has {num_layers}: make the split sum to {num_layers}")
@@ -70,10 +79,23 @@ def stage_classes(split: tuple[int, ...]) -> list[tuple[int, ...]]:
     return sorted((tuple(g) for g in groups.values()), key=lambda g: g[0])
 
 
-def distinct_stages(split: tuple[int, ...], schedule: PipelineSchedule, micro_batches: int) -> list[tuple[int, ...]]:
+def rank_stages(rank: int, ranks: int, virtual: int) -> tuple[int, ...]:
+    """The stages rank `rank` of `ranks` holds with `virtual` stages per rank: rank, rank + P, ..., rank + (V - 1)
+    P (torch's loop placement: schedules.py `ScheduleInterleaved1F1B._calculate_single_rank_operations`,
+    `forward_stage_index` = local index × P + rank)."""
+    return tuple(rank + v * ranks for v in range(virtual))
+
+
+def distinct_stages(split: tuple[int, ...], schedule: PipelineSchedule, micro_batches: int,
+                    ranks: int | None = None) -> list[tuple[int, ...]]:
     """The stages that run the same program, grouped (`stage_classes`), refined by the schedule: under 1F1B
     stage k warms up min(M, P - k) forwards (torch/distributed/pipelining/schedules.py `Schedule1F1B`
-    `_step_microbatches`: `warmup_chunks`), so middle stages share a program only when that count is the same."""
+    `_step_microbatches`: `warmup_chunks`), so middle stages share a program only when that count is the same.
+    Under interleaved-1f1b (`ranks` P, `split` the P × V stages' layers) the groups are of ranks, each alone: rank
+    r warms up (V - 1) × M / rounds + 2 (P - 1 - r) forwards (`_get_warmup_ops`), a count of its own, and holds
+    its own stages."""
+    if schedule.multi_stage:
+        return [(r,) for r in range(ranks)]
     if schedule is PipelineSchedule.GPIPE:
         return stage_classes(split)
     groups: dict[tuple, list[int]] = {}
@@ -125,6 +147,28 @@ class StageModule(torch.nn.Module):
             return h
 
 
+class RankModule(torch.nn.Module):
+    """The stages one rank holds under interleaved-1f1b (`stages`: a StageModule each, in the order of
+    `rank_stages`), one module so that the rank's one optimizer takes all their parameters, in that order (what
+    tests/pp_oracle.py's user does: one AdamW over `[p for sub in subs for p in sub.parameters()]`). Not called:
+    the schedule calls each stage's module."""
+
+    def __init__(self, stages: list[StageModule]):
+        super().__init__()
+        self.stages = torch.nn.ModuleList(stages)
+
+    @property
+    def forward_roots(self) -> tuple[StageModule, ...]:
+        """The modules whose forward is the rank's forward (tracer/hooks.py `module_hooks`: ops inside them are
+        the forward phase, what they save for backward activations): its stages."""
+        return tuple(self.stages)
+
+    @property
+    def layer_stack(self) -> torch.nn.ModuleList:
+        """Every decoder layer of the rank's stages, in stage order (not registered twice: a fresh list)."""
+        return torch.nn.ModuleList([layer for sub in self.stages for layer in sub.layers])
+
+
 _LAYOUTS = (("model", ("embed_tokens", "layers", "rotary_emb", "norm")),
             ("transformer", ("wte", "wpe", "drop", "h", "ln_f")))
 
@@ -154,17 +198,25 @@ def check_model(model: torch.nn.Module) -> None:
 def cut(model: torch.nn.Module, split: tuple[int, ...], k: int, keep: int | None = None) -> StageModule:
     """Stage `k` of `model` under `split`, deep-copied (its own parameters: a tied head gets its own copy); with
     `keep`, only the stage's first `keep` layers (a copy to trace and replicate, `stage_plan`)."""
+    return copy.deepcopy(_stage_module(model, split, k, keep))
+
+
+def _stage_module(model: torch.nn.Module, split: tuple[int, ...], k: int, keep: int | None = None) -> StageModule:
+    """Stage `k` of `model` under `split`, its modules `model`'s own (not copied)."""
     bounds = list(itertools.accumulate(split, initial=0))
     hi = bounds[k + 1] if keep is None else min(bounds[k + 1], bounds[k] + keep)
-    return copy.deepcopy(StageModule(model, bounds[k], hi, k == 0, k == len(split) - 1))
+    return StageModule(model, bounds[k], hi, k == 0, k == len(split) - 1)
 
 
 def stage_plan(spec: RunSpec, loaded):
     """(LayerPlan of stage `spec.stage`'s layers, note): the stage traced with `TRACED_LAYERS` of its layers and
     the rest rebuilt (tracer/replication.py) when it has more and replication is on; else (None, why every layer
-    of the stage is traced)."""
+    of the stage is traced). Under interleaved-1f1b a rank holds several stages, each its own layer stack, which
+    the replication's one stack does not describe: every layer is traced."""
     from .replication import TRACED_LAYERS, LayerPlan
 
+    if spec.pp_schedule.multi_stage:
+        return None, f"traced every layer of the rank's stages ({spec.pp_schedule.value}: a layer stack per stage)"
     n = stage_split(spec, loaded.num_layers)[spec.stage or 0]
     if not spec.replicate_layers or n <= TRACED_LAYERS:
         return None, "traced every layer of the stage"
@@ -173,10 +225,24 @@ def stage_plan(spec: RunSpec, loaded):
     return LayerPlan("layers", n), ""
 
 
+def cut_rank(spec: RunSpec, model: torch.nn.Module, split: tuple[int, ...], keep: int | None = None
+             ) -> StageModule | RankModule:
+    """What rank `spec.stage` (0 when None) holds: its stage (`cut`), or under interleaved-1f1b a RankModule of
+    its `rank_stages`, deep-copied together: the modules its stages share stay one (a Llama's `rotary_emb`, whose
+    `inv_freq` buffers the rank then holds once, as a user who cuts the rank's stages from one model does:
+    tests/pp_oracle.py `_build`)."""
+    k = spec.stage or 0
+    if spec.pp_virtual_stages == 1:
+        return cut(model, split, k, keep)
+    return copy.deepcopy(RankModule([_stage_module(model, split, s)
+                                     for s in rank_stages(k, spec.pp, spec.pp_virtual_stages)]))
+
+
 def stage_parameter_bytes(spec: RunSpec, model: torch.nn.Module) -> dict[str, int]:
-    """Bytes of each parameter of stage `spec.stage` (0 when None) of `model`, by its name in the stage module."""
+    """Bytes of each parameter of stage `spec.stage` (0 when None; the rank under interleaved-1f1b) of `model`,
+    by its name in the stage module (`cut_rank`)."""
     split = stage_split(spec, len(model.transformer.h if hasattr(model, "transformer") else model.model.layers))
-    return {n: p.untyped_storage().nbytes() for n, p in cut(model, split, spec.stage or 0).named_parameters()}
+    return {n: p.untyped_storage().nbytes() for n, p in cut_rank(spec, model, split).named_parameters()}
 
 
 def stage_outputs(model: torch.nn.Module, split: tuple[int, ...], micro: torch.Tensor, policy) -> list[torch.Tensor]:
@@ -225,47 +291,63 @@ class StageTrace:
 
 def schedule_class(schedule: PipelineSchedule):
     """The torch schedule class of `schedule`. Raises UsageError for a schedule not modelled yet."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble)
 
-    classes = {PipelineSchedule.GPIPE: ScheduleGPipe, PipelineSchedule.ONE_F_ONE_B: Schedule1F1B}
+    classes = {PipelineSchedule.GPIPE: ScheduleGPipe, PipelineSchedule.ONE_F_ONE_B: Schedule1F1B,
+               PipelineSchedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
+               PipelineSchedule.ZERO_BUBBLE: ScheduleInterleavedZeroBubble}
     if schedule not in classes:
-        raise UsageError(f"--pp-schedule {schedule.value} is not modelled yet; use gpipe or 1f1b")
+        raise UsageError(f"--pp-schedule {schedule.value} is not modelled yet; use one of "
+                         f"{', '.join(s.value for s in classes)}")
     return classes[schedule]
 
 
-def build_stage(spec: RunSpec, sub: StageModule, k: int, micro: torch.Tensor, outs: list[torch.Tensor],
-                loss_fn: Callable):
-    """(PipelineStage, schedule) of stage `k` in static metadata mode: `micro` one micro-batch of the stage-0
-    input, `outs` each stage's output meta (`stage_outputs`); the schedule with M = `spec.micro_batches` (None: P)."""
+def _static_stage(sub: StageModule, k: int, micro: torch.Tensor, outs: list[torch.Tensor]):
+    """PipelineStage `k` of len(`outs`) stages in static metadata mode: `micro` one micro-batch of the stage-0
+    input, `outs` each stage's output meta (`stage_outputs`)."""
     from torch.distributed.pipelining import PipelineStage
 
-    first, last = k == 0, k == spec.pp - 1
+    first, last = k == 0, k == len(outs) - 1
     received = None if first else outs[k - 1]
-    stage = PipelineStage(sub, k, spec.pp, torch.device("meta"), input_args=micro if first else received,
-                          output_args=outs[k], output_grads=None if last else outs[k],
-                          input_grads=None if first else received)
-    return stage, schedule_class(spec.pp_schedule)(stage, n_microbatches=spec.pp_micro_batches,
-                                                    loss_fn=loss_fn)
+    return PipelineStage(sub, k, len(outs), torch.device("meta"), input_args=micro if first else received,
+                         output_args=outs[k], output_grads=None if last else outs[k],
+                         input_grads=None if first else received)
+
+
+def build_stage(spec: RunSpec, sub: StageModule | RankModule, k: int, micro: torch.Tensor,
+                outs: list[torch.Tensor], loss_fn: Callable):
+    """(the rank's PipelineStages, schedule) of rank `k` (`_static_stage`: stage k, or under interleaved-1f1b
+    each of the RankModule's stages, `rank_stages`); the schedule with M = `spec.micro_batches` (None: P), given
+    the one stage, or the list of them (ScheduleInterleaved1F1B)."""
+    if not isinstance(sub, RankModule):
+        stage = _static_stage(sub, k, micro, outs)
+        return [stage], schedule_class(spec.pp_schedule)(stage, n_microbatches=spec.pp_micro_batches,
+                                                         loss_fn=loss_fn)
+    stages = [_static_stage(m, s, micro, outs)
+              for m, s in zip(sub.stages, rank_stages(k, spec.pp, spec.pp_virtual_stages))]
+    return stages, schedule_class(spec.pp_schedule)(stages, n_microbatches=spec.pp_micro_batches, loss_fn=loss_fn)
 
 
 RECV_BUFFER = "receive buffer"  # the name prefix of a stage's receive buffers (`StageTrace`)
 HELD_SEND = "sent, held by its Work"  # the name of an input gradient a send Work holds
 
 
-def _name_buffers(stage, rec) -> None:
+def _name_buffers(stage, rec, where: str = "") -> None:
     """Categorise the stage's receive buffers (made in its first step and kept for its life: stage.py
     `PipelineStage._setup_forward_recv_info`, `_create_grad_recv_info`, one per micro-batch in `_RecvInfo.buffer`)
     as pipeline buffers, named by direction and micro-batch. The attributes are bridges.py PIPELINE_STAGE_STATE's
-    and PIPELINE_RECV_BUFFER's, checked when the step's patches are entered: no default hides a rename."""
+    and PIPELINE_RECV_BUFFER's, checked when the step's patches are entered: no default hides a rename. `where`
+    ends each name (the stage, under interleaved-1f1b)."""
     for kind, infos in (("activation", stage.args_recv_info), ("gradient", stage.grad_recv_info)):
         for chunk, recvs in infos.items():
             for info in recvs:
                 if info.buffer is not None:
                     rec.set_category(info.buffer, Category.PIPELINE_BUFFERS,
-                                     f"{RECV_BUFFER} ({kind}, micro-batch {chunk})")
+                                     f"{RECV_BUFFER} ({kind}, micro-batch {chunk}{where})")
 
 
-def pipeline_step(spec: RunSpec, sched, stage, ids: torch.Tensor | None, labels: torch.Tensor | None, ctx, rec,
+def pipeline_step(spec: RunSpec, sched, stages, ids: torch.Tensor | None, labels: torch.Tensor | None, ctx, rec,
                   info: StageTrace) -> Callable:
     """The step function of one rank (`trace._record_on`'s `step_of`), as a user's loop writes it (a mixed
     precision's autocast inside each stage forward, `StageModule`):
@@ -275,8 +357,12 @@ def pipeline_step(spec: RunSpec, sched, stage, ids: torch.Tensor | None, labels:
         out = schedule.step()                           # a middle stage
         del out; optimizer.step(); optimizer.zero_grad()   # no optimizer on a stage without parameters
 
-    under the bridges of `feature_bridges.pipelining_on_meta`, which report each micro-step to `info` with the op
-    index it starts at (`rec.ops`) and the micro-batches then in `stage.fwd_cache` (in flight)."""
+    under the bridges of `feature_bridges.pipelining_on_meta` and a saved-tensor hook of its own (`pack`), which
+    report each micro-step to `info` with the op
+    index it starts at (`rec.ops`) and the micro-batches then in `stage.fwd_cache` (in flight). `stages`: the
+    rank's PipelineStages (several under interleaved-1f1b, whose micro-steps are labelled 'F<i>@<stage>')."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
     from .. import feature_bridges
 
     def on_micro_step(label: str, in_flight: tuple[int, ...]) -> None:
@@ -286,9 +372,26 @@ def pipeline_step(spec: RunSpec, sched, stage, ids: torch.Tensor | None, labels:
         for t in tensors:
             rec.set_category(t, Category.PIPELINE_BUFFERS, HELD_SEND)
 
+    several = tuple(stages) if len(stages) > 1 else ()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        # the recorder's saved-tensor hook (it marks activations), keeping an alias without the autograd graph:
+        # returned as is, an output its own node saves (log_softmax's) would hold that node, a cycle through C++
+        # that Python's gc cannot break. A backward frees saved tensors as it runs, so it does not matter there;
+        # zero-bubble's input-gradient backward keeps the graph for the weight pass, and the graph's saved tensors
+        # then outlived the step (rank 1 of a tiny Llama +52%); autograd itself saves an output without its
+        # grad_fn (torch/csrc/autograd/saved_variable.cpp), what the alias does
+        rec.pack_hook(t)
+        if t.grad_fn is None:
+            return t
+        with _disable_current_modes():  # the alias is no op of the step (bridges.py DISPATCH_TOOLKIT)
+            return t.detach()
+
     def step(model, batch, optimizer) -> None:
-        stage.submod.autocast = ctx.autocast
-        with feature_bridges.pipelining_on_meta(on_micro_step, on_send):
+        for stage in stages:
+            stage.submod.autocast = ctx.autocast
+        with feature_bridges.pipelining_on_meta(on_micro_step, on_send, several), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if ids is not None:
                 out = sched.step(ids)
             elif labels is not None:
@@ -296,7 +399,8 @@ def pipeline_step(spec: RunSpec, sched, stage, ids: torch.Tensor | None, labels:
             else:
                 out = sched.step()
         del out
-        _name_buffers(stage, rec)
+        for stage in stages:
+            _name_buffers(stage, rec, f", stage {stage.stage_index}" if several else "")
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=spec.zero_grad is ZeroGrad.NONE)
@@ -304,7 +408,8 @@ def pipeline_step(spec: RunSpec, sched, stage, ids: torch.Tensor | None, labels:
 
 
 def record_stage(spec: RunSpec, loaded, record_on: Callable, traced_layers: int | None = None):
-    """Trace stage `spec.stage` (0 when None) of `spec.pp` of `loaded.model`: `record_on(spec, stage module, the
+    """Trace stage `spec.stage` (0 when None) of `spec.pp` of `loaded.model` (under interleaved-1f1b rank
+    `spec.stage` with its `rank_stages`, a RankModule): `record_on(spec, stage module, the
     stage's LoadedModel, its layers, step_of=...)` (trace.py `_record_on`) inside `sharding.fake_rank(P, k)`; with
     `traced_layers`, the stage keeps only its first that many layers (`stage_plan`: the rest rebuilt by layer
     replication). Returns what `record_on` returns; the recorder's `pipeline` holds the stage's `StageTrace`.
@@ -316,7 +421,8 @@ def record_stage(spec: RunSpec, loaded, record_on: Callable, traced_layers: int 
     check_model(model)
     split = stage_split(spec, loaded.num_layers)
     k, P = spec.stage or 0, spec.pp
-    first, last = k == 0, k == P - 1
+    held = rank_stages(k, P, spec.pp_virtual_stages)
+    first, last = 0 in held, len(split) - 1 in held
     ids = loaded.inputs["input_ids"]
     labels = loaded.inputs.get("labels", ids)
     micro = torch.empty((spec.batch // spec.pp_micro_batches, *ids.shape[1:]), dtype=ids.dtype, device="meta")
@@ -325,8 +431,8 @@ def record_stage(spec: RunSpec, loaded, record_on: Callable, traced_layers: int 
     vocab = model.config.get_text_config().vocab_size
     loss_fn = functools.partial(model.loss_function, vocab_size=vocab)
     with fake_rank(P, k):
-        sub = cut(model, split, k, traced_layers)
-        stage, sched = build_stage(spec, sub, k, micro, outs, loss_fn)
+        sub = cut_rank(spec, model, split, traced_layers)
+        stages, sched = build_stage(spec, sub, k, micro, outs, loss_fn)
         inputs = {"input_ids": ids} if first else {"labels": labels} if last else {}
         stage_loaded = replace(loaded, model=sub, inputs=inputs, args=(), held={}, layer_plan=None,
                                traced_model=None)
@@ -334,6 +440,7 @@ def record_stage(spec: RunSpec, loaded, record_on: Callable, traced_layers: int 
 
         def step_of(ctx, rec):
             rec.pipeline = info
-            return pipeline_step(spec, sched, stage, ids if first else None, labels if last else None, ctx, rec,
+            return pipeline_step(spec, sched, stages, ids if first else None, labels if last else None, ctx, rec,
                                  info)
-        return record_on(spec, sub, stage_loaded, sub.layers, step_of=step_of)
+        layers = sub.layer_stack if isinstance(sub, RankModule) else sub.layers
+        return record_on(spec, sub, stage_loaded, layers, step_of=step_of)
