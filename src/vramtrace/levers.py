@@ -428,11 +428,18 @@ def _micro_batch(s: _Search, on: RunSpec) -> list[Lever]:
 def _pp_micro_batches(s: _Search, on: RunSpec) -> list[Lever]:
     """Under --pp: more micro-batches per pipeline step (`--micro-batches`), each of fewer rows, the batch of one
     `schedule.step` kept (--grad-accum does not compose with --pp: the micro-batches are its accumulation). M
-    doubled while it divides the batch, each traced in order until one fits; the largest when none does."""
+    doubled while it divides the batch, each traced in order until one fits; the largest when none does. An M the
+    spec's checks refuse (an interleaved schedule's, as torch's `ScheduleInterleaved1F1B` refuses it) is skipped."""
+    from .errors import SpecError
+
     m = on.pp_micro_batches
     found = None
     while on.batch % (2 * m) == 0:
         m *= 2
+        try:
+            replace(on, micro_batches=m)
+        except SpecError:
+            continue
         found = s.lever("micro_batch", on, {"micro_batches": m}, (3, float(m)),
                         f"throughput: {m} micro-batches of {on.batch // m} rows per pipeline step instead of "
                         f"{on.pp_micro_batches} of {on.batch // on.pp_micro_batches} (the same batch {on.batch} per "
