@@ -71,7 +71,8 @@ def test_levers_under_pp_size_the_whole_pipeline(capsys, tmp_path):
     levers = report["levers"]
     assert levers["base_bytes"] == report["peak_allocated_bytes"] > BUDGET
     rows = {lv["family"]: lv for lv in levers["levers"]}
-    assert {"micro_batch", "pp"} <= set(rows) <= {"use_cache", "optimizer_impl", "checkpointing", "micro_batch", "pp"}
+    assert {"micro_batch", "pp"} <= set(rows) <= {"use_cache", "optimizer_impl", "optimizer_8bit", "checkpointing",
+                                                  "micro_batch", "pp"}
     base = dict(batch=8, seq=16, device="cpu", precision="fp32", pp=2)
     # the first doubling of M = P = 2 that fits; --pp 3 is no depth for batch 8 (M follows P), so --pp 4
     for family, options, spec in (("micro_batch", "--micro-batches 4", RunSpec(model, **{**base, "micro_batches": 4})),
@@ -120,4 +121,33 @@ def test_fit_pp_when_no_depth_fits_names_the_deepest_and_the_layer_limit(capsys,
     assert result["best"] is None and result["next"]["x"] == result["limit"] == 2
     assert result["next"]["peak_allocated_bytes"] > result["budget_bytes"] == 1 << 20
     text = " ".join(r.stdout.split())
-    assert "Does not fit even with --pp 2" in text and "up to the model's 2 decoder layers" in text
+    assert "Does not fit even with --pp 2" in text and "depths searched up to --pp 2" in text
+
+
+def test_fit_pp_stops_before_a_depth_past_its_cap_of_stage_traces(capsys, tmp_path, monkeypatch):
+    """The search stops before a depth whose stages would take it past `MAX_PIPELINE_STAGE_TRACES` stage traces
+    (here 5: --pp 2 and 3 traced, 2 + 3 stages; --pp 4 would make 9) and says so; the limit is the last depth
+    searched."""
+    import vramtrace.fit
+
+    monkeypatch.setattr(vramtrace.fit, "MAX_PIPELINE_STAGE_TRACES", 5)
+    out = tmp_path / "fit.json"
+    r = run_cli(capsys, "fit", deep_config(tmp_path, "tiny-llama-gqa", 8), "--batch", "12", "--seq", "8",
+                "--device", "cpu", "--precision", "fp32", "--pp", "2", "--gpu-memory", "1KiB", "--json", out)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert result["best"] is None and [p["x"] for p in result["curve"]] == [2, 3] and result["limit"] == 3
+    assert result["traces"] == 5 and "stopped before --pp 4" in result["method"]
+
+
+def test_a_candidate_depth_has_a_layer_for_every_stage_and_options_the_spec_accepts():
+    """`levers.pipeline_depth` (the fit axis's and the pp lever's candidates), no trace: with 2 virtual stages per
+    rank, depth P' needs 2 P' layers; 1F1B raises a given M below the depth to it; a batch that M does not divide
+    is no candidate."""
+    from vramtrace.levers import pipeline_depth
+
+    inter = RunSpec(LLAMA, batch=8, seq=8, pp=2, pp_schedule="interleaved-1f1b", virtual_stages=2, micro_batches=4)
+    assert pipeline_depth(inter, 2, 4) is not None and pipeline_depth(inter, 3, 4) is None
+    one = RunSpec(LLAMA, batch=8, seq=8, pp=2, micro_batches=2)
+    assert pipeline_depth(one, 4, 8).micro_batches == 4
+    assert pipeline_depth(one, 3, 8) is None  # M raised to 3 does not divide the batch of 8

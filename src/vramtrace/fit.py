@@ -38,6 +38,7 @@ from .search import MAX_RANKS, SEQ_STEP, Curve, TraceSession, aligned, fewest_ra
 
 BATCH_NODES = (2, 3, 4)  # not 1: at batch 1 some reshapes are views, at 2 and more copies
 MAX_BATCH = 1 << 20  # the search's upper end for the batch axis
+MAX_PIPELINE_STAGE_TRACES = 32  # `vramtrace fit --pp`: stage traces before the search stops (`_fit_depth`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,8 +386,11 @@ def _fit_depth(session: TraceSession, capacity: int, budget: int, cuda: bool) ->
     decoder layer count, until one fits. Consecutive depths, not powers of two: a user picks any depth that divides
     their GPUs, and the largest stage's peak is not monotone in the depth (the split's remainder moves, the
     micro-batches follow the depth), so a bisection could pass the smallest depth that fits; it stops at the first
-    that fits, so the traces are those of the depths below the answer. A depth is skipped where the run's options
-    do not go together with it (`levers.pipeline_depth`: the batch not a multiple of the micro-batches).
+    that fits, so the traces are those of the depths below the answer, and before a depth whose stages would take
+    the search past `MAX_PIPELINE_STAGE_TRACES` stage traces (under 1F1B every stage of a depth is traced: from
+    --pp 4 to 32 layers would be 522). A depth is skipped where the run's options do not go together with it
+    (`levers.pipeline_depth`: the batch not a multiple of the micro-batches, a schedule refusing them, more stages
+    than layers).
 
     A depth fits when every stage does. Its FitPoint is its largest stage's (the stage the report of the same spec
     shows, `trace_stages`), or, on a CUDA target where that one fits and another stage does not, the largest of
@@ -399,11 +403,15 @@ def _fit_depth(session: TraceSession, capacity: int, budget: int, cuda: bool) ->
     exact: dict[int, FitPoint] = {}
     depths: list[int] = []
     skipped: list[int] = []
-    best, layers, depth, traces = None, None, spec.pp, 0
-    while layers is None or depth <= layers:
+    best, layers, depth, traces, capped = None, None, spec.pp, 0, None
+    v = spec.pp_virtual_stages or 1
+    while layers is None or depth * v <= layers:
         on = replace(spec, stage=None) if layers is None else pipeline_depth(spec, depth, layers)
         if on is None:
             skipped.append(depth)
+        elif layers is not None and traces + depth > MAX_PIPELINE_STAGE_TRACES:  # at most `depth` stages to trace
+            capped = depth
+            break
         else:
             session.say(f"exact trace at --pp {depth}")
             stages = stage_traces(session, on)
@@ -424,10 +432,13 @@ def _fit_depth(session: TraceSession, capacity: int, budget: int, cuda: bool) ->
     method = (f"each pipeline depth from --pp {spec.pp} traced in order, every distinct stage (a depth fits when "
               f"its largest stage does{'; --stage dropped: every stage sized' if spec.stage is not None else ''}); "
               f"{spec.pp_schedule.value}, {m}, even split"
-              + (f"; skipped --pp {', '.join(map(str, skipped))} (batch {spec.batch} does not split into its "
-                 "micro-batches)" if skipped else ""))
+              + (f"; skipped --pp {', '.join(map(str, skipped))} (the batch {spec.batch} does not split into its "
+                 "micro-batches, or the schedule refuses them)" if skipped else "")
+              + (f"; stopped before --pp {capped}: its stages would take the search past "
+                 f"{MAX_PIPELINE_STAGE_TRACES} stage traces" if capped else ""))
     ctx = spec.cuda_context_figure if cuda else None
-    return FitResult("pp", spec.batch, layers, capacity, budget, _basis(spec, cuda, stages=True),
+    return FitResult("pp", spec.batch, (capped - 1) if capped else layers // v, capacity, budget,
+                     _basis(spec, cuda, stages=True),
                      exact[best] if best is not None else None, exact.get(below),
                      tuple(exact[n] for n in sorted(exact)), method, traces,
                      cuda_context_bytes=ctx.nbytes if ctx else 0, cuda_context_source=ctx.source if ctx else "")

@@ -526,8 +526,8 @@ def _zero_stage(s: _Search, on: RunSpec) -> list[Lever]:
 
 def pipeline_depth(spec: RunSpec, depth: int, num_layers: int, stage: int | None = None) -> RunSpec | None:
     """`spec` (a --pp run without --pp-split) at pipeline depth `depth` (`pp`), its stage `stage`, or None when
-    `depth` is no valid depth for it (pp_options.py `check_pipeline`): more stages than the `num_layers` decoder
-    layers, or a batch that does not split into the micro-batches, or any other pipeline the spec's own checks
+    `depth` is no valid depth for it (pp_options.py `check_pipeline`): more stages (depth × virtual stages) than
+    the `num_layers` decoder layers, or a batch that does not split into the micro-batches, or any other pipeline the spec's own checks
     refuse (an interleaved schedule's M that torch's `ScheduleInterleaved1F1B` refuses). The micro-batches M: the
     run's `--micro-batches` when given and valid; 1F1B needs M >= depth (torch's `Schedule1F1B.__init__`), so a
     given M below the depth becomes the depth; M defaulted (None: M = P) follows the depth. The even split of the
@@ -535,7 +535,7 @@ def pipeline_depth(spec: RunSpec, depth: int, num_layers: int, stage: int | None
     from .choices import PipelineSchedule
     from .errors import SpecError
 
-    if depth > num_layers:
+    if depth * (spec.pp_virtual_stages or 1) > num_layers:  # no stage without layers
         return None
     m = spec.micro_batches
     if m is not None and spec.pp_schedule is PipelineSchedule.ONE_F_ONE_B and m < depth:
@@ -604,8 +604,8 @@ def whole_pipeline(ev: Evaluator, spec: RunSpec) -> RunSpec:
 # the families a --zero run tries (the others change what DeepSpeed runs: LoRA, quantization, FSDP2, the optimizer)
 ZERO_FAMILIES = ("use_cache", "checkpointing", "micro_batch", "zero")
 # the families a --pp run tries, each on the whole pipeline (every stage; --stage K: that stage): --pp does not
-# compose with LoRA, quantization or FSDP2 yet, and bitsandbytes' optimizers are not traced on a stage
-PP_FAMILIES = ("use_cache", "optimizer_impl", "checkpointing", "micro_batch", "pp")
+# compose with LoRA, quantization or FSDP2 yet
+PP_FAMILIES = ("use_cache", "optimizer_impl", "optimizer_8bit", "checkpointing", "micro_batch", "pp")
 PP_CHECKPOINTING = "modules:layers.*"  # each decoder layer of a stage (docs/pipelining.md)
 
 FAMILIES: tuple[tuple[str, Callable[[_Search, RunSpec], list[Lever]]], ...] = (
@@ -616,8 +616,7 @@ FAMILIES: tuple[tuple[str, Callable[[_Search, RunSpec], list[Lever]]], ...] = (
 
 
 # under --pp, the families not in PP_FAMILIES (one skipped row says why)
-PP_NOT_TRACED = ("not traced under --pp yet: --pp does not compose with --lora-rank, --quantization or --fsdp yet, "
-                 "and bitsandbytes' 8-bit optimizers are not traced on a pipeline stage")
+PP_NOT_TRACED = "not traced under --pp yet: --pp does not compose with LoRA, QLoRA or FSDP2 yet"
 
 
 def find_levers(spec: RunSpec, ev: Evaluator, budget_bytes: int) -> LeversSummary:
@@ -631,8 +630,8 @@ def find_levers(spec: RunSpec, ev: Evaluator, budget_bytes: int) -> LeversSummar
     found: list[Lever] = []
     skipped: list[SkippedLever] = []
     if spec.pp is not None:
-        skipped.append(NotTraced(SkipReason.NOT_MODELLED, "--lora-rank, --quantization, --optimizer adamw-8bit, "
-                                 "--fsdp", PP_NOT_TRACED).row("not_under_pp"))
+        skipped.append(NotTraced(SkipReason.NOT_MODELLED, "--lora-rank / --quantization / --fsdp",
+                                 PP_NOT_TRACED).row("not_under_pp"))
     for name, family in FAMILIES:
         if (spec.zero is not None and name not in ZERO_FAMILIES) or (spec.pp is not None and name not in PP_FAMILIES):
             continue

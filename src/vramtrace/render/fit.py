@@ -116,7 +116,8 @@ def _render_depth(r, console: Console) -> None:
     if r.best is None:
         console.print(f"[bold red]Does not fit even with --pp {r.next.x}[/]: its largest stage, "
                       f"{_why_not(r, r.next)}")
-        console.print(f"[dim]depths searched up to the model's {r.limit} decoder layers (a stage each at most)[/]")
+        console.print(f"[dim]depths searched up to --pp {r.limit} (the decoder layers, one per stage at least, or "
+                      "the search's cap of stage traces: the method says which)[/]")
         return
     console.print(f"Smallest pipeline depth that fits (--pp): [bold magenta]{r.best.x}[/] (its largest stage, "
                   f"{_why(r, r.best)})")
@@ -188,7 +189,8 @@ def render_fit_html(result, model: str, target: str) -> str:
     if r.best is None:
         answer = f"Does not fit even at {_AXIS[r.axis]} {r.next.x}."
     else:
-        answer = f"Largest {_AXIS[r.axis]} that fits: {r.best.x} (peak {format_bytes(_peak(r.best))})."
+        which = "Smallest" if r.axis in ("fsdp", "zero", "pp") else "Largest"  # the hardware axes: the fewest
+        answer = f"{which} {_AXIS[r.axis]} that fits: {r.best.x} (peak {format_bytes(_peak(r.best))})."
     other = f" at seq {r.fixed}" if r.axis == "batch" and r.fixed else f" at batch {r.fixed}" if r.axis == "seq" else ""
     rows = [{"x": f"{p.x:,}", "allocated": format_bytes(p.peak_allocated_bytes),
              "reserved": format_bytes(p.peak_reserved_bytes) if p.peak_reserved_bytes is not None else "",
