@@ -305,9 +305,10 @@ class Evaluator:
             return found
         if self.base is not None:
             self.say(f"what makes it fit, trace {self.traces + 1}: {options}")
+        made_traces = 1
         try:
             if spec.pp is not None and spec.stage is None:  # the whole pipeline: its largest stage
-                out = pipeline_outcome(self.session, spec, self.cuda)
+                out, made_traces = pipeline_outcome(self.session, spec, self.cuda)
             else:
                 made = self.session.fresh(spec)  # not kept: only its outcome is
                 out = outcome(made.tables, made.num_layers, self.cuda)
@@ -315,7 +316,7 @@ class Evaluator:
             logging.getLogger(__name__).debug("the lever %s could not be traced", options, exc_info=True)
             first = str(e).strip().splitlines()[0] if str(e).strip() else "(no message)"
             return NotTraced(SkipReason.FAILED, options, f"could not be traced: {type(e).__name__}: {first}")
-        self.traces += 1
+        self.traces += made_traces  # a whole pipeline: each of its stages traced
         self.disk.put(spec, out)
         return out
 
@@ -548,16 +549,16 @@ def pipeline_depth(spec: RunSpec, depth: int, num_layers: int, stage: int | None
         return None
 
 
-def pipeline_outcome(session: TraceSession, spec: RunSpec, cuda: bool) -> Outcome:
-    """The `tables.Outcome` of the pipeline `spec` (a --pp spec; `stage` None: every distinct stage traced,
-    pp_stages.py `stage_traces`, not kept): its largest stage's on the verdict's basis (`search.compared_bytes`:
-    peak reserved on a CUDA target), so that it fits the budget exactly when every stage does. With `spec.stage`:
-    that stage's."""
+def pipeline_outcome(session: TraceSession, spec: RunSpec, cuda: bool) -> tuple[Outcome, int]:
+    """(the `tables.Outcome` of the pipeline `spec`, the stage traces made) (a --pp spec; `stage` None: every
+    distinct stage traced, pp_stages.py `stage_traces`, not kept): its largest stage's on the verdict's basis
+    (`search.compared_bytes`: peak reserved on a CUDA target), so that it fits the budget exactly when every stage
+    does. With `spec.stage`: that stage's."""
     from .pp_stages import stage_traces
     from .tables import outcome
 
     found = [outcome(t.tables, t.num_layers, cuda) for t in stage_traces(session, spec, keep=False).values()]
-    return max(found, key=lambda o: (compared_bytes(o), o.peak_allocated_bytes))
+    return max(found, key=lambda o: (compared_bytes(o), o.peak_allocated_bytes)), len(found)
 
 
 def _pipeline_depth(s: _Search, on: RunSpec) -> list[Lever]:
