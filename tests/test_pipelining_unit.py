@@ -72,8 +72,16 @@ def test_interleaved_stages_are_placed_in_a_loop_and_split_over_p_times_v():
     ({"pp": 2, "pp_schedule": "dualpipe"}, "unknown pp_schedule 'dualpipe'"),
     ({"pp": 2, "virtual_stages": 2}, "virtual_stages applies to pp_schedule interleaved-1f1b .* drop virtual_stag"),
     ({"pp": 2, "pp_schedule": "gpipe", "virtual_stages": 2}, "gpipe runs one stage per rank"),
-    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 1}, "virtual_stages 1 is one stage per rank, "
-                                                                         "what pp_schedule 1f1b runs"),
+    # torch's schedules with one stage per rank are not 1f1b (more warm-up forwards; zero-bubble's split backward)
+    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 1}, r"virtual_stages 1 under pp_schedule "
+     r"interleaved-1f1b is not modelled \(.*2\(P-1-r\)\+1 forwards.*\); give virtual_stages 2 or more$"),
+    ({"pp": 2, "pp_schedule": "zero-bubble", "virtual_stages": 1}, r"virtual_stages 1 under pp_schedule "
+     r"zero-bubble is not modelled \(.*input- and weight-gradient steps\); give virtual_stages 2 or more$"),
+    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 1, "pp_split": "1,1,1,1"}, "virtual_stages 1 "
+                                                                                                  "under"),
+    # without pp, V = 1 is an option that applies to pp P, as any V
+    ({"virtual_stages": 1}, "^virtual_stages applies to pp P"),
+    ({"pp": 2, "virtual_stages": 1}, "1f1b runs one stage per rank: drop virtual_stages"),
     ({"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 0}, "virtual_stages must be an integer of "
                                                                          "at least 2"),
     # the split names the P × V stages under interleaved-1f1b (V = 2 by default)
@@ -141,6 +149,33 @@ def test_interleaved_micro_batch_counts_are_refused_exactly_where_torch_refuses_
     refused = [m for m in ms if not accepted(m)]
     assert refused == [m for m in ms if not _interleaved_schedule_builds(schedule, pp, m)]
     assert refused  # some M is refused for each P here (e.g. 2 rounds of an odd M)
+
+
+def _forwards_before_first_backward(cls, pp: int, m: int, rank: int) -> int:
+    """How many forwards torch's schedule `cls` (one stage per rank, the fake process group) runs on `rank` of `pp`
+    before its first backward, read from its own `pipeline_order`."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=pp)
+    try:
+        sched = cls([PipelineStage(torch.nn.Linear(2, 2), rank, pp, torch.device("cpu"))], n_microbatches=m)
+        kinds = [a.computation_type.name for a in sched.pipeline_order[rank] if a is not None]
+        return kinds.index(next(k for k in kinds if k != "FORWARD"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_virtual_stage_is_refused_because_torchs_interleaved_schedule_is_not_1f1b():
+    """The reason `--virtual-stages 1` gives: torch's ScheduleInterleaved1F1B with one stage per rank runs
+    2 (P - 1 - r) + 1 forwards on rank r before its first backward (P = 4, M = 8: 7 on rank 0), not 1F1B's P - r,
+    so 1f1b's trace is no stand-in for it."""
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+
+    counts = [_forwards_before_first_backward(ScheduleInterleaved1F1B, 4, 8, r) for r in range(4)]
+    assert counts == [2 * (4 - 1 - r) + 1 for r in range(4)] == [7, 5, 3, 1]
+    assert counts[:3] != [4 - r for r in range(3)]
 
 
 def test_the_cli_words_a_bad_pipeline_option_as_its_flag(capsys):

@@ -50,15 +50,23 @@ def check_pipeline(spec, bad: Callable) -> None:
     object.__setattr__(spec, "pp_schedule", PipelineSchedule.parse(spec.pp_schedule, "{pp_schedule}"))
     _positive(spec, "pp", bad, 2)
     _positive(spec, "micro_batches", bad)
-    if spec.virtual_stages == 1 and not isinstance(spec.virtual_stages, bool):
-        raise bad("{virtual_stages} 1 is one stage per rank, what {pp_schedule} 1f1b runs: use it, or give "
-                  "{virtual_stages} 2 or more")
-    _positive(spec, "virtual_stages", bad, 2)
+    one_virtual = spec.virtual_stages == 1 and not isinstance(spec.virtual_stages, bool)
+    if not one_virtual:
+        _positive(spec, "virtual_stages", bad, 2)
     interleaved = spec.pp_schedule.multi_stage
     if spec.virtual_stages is not None and spec.pp is not None and not interleaved:
         raise bad(f"{{virtual_stages}} applies to {{pp_schedule}} interleaved-1f1b and zero-bubble (several stages "
                   "per rank); "
                   f"{spec.pp_schedule.value} runs one stage per rank: drop {{virtual_stages}}")
+    if one_virtual and spec.pp is not None:
+        # torch's interleaved schedules with one stage per rank are not Schedule1F1B (pipeline_order, fake group,
+        # P = 4, M = 8): schedules.py `_get_warmup_ops` has rank r run 2 (P - 1 - r) + 1 forwards before its first
+        # backward (1F1B: P - r), and `ScheduleInterleavedZeroBubble` splits each backward in two (I and W steps)
+        why = ("rank r runs 2(P-1-r)+1 forwards before its first backward, 1f1b P-r"
+               if spec.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B
+               else "it splits each backward into input- and weight-gradient steps")
+        raise bad(f"{{virtual_stages}} 1 under {{pp_schedule}} {spec.pp_schedule.value} is not modelled (torch's "
+                  f"schedule with one stage per rank is not 1f1b: {why}); give {{virtual_stages}} 2 or more")
     object.__setattr__(spec, "pp_split", parse_split(spec.pp_split, spec.pp, bad, spec.pp_virtual_stages or 1))
     if spec.pp is None:
         given = [f for f, v in (("{micro_batches}", spec.micro_batches), ("{virtual_stages}", spec.virtual_stages),
