@@ -96,6 +96,11 @@ def test_interleaved_stages_are_placed_in_a_loop_and_split_over_p_times_v():
     # rounds; M = 3 over P = 2 is one round, allowed (tests below); M = 6 over P = 2 is 3 rounds, allowed
     ({"pp": 2, "pp_schedule": "interleaved-1f1b", "micro_batches": 5, "batch": 10}, "5 is not a multiple of 2"),
     ({"pp": 4, "pp_schedule": "interleaved-1f1b", "micro_batches": 9, "batch": 9}, "9 is not a multiple of 2"),
+    # the advice names M torch takes: M = 7 over P = 2 is 3 rounds; 6 and 8 are taken (9, a multiple of 3, is not)
+    ({"pp": 2, "pp_schedule": "zero-bubble", "micro_batches": 7, "batch": 14}, r"7 is not a multiple of 3; use a "
+     r"multiple of pp 2 or fewer than 4 \(the nearest accepted: 6 or 8\)$"),
+    ({"pp": 4, "pp_schedule": "interleaved-1f1b", "micro_batches": 9, "batch": 9}, r"\(the nearest accepted: 8 or "
+                                                                                    r"10\)$"),
     ({"micro_batches": 4, "virtual_stages": 2}, "micro_batches, virtual_stages apply to pp P"),
     ({"micro_batches": 4}, "micro_batches applies to pp P"),
     ({"stage": 0, "pp_split": "1,1"}, "pp_split, stage apply to pp P"),
@@ -149,6 +154,23 @@ def test_interleaved_micro_batch_counts_are_refused_exactly_where_torch_refuses_
     refused = [m for m in ms if not accepted(m)]
     assert refused == [m for m in ms if not _interleaved_schedule_builds(schedule, pp, m)]
     assert refused  # some M is refused for each P here (e.g. 2 rounds of an odd M)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_the_micro_batch_counts_a_refusal_suggests_are_accepted(pp):
+    """The refusal of a --micro-batches M under interleaved-1f1b names the nearest M below and above it that torch's
+    schedule builds with (not a multiple of M's own rounds, which may be refused again: M = 7, P = 2 -> 9)."""
+    import re
+
+    for m in range(2 * pp, 6 * pp):
+        try:
+            RunSpec(LLAMA, batch=m, seq=8, device="cpu", pp=pp, pp_schedule="interleaved-1f1b", micro_batches=m)
+        except UsageError as e:
+            below, above = map(int, re.search(r"nearest accepted: (\d+) or (\d+)\)$", str(e)).groups())
+            assert below < m < above
+            assert _interleaved_schedule_builds("interleaved-1f1b", pp, below)
+            assert _interleaved_schedule_builds("interleaved-1f1b", pp, above)
+            assert not any(_interleaved_schedule_builds("interleaved-1f1b", pp, n) for n in range(below + 1, above))
 
 
 def _forwards_before_first_backward(cls, pp: int, m: int, rank: int) -> int:

@@ -10,6 +10,7 @@ chunks`, `torch.tensor_split` on dim 0, which gives equal micro-batches only whe
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 from .choices import Loop, Mode, PipelineSchedule, Precision
@@ -36,6 +37,13 @@ def parse_split(value, pp: int | None, bad: Callable, virtual: int = 1) -> tuple
         raise bad(f"{{pp_split}} {','.join(map(str, split))} names {len(split)} stages; {stages}: give one "
                   "layer count per stage")
     return split
+
+
+def interleaved_accepts(m: int, pp: int) -> bool:
+    """Whether torch's interleaved schedules take `m` micro-batches over `pp` ranks: M a multiple of its
+    max(1, M // P) rounds (schedules.py `ScheduleInterleaved1F1B.__init__`), true of every multiple of P and of
+    every M < 2P."""
+    return m % max(1, m // pp) == 0
 
 
 def _positive(spec, name: str, bad: Callable, least: int = 1) -> None:
@@ -89,13 +97,14 @@ def check_pipeline(spec, bad: Callable) -> None:
         # torch/distributed/pipelining/schedules.py `Schedule1F1B.__init__` raises the same
         raise bad(f"{{pp_schedule}} 1f1b needs at least as many micro-batches as stages: {{micro_batches}} {m} < "
                   f"{{pp}} {spec.pp}")
-    rounds = max(1, m // spec.pp)
-    if interleaved and m % rounds:
+    if interleaved and not interleaved_accepts(m, spec.pp):
         # torch/distributed/pipelining/schedules.py `ScheduleInterleaved1F1B.__init__` and
         # `ScheduleInterleavedZeroBubble.__init__` raise the same: they run max(1, M // P) rounds of equal size
-        raise bad(f"{{pp_schedule}} {spec.pp_schedule.value} runs max(1, M // P) = {rounds} rounds of equal size: "
-                  f"{{micro_batches}} {m} is not a multiple of {rounds}; use a multiple of {rounds} (e.g. "
-                  f"{rounds * spec.pp}) or fewer than {2 * spec.pp}")
+        below = next(n for n in range(m - 1, 0, -1) if interleaved_accepts(n, spec.pp))
+        above = next(n for n in itertools.count(m + 1) if interleaved_accepts(n, spec.pp))
+        raise bad(f"{{pp_schedule}} {spec.pp_schedule.value} runs max(1, M // P) = {m // spec.pp} rounds of equal "
+                  f"size: {{micro_batches}} {m} is not a multiple of {m // spec.pp}; use a multiple of {{pp}} "
+                  f"{spec.pp} or fewer than {2 * spec.pp} (the nearest accepted: {below} or {above})")
     if spec.batch % m:
         raise bad(f"{{batch}} {spec.batch} does not split into {m} equal micro-batches ({{micro_batches}}"
                   f"{'' if spec.micro_batches else ' defaults to {pp}'}); make {{batch}} a multiple of {m}")
