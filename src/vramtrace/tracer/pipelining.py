@@ -359,7 +359,8 @@ def pipeline_step(spec: RunSpec, sched, stages, ids: torch.Tensor | None, labels
 
     under the bridges of `feature_bridges.pipelining_on_meta` and a saved-tensor hook of its own (`pack`), which
     report each micro-step to `info` with the op
-    index it starts at (`rec.ops`) and the micro-batches then in `stage.fwd_cache` (in flight). `stages`: the
+    index it starts at (`rec.ops`) and the micro-batches then in `stage.fwd_cache` (in flight); `optimizer.step()`
+    is labelled 'opt' (tests/pp_oracle.py's `record_function("opt")`), what follows it 'loop'. `stages`: the
     rank's PipelineStages (several under interleaved-1f1b, whose micro-steps are labelled 'F<i>@<stage>')."""
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -402,7 +403,9 @@ def pipeline_step(spec: RunSpec, sched, stages, ids: torch.Tensor | None, labels
         for stage in stages:
             _name_buffers(stage, rec, f", stage {stage.stage_index}" if several else "")
         if optimizer is not None:
+            on_micro_step("opt", ())  # the oracle's record_function("opt") around optimizer.step()
             optimizer.step()
+            on_micro_step("loop", ())
             optimizer.zero_grad(set_to_none=spec.zero_grad is ZeroGrad.NONE)
     return step
 
