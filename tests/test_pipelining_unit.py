@@ -239,6 +239,39 @@ def test_the_stand_in_work_holds_what_it_sent():
     assert sent == [t] and works[0].tensors == [t] and works[0].wait()
 
 
+def test_zero_bubble_counts_a_micro_batch_waiting_for_its_weight_gradient_as_in_flight():
+    """Under zero-bubble a micro-batch's input-gradient step (B<i>@<k>) pops it from stage k's `fwd_cache` and
+    keeps its graph in `backward_state` until its weight-gradient step (W<i>@<k>): it is in flight at every
+    micro-step between the two. Rank 1 of torch's real ScheduleInterleavedZeroBubble (P = 2, V = 2, M = 4: I0 on stage 1, then W1@3,
+    F3@1, I1@1, and only then W0@1; Linear stages on the CPU, the fake group) under the pipeline bridges; what waits is read off the label sequence."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from vramtrace import feature_bridges
+
+    meta = torch.empty(1, 4, requires_grad=True)
+    steps = []
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        stages = [PipelineStage(torch.nn.Linear(4, 4), k, 4, torch.device("cpu"), input_args=meta, output_args=meta,
+                                output_grads=None if k == 3 else meta, input_grads=meta)
+                  for k in (1, 3)]
+        sched = ScheduleInterleavedZeroBubble(stages, n_microbatches=4, loss_fn=lambda out, target: out.sum())
+        with feature_bridges.pipelining_on_meta(lambda label, flight: steps.append((label, flight)), list,
+                                                tuple(stages)):
+            sched.step(target=torch.randn(4, 4), losses=[])
+    finally:
+        dist.destroy_process_group()
+    waiting, checked = set(), 0
+    for label, flight in steps:
+        if label != "loop":
+            assert {int(w.split('@')[0]) for w in waiting} <= set(flight), (label, flight, waiting)
+            checked += bool(waiting - {label[1:]})
+            (waiting.add if label[0] == "B" else waiting.discard)(label[1:])
+    assert checked  # some micro-step ran while a micro-batch waited for its W step
+
+
 @pytest.fixture(scope="module")
 def real_1f1b_3_301(tmp_path_factory):
     """The stored real run (real_pp.py, 1F1B, 3 stages split 3,0,1: a 0-layer middle stage) and vramtrace's
@@ -351,10 +384,11 @@ def test_on_a_cuda_target_the_stage_peaks_are_on_the_reports_basis():
 
 
 @pytest.mark.parametrize("owner,attribute,name", [
-    ("_PipelineStageBase", "grad_recv_info", "self.grad_recv_info"), ("_RecvInfo", "buffer", "self.buffer")])
+    ("_PipelineStageBase", "grad_recv_info", "self.grad_recv_info"), ("_RecvInfo", "buffer", "self.buffer"),
+    ("_PipelineStageBase", "backward_state", "self.backward_state")])
 def test_a_renamed_stage_attribute_stops_the_pipeline_bridges(monkeypatch, owner, attribute, name):
-    """A torch release that renames what a stage's receive buffers are read from fails loudly, not with receive
-    buffers of 0 bytes."""
+    """A torch release that renames what a stage's receive buffers or zero-bubble's waiting micro-batches are read
+    from fails loudly, not with receive buffers of 0 bytes or micro-batches left out of `in_flight`."""
     from torch.distributed.pipelining import stage
 
     from vramtrace import feature_bridges

@@ -299,7 +299,8 @@ def pipelining_on_meta(on_micro_step: Callable[[str, tuple[int, ...]], None],
     holds their tensors (`on_send(tensors)` told of each backward send's), the warm-up vote answers STATIC, and
     `on_micro_step(label, in_flight)` is told where each forward/backward/weight-gradient micro-step begins ('F<i>',
     'B<i>', 'W<i>') and
-    ends ('loop'), with the micro-batches then in the stage's `fwd_cache` (plus the running one). `several`: the
+    ends ('loop'), with the micro-batches then in the stage's `fwd_cache` or, zero-bubble's, waiting in its
+    `backward_state` for their weight-gradient step (plus the running one). `several`: the
     rank's stages when it holds several (interleaved-1f1b): each label then names its stage ('F<i>@<k>', as
     tests/pp_oracle.py `_instrument` does) and the micro-batches in flight are those in any of their `fwd_cache`s.
     The originals back on exit. Raises BridgeError (nothing patched) when a target is missing."""
@@ -330,7 +331,10 @@ def pipelining_on_meta(on_micro_step: Callable[[str, tuple[int, ...]], None],
     forward, backward, weight = base.forward_one_chunk, base.backward_one_chunk, base.backward_weight_one_chunk
 
     def in_flight(stage, *running: int) -> tuple[int, ...]:
-        return tuple(sorted(set(running).union(*(s.fwd_cache for s in several or (stage,)))))
+        # zero-bubble's input-gradient step pops a micro-batch from `fwd_cache` and parks its graph in
+        # `backward_state` until its weight-gradient step (stage.py `backward_one_chunk(full_backward=False)`)
+        held = [c for s in several or (stage,) for c in (s.fwd_cache, s.backward_state)]
+        return tuple(sorted(set(running).union(*held)))
 
     def labelled(original, letter):
         def run(self, chunk_id, *args, **kwargs):
