@@ -337,6 +337,12 @@ def test_the_cli_traces_one_interleaved_rank_with_stage(capsys, tmp_path):
     # activations (micro-batches 2 and 3 are in flight at the peak), not temporaries of the step
     assert report["breakdown_at_peak"]["activation"] > 0 and report["peak_phase"] == "backward"
     assert [(s["stage"], s["holds"], s["peak_bytes"]) for s in pp["stage_peaks"]] == [(1, [1, 3], 4267940)]
+    # each stage's tensors are named by its global index (rank 1's head is stage 3's), not the rank-local one
+    names = {t["name"] for t in report["tensors"] if t["category"] == "parameter"}
+    assert {"stage3.lm_head.weight", "stage1.layers.0.mlp.up_proj.weight", "stage3.norm.weight"} <= names
+    assert {n.split(".")[0] for n in names} == {"stage1", "stage3"}
+    # and the two stages' layers are two rows, not one mean of a 1-layer stage and the stage with the head
+    assert "stage3.lm_head " in text and "stage1.layers.*" in text and "stages.*" not in text
 
 
 def test_fit_with_pp_and_a_split_is_refused_in_one_line(capsys):

@@ -148,20 +148,29 @@ class StageModule(torch.nn.Module):
 
 
 class RankModule(torch.nn.Module):
-    """The stages one rank holds under interleaved-1f1b (`stages`: a StageModule each, in the order of
-    `rank_stages`), one module so that the rank's one optimizer takes all their parameters, in that order (what
-    tests/pp_oracle.py's user does: one AdamW over `[p for sub in subs for p in sub.parameters()]`). Not called:
-    the schedule calls each stage's module."""
+    """The stages one rank holds under interleaved-1f1b and zero-bubble (`stages`: a StageModule each, in the order
+    of `rank_stages`, `indices` their global stage indices), one module so that the rank's one optimizer takes all
+    their parameters, in that order (what tests/pp_oracle.py's user does: one AdamW over `[p for sub in subs for p
+    in sub.parameters()]`). Each stage is registered as `stage<k>` by its global index k, so a tensor's module path
+    names its stage (`stage3.lm_head.weight` on rank 1 of 2) and no two stages fold into one row of the report
+    (analysis/aggregate.py folds numeric indices). Not called: the schedule calls each stage's module."""
 
-    def __init__(self, stages: list[StageModule]):
+    def __init__(self, stages: list[StageModule], indices: tuple[int, ...]):
         super().__init__()
-        self.stages = torch.nn.ModuleList(stages)
+        self.indices = tuple(indices)
+        for k, sub in zip(self.indices, stages, strict=True):
+            self.add_module(f"stage{k}", sub)
 
     @property
-    def forward_roots(self) -> tuple[StageModule, ...]:
+    def stages(self) -> tuple[StageModule, ...]:
+        """The rank's stages, in the order of `indices`."""
+        return tuple(getattr(self, f"stage{k}") for k in self.indices)
+
+    @property
+    def _vramtrace_forward_roots(self) -> tuple[StageModule, ...]:
         """The modules whose forward is the rank's forward (tracer/hooks.py `module_hooks`: ops inside them are
         the forward phase, what they save for backward activations): its stages."""
-        return tuple(self.stages)
+        return self.stages
 
     @property
     def layer_stack(self) -> torch.nn.ModuleList:
@@ -234,8 +243,8 @@ def cut_rank(spec: RunSpec, model: torch.nn.Module, split: tuple[int, ...], keep
     k = spec.stage or 0
     if spec.pp_virtual_stages == 1:
         return cut(model, split, k, keep)
-    return copy.deepcopy(RankModule([_stage_module(model, split, s)
-                                     for s in rank_stages(k, spec.pp, spec.pp_virtual_stages)]))
+    held = rank_stages(k, spec.pp, spec.pp_virtual_stages)
+    return copy.deepcopy(RankModule([_stage_module(model, split, s) for s in held], held))
 
 
 def stage_parameter_bytes(spec: RunSpec, model: torch.nn.Module) -> dict[str, int]:
