@@ -272,6 +272,35 @@ def test_zero_bubble_counts_a_micro_batch_waiting_for_its_weight_gradient_as_in_
     assert checked  # some micro-step ran while a micro-batch waited for its W step
 
 
+class _ProgressSession:
+    """What `pp_stages.trace_stages` needs of a session, recording its progress lines: each trace a stand-in whose
+    peak is its stage's index."""
+
+    def __init__(self):
+        self.traces, self.said = {}, []
+
+    def say(self, line):
+        self.said.append(line)
+
+    def record(self, spec, loaded, progress):
+        return type("Tables", (), {"peaks": lambda _self, cuda: (spec.stage,)})()
+
+
+@pytest.mark.parametrize("schedule,said", [("zero-bubble", ["rank 0", "rank 1"]),
+                                           ("interleaved-1f1b", ["rank 0", "rank 1"]),
+                                           ("gpipe", ["stage 0", "stage 1"])])
+def test_the_progress_line_names_a_rank_when_a_rank_holds_several_stages(schedule, said):
+    """Tracing rank 1 (stages 1 and 3) under interleaved-1f1b and zero-bubble says 'rank 1', not 'stage 1'."""
+    from types import SimpleNamespace
+
+    from vramtrace.pp_stages import trace_stages
+
+    session = _ProgressSession()
+    trace_stages(session, RunSpec(LLAMA, batch=4, seq=8, device="cpu", pp=2, pp_schedule=schedule),
+                 SimpleNamespace(num_layers=4))
+    assert session.said == said
+
+
 @pytest.fixture(scope="module")
 def real_1f1b_3_301(tmp_path_factory):
     """The stored real run (real_pp.py, 1F1B, 3 stages split 3,0,1: a 0-layer middle stage) and vramtrace's
