@@ -87,13 +87,14 @@ def rank_stages(rank: int, ranks: int, virtual: int) -> tuple[int, ...]:
 
 
 def distinct_stages(split: tuple[int, ...], schedule: PipelineSchedule, micro_batches: int,
-                    ranks: int | None = None) -> list[tuple[int, ...]]:
+                    ranks: int) -> list[tuple[int, ...]]:
     """The stages that run the same program, grouped (`stage_classes`), refined by the schedule: under 1F1B
     stage k warms up min(M, P - k) forwards (torch/distributed/pipelining/schedules.py `Schedule1F1B`
     `_step_microbatches`: `warmup_chunks`), so middle stages share a program only when that count is the same.
-    Under interleaved-1f1b (`ranks` P, `split` the P × V stages' layers) the groups are of ranks, each alone: rank
-    r warms up (V - 1) × M / rounds + 2 (P - 1 - r) forwards (`_get_warmup_ops`), a count of its own, and holds
-    its own stages."""
+    Under interleaved-1f1b and zero-bubble (`ranks` P, `split` the P × V stages' layers) the groups are of ranks,
+    each alone: rank r warms up min((V - 1) × M / rounds + f × (P - 1 - r), M × V) forwards (`_get_warmup_ops`;
+    f = 2 under interleaved-1f1b, 1 under zero-bubble), a count of its own, and holds its own stages. `ranks` is
+    only read then (GPipe and 1F1B group `split`'s stages)."""
     if schedule.multi_stage:
         return [(r,) for r in range(ranks)]
     if schedule is PipelineSchedule.GPIPE:
