@@ -79,9 +79,9 @@ INTERLEAVED_CASES = {
 
 @pytest.mark.parametrize("case", list(INTERLEAVED_CASES))
 def test_each_interleaved_rank_matches_a_real_gloo_pipeline(tmp_path, case):
-    """Under interleaved-1f1b and zero-bubble each rank's predicted peak (`stage_peaks[r]`, `holds` its stages) equals the real
-    rank's (all its stages together, one AdamW over their parameters) within 0.5%, in the same micro-step of the
-    same stage ('B<i>@<k>', 'W<i>@<k>'); the report's peak is the largest rank's."""
+    """Under interleaved-1f1b and zero-bubble each rank's predicted peak (`stage_peaks[r]`, `holds` its stages)
+    equals the real rank's (all its stages together, one AdamW over their parameters) within 0.5%, in the same
+    micro-step of the same stage ('B<i>@<k>', 'W<i>@<k>'); the report's peak is the largest rank's."""
     schedule, config, pp, v, split, micro_batches, precision = INTERLEAVED_CASES[case]
     path = deep_config(tmp_path, config, sum(split))
     batch = BATCH if BATCH % micro_batches == 0 else micro_batches * 2  # M = 6: 12 rows, 2 per micro-batch

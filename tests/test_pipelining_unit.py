@@ -242,8 +242,9 @@ def test_the_stand_in_work_holds_what_it_sent():
 def test_zero_bubble_counts_a_micro_batch_waiting_for_its_weight_gradient_as_in_flight():
     """Under zero-bubble a micro-batch's input-gradient step (B<i>@<k>) pops it from stage k's `fwd_cache` and
     keeps its graph in `backward_state` until its weight-gradient step (W<i>@<k>): it is in flight at every
-    micro-step between the two. Rank 1 of torch's real ScheduleInterleavedZeroBubble (P = 2, V = 2, M = 4: I0 on stage 1, then W1@3,
-    F3@1, I1@1, and only then W0@1; Linear stages on the CPU, the fake group) under the pipeline bridges; what waits is read off the label sequence."""
+    micro-step between the two. Rank 1 of torch's real ScheduleInterleavedZeroBubble (P = 2, V = 2, M = 4: I0 on
+    stage 1, then W1@3, F3@1, I1@1, and only then W0@1; Linear stages on the CPU, the fake group) under the
+    pipeline bridges; what waits is read off the label sequence."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble
     from torch.testing._internal.distributed.fake_pg import FakeStore
