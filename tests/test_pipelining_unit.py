@@ -409,6 +409,22 @@ def test_levers_under_pp_skip_what_does_not_compose_with_it_in_one_row(capsys, t
                                             "not traced on a pipeline stage"}]
 
 
+def test_the_checkpointing_lever_under_an_interleaved_schedule_names_the_ranks_stages(capsys, tmp_path):
+    """Under interleaved-1f1b a rank's stages are `stage<k>` of one module: the checkpointing lever checkpoints
+    `modules:stage*.layers.*` and is traced (it saves bytes), not a skipped row for a pattern that matches nothing."""
+    config = deep_config(tmp_path, "tiny-llama-gqa", 4)
+    out = tmp_path / "r.json"
+    r = run_cli(capsys, config, "--batch", "8", "--seq", "32", "--device", "cpu", "--precision", "fp32", "--pp", "2",
+                "--pp-schedule", "interleaved-1f1b", "--pp-split", "1,1,1,1", "--micro-batches", "4", "--stage", "1",
+                "--gpu-memory", "3MiB", "--json", out)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    rows = [lv for lv in report["levers"]["levers"] if lv["family"] == "checkpointing"]
+    assert [lv["options"] for lv in rows] == ["--checkpointing modules:stage*.layers.*"], report["levers"]
+    assert rows[0]["saves_bytes"] > 0
+    assert not any(sk["family"] == "checkpointing" for sk in report["levers"]["skipped"])
+
+
 def test_on_a_cuda_target_the_stage_peaks_are_on_the_reports_basis():
     """The allocator replay's peak allocated (blocks rounded to 512 B), both to pick the reported stage and for each
     stage's line: the reported stage's line is the header's peak. (On configs this small the liveness peak equals
