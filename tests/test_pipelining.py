@@ -7,7 +7,8 @@ Eight real cases cover the done-when grid's axes between them (each case runs al
 and bf16-mixed; a Llama (rotary, untied head, GQA) and GPT-2 (position embeddings, tied head, dropout). The full
 grid is benchmarks/pp_accuracy.py (its table is in docs/accuracy.md). Four interleaved-1f1b and two zero-bubble
 cases check each rank (all its stages together): 2 and 3 ranks, V = 2 and 3, fp32 and bf16-mixed, Llama and GPT-2,
-an uneven split with a 0-layer stage."""
+an uneven split with a 0-layer stage. Two tiny steps (interleaved-1f1b and GPipe, M = 1) peak in the optimizer
+step on every rank."""
 
 from __future__ import annotations
 
@@ -78,9 +79,9 @@ INTERLEAVED_CASES = {
 
 @pytest.mark.parametrize("case", list(INTERLEAVED_CASES))
 def test_each_interleaved_rank_matches_a_real_gloo_pipeline(tmp_path, case):
-    """Under interleaved-1f1b and zero-bubble each rank's predicted peak (`stage_peaks[r]`, `holds` its stages) equals the real
-    rank's (all its stages together, one AdamW over their parameters) within 0.5%, in the same micro-step of the
-    same stage ('B<i>@<k>', 'W<i>@<k>'); the report's peak is the largest rank's."""
+    """Under interleaved-1f1b and zero-bubble each rank's predicted peak (`stage_peaks[r]`, `holds` its stages)
+    equals the real rank's (all its stages together, one AdamW over their parameters) within 0.5%, in the same
+    micro-step of the same stage ('B<i>@<k>', 'W<i>@<k>'); the report's peak is the largest rank's."""
     schedule, config, pp, v, split, micro_batches, precision = INTERLEAVED_CASES[case]
     path = deep_config(tmp_path, config, sum(split))
     batch = BATCH if BATCH % micro_batches == 0 else micro_batches * 2  # M = 6: 12 rows, 2 per micro-batch
@@ -98,3 +99,28 @@ def test_each_interleaved_rank_matches_a_real_gloo_pipeline(tmp_path, case):
         assert_within(peaks[r].peak_bytes, measured["peak_bytes"], 0.005, f"rank {r}", measured, peaks[r])
         assert peaks[r].at == measured["at"], (r, measured, peaks[r])
     assert report.peak_allocated_bytes == max(p.peak_bytes for p in peaks)
+
+
+# a step so small that each rank's peak falls in optimizer.step() (AdamW's state made in the first step, its
+# update's temporaries): (schedule, P, layers of each stage, M); batch 2, seq 16
+OPTIMIZER_PEAK_CASES = {
+    "llama-interleaved-2-m1": ("interleaved-1f1b", 2, (1, 1, 1, 1), 1),
+    "llama-gpipe-2-m1": ("gpipe", 2, (2, 2), 1),
+}
+
+
+@pytest.mark.parametrize("case", list(OPTIMIZER_PEAK_CASES))
+def test_a_peak_in_the_optimizer_step_is_placed_there(tmp_path, case):
+    """A rank whose real peak falls in `optimizer.step()` (the oracle's `at` 'opt') is predicted there too, not in
+    the loop around the schedule ('loop'), with its bytes within 0.5%."""
+    schedule, pp, split, micro_batches = OPTIMIZER_PEAK_CASES[case]
+    path = deep_config(tmp_path, "tiny-llama-gqa", sum(split))
+    real = measure_pp_peaks(path, pp=pp, schedule=schedule, split=split, micro_batches=micro_batches, batch=2,
+                            seq=16, precision="fp32")
+    report = analyze(RunSpec(path, batch=2, seq=16, device="cpu", precision="fp32", pp=pp, pp_schedule=schedule,
+                             micro_batches=micro_batches, pp_split=split))
+    peaks = report.run.pp.stage_peaks
+    assert [m["at"] for m in real] == ["opt"] * pp  # the case is what it is meant to be
+    for r, measured in enumerate(real):
+        assert_within(peaks[r].peak_bytes, measured["peak_bytes"], 0.005, f"rank {r}", measured, peaks[r])
+        assert peaks[r].at == measured["at"], (r, measured, peaks[r])

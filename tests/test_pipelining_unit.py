@@ -72,8 +72,16 @@ def test_interleaved_stages_are_placed_in_a_loop_and_split_over_p_times_v():
     ({"pp": 2, "pp_schedule": "dualpipe"}, "unknown pp_schedule 'dualpipe'"),
     ({"pp": 2, "virtual_stages": 2}, "virtual_stages applies to pp_schedule interleaved-1f1b .* drop virtual_stag"),
     ({"pp": 2, "pp_schedule": "gpipe", "virtual_stages": 2}, "gpipe runs one stage per rank"),
-    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 1}, "virtual_stages 1 is one stage per rank, "
-                                                                         "what pp_schedule 1f1b runs"),
+    # torch's schedules with one stage per rank are not 1f1b (more warm-up forwards; zero-bubble's split backward)
+    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 1}, r"virtual_stages 1 under pp_schedule "
+     r"interleaved-1f1b is not modelled \(.*2\(P-1-r\)\+1 forwards.*\); give virtual_stages 2 or more$"),
+    ({"pp": 2, "pp_schedule": "zero-bubble", "virtual_stages": 1}, r"virtual_stages 1 under pp_schedule "
+     r"zero-bubble is not modelled \(.*input- and weight-gradient steps\); give virtual_stages 2 or more$"),
+    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 1, "pp_split": "1,1,1,1"}, "virtual_stages 1 "
+                                                                                                  "under"),
+    # without pp, V = 1 is an option that applies to pp P, as any V
+    ({"virtual_stages": 1}, "^virtual_stages applies to pp P"),
+    ({"pp": 2, "virtual_stages": 1}, "1f1b runs one stage per rank: drop virtual_stages"),
     ({"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 0}, "virtual_stages must be an integer of "
                                                                          "at least 2"),
     # the split names the P × V stages under interleaved-1f1b (V = 2 by default)
@@ -88,6 +96,11 @@ def test_interleaved_stages_are_placed_in_a_loop_and_split_over_p_times_v():
     # rounds; M = 3 over P = 2 is one round, allowed (tests below); M = 6 over P = 2 is 3 rounds, allowed
     ({"pp": 2, "pp_schedule": "interleaved-1f1b", "micro_batches": 5, "batch": 10}, "5 is not a multiple of 2"),
     ({"pp": 4, "pp_schedule": "interleaved-1f1b", "micro_batches": 9, "batch": 9}, "9 is not a multiple of 2"),
+    # the advice names M torch takes: M = 7 over P = 2 is 3 rounds; 6 and 8 are taken (9, a multiple of 3, is not)
+    ({"pp": 2, "pp_schedule": "zero-bubble", "micro_batches": 7, "batch": 14}, r"7 is not a multiple of 3; use a "
+     r"multiple of pp 2 or fewer than 4 \(the nearest accepted: 6 or 8\)$"),
+    ({"pp": 4, "pp_schedule": "interleaved-1f1b", "micro_batches": 9, "batch": 9}, r"\(the nearest accepted: 8 or "
+                                                                                    r"10\)$"),
     ({"micro_batches": 4, "virtual_stages": 2}, "micro_batches, virtual_stages apply to pp P"),
     ({"micro_batches": 4}, "micro_batches applies to pp P"),
     ({"stage": 0, "pp_split": "1,1"}, "pp_split, stage apply to pp P"),
@@ -143,6 +156,50 @@ def test_interleaved_micro_batch_counts_are_refused_exactly_where_torch_refuses_
     assert refused  # some M is refused for each P here (e.g. 2 rounds of an odd M)
 
 
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_the_micro_batch_counts_a_refusal_suggests_are_accepted(pp):
+    """The refusal of a --micro-batches M under interleaved-1f1b names the nearest M below and above it that torch's
+    schedule builds with (not a multiple of M's own rounds, which may be refused again: M = 7, P = 2 -> 9)."""
+    import re
+
+    for m in range(2 * pp, 6 * pp):
+        try:
+            RunSpec(LLAMA, batch=m, seq=8, device="cpu", pp=pp, pp_schedule="interleaved-1f1b", micro_batches=m)
+        except UsageError as e:
+            below, above = map(int, re.search(r"nearest accepted: (\d+) or (\d+)\)$", str(e)).groups())
+            assert below < m < above
+            assert _interleaved_schedule_builds("interleaved-1f1b", pp, below)
+            assert _interleaved_schedule_builds("interleaved-1f1b", pp, above)
+            assert not any(_interleaved_schedule_builds("interleaved-1f1b", pp, n) for n in range(below + 1, above))
+
+
+def _forwards_before_first_backward(cls, pp: int, m: int, rank: int) -> int:
+    """How many forwards torch's schedule `cls` (one stage per rank, the fake process group) runs on `rank` of `pp`
+    before its first backward, read from its own `pipeline_order`."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=pp)
+    try:
+        sched = cls([PipelineStage(torch.nn.Linear(2, 2), rank, pp, torch.device("cpu"))], n_microbatches=m)
+        kinds = [a.computation_type.name for a in sched.pipeline_order[rank] if a is not None]
+        return kinds.index(next(k for k in kinds if k != "FORWARD"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_virtual_stage_is_refused_because_torchs_interleaved_schedule_is_not_1f1b():
+    """The reason `--virtual-stages 1` gives: torch's ScheduleInterleaved1F1B with one stage per rank runs
+    2 (P - 1 - r) + 1 forwards on rank r before its first backward (P = 4, M = 8: 7 on rank 0), not 1F1B's P - r,
+    so 1f1b's trace is no stand-in for it."""
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+
+    counts = [_forwards_before_first_backward(ScheduleInterleaved1F1B, 4, 8, r) for r in range(4)]
+    assert counts == [2 * (4 - 1 - r) + 1 for r in range(4)] == [7, 5, 3, 1]
+    assert counts[:3] != [4 - r for r in range(3)]
+
+
 def test_the_cli_words_a_bad_pipeline_option_as_its_flag(capsys):
     r = run_cli(capsys, LLAMA, "--batch", "6", "--seq", "8", "--device", "cpu", "--pp", "4", "--pp-schedule", "gpipe")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
@@ -180,6 +237,69 @@ def test_the_stand_in_work_holds_what_it_sent():
     with fake_rank(2, 0), feature_bridges.pipelining_on_meta(print, sent.extend):
         works = schedules._batch_p2p([dist.P2POp(dist.isend, t, 1)], desc="bwd_send")
     assert sent == [t] and works[0].tensors == [t] and works[0].wait()
+
+
+def test_zero_bubble_counts_a_micro_batch_waiting_for_its_weight_gradient_as_in_flight():
+    """Under zero-bubble a micro-batch's input-gradient step (B<i>@<k>) pops it from stage k's `fwd_cache` and
+    keeps its graph in `backward_state` until its weight-gradient step (W<i>@<k>): it is in flight at every
+    micro-step between the two. Rank 1 of torch's real ScheduleInterleavedZeroBubble (P = 2, V = 2, M = 4: I0 on
+    stage 1, then W1@3, F3@1, I1@1, and only then W0@1; Linear stages on the CPU, the fake group) under the
+    pipeline bridges; what waits is read off the label sequence."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from vramtrace import feature_bridges
+
+    meta = torch.empty(1, 4, requires_grad=True)
+    steps = []
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        stages = [PipelineStage(torch.nn.Linear(4, 4), k, 4, torch.device("cpu"), input_args=meta, output_args=meta,
+                                output_grads=None if k == 3 else meta, input_grads=meta)
+                  for k in (1, 3)]
+        sched = ScheduleInterleavedZeroBubble(stages, n_microbatches=4, loss_fn=lambda out, target: out.sum())
+        with feature_bridges.pipelining_on_meta(lambda label, flight: steps.append((label, flight)), list,
+                                                tuple(stages)):
+            sched.step(target=torch.randn(4, 4), losses=[])
+    finally:
+        dist.destroy_process_group()
+    waiting, checked = set(), 0
+    for label, flight in steps:
+        if label != "loop":
+            assert {int(w.split('@')[0]) for w in waiting} <= set(flight), (label, flight, waiting)
+            checked += bool(waiting - {label[1:]})
+            (waiting.add if label[0] == "B" else waiting.discard)(label[1:])
+    assert checked  # some micro-step ran while a micro-batch waited for its W step
+
+
+class _ProgressSession:
+    """What `pp_stages.trace_stages` needs of a session, recording its progress lines: each trace a stand-in whose
+    peak is its stage's index."""
+
+    def __init__(self):
+        self.traces, self.said = {}, []
+
+    def say(self, line):
+        self.said.append(line)
+
+    def record(self, spec, loaded, progress):
+        return type("Tables", (), {"peaks": lambda _self, cuda: (spec.stage,)})()
+
+
+@pytest.mark.parametrize("schedule,said", [("zero-bubble", ["rank 0", "rank 1"]),
+                                           ("interleaved-1f1b", ["rank 0", "rank 1"]),
+                                           ("gpipe", ["stage 0", "stage 1"])])
+def test_the_progress_line_names_a_rank_when_a_rank_holds_several_stages(schedule, said):
+    """Tracing rank 1 (stages 1 and 3) under interleaved-1f1b and zero-bubble says 'rank 1', not 'stage 1'."""
+    from types import SimpleNamespace
+
+    from vramtrace.pp_stages import trace_stages
+
+    session = _ProgressSession()
+    trace_stages(session, RunSpec(LLAMA, batch=4, seq=8, device="cpu", pp=2, pp_schedule=schedule),
+                 SimpleNamespace(num_layers=4))
+    assert session.said == said
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +367,12 @@ def test_the_cli_traces_one_interleaved_rank_with_stage(capsys, tmp_path):
     # activations (micro-batches 2 and 3 are in flight at the peak), not temporaries of the step
     assert report["breakdown_at_peak"]["activation"] > 0 and report["peak_phase"] == "backward"
     assert [(s["stage"], s["holds"], s["peak_bytes"]) for s in pp["stage_peaks"]] == [(1, [1, 3], 4267940)]
+    # each stage's tensors are named by its global index (rank 1's head is stage 3's), not the rank-local one
+    names = {t["name"] for t in report["tensors"] if t["category"] == "parameter"}
+    assert {"stage3.lm_head.weight", "stage1.layers.0.mlp.up_proj.weight", "stage3.norm.weight"} <= names
+    assert {n.split(".")[0] for n in names} == {"stage1", "stage3"}
+    # and the two stages' layers are two rows, not one mean of a 1-layer stage and the stage with the head
+    assert "stage3.lm_head " in text and "stage1.layers.*" in text and "stages.*" not in text
 
 
 def test_fit_with_pp_and_a_split_is_refused_in_one_line(capsys):
@@ -283,6 +409,22 @@ def test_levers_under_pp_skip_what_does_not_compose_with_it_in_one_row(capsys, t
                                             "not traced on a pipeline stage"}]
 
 
+def test_the_checkpointing_lever_under_an_interleaved_schedule_names_the_ranks_stages(capsys, tmp_path):
+    """Under interleaved-1f1b a rank's stages are `stage<k>` of one module: the checkpointing lever checkpoints
+    `modules:stage*.layers.*` and is traced (it saves bytes), not a skipped row for a pattern that matches nothing."""
+    config = deep_config(tmp_path, "tiny-llama-gqa", 4)
+    out = tmp_path / "r.json"
+    r = run_cli(capsys, config, "--batch", "8", "--seq", "32", "--device", "cpu", "--precision", "fp32", "--pp", "2",
+                "--pp-schedule", "interleaved-1f1b", "--pp-split", "1,1,1,1", "--micro-batches", "4", "--stage", "1",
+                "--gpu-memory", "3MiB", "--json", out)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    rows = [lv for lv in report["levers"]["levers"] if lv["family"] == "checkpointing"]
+    assert [lv["options"] for lv in rows] == ["--checkpointing modules:stage*.layers.*"], report["levers"]
+    assert rows[0]["saves_bytes"] > 0
+    assert not any(sk["family"] == "checkpointing" for sk in report["levers"]["skipped"])
+
+
 def test_on_a_cuda_target_the_stage_peaks_are_on_the_reports_basis():
     """The allocator replay's peak allocated (blocks rounded to 512 B), both to pick the reported stage and for each
     stage's line: the reported stage's line is the header's peak. (On configs this small the liveness peak equals
@@ -294,10 +436,11 @@ def test_on_a_cuda_target_the_stage_peaks_are_on_the_reports_basis():
 
 
 @pytest.mark.parametrize("owner,attribute,name", [
-    ("_PipelineStageBase", "grad_recv_info", "self.grad_recv_info"), ("_RecvInfo", "buffer", "self.buffer")])
+    ("_PipelineStageBase", "grad_recv_info", "self.grad_recv_info"), ("_RecvInfo", "buffer", "self.buffer"),
+    ("_PipelineStageBase", "backward_state", "self.backward_state")])
 def test_a_renamed_stage_attribute_stops_the_pipeline_bridges(monkeypatch, owner, attribute, name):
-    """A torch release that renames what a stage's receive buffers are read from fails loudly, not with receive
-    buffers of 0 bytes."""
+    """A torch release that renames what a stage's receive buffers or zero-bubble's waiting micro-batches are read
+    from fails loudly, not with receive buffers of 0 bytes or micro-batches left out of `in_flight`."""
     from torch.distributed.pipelining import stage
 
     from vramtrace import feature_bridges

@@ -404,9 +404,11 @@ PIPELINE_STAGE_STATE = Bridge(
     "pipeline_stage_state", "torch", ((_PP + "stage", "_PipelineStageBase.__init__"),), TORCH_WRITTEN_FOR,
     "a --pp step reads a stage's private state, assigned in stage.py `_PipelineStageBase.__init__` (and emptied "
     "by `clear_runtime_states` at each step's start): `fwd_cache` (micro-batch -> its outputs and inputs, kept "
-    "until its backward: the micro-batches in flight) and the receive infos of `args_recv_info` and "
-    "`grad_recv_info` (micro-batch -> `_RecvInfo`s, PIPELINE_RECV_BUFFER), which the report counts and "
-    "categorises", kind=BridgeKind.READ, assigns=("fwd_cache", "args_recv_info", "grad_recv_info"))
+    "until its backward: the micro-batches in flight), `backward_state` (micro-batch -> what zero-bubble's "
+    "input-gradient step keeps for its weight-gradient step: in flight too) and the receive infos of "
+    "`args_recv_info` and `grad_recv_info` (micro-batch -> `_RecvInfo`s, PIPELINE_RECV_BUFFER), which the report "
+    "counts and categorises", kind=BridgeKind.READ,
+    assigns=("fwd_cache", "backward_state", "args_recv_info", "grad_recv_info"))
 PIPELINE_RECV_BUFFER = Bridge(
     "pipeline_recv_buffer", "torch", ((_PP + "stage", "_RecvInfo.__init__"),), TORCH_WRITTEN_FOR,
     "a --pp step reads each receive info's `buffer` (stage.py `_RecvInfo.__init__`: the tensor a micro-batch's "

@@ -306,6 +306,7 @@ class PipelineSchedule(_Choice):
         """Whether a rank holds several stages (`--virtual-stages`): interleaved-1f1b and zero-bubble."""
         return self in (PipelineSchedule.INTERLEAVED_1F1B, PipelineSchedule.ZERO_BUBBLE)
 
+
 class ZeroOffload(_Choice):
     """Where DeepSpeed ZeRO offloads (`--offload-optimizer`, `--offload-param`: the ds_config's
     `zero_optimization.offload_optimizer.device` / `offload_param.device`, deepspeed/runtime/zero/offload_config.py

@@ -14,13 +14,16 @@ import contextlib
 import importlib
 import inspect
 import sys
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
 from .bridges import (_FA_UTILS, _FSDP, _WHISPER, CHECKPOINT_FUNCTION, DDP_ON_META, DTENSOR_PLAN_CACHES,
                       FLASH_ATTENTION_STANDIN, FSDP_ON_META, GENERATION_QUESTIONS, GRAD_SCALER_STATE, PACKED_SEQUENCES,
                       KernelPolicy, StepRecording, _lookup, _missing, _set, meta_packed_mask, resolve)
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
 
 
 def _filled_list(shape: tuple[int, ...], value: int) -> list | int:
@@ -293,15 +296,16 @@ class _HeldWork:
 
 @contextlib.contextmanager
 def pipelining_on_meta(on_micro_step: Callable[[str, tuple[int, ...]], None],
-                       on_send: Callable[[list[torch.Tensor]], None], several: tuple = ()) -> Iterator[None]:
+                       on_send: Callable[[list[torch.Tensor]], None],
+                       several: tuple[PipelineStage, ...] = ()) -> Iterator[None]:
     """PIPELINE_P2P, PIPELINE_STATIC_VOTE and PIPELINE_MICRO_STEPS while one rank's `schedule.step` of a --pp run
     is traced (tracer/pipelining.py): the schedule's batched sends and receives complete at once with a Work that
     holds their tensors (`on_send(tensors)` told of each backward send's), the warm-up vote answers STATIC, and
     `on_micro_step(label, in_flight)` is told where each forward/backward/weight-gradient micro-step begins ('F<i>',
-    'B<i>', 'W<i>') and
-    ends ('loop'), with the micro-batches then in the stage's `fwd_cache` (plus the running one). `several`: the
-    rank's stages when it holds several (interleaved-1f1b): each label then names its stage ('F<i>@<k>', as
-    tests/pp_oracle.py `_instrument` does) and the micro-batches in flight are those in any of their `fwd_cache`s.
+    'B<i>', 'W<i>') and ends ('loop'), with the micro-batches then in the stage's `fwd_cache` or, zero-bubble's,
+    waiting in its `backward_state` for their weight-gradient step (plus the running one). `several`: the rank's
+    stages when it holds several (interleaved-1f1b, zero-bubble): each label then names its stage ('F<i>@<k>', as
+    tests/pp_oracle.py `_instrument` does) and the micro-batches in flight are those in any of their stages'.
     The originals back on exit. Raises BridgeError (nothing patched) when a target is missing."""
     from .bridges import PIPELINE_BRIDGES
 
@@ -330,7 +334,10 @@ def pipelining_on_meta(on_micro_step: Callable[[str, tuple[int, ...]], None],
     forward, backward, weight = base.forward_one_chunk, base.backward_one_chunk, base.backward_weight_one_chunk
 
     def in_flight(stage, *running: int) -> tuple[int, ...]:
-        return tuple(sorted(set(running).union(*(s.fwd_cache for s in several or (stage,)))))
+        # zero-bubble's input-gradient step pops a micro-batch from `fwd_cache` and parks its graph in
+        # `backward_state` until its weight-gradient step (stage.py `backward_one_chunk(full_backward=False)`)
+        held = [c for s in several or (stage,) for c in (s.fwd_cache, s.backward_state)]
+        return tuple(sorted(set(running).union(*held)))
 
     def labelled(original, letter):
         def run(self, chunk_id, *args, **kwargs):

@@ -377,12 +377,13 @@ def _checkpointing(s: _Search, on: RunSpec) -> list[Lever]:
     """The checkpointing plans the planner's search traces (`planner.search_checkpointing`: selective, layers,
     and the fewest every_n_layers that fits), when the run has no checkpointing and a layer stack. Under --pp:
     `PP_CHECKPOINTING`, each decoder layer of every stage (transformers' policies need a `PreTrainedModel`,
-    which a stage is not: docs/pipelining.md)."""
+    which a stage is not: docs/pipelining.md); `PP_CHECKPOINTING_RANK` when a rank holds several stages."""
     base = s.ev(on)
     if on.mode is not Mode.TRAIN or on.checkpointing.kind is not CheckpointingKind.NONE or not base.num_layers:
         return []
     if on.pp is not None:
-        lv = s.lever("checkpointing", on, {"checkpointing": PP_CHECKPOINTING}, (2, 0.0), "")
+        pattern = PP_CHECKPOINTING_RANK if on.pp_schedule.multi_stage else PP_CHECKPOINTING
+        lv = s.lever("checkpointing", on, {"checkpointing": pattern}, (2, 0.0), "")
         return [replace(lv, rank=(2, lv.outcome.recompute_overhead),
                         cost=f"recompute: {100 * lv.outcome.recompute_overhead:.1f}% more FLOPs in the backward, "
                              "each decoder layer of every stage checkpointed" + lv.cost)]
@@ -608,6 +609,8 @@ ZERO_FAMILIES = ("use_cache", "checkpointing", "micro_batch", "zero")
 # compose with LoRA, quantization or FSDP2 yet
 PP_FAMILIES = ("use_cache", "optimizer_impl", "optimizer_8bit", "checkpointing", "micro_batch", "pp")
 PP_CHECKPOINTING = "modules:layers.*"  # each decoder layer of a stage (docs/pipelining.md)
+# under interleaved-1f1b and zero-bubble a rank's stages are `stage<k>` of one module (tracer/pipelining.py RankModule)
+PP_CHECKPOINTING_RANK = "modules:stage*.layers.*"
 
 FAMILIES: tuple[tuple[str, Callable[[_Search, RunSpec], list[Lever]]], ...] = (
     ("use_cache", _use_cache), ("optimizer_impl", _optimizer_impl), ("optimizer_8bit", _optimizer_8bit),

@@ -10,6 +10,7 @@ chunks`, `torch.tensor_split` on dim 0, which gives equal micro-batches only whe
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 from .choices import Loop, Mode, PipelineSchedule, Precision
@@ -38,6 +39,13 @@ def parse_split(value, pp: int | None, bad: Callable, virtual: int = 1) -> tuple
     return split
 
 
+def interleaved_accepts(m: int, pp: int) -> bool:
+    """Whether torch's interleaved schedules take `m` micro-batches over `pp` ranks: M a multiple of its
+    max(1, M // P) rounds (schedules.py `ScheduleInterleaved1F1B.__init__`), true of every multiple of P and of
+    every M < 2P."""
+    return m % max(1, m // pp) == 0
+
+
 def _positive(spec, name: str, bad: Callable, least: int = 1) -> None:
     v = getattr(spec, name)
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < least):
@@ -50,15 +58,23 @@ def check_pipeline(spec, bad: Callable) -> None:
     object.__setattr__(spec, "pp_schedule", PipelineSchedule.parse(spec.pp_schedule, "{pp_schedule}"))
     _positive(spec, "pp", bad, 2)
     _positive(spec, "micro_batches", bad)
-    if spec.virtual_stages == 1 and not isinstance(spec.virtual_stages, bool):
-        raise bad("{virtual_stages} 1 is one stage per rank, what {pp_schedule} 1f1b runs: use it, or give "
-                  "{virtual_stages} 2 or more")
-    _positive(spec, "virtual_stages", bad, 2)
+    one_virtual = spec.virtual_stages == 1 and not isinstance(spec.virtual_stages, bool)
+    if not one_virtual:
+        _positive(spec, "virtual_stages", bad, 2)
     interleaved = spec.pp_schedule.multi_stage
     if spec.virtual_stages is not None and spec.pp is not None and not interleaved:
         raise bad(f"{{virtual_stages}} applies to {{pp_schedule}} interleaved-1f1b and zero-bubble (several stages "
                   "per rank); "
                   f"{spec.pp_schedule.value} runs one stage per rank: drop {{virtual_stages}}")
+    if one_virtual and spec.pp is not None:
+        # torch's interleaved schedules with one stage per rank are not Schedule1F1B (pipeline_order, fake group,
+        # P = 4, M = 8): schedules.py `_get_warmup_ops` has rank r run 2 (P - 1 - r) + 1 forwards before its first
+        # backward (1F1B: P - r), and `ScheduleInterleavedZeroBubble` splits each backward in two (I and W steps)
+        why = ("rank r runs 2(P-1-r)+1 forwards before its first backward, 1f1b P-r"
+               if spec.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B
+               else "it splits each backward into input- and weight-gradient steps")
+        raise bad(f"{{virtual_stages}} 1 under {{pp_schedule}} {spec.pp_schedule.value} is not modelled (torch's "
+                  f"schedule with one stage per rank is not 1f1b: {why}); give {{virtual_stages}} 2 or more")
     object.__setattr__(spec, "pp_split", parse_split(spec.pp_split, spec.pp, bad, spec.pp_virtual_stages or 1))
     if spec.pp is None:
         given = [f for f, v in (("{micro_batches}", spec.micro_batches), ("{virtual_stages}", spec.virtual_stages),
@@ -81,13 +97,14 @@ def check_pipeline(spec, bad: Callable) -> None:
         # torch/distributed/pipelining/schedules.py `Schedule1F1B.__init__` raises the same
         raise bad(f"{{pp_schedule}} 1f1b needs at least as many micro-batches as stages: {{micro_batches}} {m} < "
                   f"{{pp}} {spec.pp}")
-    rounds = max(1, m // spec.pp)
-    if interleaved and m % rounds:
+    if interleaved and not interleaved_accepts(m, spec.pp):
         # torch/distributed/pipelining/schedules.py `ScheduleInterleaved1F1B.__init__` and
         # `ScheduleInterleavedZeroBubble.__init__` raise the same: they run max(1, M // P) rounds of equal size
-        raise bad(f"{{pp_schedule}} {spec.pp_schedule.value} runs max(1, M // P) = {rounds} rounds of equal size: "
-                  f"{{micro_batches}} {m} is not a multiple of {rounds}; use a multiple of {rounds} (e.g. "
-                  f"{rounds * spec.pp}) or fewer than {2 * spec.pp}")
+        below = next(n for n in range(m - 1, 0, -1) if interleaved_accepts(n, spec.pp))
+        above = next(n for n in itertools.count(m + 1) if interleaved_accepts(n, spec.pp))
+        raise bad(f"{{pp_schedule}} {spec.pp_schedule.value} runs max(1, M // P) = {m // spec.pp} rounds of equal "
+                  f"size: {{micro_batches}} {m} is not a multiple of {m // spec.pp}; use a multiple of {{pp}} "
+                  f"{spec.pp} or fewer than {2 * spec.pp} (the nearest accepted: {below} or {above})")
     if spec.batch % m:
         raise bad(f"{{batch}} {spec.batch} does not split into {m} equal micro-batches ({{micro_batches}}"
                   f"{'' if spec.micro_batches else ' defaults to {pp}'}); make {{batch}} a multiple of {m}")

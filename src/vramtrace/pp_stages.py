@@ -36,7 +36,8 @@ def trace_stages(session, spec: RunSpec, loaded) -> tuple[RunSpec, object, dict]
         k = spec.stage if spec.stage is not None else group[0]
         stage_spec = replace(spec, stage=k)
         others = [s for s in group if s != k]
-        session.say(f"stage {k}" + (f" (for stages {', '.join(map(str, group))})" if others else ""))
+        who = "rank" if spec.pp_schedule.multi_stage else "stage"  # a rank of its V stages under interleaved
+        session.say(f"{who} {k}" + (f" (for {who}s {', '.join(map(str, group))})" if others else ""))
         tables = session.record(stage_spec, loaded, progress=session.say)
         session.traces[stage_spec] = Trace(tables, loaded.num_layers)
         found[k] = tables

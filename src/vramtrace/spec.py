@@ -191,11 +191,11 @@ class RunSpec:
     pp: P stages of `torch.distributed.pipelining` (manual PipelineStages of a decoder LM, `tracer/pipelining.py`),
         each traced on a fake rank of P; `batch` is the batch of one `schedule.step`, split into `micro_batches`;
         None: no pipeline. pp_schedule: `PipelineSchedule` (all four traced). micro_batches: M (None: P),
-        `batch` a multiple of it. virtual_stages: V stages per rank under interleaved-1f1b and zero-bubble (None: 2; rank r holds
-        stages r, r + P, ..., P × V stages in all). pp_split: decoder layers per stage (P × V of them under
-        interleaved-1f1b), summing to the model's (None: even, the remainder on the earliest stages). stage: the
-        stage traced and reported, the rank under interleaved-1f1b (None: every distinct one, the largest
-        reported).
+        `batch` a multiple of it. virtual_stages: V stages per rank under interleaved-1f1b and zero-bubble (None:
+        2; rank r holds stages r, r + P, ..., P × V stages in all). pp_split: decoder layers per stage (P × V of
+        them under interleaved-1f1b and zero-bubble), summing to the model's (None: even, the remainder on the
+        earliest stages). stage: the stage traced and reported, the rank under interleaved-1f1b and zero-bubble
+        (None: every distinct one, the largest reported).
     compile: the model is `torch.compile(model, mode=compile_mode)` (Inductor; the optimizer eager): the step's
         graphs as Inductor compiles them (`tracer/compiled_step.py`); a CPU target's training step only.
     compile_mode: `COMPILE_MODES`: the Inductor options of torch.compile's `mode` (torch/_inductor/__init__.py
@@ -683,8 +683,7 @@ class RunSpec:
     @property
     def pp_virtual_stages(self) -> int | None:
         """V, the stages each pipeline rank holds: `virtual_stages` under interleaved-1f1b and zero-bubble, else
-        their default 2
-        (tests/pp_oracle.py's); 1 for the one-stage-per-rank schedules; None without `pp`."""
+        their default 2 (tests/pp_oracle.py's); 1 for the one-stage-per-rank schedules; None without `pp`."""
         if self.pp is None:
             return None
         if not self.pp_schedule.multi_stage:  # a PipelineSchedule, parsed by `_check_pipeline`

@@ -457,9 +457,8 @@ def sparkline(report: MemoryReport, width: int = 48) -> str:
 def pipeline_text(r: RunInfo) -> str:
     """'1f1b over 4 stages, 4 micro-batches of 2 rows, split 1,1,1,1; stage 3 shown' and one line per stage:
     'stage 0  2.43 MiB at B0, in flight 0-3; receive buffers 64.00 KiB, held sends 0 B'. Under interleaved-1f1b
-    and zero-bubble
-    'interleaved-1f1b over 2 ranks of 2 stages, ...; rank 1 shown' and one line per rank: 'rank 0 (stages 0,2)
-    ...'."""
+    and zero-bubble 'interleaved-1f1b over 2 ranks of 2 stages, ...; rank 1 shown' and one line per rank:
+    'rank 0 (stages 0,2) ...'."""
     p = r.pp
     who = "rank" if p.virtual_stages else "stage"
     over = f"{p.stages} ranks of {p.virtual_stages} stages" if p.virtual_stages else f"{p.stages} stages"

@@ -272,13 +272,15 @@ class FsdpInfo:
 @dataclass(**_FROZEN)
 class StagePeak:
     """One pipeline stage's figures (pp_stages.py `pipeline_summary`): the steady step's peak allocated bytes
-    (`peak_bytes`), the micro-step running at it (`at`: 'F<i>' or 'B<i>', forward or backward of micro-batch i, or
-    'loop' between them), the micro-batches in flight then (`in_flight`: in the stage's `fwd_cache`, or running),
-    and the bytes at the peak of its receive buffers (`recv_buffer_bytes`) and of the input gradients its send
-    Works hold (`held_send_bytes`). Stages that run the same program share one trace (`traced_as`). Under
-    interleaved-1f1b and zero-bubble an entry is a rank's (`stage` = the rank, `traced_as` too), `holds` the stages it holds
-    (rank, rank + P, ...), `at` 'F<i>@<k>'/'B<i>@<k>'/'W<i>@<k>' (micro-batch i on stage k; W: zero-bubble's weight gradient) and `in_flight` the micro-batches
-    in any of its stages' `fwd_cache`; `holds` is absent otherwise."""
+    (`peak_bytes`), the micro-step running at it (`at`: 'F<i>' or 'B<i>', forward or backward of micro-batch i,
+    'opt' in `optimizer.step()`, or 'loop' elsewhere, e.g. between micro-steps), the micro-batches in flight then
+    (`in_flight`: in the stage's `fwd_cache`, or running), and the bytes at the peak of its receive buffers
+    (`recv_buffer_bytes`) and of the input gradients its send Works hold (`held_send_bytes`). Stages that run the
+    same program share one trace (`traced_as`). Under interleaved-1f1b and zero-bubble an entry is a rank's
+    (`stage` = the rank, `traced_as` too, though a rank holds V of the P × V stages `PipelineInfo.split` names),
+    `holds` the stages it holds (rank, rank + P, ...), `at` 'F<i>@<k>'/'B<i>@<k>'/'W<i>@<k>' (micro-batch i on
+    stage k; W: zero-bubble's weight gradient) and `in_flight` the micro-batches in any of its stages' `fwd_cache`
+    or waiting for their weight-gradient step (zero-bubble's `backward_state`); `holds` is absent otherwise."""
 
     stage: int
     peak_bytes: int
@@ -294,8 +296,9 @@ class StagePeak:
 class PipelineInfo:
     """The run's `pp` entry (`--pp`): `stages` (P), the `schedule`, `micro_batches` (M) of `micro_batch_rows` rows
     each, `split` (decoder layers per stage), the `stage` reported (the largest peak unless --stage K) and each
-    stage's figures (`stage_peaks`, by stage). Under interleaved-1f1b and zero-bubble: `virtual_stages` V (absent otherwise),
-    `stages` is still P (the ranks), `split` names the P × V stages, `stage` and `stage_peaks` are by rank."""
+    stage's figures (`stage_peaks`, by stage). Under interleaved-1f1b and zero-bubble: `virtual_stages` V (absent
+    otherwise); `stages` is then still P, the ranks, while `split` names the P × V stages; `stage` and
+    `stage_peaks` (their `stage` field included) are by rank."""
 
     stages: int
     schedule: PipelineSchedule

@@ -15,11 +15,11 @@ from .recorder import StepRecorder, tag_autograd_nodes
 @contextlib.contextmanager
 def module_hooks(model: torch.nn.Module, rec: StepRecorder):
     """Keep `rec.module_stack` (and `rec.forward_depth`: inside the model's own forward, or one of its
-    `forward_roots` when it declares them: an interleaved pipeline rank's stages, tracer/pipelining.py
-    `RankModule`, which the schedule calls one by one) while modules run; tag the autograd nodes each module's
-    forward created with its path."""
+    `_vramtrace_forward_roots` when it declares them: an interleaved pipeline rank's stages, tracer/pipelining.py
+    `RankModule`, which the schedule calls one by one; a private name no user's module has) while modules run;
+    tag the autograd nodes each module's forward created with its path."""
     names = {id(m): n for n, m in model.named_modules()}
-    roots = {id(m) for m in getattr(model, "forward_roots", (model,))}
+    roots = {id(m) for m in getattr(model, "_vramtrace_forward_roots", (model,))}
 
     def pre(mod, args):
         rec.forward_depth += id(mod) in roots

@@ -87,13 +87,14 @@ def rank_stages(rank: int, ranks: int, virtual: int) -> tuple[int, ...]:
 
 
 def distinct_stages(split: tuple[int, ...], schedule: PipelineSchedule, micro_batches: int,
-                    ranks: int | None = None) -> list[tuple[int, ...]]:
+                    ranks: int) -> list[tuple[int, ...]]:
     """The stages that run the same program, grouped (`stage_classes`), refined by the schedule: under 1F1B
     stage k warms up min(M, P - k) forwards (torch/distributed/pipelining/schedules.py `Schedule1F1B`
     `_step_microbatches`: `warmup_chunks`), so middle stages share a program only when that count is the same.
-    Under interleaved-1f1b (`ranks` P, `split` the P × V stages' layers) the groups are of ranks, each alone: rank
-    r warms up (V - 1) × M / rounds + 2 (P - 1 - r) forwards (`_get_warmup_ops`), a count of its own, and holds
-    its own stages."""
+    Under interleaved-1f1b and zero-bubble (`ranks` P, `split` the P × V stages' layers) the groups are of ranks,
+    each alone: rank r warms up min((V - 1) × M / rounds + f × (P - 1 - r), M × V) forwards (`_get_warmup_ops`;
+    f = 2 under interleaved-1f1b, 1 under zero-bubble), a count of its own, and holds its own stages. `ranks` is
+    only read then (GPipe and 1F1B group `split`'s stages)."""
     if schedule.multi_stage:
         return [(r,) for r in range(ranks)]
     if schedule is PipelineSchedule.GPIPE:
@@ -148,20 +149,29 @@ class StageModule(torch.nn.Module):
 
 
 class RankModule(torch.nn.Module):
-    """The stages one rank holds under interleaved-1f1b (`stages`: a StageModule each, in the order of
-    `rank_stages`), one module so that the rank's one optimizer takes all their parameters, in that order (what
-    tests/pp_oracle.py's user does: one AdamW over `[p for sub in subs for p in sub.parameters()]`). Not called:
-    the schedule calls each stage's module."""
+    """The stages one rank holds under interleaved-1f1b and zero-bubble (`stages`: a StageModule each, in the order
+    of `rank_stages`, `indices` their global stage indices), one module so that the rank's one optimizer takes all
+    their parameters, in that order (what tests/pp_oracle.py's user does: one AdamW over `[p for sub in subs for p
+    in sub.parameters()]`). Each stage is registered as `stage<k>` by its global index k, so a tensor's module path
+    names its stage (`stage3.lm_head.weight` on rank 1 of 2) and no two stages fold into one row of the report
+    (analysis/aggregate.py folds numeric indices). Not called: the schedule calls each stage's module."""
 
-    def __init__(self, stages: list[StageModule]):
+    def __init__(self, stages: list[StageModule], indices: tuple[int, ...]):
         super().__init__()
-        self.stages = torch.nn.ModuleList(stages)
+        self.indices = tuple(indices)
+        for k, sub in zip(self.indices, stages, strict=True):
+            self.add_module(f"stage{k}", sub)
 
     @property
-    def forward_roots(self) -> tuple[StageModule, ...]:
+    def stages(self) -> tuple[StageModule, ...]:
+        """The rank's stages, in the order of `indices`."""
+        return tuple(getattr(self, f"stage{k}") for k in self.indices)
+
+    @property
+    def _vramtrace_forward_roots(self) -> tuple[StageModule, ...]:
         """The modules whose forward is the rank's forward (tracer/hooks.py `module_hooks`: ops inside them are
         the forward phase, what they save for backward activations): its stages."""
-        return tuple(self.stages)
+        return self.stages
 
     @property
     def layer_stack(self) -> torch.nn.ModuleList:
@@ -234,8 +244,8 @@ def cut_rank(spec: RunSpec, model: torch.nn.Module, split: tuple[int, ...], keep
     k = spec.stage or 0
     if spec.pp_virtual_stages == 1:
         return cut(model, split, k, keep)
-    return copy.deepcopy(RankModule([_stage_module(model, split, s)
-                                     for s in rank_stages(k, spec.pp, spec.pp_virtual_stages)]))
+    held = rank_stages(k, spec.pp, spec.pp_virtual_stages)
+    return copy.deepcopy(RankModule([_stage_module(model, split, s) for s in held], held))
 
 
 def stage_parameter_bytes(spec: RunSpec, model: torch.nn.Module) -> dict[str, int]:
@@ -359,7 +369,8 @@ def pipeline_step(spec: RunSpec, sched, stages, ids: torch.Tensor | None, labels
 
     under the bridges of `feature_bridges.pipelining_on_meta` and a saved-tensor hook of its own (`pack`), which
     report each micro-step to `info` with the op
-    index it starts at (`rec.ops`) and the micro-batches then in `stage.fwd_cache` (in flight). `stages`: the
+    index it starts at (`rec.ops`) and the micro-batches then in `stage.fwd_cache` (in flight); `optimizer.step()`
+    is labelled 'opt' (tests/pp_oracle.py's `record_function("opt")`), what follows it 'loop'. `stages`: the
     rank's PipelineStages (several under interleaved-1f1b, whose micro-steps are labelled 'F<i>@<stage>')."""
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -402,7 +413,9 @@ def pipeline_step(spec: RunSpec, sched, stages, ids: torch.Tensor | None, labels
         for stage in stages:
             _name_buffers(stage, rec, f", stage {stage.stage_index}" if several else "")
         if optimizer is not None:
+            on_micro_step("opt", ())  # the oracle's record_function("opt") around optimizer.step()
             optimizer.step()
+            on_micro_step("loop", ())
             optimizer.zero_grad(set_to_none=spec.zero_grad is ZeroGrad.NONE)
     return step
 
