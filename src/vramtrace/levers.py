@@ -57,7 +57,7 @@ FAMILY_TITLES = {"use_cache": "no KV cache", "optimizer_impl": "another optimize
                  "optimizer_8bit": "8-bit optimizer", "checkpointing": "checkpointing", "micro_batch": "micro-batches",
                  "lora": f"LoRA r={LORA_RANK}", "qlora": "QLoRA", "fsdp": "FSDP2", "zero": "ZeRO stage",
                  "combination": "the combination", "pp": "a deeper pipeline",
-                 "not_under_pp": "LoRA, QLoRA, the 8-bit optimizer and FSDP2"}
+                 "not_under_pp": "LoRA, QLoRA and FSDP2"}
 
 
 class Extra(str, Enum):
