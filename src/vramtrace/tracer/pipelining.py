@@ -367,11 +367,11 @@ def pipeline_step(spec: RunSpec, sched, stages, ids: torch.Tensor | None, labels
         out = schedule.step()                           # a middle stage
         del out; optimizer.step(); optimizer.zero_grad()   # no optimizer on a stage without parameters
 
-    under the bridges of `feature_bridges.pipelining_on_meta` and a saved-tensor hook of its own (`pack`), which
-    report each micro-step to `info` with the op
-    index it starts at (`rec.ops`) and the micro-batches then in `stage.fwd_cache` (in flight); `optimizer.step()`
-    is labelled 'opt' (tests/pp_oracle.py's `record_function("opt")`), what follows it 'loop'. `stages`: the
-    rank's PipelineStages (several under interleaved-1f1b, whose micro-steps are labelled 'F<i>@<stage>')."""
+    under the bridges of `feature_bridges.pipelining_on_meta`, which report each micro-step to `info` with the op
+    index it starts at (`rec.ops`) and the micro-batches then in flight, and a saved-tensor hook of its own
+    (`pack`); `optimizer.step()` is labelled 'opt' (tests/pp_oracle.py's `record_function("opt")`), what follows
+    it 'loop'. `stages`: the rank's PipelineStages (several under interleaved-1f1b and zero-bubble, whose
+    micro-steps are labelled 'F<i>@<stage>')."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     from .. import feature_bridges
