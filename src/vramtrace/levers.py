@@ -529,8 +529,8 @@ def _zero_stage(s: _Search, on: RunSpec) -> list[Lever]:
 def pipeline_depth(spec: RunSpec, depth: int, num_layers: int, stage: int | None = None) -> RunSpec | None:
     """`spec` (a --pp run without --pp-split) at pipeline depth `depth` (`pp`), its stage `stage`, or None when
     `depth` is no valid depth for it (pp_options.py `check_pipeline`): more stages (depth × virtual stages) than
-    the `num_layers` decoder layers, or a batch that does not split into the micro-batches, or any other pipeline the spec's own checks
-    refuse (an interleaved schedule's M that torch's `ScheduleInterleaved1F1B` refuses). The micro-batches M: the
+    the `num_layers` decoder layers, a batch that does not split into the micro-batches, or any other pipeline the
+    spec's own checks refuse (an M that torch's `ScheduleInterleaved1F1B` refuses). The micro-batches M: the
     run's `--micro-batches` when given and valid; 1F1B needs M >= depth (torch's `Schedule1F1B.__init__`), so a
     given M below the depth becomes the depth; M defaulted (None: M = P) follows the depth. The even split of the
     depth (no --pp-split)."""
