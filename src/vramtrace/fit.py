@@ -59,8 +59,9 @@ class FitPoint:
 @dataclass(frozen=True, slots=True)
 class FitResult:
     """The answer of `fit`. `axis` 'batch' or 'seq', `fixed` the other size (axes 'fsdp', 'zero' and 'pp': the
-    batch, per rank or per pipeline step, with `limit` the largest rank count, stage or depth); `best` the largest size that fits
-    (None: not even the smallest), `next` the size one past it (None when `best` is the axis's limit);
+    batch, per rank or per pipeline step, with `limit` the largest rank count, stage or depth searched); `best` the
+    largest size that fits (the smallest for 'fsdp', 'zero' and 'pp'; None: not even the smallest, or the largest),
+    `next` the size one past it (None when `best` is the axis's limit);
     `budget_bytes` = capacity × (1 - headroom) - the CUDA context (what cudaMalloc may take); `method` says how
     the answer was found; `traces` counts the exact traces it took; `allocated_bound` the largest size whose peak
     allocated fits the budget (an upper bound on `best`; None for the FSDP axis); `cuda_context_bytes` and

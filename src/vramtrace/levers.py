@@ -627,8 +627,8 @@ def find_levers(spec: RunSpec, ev: Evaluator, budget_bytes: int) -> LeversSummar
     """The levers of `spec` (resolved: precision set; a --pp spec with `stage` None sizes the whole pipeline, its
     largest stage: `pipeline_outcome`, `whole_pipeline`) against `budget_bytes` (on `search.compared_bytes`'s basis),
     as the report's `levers` section: the levers ranked (`Lever.row`), the combination (`_combine`), the traces
-    made, the families skipped (`NotTraced.row`: an extra missing, its trace failed; those not traced under --pp) and the
-    outcomes found in the disk cache (`LeverDiskCache`). Levers that save nothing are left out."""
+    made, the families skipped (`NotTraced.row`: an extra missing, its trace failed; those not traced under --pp)
+    and the outcomes found in the disk cache (`LeverDiskCache`). Levers that save nothing are left out."""
     s = _Search(spec, ev, budget_bytes)
     base_bytes = compared_bytes(s.base)
     found: list[Lever] = []
