@@ -450,7 +450,8 @@ def _worst_stage(stages: dict, cuda: bool, budget: int, depth: int) -> FitPoint:
     does; the bytes of its largest stage by the report's basis (`StepTables.peaks`, as `trace_stages` picks it),
     unless that one fits and another does not (the largest of those, then)."""
     points = {k: evaluate(t.tables, depth, cuda, budget, True) for k, t in stages.items()}
-    order = sorted(points, key=lambda k: (stages[k].tables.peaks(cuda=cuda)[0], -k), reverse=True)
+    # a point's peak allocated is `StepTables.peaks`' (the same replay on a CUDA target): not replayed again
+    order = sorted(points, key=lambda k: (points[k].peak_allocated_bytes, -k), reverse=True)
     failing = [k for k in order if not points[k].fits]
     return points[failing[0] if failing else order[0]]
 

@@ -432,15 +432,11 @@ def _pp_micro_batches(s: _Search, on: RunSpec) -> list[Lever]:
     `schedule.step` kept (--grad-accum does not compose with --pp: the micro-batches are its accumulation). M
     doubled while it divides the batch, each traced in order until one fits; the largest when none does. An M the
     spec's checks refuse (an interleaved schedule's, as torch's `ScheduleInterleaved1F1B` refuses it) is skipped."""
-    from .errors import SpecError
-
     m = on.pp_micro_batches
     found = None
     while on.batch % (2 * m) == 0:
         m *= 2
-        try:
-            replace(on, micro_batches=m)
-        except SpecError:
+        if accepted(on, micro_batches=m) is None:
             continue
         found = s.lever("micro_batch", on, {"micro_batches": m}, (3, float(m)),
                         f"throughput: {m} micro-batches of {on.batch // m} rows per pipeline step instead of "
@@ -535,7 +531,6 @@ def pipeline_depth(spec: RunSpec, depth: int, num_layers: int, stage: int | None
     given M below the depth becomes the depth; M defaulted (None: M = P) follows the depth. The even split of the
     depth (no --pp-split)."""
     from .choices import PipelineSchedule
-    from .errors import SpecError
 
     if depth * (spec.pp_virtual_stages or 1) > num_layers:  # no stage without layers
         return None
@@ -544,10 +539,24 @@ def pipeline_depth(spec: RunSpec, depth: int, num_layers: int, stage: int | None
         m = depth
     if spec.batch % (m or depth):
         return None
+    return accepted(spec, pp=depth, micro_batches=m, stage=stage)
+
+
+def accepted(spec: RunSpec, **changes) -> RunSpec | None:
+    """`spec` with `changes`, or None when its own checks refuse them (a SpecError: pp_options.py
+    `check_pipeline`)."""
+    from .errors import SpecError
+
     try:
-        return replace(spec, pp=depth, micro_batches=m, stage=stage)
+        return replace(spec, **changes)
     except SpecError:
         return None
+
+
+def largest_stage(outcomes: list[Outcome]) -> Outcome:
+    """The outcome of a pipeline's stages that decides whether it fits: the largest on the verdict's basis
+    (`search.compared_bytes`), then by peak allocated."""
+    return max(outcomes, key=lambda o: (compared_bytes(o), o.peak_allocated_bytes))
 
 
 def pipeline_outcome(session: TraceSession, spec: RunSpec, cuda: bool) -> tuple[Outcome, int]:
@@ -559,7 +568,7 @@ def pipeline_outcome(session: TraceSession, spec: RunSpec, cuda: bool) -> tuple[
     from .tables import outcome
 
     found = [outcome(t.tables, t.num_layers, cuda) for t in stage_traces(session, spec, keep=False).values()]
-    return max(found, key=lambda o: (compared_bytes(o), o.peak_allocated_bytes)), len(found)
+    return largest_stage(found), len(found)
 
 
 def _pipeline_depth(s: _Search, on: RunSpec) -> list[Lever]:
@@ -599,7 +608,7 @@ def whole_pipeline(ev: Evaluator, spec: RunSpec) -> RunSpec:
     stages = [o for t, o in ev.cache.items() if isinstance(o, Outcome) and t.pp is not None and t.stage is not None
               and replace(t, stage=None) == whole]
     if stages:
-        ev.seed(whole, max(stages, key=lambda o: (compared_bytes(o), o.peak_allocated_bytes)))
+        ev.seed(whole, largest_stage(stages))
     return whole
 
 
