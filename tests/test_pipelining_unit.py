@@ -302,6 +302,103 @@ def test_the_progress_line_names_a_rank_when_a_rank_holds_several_stages(schedul
     assert session.said == said
 
 
+MiB = 1 << 20
+
+
+class _HandTables:
+    """A stage's StepTables as `search.evaluate` and `StepTables.peaks` read them: one hand-built timeline for the
+    first and the steady step, the default allocator settings."""
+
+    alloc_conf = None
+
+    def __init__(self, *lifetimes):
+        from vramtrace.analysis.liveness import Timeline
+
+        steps = max(lt.death for lt in lifetimes) + 1
+        live = [sum(lt.bytes for lt in lifetimes if lt.birth <= i <= lt.death) for i in range(steps)]
+        peak = max(range(steps), key=lambda i: (live[i], -i))
+        self.tl = Timeline(tuple(range(steps)), ("forward",) * steps, tuple(lifetimes), tuple(live), tuple(live),
+                           sum(lt.bytes for lt in lifetimes if lt.at_start), live[peak], peak)
+
+    def timeline(self, rows=None, step=None):
+        return self.tl
+
+    def peaks(self, rows=None, cuda=False):
+        from vramtrace.analysis.allocator import replay_steps
+
+        if not cuda:
+            return self.tl.peak_bytes, None
+        est = replay_steps(self.tl, self.tl)
+        return est.peak_allocated_bytes, est.peak_reserved_bytes
+
+
+def _hand_stages():
+    """Stage 0: a 10 MiB parameter and a 60 MiB temporary: 70 MiB allocated, 70 MiB reserved. Stage 1: the
+    parameter; a 40 MiB temporary freed, then 20 MiB (split from its free 40 MiB segment) and 30 MiB alive
+    together: 60 MiB allocated, but the 30 MiB finds no free block (20 MiB of its segment are free, the other 20
+    MiB hold a live block, so releasing the cache frees nothing), a third segment: 80 MiB reserved
+    (CUDACachingAllocator.cpp: blocks over 10 MiB get segments of their size rounded to 2 MiB; a free block is
+    split when over 1 MiB remains)."""
+    from vramtrace.analysis.categories import Category
+    from vramtrace.analysis.liveness import Lifetime
+
+    def param():
+        return Lifetime(1, 10 * MiB, 0, 2, Category.PARAMETER, outlives_step=True, at_start=True)
+
+    act = Category.ACTIVATION
+    return {0: _HandTables(param(), Lifetime(2, 60 * MiB, 1, 1, act)),
+            1: _HandTables(param(), Lifetime(2, 40 * MiB, 0, 0, act), Lifetime(3, 20 * MiB, 1, 2, act),
+                           Lifetime(4, 30 * MiB, 2, 2, act))}
+
+
+class _HandSession(_ProgressSession):
+    def __init__(self, stages):
+        super().__init__()
+        self.stages = stages
+
+    def record(self, spec, loaded, progress):
+        return self.stages[spec.stage]
+
+
+@pytest.mark.parametrize("device,capacity,reported", [("cuda", 75 * MiB, 1), ("cuda", 100 * MiB, 0),
+                                                      ("cpu", 75 * MiB, 0)])
+def test_a_cuda_report_shows_the_stage_that_runs_out_of_memory_not_the_largest(device, capacity, reported):
+    """By hand (`_hand_stages`): stage 1's peak allocated (60 MiB) is below stage 0's (70 MiB), but its replay
+    needs 80 MiB reserved: on a 75 MiB device stage 0 fits and stage 1 runs out of memory, so the report shows
+    stage 1 (its verdict is the pipeline's: it does not fit). On a 100 MiB device both fit: the largest, stage 0.
+    The CPU target has no replay: the largest peak allocated, stage 0, as before."""
+    from types import SimpleNamespace
+
+    from vramtrace.pp_stages import trace_stages
+
+    stages = _hand_stages()
+    assert stages[1].peaks(cuda=True)[0] < stages[0].peaks(cuda=True)[0]  # the case is what it is meant to be
+    assert stages[1].peaks(cuda=True)[1] == 80 * MiB and stages[0].peaks(cuda=True)[1] == 70 * MiB
+    spec = RunSpec(LLAMA, batch=4, seq=8, device=device, pp=2, pp_schedule="gpipe", gpu_memory_bytes=capacity,
+                   **({"cuda_context_bytes": 0} if device == "cuda" else {}))
+    session = _HandSession(stages)
+    shown, tables, _ = trace_stages(session, spec, SimpleNamespace(num_layers=4))
+    assert shown.stage == reported and tables is stages[reported]
+    assert session.said == ["stage 0", "stage 1"]
+
+
+def test_the_failing_stage_comes_before_a_larger_one_that_fits():
+    """`failing_stage` on plain points: one that does not fit first, then the larger peak allocated, then the
+    lower stage."""
+    from vramtrace.pp_stages import failing_stage
+    from vramtrace.search import FitPoint
+
+    def point(allocated, fits):
+        return FitPoint(0, allocated, None, fits, True)
+
+    assert failing_stage({0: point(70, True), 1: point(60, False), 2: point(50, False)}) == 1
+    assert failing_stage({0: point(70, True), 1: point(60, True), 2: point(80, True)}) == 2
+    assert failing_stage({0: point(70, False), 1: point(90, True), 2: point(70, False)}) == 0
+    assert failing_stage({3: point(5, True)}) == 3
+    with pytest.raises(ValueError):
+        failing_stage({})
+
+
 @pytest.fixture(scope="module")
 def real_1f1b_3_301(tmp_path_factory):
     """The stored real run (real_pp.py, 1F1B, 3 stages split 3,0,1: a 0-layer middle stage) and vramtrace's

@@ -34,26 +34,12 @@ from .errors import UsageError
 from .report.data import to_data
 from .report.sections import LeversSummary
 from .spec import Device, RunSpec
-from .search import MAX_RANKS, SEQ_STEP, Curve, TraceSession, aligned, fewest_ranks, frozen_session, largest, same_bytes, within
+from .search import (MAX_RANKS, SEQ_STEP, Curve, FitPoint, TraceSession, aligned, evaluate, fewest_ranks,
+                     frozen_session, largest, same_bytes)
 
 BATCH_NODES = (2, 3, 4)  # not 1: at batch 1 some reshapes are views, at 2 and more copies
 MAX_BATCH = 1 << 20  # the search's upper end for the batch axis
 MAX_PIPELINE_STAGE_TRACES = 32  # `vramtrace fit --pp`: stage traces before the search stops (`_fit_depth`)
-
-
-@dataclass(frozen=True, slots=True)
-class FitPoint:
-    """The peak at one size (`x`: batch or sequence), exact (traced) or interpolated; `fits` by the verdict."""
-
-    x: int
-    peak_allocated_bytes: int
-    peak_reserved_bytes: int | None  # the unbounded replay's (CUDA target)
-    fits: bool
-    exact: bool
-    # the replay under the budget (CUDA target, when the allocated bytes fit): its peak reserved bytes and the cache
-    # releases (cudaMalloc retries) its steady step needs
-    reserved_at_capacity: int | None = None
-    alloc_retries: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,29 +89,6 @@ class FitResult:
                 "next": point(self.next), "headroom_bytes": self.headroom_bytes,
                 "allocated_bound": self.allocated_bound, "curve": [point(p) for p in self.curve],
                 "method": self.method, "traces": self.traces, "levers": to_data(self.levers)}
-
-
-def evaluate(tables, x: int, cuda: bool, budget: int, exact: bool, rows: tuple | None = None) -> FitPoint:
-    """The point at size `x` of an exact trace `tables` (`tables.StepTables`), over `rows` (its storage table with
-    other sizes, interpolated) when given: peak allocated (on a CUDA target the allocator replay's); on a CUDA target the unbounded replay's peak reserved
-    and, when the allocated bytes fit `budget`, the replay under `budget` (`pressure.replay_at_capacity`), whose
-    verdict is the point's. Bytes are ints."""
-    from .analysis.allocator import replay_steps
-    from .analysis.pressure import replay_at_capacity
-
-    steady = tables.timeline(rows)
-    allocated = steady.peak_bytes
-    if not cuda:
-        return FitPoint(x, allocated, None, within(allocated, None, budget), exact)
-    first = tables.timeline(rows, 0)
-    unbounded = replay_steps(first, steady, conf=tables.alloc_conf)
-    if allocated > budget:  # certain failure: the replay could not hold even the live bytes
-        return FitPoint(x, unbounded.peak_allocated_bytes, unbounded.peak_reserved_bytes, False, exact)
-    v = replay_at_capacity(first, steady, budget, tables.alloc_conf, unbounded)
-    # peak allocated as memory_allocated() counts it (unsplit block remainders included): the unbounded replay's,
-    # as the report's
-    return FitPoint(x, unbounded.peak_allocated_bytes, unbounded.peak_reserved_bytes, v.fits, exact, v.peak_reserved_bytes,
-                    v.alloc_retries)
 
 
 def fit(spec: RunSpec, axis: str, capacity_bytes: int | None = None, headroom: float = 0.0,
@@ -393,10 +356,10 @@ def _fit_depth(session: TraceSession, capacity: int, budget: int, cuda: bool) ->
     (`levers.pipeline_depth`: the batch not a multiple of the micro-batches, a schedule refusing them, more stages
     than layers).
 
-    A depth fits when every stage does. Its FitPoint is its largest stage's (the stage the report of the same spec
-    shows, `trace_stages`), or, on a CUDA target where that one fits and another stage does not, the largest of
-    those that do not. `--stage K` is dropped: the pipeline fits only when all its stages do, so every stage is
-    sized. `best`: that depth, `next`: the valid depth below it (None when the run's P fits)."""
+    A depth fits when every stage does. Its FitPoint is its largest stage's, or, on a CUDA target where that one
+    fits and another stage does not, the largest of those that do not (pp_stages.py `failing_stage`: the stage the
+    report of the same spec shows). `--stage K` is dropped: the pipeline fits only when all its stages do, so every
+    stage is sized. `best`: that depth, `next`: the valid depth below it (None when the run's P fits)."""
     from .levers import pipeline_depth
     from .pp_stages import stage_traces
 
@@ -446,14 +409,14 @@ def _fit_depth(session: TraceSession, capacity: int, budget: int, cuda: bool) ->
 
 
 def _worst_stage(stages: dict, cuda: bool, budget: int, depth: int) -> FitPoint:
-    """The FitPoint at `depth` of a pipeline's stage traces `stages` ({stage: search.Trace}): fits when every stage
-    does; the bytes of its largest stage by the report's basis (`StepTables.peaks`, as `trace_stages` picks it),
-    unless that one fits and another does not (the largest of those, then)."""
+    """The FitPoint at `depth` of a pipeline's stage traces `stages` ({stage: search.Trace}): its failing stage's
+    (pp_stages.py `failing_stage`, as the report of the same spec picks it, `trace_stages`): fits when every stage
+    does; the bytes of its largest stage by the report's basis (`StepTables.peaks`), unless that one fits and
+    another does not (the largest of those, then)."""
+    from .pp_stages import failing_stage
+
     points = {k: evaluate(t.tables, depth, cuda, budget, True) for k, t in stages.items()}
-    # a point's peak allocated is `StepTables.peaks`' (the same replay on a CUDA target): not replayed again
-    order = sorted(points, key=lambda k: (points[k].peak_allocated_bytes, -k), reverse=True)
-    failing = [k for k in order if not points[k].fits]
-    return points[failing[0] if failing else order[0]]
+    return points[failing_stage(points)]
 
 
 def _powers(n: int) -> list[int]:

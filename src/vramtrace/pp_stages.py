@@ -1,6 +1,7 @@
-"""A `--pp` run's traces and report entry: every distinct stage traced (tracer/pipelining.py
-`distinct_stages`), the largest reported unless `--stage K`, and the `run.pp` entry (`PipelineInfo`: each stage's
-peak, the micro-step at it, the micro-batches in flight, its receive buffers and held sends). Under
+"""A `--pp` run's traces and report entry: every distinct stage traced (tracer/pipelining.py `distinct_stages`), the
+one that fails first reported unless `--stage K` (`failing_stage`: on a CUDA target a stage whose allocator replay
+runs out of memory comes before a larger one that fits; else the largest), and the `run.pp` entry (`PipelineInfo`:
+each stage's peak, the micro-step at it, the micro-batches in flight, its receive buffers and held sends). Under
 interleaved-1f1b every rank (its stages together) is traced and listed instead of every stage."""
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ def _stages(spec: RunSpec, loaded) -> tuple[tuple[int, ...], list[tuple[int, ...
 
 def trace_stages(session, spec: RunSpec, loaded) -> tuple[RunSpec, object, dict]:
     """Trace one stage of each class (`spec.stage`'s only, when given) and keep each trace in `session.traces`
-    under its spec (`stage` set). Returns (the spec reported: the largest peak's stage, else `spec.stage`; its
-    StepTables; {} for the ranks' peaks, which a pipeline reports per stage instead)."""
+    under its spec (`stage` set). Returns (the spec reported, its StepTables, {} for the ranks' peaks, which a
+    pipeline reports per stage instead). The stage reported: `spec.stage` when given; on a CUDA target the one that
+    fails first (`failing_stage`: one whose allocator replay under the capacity less the CUDA context runs out of
+    memory before one that fits, then the larger replay's peak allocated), so that the report's verdict is the whole
+    pipeline's; on the CPU target the largest peak allocated."""
     from .search import Trace
 
     _split, classes = _stages(spec, loaded)
@@ -41,9 +45,25 @@ def trace_stages(session, spec: RunSpec, loaded) -> tuple[RunSpec, object, dict]
         tables = session.record(stage_spec, loaded, progress=session.say)
         session.traces[stage_spec] = Trace(tables, loaded.num_layers)
         found[k] = tables
-    cuda = spec.device is Device.CUDA  # the report's own basis: the allocator replay on a CUDA target
-    worst = max(found, key=lambda k: (found[k].peaks(cuda=cuda)[0], -k))
+    if spec.device is Device.CUDA:  # the report's verdict: the allocator replay under the capacity less the context
+        from .search import evaluate
+
+        budget = spec.capacity[1] - spec.cuda_context
+        worst = failing_stage({k: evaluate(t, k, True, budget, True) for k, t in found.items()})
+    else:  # no replay: the largest peak allocated is also the first to outgrow any capacity
+        worst = max(found, key=lambda k: (found[k].peaks(cuda=False)[0], -k))
     return replace(spec, stage=worst), found[worst], {}
+
+
+def failing_stage(points: dict) -> int:
+    """The stage of a pipeline that decides its verdict, from its stages' `search.FitPoint`s ({stage k: point}, each
+    judged by `search.evaluate`): a stage that does not fit before one that fits, then the larger peak allocated,
+    then the lower k. So a pipeline fits exactly when the stage picked fits, and the stage picked is its largest
+    when every stage fits or the largest does not. Used by `trace_stages` (the stage a --pp report shows) and
+    `vramtrace fit --pp` (fit.py `_worst_stage`). Raises ValueError when `points` is empty."""
+    if not points:
+        raise ValueError("a pipeline has at least one stage")
+    return min(points, key=lambda k: (points[k].fits, -points[k].peak_allocated_bytes, k))
 
 
 def _stage_figures(tables, cuda: bool) -> tuple[int, str, tuple[int, ...], int, int]:

@@ -12,7 +12,9 @@ only each storage's bytes change, as a polynomial of low degree (linear in B, at
 - `TraceSession`: the config resolved and the precision resolved once (`resolve_precision`), then exact traces of
   sized variants of the run, cached per spec, the heap refrozen after each;
 - `compared_bytes`, `within`, `basis_text`: the verdict against a budget (peak reserved when there is one, else
-  peak allocated), and its wording.
+  peak allocated), and its wording;
+- `evaluate`: one exact trace's `FitPoint` against a budget, on a CUDA target by the allocator replay under it
+  (`fit`'s verdict, and the one that picks a pipeline's failing stage).
 
 The tracer and the tables are imported when a session traces, not with this module.
 """
@@ -166,6 +168,47 @@ def fits_budget(peaks, budget: int) -> bool:
 def basis_text(peaks) -> str:
     """The wording of what `compared_bytes(peaks)` compares."""
     return "peak reserved" if peaks.peak_reserved_bytes is not None else "peak allocated"
+
+
+@dataclass(frozen=True, slots=True)
+class FitPoint:
+    """The peak at one size (`x`: batch or sequence; a rank count, ZeRO stage, pipeline depth or stage), exact
+    (traced) or interpolated; `fits` by the verdict (`evaluate`)."""
+
+    x: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int | None  # the unbounded replay's (CUDA target)
+    fits: bool
+    exact: bool
+    # the replay under the budget (CUDA target, when the allocated bytes fit): its peak reserved bytes and the cache
+    # releases (cudaMalloc retries) its steady step needs
+    reserved_at_capacity: int | None = None
+    alloc_retries: int | None = None
+
+
+def evaluate(tables, x: int, cuda: bool, budget: int, exact: bool, rows: tuple | None = None) -> FitPoint:
+    """The point at size `x` of an exact trace `tables` (`tables.StepTables`), over `rows` (its storage table with
+    other sizes, interpolated) when given: peak allocated (on a CUDA target the allocator replay's); on a CUDA target
+    the unbounded replay's peak reserved and, when the allocated bytes fit `budget`, the replay under `budget`
+    (`pressure.replay_at_capacity`), whose verdict is the point's; on the CPU target peak allocated at most `budget`.
+    The one verdict of `fit` (every axis), of a pipeline's stages (pp_stages.py `failing_stage`) and so of the
+    stage a --pp report shows. Bytes are ints."""
+    from .analysis.allocator import replay_steps
+    from .analysis.pressure import replay_at_capacity
+
+    steady = tables.timeline(rows)
+    allocated = steady.peak_bytes
+    if not cuda:
+        return FitPoint(x, allocated, None, within(allocated, None, budget), exact)
+    first = tables.timeline(rows, 0)
+    unbounded = replay_steps(first, steady, conf=tables.alloc_conf)
+    if allocated > budget:  # certain failure: the replay could not hold even the live bytes
+        return FitPoint(x, unbounded.peak_allocated_bytes, unbounded.peak_reserved_bytes, False, exact)
+    v = replay_at_capacity(first, steady, budget, tables.alloc_conf, unbounded)
+    # peak allocated as memory_allocated() counts it (unsplit block remainders included): the unbounded replay's,
+    # as the report's
+    return FitPoint(x, unbounded.peak_allocated_bytes, unbounded.peak_reserved_bytes, v.fits, exact,
+                    v.peak_reserved_bytes, v.alloc_retries)
 
 
 def resolve_precision(spec: RunSpec, resolved) -> tuple[RunSpec, str]:
