@@ -151,3 +151,32 @@ def test_a_candidate_depth_has_a_layer_for_every_stage_and_options_the_spec_acce
     one = RunSpec(LLAMA, batch=8, seq=8, pp=2, micro_batches=2)
     assert pipeline_depth(one, 4, 8).micro_batches == 4
     assert pipeline_depth(one, 3, 8) is None  # M raised to 3 does not divide the batch of 8
+
+
+def test_the_micro_batch_lever_under_pp_tries_every_divisor_of_the_batch_above_m():
+    """`levers.pp_micro_batch_candidates`, no trace: every M' > M that divides the batch, ascending (batch 12 with
+    M = 4: 6 and 12, where doubling M found none); past `PP_MICRO_BATCH_EXTRA` divisors that are no doubling of M,
+    the smallest of them and the largest, every doubling kept; an M' the spec refuses is left out."""
+    from dataclasses import replace
+
+    from vramtrace.levers import PP_MICRO_BATCH_EXTRA, accepted, pp_micro_batch_candidates
+
+    assert pp_micro_batch_candidates(12, 4) == [6, 12]
+    assert pp_micro_batch_candidates(8, 2) == [4, 8]
+    assert pp_micro_batch_candidates(8, 8) == [] and pp_micro_batch_candidates(7, 1) == [7]
+    assert pp_micro_batch_candidates(96, 4) == [6, 8, 12, 16, 24, 32, 48, 96]
+    # 720 = 2^4 · 3^2 · 5 at M = 8: one doubling (16), 22 other divisors above 8: 9, 10, 12, 15, 18 ... 360, 720
+    assert PP_MICRO_BATCH_EXTRA == 6 and pp_micro_batch_candidates(720, 8) == [9, 10, 12, 15, 16, 18, 720]
+    for batch in range(1, 257):
+        for m in (d for d in range(1, batch + 1) if batch % d == 0):
+            got = pp_micro_batch_candidates(batch, m)
+            doublings = [m << k for k in range(1, 9) if batch % (m << k) == 0]
+            assert got == sorted(set(got)) and all(d > m and batch % d == 0 for d in got), (batch, m, got)
+            assert set(doublings) <= set(got) and len(got) <= len(doublings) + PP_MICRO_BATCH_EXTRA, (batch, m)
+            if batch > m:
+                assert got[-1] == batch, (batch, m, got)  # the strongest: one row per micro-batch
+    # interleaved-1f1b at P = 2 refuses M = 5 (torch's ScheduleInterleaved1F1B: 2 rounds do not divide it)
+    inter = RunSpec(LLAMA, batch=20, seq=8, pp=2, pp_schedule="interleaved-1f1b", micro_batches=4)
+    with pytest.raises(UsageError):
+        replace(inter, micro_batches=5)
+    assert pp_micro_batch_candidates(20, 4, lambda k: accepted(inter, micro_batches=k) is not None) == [10, 20]

@@ -427,21 +427,41 @@ def _micro_batch(s: _Search, on: RunSpec) -> list[Lever]:
     return [best or lever(1)]
 
 
+# the micro-batch counts under --pp beyond the doublings of M that the lever tries, at most: every divisor above M of
+# every batch up to 32 rows (30 at M = 2 has the most: 3, 5, 6, 10, 15, 30, none a doubling) is tried; a batch with
+# more keeps the smallest (the cheapest M that fits is the one wanted) and its largest (the strongest lever). Each
+# is a whole-pipeline trace (every distinct stage): the family makes at most one per doubling of M (what it tried
+# when it only doubled M) plus these 6.
+PP_MICRO_BATCH_EXTRA = 6
+
+
+def pp_micro_batch_candidates(batch: int, m: int, accepts: Callable[[int], bool] = lambda _m: True) -> list[int]:
+    """The micro-batch counts M' > `m` the --pp micro-batch lever tries for a pipeline step of `batch` rows, in
+    ascending order: every divisor of `batch` above `m` that `accepts` (the spec's checks, `accepted`), of which the
+    doublings of `m` (m·2, m·4, ... that divide the batch) always, the others at most `PP_MICRO_BATCH_EXTRA` (the
+    smallest, and the largest)."""
+    divisors = [d for d in range(m + 1, batch + 1) if batch % d == 0 and accepts(d)]
+    doublings = [d for d in divisors if d % m == 0 and (d // m) & (d // m - 1) == 0]
+    others = [d for d in divisors if d not in doublings]
+    if len(others) > PP_MICRO_BATCH_EXTRA:
+        others = others[:PP_MICRO_BATCH_EXTRA - 1] + others[-1:]
+    return sorted(doublings + others)
+
+
 def _pp_micro_batches(s: _Search, on: RunSpec) -> list[Lever]:
     """Under --pp: more micro-batches per pipeline step (`--micro-batches`), each of fewer rows, the batch of one
-    `schedule.step` kept (--grad-accum does not compose with --pp: the micro-batches are its accumulation). M
-    doubled while it divides the batch, each traced in order until one fits; the largest when none does. An M the
-    spec's checks refuse (an interleaved schedule's, as torch's `ScheduleInterleaved1F1B` refuses it) is skipped."""
+    `schedule.step` kept (--grad-accum does not compose with --pp: the micro-batches are its accumulation). The
+    counts of `pp_micro_batch_candidates` (divisors of the batch above the run's M that the spec's checks accept:
+    an interleaved schedule's refuse some, as torch's `ScheduleInterleaved1F1B` does), each traced in ascending
+    order until one fits; the largest when none does. Under GPipe too: all M micro-batches are in flight there, but
+    each of fewer rows, so a stage's per-micro-batch temporaries shrink."""
     m = on.pp_micro_batches
     found = None
-    while on.batch % (2 * m) == 0:
-        m *= 2
-        if accepted(on, micro_batches=m) is None:
-            continue
-        found = s.lever("micro_batch", on, {"micro_batches": m}, (3, float(m)),
-                        f"throughput: {m} micro-batches of {on.batch // m} rows per pipeline step instead of "
-                        f"{on.pp_micro_batches} of {on.batch // on.pp_micro_batches} (the same batch {on.batch} per "
-                        "schedule.step, smaller micro-batches: less of each in flight, lower GPU utilisation)")
+    for more in pp_micro_batch_candidates(on.batch, m, lambda k: accepted(on, micro_batches=k) is not None):
+        found = s.lever("micro_batch", on, {"micro_batches": more}, (3, float(more)),
+                        f"throughput: {more} micro-batches of {on.batch // more} rows per pipeline step instead of "
+                        f"{m} of {on.batch // m} (the same batch {on.batch} per schedule.step, smaller "
+                        "micro-batches: less of each in flight, lower GPU utilisation)")
         if found.fits:
             break
     return [found] if found is not None else []
