@@ -4,9 +4,9 @@ Like tests/oracle.py this module imports nothing from vramtrace (tests/test_orac
 the cut into stages, the loss, the schedule, the optimizer and the loop are all written out here from public APIs.
 
 `measure_pp_peaks(config_path, pp=P, schedule="gpipe"|"1f1b", split=(...), micro_batches=M, batch=B, seq=S,
-precision="fp32"|"bf16-mixed")` runs P CPU processes over gloo (forked from a fork server that has imported torch,
-transformers and torch.distributed.pipelining once), one thread each, and returns one dict per stage (index =
-stage = rank):
+precision="fp32"|"bf16-mixed", checkpointing=False|True)` runs P CPU processes over gloo (forked from a fork
+server that has imported torch, transformers and torch.distributed.pipelining once), one thread each, and returns
+one dict per stage (index = stage = rank):
 
 - the model: `AutoConfig.for_model` of the JSON, `AutoModelForCausalLM.from_config(config,
   attn_implementation="sdpa")` (seed 0, fp32 weights, `train()`), built whole on every rank and then cut by hand the
@@ -31,6 +31,10 @@ stage = rank):
   stage's forward (`_Stage.forward`): each rank autocasts its own piece of the model, as tests/oracle.py autocasts the
   whole model's forward for one process. The schedule calls `loss_fn` on the last stage's output outside that
   forward, so the loss runs outside autocast (ForCausalLMLoss upcasts the logits to fp32 itself).
+- `checkpointing=True`: each decoder layer of a stage runs under `torch.utils.checkpoint.checkpoint(layer, h, ...,
+  use_reentrant=False)` (its other defaults: the RNG state preserved, the default determinism check) in the stage's
+  own forward (`_Stage._layer`), inside the stage's autocast: what a user who cuts the model by hand writes to
+  checkpoint every layer of a stage.
 - each stage its own `torch.optim.AdamW(stage parameters)` (a stage without parameters, a middle stage of 0 layers,
   has no optimizer); the loop on every rank: `out = schedule.step(ids)` (first) / `schedule.step(target=ids,
   losses=[])` (last) / `schedule.step()` (middle); `del out; opt.step(); opt.zero_grad()`.
@@ -83,9 +87,9 @@ def _config(path: str):
 class _Stage(torch.nn.Module):
     """A contiguous piece of a causal LM: [embeddings] + decoder layers [lo, hi) + [final norm + lm_head]."""
 
-    def __init__(self, model, lo: int, hi: int, first: bool, last: bool, autocast):
+    def __init__(self, model, lo: int, hi: int, first: bool, last: bool, autocast, checkpointing: bool = False):
         super().__init__()
-        self.autocast = autocast
+        self.autocast, self.checkpointing = autocast, checkpointing
         self.gpt2 = hasattr(model, "transformer")
         base = model.transformer if self.gpt2 else model.model
         if self.gpt2:  # GPT2Model: wte + wpe, embedding dropout, blocks `h`, final `ln_f`
@@ -115,14 +119,22 @@ class _Stage(torch.nn.Module):
             if self.embed_positions is not None:
                 h = self.drop(h + self.embed_positions(pos))
             for layer in self.layers:
-                h = layer(h, None, None)  # no cache, no attention mask (sdpa: is_causal)
+                h = self._layer(layer, h, None, None)  # no cache, no attention mask (sdpa: is_causal)
         else:  # LlamaModel.forward: (cos, sin) once, each decoder layer with them
             pe = self.rotary_emb(h, position_ids=pos)
             for layer in self.layers:
-                h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
+                h = self._layer(layer, h, attention_mask=None, position_ids=pos, position_embeddings=pe)
         if self.lm_head is not None:
             h = self.lm_head(self.norm(h))
         return h
+
+    def _layer(self, layer, h, *args, **kwargs):
+        """One decoder layer on `h`, under non-reentrant activation checkpointing when the case asks for it."""
+        if not self.checkpointing:
+            return layer(h, *args, **kwargs)
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(layer, h, *args, use_reentrant=False, **kwargs)
 
 
 def _stage_indices(case, rank: int) -> list[int]:
@@ -141,8 +153,8 @@ def _build(case, rank: int):
     model.train()
     bounds = list(itertools.accumulate(case.split, initial=0))
     last = len(case.split) - 1
-    subs = [_Stage(model, bounds[k], bounds[k + 1], k == 0, k == last, PRECISIONS[case.precision])
-            for k in _stage_indices(case, rank)]
+    subs = [_Stage(model, bounds[k], bounds[k + 1], k == 0, k == last, PRECISIONS[case.precision],
+                   case.checkpointing) for k in _stage_indices(case, rank)]
     loss_fn = functools.partial(model.loss_function, vocab_size=config.vocab_size)
     torch.manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (case.batch, case.seq))
@@ -349,7 +361,8 @@ def _rank_main(rank: int, case, init_file: str, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def _case(config_path, pp, schedule, split, micro_batches, batch, seq, precision, attempts, virtual_stages):
+def _case(config_path, pp, schedule, split, micro_batches, batch, seq, precision, attempts, virtual_stages,
+          checkpointing=False):
     import types
 
     if schedule not in SCHEDULES:
@@ -369,23 +382,24 @@ def _case(config_path, pp, schedule, split, micro_batches, batch, seq, precision
         raise ValueError(f"oracle: batch {batch} is not a multiple of micro_batches {micro_batches}")
     return types.SimpleNamespace(config=str(config_path), pp=pp, schedule=schedule, split=split,
                                  micro_batches=micro_batches, batch=batch, seq=seq, precision=precision,
-                                 attempts=attempts, virtual_stages=virtual_stages)
+                                 attempts=attempts, virtual_stages=virtual_stages, checkpointing=bool(checkpointing))
 
 
 def measure_pp_peaks(config_path, *, pp: int, schedule: str = "1f1b", split=None, micro_batches: int | None = None,
                      batch: int = 8, seq: int = 32, precision: str = "fp32", virtual_stages: int | None = None,
-                     attempts: int = 5, timeout: float = 600.0) -> list[dict]:
+                     checkpointing: bool = False, attempts: int = 5, timeout: float = 600.0) -> list[dict]:
     """Each stage's figures (index = stage = rank) of the pipeline step run for real on P gloo CPU ranks (module
     docstring). `micro_batches` None means M = P. "interleaved-1f1b": `ScheduleInterleaved1F1B` with
     `virtual_stages` V (default 2) stages per rank, rank r holding stages r, r + P, ...; `split` then gives the
     layers of each of the P * V stages, and each entry is a rank's (its `stages` listed); "zero-bubble" likewise
-    (`ScheduleInterleavedZeroBubble`). Raises ValueError for a
+    (`ScheduleInterleavedZeroBubble`). `checkpointing`: each decoder layer of every stage under non-reentrant
+    `torch.utils.checkpoint` (module docstring). Raises ValueError for a
     case it cannot run, RuntimeError when a rank fails or stays unclean, TimeoutError past `timeout` seconds."""
     import multiprocessing as mp
     import tempfile
 
     case = _case(config_path, pp, schedule, split, micro_batches or pp, batch, seq, precision, attempts,
-                 virtual_stages)
+                 virtual_stages, checkpointing)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__, "transformers.modeling_utils", "torch.distributed.pipelining",
                                 "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"])
