@@ -248,7 +248,8 @@ def _trace_worst_rank(session: TraceSession, spec: RunSpec, loaded) -> tuple[Run
     """(the spec traced, its StepTables, {ranks text: peak allocated} of each rank class): for a distributed run
     without --rank, every distinct rank class traced and the one with the largest peak reported; else `spec`. The
     peaks are the report's own figure (`StepTables.peaks`: the allocator replay's on a CUDA target, the liveness
-    peak on the CPU), so the rank reported is the one whose report shows the most."""
+    peak on the CPU), so the rank reported is the one whose report shows the most. A --pp run: every distinct
+    stage traced and the one that fails first reported (pp_stages.py `trace_stages`, `failing_stage`)."""
     from dataclasses import replace
 
     say = session.say
