@@ -133,11 +133,160 @@ def _address(t: torch.Tensor) -> int:
     return storage_of(t)._cdata
 
 
+# -- a cache of meta kernels' results ---------------------------------------------------------------------------
+# The non-tensor arguments a cache key holds by (type, value): 1, 1.0 and True are equal and hash alike, but give
+# outputs of other dtypes (torch/_subclasses/fake_tensor.py `_prep_args_for_hash` keys them the same way)
+_KEY_SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                          torch.memory_format})
+_KEY_SEQUENCES = frozenset({tuple, list, torch.Size})
+_EXCLUDED_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape, torch.Tag.inplace_view,
+                  torch.Tag.nondeterministic_seeded)
+
+
+def _cacheable_op(func) -> bool:
+    """Whether the meta results of `func` may be cached (`MetaResultCache`): an aten or prims OpOverload whose
+    schema has no alias annotation (no view, no in-place, no out=) and returns only tensors or lists of tensors, and
+    none of the ops FakeTensor's own cache bypasses (torch/_subclasses/fake_tensor.py `_validate_cache_key`:
+    data-dependent output, dynamic output shape, in-place view, `_unsafe_view`, the lift functions, non-builtin
+    ops) nor a random op (`nondeterministic_seeded`)."""
+    if not isinstance(func, torch._ops.OpOverload) or func.namespace not in ("aten", "prims"):
+        return False
+    schema = func._schema
+    if (not schema.returns or any(a.alias_info is not None for a in schema.arguments)
+            or func is torch.ops.aten._unsafe_view.default
+            or func in (torch.ops.aten.lift.default, torch.ops.aten.lift_fresh.default,
+                        torch.ops.aten.lift_fresh_copy.default)
+            or any(tag in func.tags for tag in _EXCLUDED_TAGS)):
+        return False
+    for r in schema.returns:
+        kind = r.type.getElementType() if isinstance(r.type, torch.ListType) else r.type
+        if r.alias_info is not None or not isinstance(kind, torch.TensorType):
+            return False
+    return True
+
+
+class MetaResultCache:
+    """The outputs' layouts of the meta kernels an op ran with the same arguments before, to build its outputs
+    without running its kernel again (most are Python decompositions, torch/_refs and torch/_prims_common, and
+    cost far more than the recorder's own work on an op).
+
+    What it holds, mirroring FakeTensor's dispatch cache (torch/_subclasses/fake_tensor.py `_cached_dispatch_impl`,
+    `_cache_key`, `_prep_args_for_hash`, `_validate_cache_key`, `_validate_output_for_cache_entry`):
+    - ops: `_cacheable_op` (FakeTensor's exclusions, and only ops with fresh outputs: no alias annotation).
+    - calls: only where no other dispatch mode is below the recorder's (a FakeTensorMode would see the call and
+      make its outputs; the recorder's own mode is off the stack while it handles an op).
+    - key: the op; the default dtype and device, inference mode, grad mode and the CPU and CUDA autocast state
+      (meta tensors have no autocast key: kept to be safe); each argument: a plain
+      `torch.Tensor` on meta (exact type: no subclass, so no DTensor, FakeTensor or FunctionalTensor; strided, not
+      conjugated or negated) by its shape, strides, storage offset, dtype, storage bytes, requires_grad and
+      whether it is an inference tensor; a scalar, dtype, device, layout, memory format or string by (type,
+      value); a tuple, list or torch.Size by its type and items. Any other argument (a SymInt, a Generator, a
+      subclass) makes the call uncached.
+    - value: stored only when every output is a plain strided meta tensor, not a view, not requiring grad, held by
+      nothing but itself (a use count of 1, and 2 on its storage: it and the storage object asked) and with a
+      storage of its own (no input's, no other output's): its shape, strides, storage offset, dtype and storage
+      bytes, and the outputs' nesting (a tensor, a tuple or a list).
+    A hit builds each output as a new meta storage of the recorded bytes (`torch.UntypedStorage`) set to the
+    recorded view (`aten.set_`): the same tensor as the kernel's for everything the recorder and autograd read."""
+
+    def __init__(self):
+        self._ops: dict[Any, bool] = {}  # op -> _cacheable_op(op)
+        self._entries: dict[tuple, Any] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def __call__(self, func, args, kwargs):
+        """func(*args, **kwargs): its kernel's outputs, or the outputs built from an earlier identical call's."""
+        cacheable = self._ops.get(func)
+        if cacheable is None:
+            cacheable = self._ops[func] = _cacheable_op(func)
+        if not cacheable or torch._C._len_torch_dispatch_stack():  # a mode below the recorder's sees every call
+            return func(*args, **kwargs)
+        key = _call_key(func, args, kwargs)
+        if key is None:
+            return func(*args, **kwargs)
+        entry = self._entries.get(key)
+        if entry is not None:
+            self.hits += 1
+            return _build(entry)
+        out = func(*args, **kwargs)
+        self.misses += 1
+        entry = _entry(out, args, kwargs)
+        if entry is not None:
+            self._entries[key] = entry
+        return out
+
+
+def _call_key(func, args, kwargs) -> tuple | None:
+    key = [func, torch.get_default_dtype(), torch._C._get_default_device(), torch.is_inference_mode_enabled(),
+           torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+           torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")]
+    if not _key_items(args, key) or not _key_items(kwargs.values(), key):
+        return None
+    key.append(tuple(kwargs))
+    return tuple(key)
+
+
+def _key_items(items, key: list) -> bool:
+    """Append the key of each of `items` to `key`; False when one cannot be keyed."""
+    for x in items:
+        kind = type(x)
+        if kind is torch.Tensor:
+            if x.device.type != "meta" or x.layout is not torch.strided or x.is_conj() or x.is_neg():
+                return False
+            key.append((tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.untyped_storage().nbytes(),
+                        x.requires_grad, x.is_inference()))
+        elif kind in _KEY_SCALARS:
+            key.append((kind, x))
+        elif kind in _KEY_SEQUENCES:
+            key.append((kind, len(x)))
+            if not _key_items(x, key):
+                return False
+        else:
+            return False
+    return True
+
+
+def _entry(out, args, kwargs):
+    """The layouts of `out` to rebuild it from (`_build`), or None when an output is not a fresh plain tensor."""
+    inputs = {t.untyped_storage()._cdata for t in tensor_leaves((args, kwargs))}
+    seen: set[int] = set()
+
+    def layout(x):
+        kind = type(x)
+        if kind is tuple or kind is list:
+            parts = [layout(v) for v in x]
+            return None if any(p is None for p in parts) else (kind, tuple(parts))
+        if (kind is not torch.Tensor or x.device.type != "meta" or x.layout is not torch.strided or x._is_view()
+                or x.requires_grad or x.is_conj() or x.is_neg() or x._use_count() != 1):
+            return None
+        st = x.untyped_storage()
+        if st._cdata in inputs or st._cdata in seen or torch._C._storage_Use_Count(st._cdata) != 2:
+            return None
+        seen.add(st._cdata)
+        return (torch.Tensor, (tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, st.nbytes()))
+
+    return layout(out)
+
+
+def _build(entry):
+    kind, what = entry
+    if kind is not torch.Tensor:
+        return kind(_build(e) for e in what)
+    shape, stride, offset, dtype, nbytes = what
+    t = torch.ops.aten.empty.memory_format([0], dtype=dtype, device="meta")
+    torch.ops.aten.set_.source_Storage_storage_offset(t, torch.UntypedStorage(nbytes, device="meta"), offset, shape,
+                                                      stride)
+    return t
+
+
 class StepRecorder(TorchDispatchMode):
     """Dispatch mode recording ops, storages and eager frees. Set `phase` (a `Phase`), `step` and `micro` between
     the parts of the step. Under `Phase.STEP` (a user's step function) the phase of each op is found as it runs:
     backward inside the autograd engine, optimizer inside `Optimizer.step` (`in_optimizer`, kept by the trace's
     optimizer hooks), forward inside the model's forward (`forward_depth`), else step."""
+
+    cache_meta_results = True  # whether recorders made from now on have a `meta_cache`
 
     def __init__(self):
         super().__init__()
@@ -188,6 +337,8 @@ class StepRecorder(TorchDispatchMode):
         # (not the pseudo-ops), when made under `keeping_args`; else None
         self.op_args: dict[int, tuple] | None = {} if _KEEP_ARGS.get() else None
         self.pipeline = None  # --pp: the traced stage's micro-steps and buffers (tracer/pipelining.py StageTrace)
+        # the meta kernels' results of earlier identical calls (None: every op runs its kernel)
+        self.meta_cache: MetaResultCache | None = MetaResultCache() if self.cache_meta_results else None
 
     @property
     def phase(self) -> Phase:
@@ -506,6 +657,8 @@ class StepRecorder(TorchDispatchMode):
                 out = self.meta_kernels[func](*args, **kwargs)
             elif to_host := self._to_host(func, args, kwargs):
                 out = func(*args, **{**kwargs, "device": torch.device("meta"), "pin_memory": None})
+            elif self.meta_cache is not None:
+                out = self.meta_cache(func, args, kwargs)
             else:
                 out = func(*args, **kwargs)
         except NotImplementedError as e:
