@@ -9,6 +9,10 @@ This is the technique of PyTorch's `test/inductor/test_mem_estimation.py` (FakeT
 Storages are keyed by a recorder-assigned id (`sid`); a live storage is found by the address of its StorageImpl
 (`storage_key(t).cdata`), dropped when the storage dies; while it is listed, a `StorageWeakRef` on it keeps the
 address from being reused, so a storage made later at the same address gets a new id.
+
+An op with fresh outputs that ran before with the same arguments (by layout) gets outputs built from the layouts
+its meta kernel gave then (`MetaResultCache`, keyed as FakeTensor's dispatch cache is): the repeated layers and
+micro-steps of a trace run their Python meta kernels once.
 """
 
 from __future__ import annotations
