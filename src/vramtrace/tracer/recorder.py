@@ -182,7 +182,7 @@ class MetaResultCache:
     - key: the op; the default dtype and device, inference mode, grad mode and the CPU and CUDA autocast state
       (meta tensors have no autocast key: kept to be safe); each argument: a plain
       `torch.Tensor` on meta (exact type: no subclass, so no DTensor, FakeTensor or FunctionalTensor; strided, not
-      conjugated or negated) by its shape, strides, storage offset, dtype, storage bytes, requires_grad and
+      nested, quantized, conjugated or negated) by its shape, strides, storage offset, dtype, storage bytes, requires_grad and
       whether it is an inference tensor; a scalar, dtype, device, layout, memory format or string by (type,
       value); a tuple, list or torch.Size by its type and items. Any other argument (a SymInt, a Generator, a
       subclass) makes the call uncached.
@@ -236,7 +236,8 @@ def _key_items(items, key: list) -> bool:
     for x in items:
         kind = type(x)
         if kind is torch.Tensor:
-            if x.device.type != "meta" or x.layout is not torch.strided or x.is_conj() or x.is_neg():
+            if (x.device.type != "meta" or x.layout is not torch.strided or x.is_nested or x.is_quantized
+                    or x.is_conj() or x.is_neg()):
                 return False
             key.append((tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.untyped_storage().nbytes(),
                         x.requires_grad, x.is_inference()))
