@@ -6,8 +6,13 @@ and the optimizer's). For every op output whose storage is new it registers the 
 dies (Python locals, autograd saved tensors, optimizer temporaries), so frees land where eager frees them.
 This is the technique of PyTorch's `test/inductor/test_mem_estimation.py` (FakeTensorMemoryProfilerMode).
 
-Storages are keyed by a recorder-assigned id (`sid`); a live storage is found by its `storage_key` (a
-`StorageWeakRef`), dropped when the storage dies, so a storage made later at the same address gets a new id.
+Storages are keyed by a recorder-assigned id (`sid`); a live storage is found by the address of its StorageImpl
+(`storage_key(t).cdata`), dropped when the storage dies; while it is listed, a `StorageWeakRef` on it keeps the
+address from being reused, so a storage made later at the same address gets a new id.
+
+An op with fresh outputs that ran before with the same arguments (by layout) gets outputs built from the layouts
+its meta kernel gave then (`MetaResultCache`, keyed as FakeTensor's dispatch cache is): the repeated layers and
+micro-steps of a trace run their Python meta kernels once.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_map
 
 from ..errors import UnsupportedOpError
 from .probe import op_flops
@@ -75,6 +80,39 @@ class TensorArg:
     dtype: torch.dtype
 
 
+def tensor_leaves(tree) -> list[torch.Tensor]:
+    """The tensors among `tree`'s leaves, in the order of `tree_flatten(tree)[0]` (torch/utils/_pytree.py), which
+    the recorder's `ins`, `outs` and record numbering follow. Plain containers (exactly tuple, list or dict: a dict
+    in its insertion order, as `_dict_flatten`) are walked here; any other pytree node (a namedtuple, a structseq,
+    an OrderedDict, a class registered with `register_pytree_node`, any tuple subclass) is flattened by
+    `tree_flatten` itself, in its place. An op's (args, kwargs) and outputs are plain containers: this skips the
+    TreeSpec that `tree_flatten` builds for every node and the namedtuple check it makes for every leaf."""
+    out: list[torch.Tensor] = []
+    _collect_tensors(tree, out)
+    return out
+
+
+def _collect_tensors(tree, out: list[torch.Tensor]) -> None:
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        children = tree
+    elif kind is dict:
+        children = tree.values()
+    elif kind in SUPPORTED_NODES or issubclass(kind, tuple):  # pytree's own node types, namedtuples: its order
+        out.extend(t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
+        return
+    else:  # a leaf (pytree: a type not in SUPPORTED_NODES and not a namedtuple)
+        if isinstance(tree, torch.Tensor):
+            out.append(tree)
+        return
+    for x in children:
+        kind = type(x)
+        if kind is tuple or kind is list or kind is dict or kind in SUPPORTED_NODES or issubclass(kind, tuple):
+            _collect_tensors(x, out)
+        elif isinstance(x, torch.Tensor):
+            out.append(x)
+
+
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
     """The storage that holds t's data: a DTensor's (FSDP2's sharded parameters, their gradients and optimizer
     states, TP's weights) is its local tensor's; the DTensor wrapper's own `untyped_storage()` is a storage of
@@ -91,11 +129,169 @@ def storage_key(t: torch.Tensor) -> StorageWeakRef:
     return StorageWeakRef(storage_of(t))
 
 
+def _address(t: torch.Tensor) -> int:
+    """The address of t's StorageImpl (`storage_of`): `storage_key(t).cdata` (both are the StorageImpl pointer,
+    torch/csrc/StorageMethods.cpp `THPStorage_weakRef`, torch/csrc/Storage.cpp `THPStorage_get_cdata`), without
+    the weak reference: an int key of the recorder's live storages, whose StorageWeakRef (`_live_refs`) keeps the
+    address from being reused while it is listed."""
+    return storage_of(t)._cdata
+
+
+# -- a cache of meta kernels' results ---------------------------------------------------------------------------
+# The non-tensor arguments a cache key holds by (type, value): 1, 1.0 and True are equal and hash alike, but give
+# outputs of other dtypes (torch/_subclasses/fake_tensor.py `_prep_args_for_hash` keys them the same way)
+_KEY_SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                          torch.memory_format})
+_KEY_SEQUENCES = frozenset({tuple, list, torch.Size})
+_EXCLUDED_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape, torch.Tag.inplace_view,
+                  torch.Tag.nondeterministic_seeded)
+
+
+def _cacheable_op(func) -> bool:
+    """Whether the meta results of `func` may be cached (`MetaResultCache`): an aten or prims OpOverload whose
+    schema has no alias annotation (no view, no in-place, no out=) and returns only tensors or lists of tensors, and
+    none of the ops FakeTensor's own cache bypasses (torch/_subclasses/fake_tensor.py `_validate_cache_key`:
+    data-dependent output, dynamic output shape, in-place view, `_unsafe_view`, the lift functions, non-builtin
+    ops) nor a random op (`nondeterministic_seeded`)."""
+    if not isinstance(func, torch._ops.OpOverload) or func.namespace not in ("aten", "prims"):
+        return False
+    schema = func._schema
+    if (not schema.returns or any(a.alias_info is not None for a in schema.arguments)
+            or func is torch.ops.aten._unsafe_view.default
+            or func in (torch.ops.aten.lift.default, torch.ops.aten.lift_fresh.default,
+                        torch.ops.aten.lift_fresh_copy.default)
+            or any(tag in func.tags for tag in _EXCLUDED_TAGS)):
+        return False
+    for r in schema.returns:
+        kind = r.type.getElementType() if isinstance(r.type, torch.ListType) else r.type
+        if r.alias_info is not None or not isinstance(kind, torch.TensorType):
+            return False
+    return True
+
+
+class MetaResultCache:
+    """The outputs' layouts of the meta kernels an op ran with the same arguments before, to build its outputs
+    without running its kernel again (most are Python decompositions, torch/_refs and torch/_prims_common, and
+    cost far more than the recorder's own work on an op).
+
+    What it holds, mirroring FakeTensor's dispatch cache (torch/_subclasses/fake_tensor.py `_cached_dispatch_impl`,
+    `_cache_key`, `_prep_args_for_hash`, `_validate_cache_key`, `_validate_output_for_cache_entry`):
+    - ops: `_cacheable_op` (FakeTensor's exclusions, and only ops with fresh outputs: no alias annotation).
+    - calls: only where no other dispatch mode is below the recorder's (a FakeTensorMode would see the call and
+      make its outputs; the recorder's own mode is off the stack while it handles an op).
+    - key: the op; the default dtype and device, inference mode, grad mode and the CPU and CUDA autocast state
+      (meta tensors have no autocast key: kept to be safe); each argument: a plain
+      `torch.Tensor` on meta (exact type: no subclass, so no DTensor, FakeTensor or FunctionalTensor; strided, not
+      nested, quantized, conjugated or negated) by its shape, strides, storage offset, dtype, storage bytes, requires_grad and
+      whether it is an inference tensor; a scalar, dtype, device, layout, memory format or string by (type,
+      value); a tuple, list or torch.Size by its type and items. Any other argument (a SymInt, a Generator, a
+      subclass) makes the call uncached.
+    - value: stored only when every output is a plain strided meta tensor, not a view, not requiring grad, held by
+      nothing but itself (a use count of 1, and 2 on its storage: it and the storage object asked) and with a
+      storage of its own (no input's, no other output's): its shape, strides, storage offset, dtype and storage
+      bytes, and the outputs' nesting (a tensor, a tuple or a list).
+    A hit builds each output as a new meta storage of the recorded bytes (`torch.UntypedStorage`) set to the
+    recorded view (`aten.set_`): the same tensor as the kernel's for everything the recorder and autograd read."""
+
+    def __init__(self):
+        self._ops: dict[Any, bool] = {}  # op -> _cacheable_op(op)
+        self._entries: dict[tuple, Any] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def __call__(self, func, args, kwargs):
+        """func(*args, **kwargs): its kernel's outputs, or the outputs built from an earlier identical call's."""
+        cacheable = self._ops.get(func)
+        if cacheable is None:
+            cacheable = self._ops[func] = _cacheable_op(func)
+        if not cacheable or torch._C._len_torch_dispatch_stack():  # a mode below the recorder's sees every call
+            return func(*args, **kwargs)
+        key = _call_key(func, args, kwargs)
+        if key is None:
+            return func(*args, **kwargs)
+        entry = self._entries.get(key)
+        if entry is not None:
+            self.hits += 1
+            return _build(entry)
+        out = func(*args, **kwargs)
+        self.misses += 1
+        entry = _entry(out, args, kwargs)
+        if entry is not None:
+            self._entries[key] = entry
+        return out
+
+
+def _call_key(func, args, kwargs) -> tuple | None:
+    key = [func, torch.get_default_dtype(), torch._C._get_default_device(), torch.is_inference_mode_enabled(),
+           torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+           torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")]
+    if not _key_items(args, key) or not _key_items(kwargs.values(), key):
+        return None
+    key.append(tuple(kwargs))
+    return tuple(key)
+
+
+def _key_items(items, key: list) -> bool:
+    """Append the key of each of `items` to `key`; False when one cannot be keyed."""
+    for x in items:
+        kind = type(x)
+        if kind is torch.Tensor:
+            if (x.device.type != "meta" or x.layout is not torch.strided or x.is_nested or x.is_quantized
+                    or x.is_conj() or x.is_neg()):
+                return False
+            key.append((tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.untyped_storage().nbytes(),
+                        x.requires_grad, x.is_inference()))
+        elif kind in _KEY_SCALARS:
+            key.append((kind, x))
+        elif kind in _KEY_SEQUENCES:
+            key.append((kind, len(x)))
+            if not _key_items(x, key):
+                return False
+        else:
+            return False
+    return True
+
+
+def _entry(out, args, kwargs):
+    """The layouts of `out` to rebuild it from (`_build`), or None when an output is not a fresh plain tensor."""
+    inputs = {t.untyped_storage()._cdata for t in tensor_leaves((args, kwargs))}
+    seen: set[int] = set()
+
+    def layout(x):
+        kind = type(x)
+        if kind is tuple or kind is list:
+            parts = [layout(v) for v in x]
+            return None if any(p is None for p in parts) else (kind, tuple(parts))
+        if (kind is not torch.Tensor or x.device.type != "meta" or x.layout is not torch.strided or x._is_view()
+                or x.requires_grad or x.is_conj() or x.is_neg() or x._use_count() != 1):
+            return None
+        st = x.untyped_storage()
+        if st._cdata in inputs or st._cdata in seen or torch._C._storage_Use_Count(st._cdata) != 2:
+            return None
+        seen.add(st._cdata)
+        return (torch.Tensor, (tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, st.nbytes()))
+
+    return layout(out)
+
+
+def _build(entry):
+    kind, what = entry
+    if kind is not torch.Tensor:
+        return kind(_build(e) for e in what)
+    shape, stride, offset, dtype, nbytes = what
+    t = torch.ops.aten.empty.memory_format([0], dtype=dtype, device="meta")
+    torch.ops.aten.set_.source_Storage_storage_offset(t, torch.UntypedStorage(nbytes, device="meta"), offset, shape,
+                                                      stride)
+    return t
+
+
 class StepRecorder(TorchDispatchMode):
     """Dispatch mode recording ops, storages and eager frees. Set `phase` (a `Phase`), `step` and `micro` between
     the parts of the step. Under `Phase.STEP` (a user's step function) the phase of each op is found as it runs:
     backward inside the autograd engine, optimizer inside `Optimizer.step` (`in_optimizer`, kept by the trace's
     optimizer hooks), forward inside the model's forward (`forward_depth`), else step."""
+
+    cache_meta_results = True  # whether recorders made from now on have a `meta_cache`
 
     def __init__(self):
         super().__init__()
@@ -107,7 +303,9 @@ class StepRecorder(TorchDispatchMode):
         self.ops: list[RecOp] = []
         self.storages: list[RecStorage] = []
         self.free_after: dict[int, int] = {}  # sid -> index of the last op completed when it was freed
-        self._live: dict[StorageWeakRef, int] = {}  # a live storage (storage_key) -> sid
+        self._live: dict[int, int] = {}  # a live storage's address (`_address`, storage_key(t).cdata) -> sid
+        self._live_refs: dict[int, StorageWeakRef] = {}  # the same addresses -> their storage_key (keeps each)
+        self._op_names: dict[torch._ops.OpOverload, str] = {}  # op -> str(op)
         self._finalizers: list[weakref.finalize] = []
         self._lock = threading.Lock()
         self.module_stack: list[str] = []
@@ -144,6 +342,8 @@ class StepRecorder(TorchDispatchMode):
         # (not the pseudo-ops), when made under `keeping_args`; else None
         self.op_args: dict[int, tuple] | None = {} if _KEEP_ARGS.get() else None
         self.pipeline = None  # --pp: the traced stage's micro-steps and buffers (tracer/pipelining.py StageTrace)
+        # the meta kernels' results of earlier identical calls (None: every op runs its kernel)
+        self.meta_cache: MetaResultCache | None = MetaResultCache() if self.cache_meta_results else None
 
     @property
     def phase(self) -> Phase:
@@ -164,18 +364,21 @@ class StepRecorder(TorchDispatchMode):
     # -- storages ----------------------------------------------------------------------------------------
     def _on_free(self, key: StorageWeakRef, sid: int) -> None:
         with self._lock:
-            if self._live.get(key) == sid:
-                del self._live[key]
+            if self._live.get(key.cdata) == sid:
+                del self._live[key.cdata]
+                del self._live_refs[key.cdata]
             if self._resized_from.get(key) == sid:
                 del self._resized_from[key]
             if sid not in self._resized_away:
                 self.free_after[sid] = len(self.ops) - 1
 
-    def _retire(self, key: StorageWeakRef) -> int | None:
-        """End the record of the live storage `key` after the last op, while the storage lives on as a new record
-        (a resize, a reuse); its finalizer then frees the new record, not this one. Returns the record, or None."""
-        old = self._live.pop(key, None)
+    def _retire(self, address: int) -> int | None:
+        """End the record of the live storage at `address` (`_address`) after the last op, while the storage lives
+        on as a new record (a resize, a reuse); its finalizer then frees the new record, not this one. Returns the
+        record, or None."""
+        old = self._live.pop(address, None)
         if old is not None:
+            del self._live_refs[address]
             self.free_after[old] = len(self.ops) - 1
             self._resized_away.add(old)
         return old
@@ -187,7 +390,7 @@ class StepRecorder(TorchDispatchMode):
         is a new record of the same bytes and the new buffer's `shape`, born at a pseudo-op `REUSE_OP` of `module`
         with `op` (the op the buffer was lowered from): bytes live never differ from the real run's, and a buffer
         that one layer hands to the next is owned by each layer in turn, as layer replication needs."""
-        if self._retire(storage_key(t)) is None:
+        if self._retire(_address(t)) is None:
             return
         index = len(self.ops)
         sid = self.storage_id(t, op_index=index, op=op or REUSE_OP)
@@ -204,7 +407,7 @@ class StepRecorder(TorchDispatchMode):
         `storage.resize_`, with the category and name of the storage's last record (also across a resize to 0)."""
         st = storage_of(t)
         key = StorageWeakRef(st)
-        old = self._retire(key)
+        old = self._retire(key.cdata)
         if old is not None:
             self._resized_from[key] = old
         if st.nbytes() == 0:
@@ -222,8 +425,7 @@ class StepRecorder(TorchDispatchMode):
                    name: str = "") -> int:
         """The sid of t's storage, registering it (born at `op_index`) if it is new."""
         st = storage_of(t)
-        key = StorageWeakRef(st)
-        sid = self._live.get(key)
+        sid = self._live.get(st._cdata)
         if sid is not None:
             return sid
         sid = len(self.storages)
@@ -237,7 +439,8 @@ class StepRecorder(TorchDispatchMode):
     def _watch(self, st: torch.UntypedStorage, sid: int) -> None:
         """Map the live storage `st` to record `sid` and record its free where its last reference dies."""
         key = StorageWeakRef(st)
-        self._live[key] = sid
+        self._live[key.cdata] = sid
+        self._live_refs[key.cdata] = key
         self._finalizers.append(weakref.finalize(st, self._on_free, key, sid))
 
     def host_data(self, t: torch.Tensor) -> None:
@@ -245,7 +448,7 @@ class StepRecorder(TorchDispatchMode):
         storage no op recorded: record its allocation as the op `aten.lift_fresh` that the same call records on
         the CPU (on a CUDA device it is an allocation of the caching allocator and a host-to-device copy). A
         storage an op already recorded (the CPU path's own `aten.lift_fresh`) is left as it is."""
-        if storage_key(t) in self._live:
+        if _address(t) in self._live:
             return
         index, name = len(self.ops), str(torch.ops.aten.lift_fresh.default)
         sid = self.storage_id(t, op_index=index, op=name)
@@ -254,7 +457,7 @@ class StepRecorder(TorchDispatchMode):
 
     def live_sid(self, t: torch.Tensor) -> int | None:
         """The sid of t's storage if it is registered and alive, else None."""
-        return self._live.get(storage_key(t))
+        return self._live.get(_address(t))
 
     def adopt(self, t: torch.Tensor, sid: int) -> None:
         """Make t's storage the live storage of the existing record `sid` (a storage whose birth was written by
@@ -263,7 +466,8 @@ class StepRecorder(TorchDispatchMode):
 
     def forget(self, t: torch.Tensor) -> None:
         """Stop watching t's storage: its record's free is written by the caller (a replayed record)."""
-        self._live.pop(storage_key(t), None)
+        if self._live.pop(_address(t), None) is not None:
+            del self._live_refs[_address(t)]
 
     def register_existing(self, t: torch.Tensor, category: str, name: str) -> int:
         """Register a tensor alive at step start (parameter, buffer, input, optimizer state)."""
@@ -276,7 +480,7 @@ class StepRecorder(TorchDispatchMode):
     def hold(self, t: torch.Tensor, what: str, micro: int) -> None:
         """Mark t's storage as the loop's `what` ('outputs' or 'loss') of micro-step `micro` (analysis/storages.py
         derives each loop's release from it)."""
-        sid = self._live.get(storage_key(t))
+        sid = self._live.get(_address(t))
         if sid is not None and self.storages[sid].op_index >= 0:
             s = self.storages[sid]
             s.held_as, s.held_micro = what, micro
@@ -285,7 +489,7 @@ class StepRecorder(TorchDispatchMode):
         """t's storage is memory outside the target's caching allocator (CUDA managed memory: a paged
         bitsandbytes optimizer's state): its record gets `category` and the device 'cuda_managed', which no
         target counts as allocated (trace.py `counted`)."""
-        sid = self._live.get(storage_key(t))
+        sid = self._live.get(_address(t))
         if sid is not None:
             self.storages[sid].category = category
             self.storages[sid].device = MANAGED_DEVICE
@@ -295,7 +499,7 @@ class StepRecorder(TorchDispatchMode):
         on the host, kernels.py `on_host_output`): device 'host', which a CUDA target does not count. Once `offloading` is set, the recorder also puts in host memory what an op makes
         from host storages only (the optimizer step and its state, gradient accumulation, on the CPU), and the
         output of a copy to the CPU (`aten._to_copy` with device cpu: FSDP2's gradient offload)."""
-        sid = self._live.get(storage_key(t))
+        sid = self._live.get(_address(t))
         if sid is not None:
             self.storages[sid].device = HOST_DEVICE
 
@@ -319,7 +523,7 @@ class StepRecorder(TorchDispatchMode):
         """Give t's live storage the module and the op it belongs to (a compiled graph's buffer: both come from the
         FX node it was lowered from, not from the module stack and the allocating call); the op that allocated it
         gets the module too (layer replication reads an op's layer from its module)."""
-        sid = self._live.get(storage_key(t))
+        sid = self._live.get(_address(t))
         if sid is not None:
             s = self.storages[sid]
             s.module, s.op = module or s.module, op or s.op
@@ -328,7 +532,7 @@ class StepRecorder(TorchDispatchMode):
 
     def set_category(self, t: torch.Tensor, category: str, name: str = "") -> None:
         """Give t's storage `category` (a storage outside the allocator, `managed`, keeps its own) and a name."""
-        sid = self._live.get(storage_key(t))
+        sid = self._live.get(_address(t))
         if sid is not None:
             s = self.storages[sid]
             if s.device != MANAGED_DEVICE:
@@ -409,7 +613,7 @@ class StepRecorder(TorchDispatchMode):
     # -- saved tensors ------------------------------------------------------------------------------------------
     def pack_hook(self, t: torch.Tensor) -> torch.Tensor:
         if self.phase is Phase.FORWARD:
-            sid = self._live.get(storage_key(t))
+            sid = self._live.get(_address(t))
             if sid is not None:
                 self.storages[sid].saved = True
         return t
@@ -426,7 +630,7 @@ class StepRecorder(TorchDispatchMode):
             return None
         where = self.current_module() or "(root)"
         hint = f"an op has no meta kernel: {func} in module {where} ({str(error).splitlines()[0][:120]})"
-        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        leaves = tensor_leaves((args, kwargs))
         size = sum(t.untyped_storage().nbytes() for t in leaves)
         if self.strict or size > FALLBACK_LIMIT_BYTES or any(t.device.type not in ("meta", "cpu") for t in leaves):
             raise UnsupportedOpError(f"{hint}; register one with torch.library.register_fake, or replace the op"
@@ -458,6 +662,8 @@ class StepRecorder(TorchDispatchMode):
                 out = self.meta_kernels[func](*args, **kwargs)
             elif to_host := self._to_host(func, args, kwargs):
                 out = func(*args, **{**kwargs, "device": torch.device("meta"), "pin_memory": None})
+            elif self.meta_cache is not None:
+                out = self.meta_cache(func, args, kwargs)
             else:
                 out = func(*args, **kwargs)
         except NotImplementedError as e:
@@ -466,14 +672,13 @@ class StepRecorder(TorchDispatchMode):
         if self.workspace is not None:  # may lay outputs out as the target's kernel does (kernels.py)
             ws, out = self.workspace(func, args, kwargs, out)
         index = len(self.ops)
-        name = str(func)
-        ins = []
-        for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, torch.Tensor):
-                ins.append(self.storage_id(t, op_index=index, op=name))
+        name = self._op_names.get(func)
+        if name is None:
+            name = self._op_names[func] = str(func)
+        ins = [self.storage_id(t, op_index=index, op=name) for t in tensor_leaves((args, kwargs))]
         new = []
         n_before = len(self.storages)
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        outs = tensor_leaves(out)
         order = self.output_order.get(func)
         if order is not None and sorted(order) == list(range(len(outs))):
             outs = [outs[i] for i in order]
@@ -503,9 +708,7 @@ class StepRecorder(TorchDispatchMode):
                     self.storages[sid].category = self.derived_categories[func, self.storages[ins[0]].category]
         if func in self.op_categories and self.op_categories[func][0] != "workspace":
             where, category = self.op_categories[func]
-            for t in tree_flatten(out if where == "outputs" else kwargs.get(where))[0]:
-                if not isinstance(t, torch.Tensor):
-                    continue
+            for t in tensor_leaves(out if where == "outputs" else kwargs.get(where)):
                 if self.storages[self.storage_id(t, op_index=index, op=name)].category is None:
                     self.set_category(t, category)
         first = args[0] if args else None
