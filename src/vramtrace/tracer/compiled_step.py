@@ -186,12 +186,9 @@ class CompiledStepRecorder(StepRecorder):
         AOTAutograd's CompiledFunctionBackward node) is named `ZERO_GRADIENT_NAME`: the logits a model returns
         beside the loss it computed get one, and with transformers' KV cache on, the cache's keys and values.
 
-        `prim.device` is not recorded: a fake tensor's `.device` dispatches it (torch/_subclasses/fake_tensor.py
-        makes `FakeTensor`s with `dispatch_device=True`), it has no storage in or out, and how often it runs
-        depends on the compile, not the step: dynamo's guards read the parameters' devices once more after
-        Inductor lowered a graph in this process than after a graph-cache hit."""
-        if func is torch.ops.prim.device.default:
-            return func(*args, **(kwargs or {}))
+        `prim.device` is not recorded (`StepRecorder.__torch_dispatch__`): here, besides, how often a fake tensor's
+        `.device` runs depends on the compile, not the step: dynamo's guards read the parameters' devices once more
+        after Inductor lowered a graph in this process than after a graph-cache hit."""
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func is torch.ops.aten.zeros.default and isinstance(out, torch.Tensor):
             node = torch._C._current_autograd_node()

@@ -46,6 +46,7 @@ _ADD = torch.ops.aten.add.Tensor
 # `_wrap_tensor_autograd`: an AsyncCollectiveTensor around the input, no allocation; its fake kernel is `empty_like`).
 # A name, compared only in the `_c10d_functional` namespace: that module defines the op when it loads, after this
 # one (tests/test_op_rules.py checks the name resolves once it has)
+_DEVICE_QUERY = torch.ops.prim.device.default  # `Tensor.device` of a subclass that dispatches it
 _WRAP_COLLECTIVE = "_c10d_functional._wrap_tensor_autograd.default"
 # references to an input-buffer gradient seen from the top of __torch_dispatch__ when the engine holds the last one
 # (the buffer, the dispatcher's argument, the Python argument, the engine's own copy): see _accumulates_in_place;
@@ -652,6 +653,10 @@ class StepRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace == "profiler":  # record_function markers: no storage in or out, not recorded (their
             return func(*args, **kwargs)  # number varies between layers, FSDP2's hooks open one per hook)
+        if func is _DEVICE_QUERY:  # a subclass's `.device` (torch/_subclasses/fake_tensor.py makes FakeTensors with
+            # `dispatch_device=True`): a metadata query, no kernel, no storage in or out; under ZeRO's FakeTensorMode
+            # 60% of the ops dispatched (DeepSpeed reads devices per parameter), not recorded
+            return func(*args, **kwargs)
         to_host = False
         try:
             if self._accumulates_in_place(func, args, kwargs):
