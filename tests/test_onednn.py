@@ -32,7 +32,8 @@ def _onednn_serves_bf16_matmuls() -> bool:
 
 needs_onednn_bf16 = pytest.mark.skipif(
     not _onednn_serves_bf16_matmuls(),
-    reason="ATen runs bf16 matmuls without oneDNN on this CPU (no native bf16): nothing allocated to state")
+    reason="ATen runs bf16 matmuls without oneDNN on this CPU (oneDNN's ISA below avx512_core, e.g. "
+           "ONEDNN_MAX_CPU_ISA=AVX2): nothing allocated to state")
 
 
 @needs_onednn_bf16

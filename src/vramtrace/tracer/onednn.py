@@ -1,14 +1,19 @@
 """oneDNN's own answer to how large a matmul's scratchpad is, asked without running the matmul.
 
-On a CPU with native bf16 (AVX-512-BF16, AMX), ATen sends bf16 `mm`, `addmm`, `bmm` and `baddbmm` to oneDNN
-(aten/src/ATen/native/mkldnn/Matmul.cpp `use_mkldnn_bf16_matmul`, then `mkldnn_matmul`), through ideep's
-`matmul_forward`, which creates a matmul primitive descriptor from the tensors' plain strided memory descriptors
-with the attribute `scratchpad_mode = user` (ONEDNN_VERBOSE prints `attr-scratchpad:user`; addmm adds a `sum`
-post-op, which leaves the scratchpad as it is) and allocates `pd.scratchpad_desc()`'s bytes through c10's CPU allocator before it executes. That size comes from
-oneDNN's blocking heuristics (src/cpu/x64/matmul/brgemm_matmul_utils.cpp: per-thread A, B and accumulator
-buffers), which step with the sizes, the thread count and the CPU's caches: not affine in the sizes (Llama-2-7b's
-(8192, 4096) @ (4096, 4096): 165,504, 198,272 and 263,808 B at 1/32, 1/16 and 1/8 of each dimension, which a line
-through them would put at 1,181,312 B; oneDNN books 3,442,432 B at full size).
+Where oneDNN's CPU ISA is avx512_core or above (AVX-512 BW/VL/DQ: native AVX-512-BF16 or AMX not needed; ATen's
+`mkldnn_bf16_device_check`, ideep's `has_bf16_type_support`; not under `ONEDNN_MAX_CPU_ISA=AVX2`), ATen sends bf16
+`mm`, `addmm`, `bmm` and `baddbmm` to oneDNN (aten/src/ATen/native/mkldnn/Matmul.cpp `use_mkldnn_bf16_matmul`, then
+`mkldnn_matmul`), through ideep's `matmul_forward`, which creates a matmul primitive descriptor from the tensors'
+plain strided memory descriptors with the attribute `scratchpad_mode = user` (ONEDNN_VERBOSE prints
+`attr-scratchpad:user`; addmm adds a `sum` post-op, which leaves the scratchpad as it is) and allocates
+`pd.scratchpad_desc()`'s bytes through c10's CPU allocator before it executes. That size comes from oneDNN's
+blocking heuristics (src/cpu/x64/matmul/brgemm_matmul_utils.cpp: per-thread A, B and accumulator buffers), which
+step with the sizes, the thread count and the CPU's caches: not affine in the sizes (Llama-2-7b's (8192, 4096) @
+(4096, 4096): 165,504, 198,272 and 263,808 B at 1/32, 1/16 and 1/8 of each dimension, which a line through them
+would put at 1,181,312 B; oneDNN books 3,442,432 B at full size).
+fp16 matmuls go to oneDNN only with native fp16 (`mkldnn_fp16_device_check`): on an AVX-512 CPU without it
+(avx512_core, no avx512_fp16 nor avx512_bf16) a (128, 176) @ (176, 32) mm books 16,512 B in bf16 at two threads,
+0 B in fp16, so a trace must run the dtype the real step runs.
 
 `matmul_scratchpad_bytes` asks the oneDNN that this torch carries, through its C API
 (`dnnl_matmul_primitive_desc_create`, `dnnl_primitive_desc_query_md(..., dnnl_query_scratchpad_md)`,

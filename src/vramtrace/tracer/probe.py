@@ -28,8 +28,9 @@ KERNEL_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, NotImplemented
 # matmul at batch 4 x 2048 (8192 x 4096 by 4096 x 11008, fp32: 480 MiB) takes seconds on two cores.
 REDUCE_ABOVE_BYTES = 256 << 20
 # So do more FLOPs than this (torch.utils.flop_counter's formula for the op, where it has one): a bf16 matmul on a
-# CPU without native bf16 (at::native's cpublas fallback; this AVX2 machine) runs at about 0.5 GFLOP/s, so Llama-2-7b's
-# 8192 x 4096 by 4096 x 4096 bf16 matmul (160 MiB of tensors, 275 GFLOP) would take nine minutes at full size.
+# CPU whose oneDNN ISA is below avx512_core (at::native's cpublas fallback; an AVX2 machine) runs at about 0.5
+# GFLOP/s, so Llama-2-7b's 8192 x 4096 by 4096 x 4096 bf16 matmul (160 MiB of tensors, 275 GFLOP) would take nine
+# minutes at full size.
 REDUCE_ABOVE_FLOPS = 10**9
 # A run at reduced sizes beyond the three smallest is made while its tensors stay within this many bytes
 # (`CpuWorkspaceProbe._extrapolated`): more points on the line, at a bounded cost.
@@ -190,7 +191,7 @@ class CpuWorkspaceProbe:
         128 or more of the smallest (above the small-size paths of the CPU kernels) down to 2: the three smallest
         runs always, a larger one while it is cheap (`_affordable`). Every run must lie on one
         line. At 1024 the cuts are 1/8, 1/4, 1/2 (a matmul then costs 14% of its full run); for Llama-2-7b's
-        matmuls (4096 and more) 1/32, 1/16, 1/8: a bf16 matmul on a CPU without native bf16 runs at about
+        matmuls (4096 and more) 1/32, 1/16, 1/8: a bf16 matmul on a CPU below avx512_core runs at about
         0.5 GFLOP/s (this AVX2 machine), so its 1/2 run alone would take minutes. A step between the largest run and
         full size is not seen. A kernel whose blocking changes with the sizes is not affine over the runs and runs
         at full size, unless an op rule (`REDUCTION_RULES`) knows where its blocking is constant.
@@ -445,8 +446,8 @@ def _onednn_matmul(args, kwargs, out) -> int | None:
 
 # Ops whose workspace a library can state without running them (`CpuWorkspaceProbe._extrapolated`): op -> (args,
 # kwargs, out) -> bytes or None. An answer is taken for a large op only where it equals the measured workspace of
-# every run at reduced sizes, so an op that does not reach that library here (ATen's own bf16 gemm on a CPU without
-# native bf16, MKL's fp32 sgemm: 0 bytes measured) keeps the measured line.
+# every run at reduced sizes, so an op that does not reach that library here (ATen's own bf16 gemm on a CPU below
+# avx512_core, MKL's fp32 sgemm: 0 bytes measured) keeps the measured line.
 SCRATCHPAD_QUERIES = op_table("SCRATCHPAD_QUERIES",
                               {f"aten.{op}.default": _onednn_matmul for op in ("mm", "bmm", "addmm", "baddbmm")})
 
