@@ -323,12 +323,15 @@ class _HandTables:
     def timeline(self, rows=None, step=None):
         return self.tl
 
-    def peaks(self, rows=None, cuda=False):
+    def replay(self, rows=None):
         from vramtrace.analysis.allocator import replay_steps
 
+        return replay_steps(self.tl, self.tl)
+
+    def peaks(self, rows=None, cuda=False):
         if not cuda:
             return self.tl.peak_bytes, None
-        est = replay_steps(self.tl, self.tl)
+        est = self.replay()
         return est.peak_allocated_bytes, est.peak_reserved_bytes
 
 

@@ -193,7 +193,6 @@ def evaluate(tables, x: int, cuda: bool, budget: int, exact: bool, rows: tuple |
     (`pressure.replay_at_capacity`), whose verdict is the point's; on the CPU target peak allocated at most `budget`.
     The one verdict of `fit` (every axis), of a pipeline's stages (pp_stages.py `failing_stage`) and so of the
     stage a --pp report shows. Bytes are ints."""
-    from .analysis.allocator import replay_steps
     from .analysis.pressure import replay_at_capacity
 
     steady = tables.timeline(rows)
@@ -201,7 +200,7 @@ def evaluate(tables, x: int, cuda: bool, budget: int, exact: bool, rows: tuple |
     if not cuda:
         return FitPoint(x, allocated, None, within(allocated, None, budget), exact)
     first = tables.timeline(rows, 0)
-    unbounded = replay_steps(first, steady, conf=tables.alloc_conf)
+    unbounded = tables.replay(rows)
     if allocated > budget:  # certain failure: the replay could not hold even the live bytes
         return FitPoint(x, unbounded.peak_allocated_bytes, unbounded.peak_reserved_bytes, False, exact)
     v = replay_at_capacity(first, steady, budget, tables.alloc_conf, unbounded)

@@ -30,6 +30,9 @@ class StepTables:
     # this table's timelines by (step, optimal): a recording of one step (inference, a generation) has its first
     # step as its steady one, and a generation's million ops cost seconds per timeline
     _timelines: dict = field(default_factory=dict, compare=False, repr=False)
+    # the allocator replay of this table (`replay`): a --pp stage's is asked for its verdict, its figures and its
+    # levers' outcome, and on a 70B stage it costs seconds
+    _replay: list = field(default_factory=list, compare=False, repr=False)
 
     def timeline(self, rows: tuple[StorageInfo, ...] | None = None, step: int | None = None,
                  optimal: bool = False) -> Timeline:
@@ -48,11 +51,19 @@ class StepTables:
         target else None) over `rows` (default: this table; rows of the same recording with other sizes, as
         `fit` interpolates them). On a CUDA target both come from the allocator replay (`replay_steps`): peak
         allocated as `max_memory_allocated()` counts it, unsplit block remainders included."""
-        steady = self.timeline(rows)
         if not cuda:
-            return steady.peak_bytes, None
-        est = replay_steps(self.timeline(rows, 0), steady, conf=self.alloc_conf)
+            return self.timeline(rows).peak_bytes, None
+        est = self.replay(rows)
         return est.peak_allocated_bytes, est.peak_reserved_bytes
+
+    def replay(self, rows: tuple[StorageInfo, ...] | None = None):
+        """The caching-allocator replay (`replay_steps`, no capacity) of the first then the steady step over `rows`;
+        over this table (rows None) made once and kept. A `ReservedEstimate`."""
+        if rows is not None:
+            return replay_steps(self.timeline(rows, 0), self.timeline(rows), conf=self.alloc_conf)
+        if not self._replay:
+            self._replay.append(replay_steps(self.timeline(step=0), self.timeline(), conf=self.alloc_conf))
+        return self._replay[0]
 
 
 def step_tables(spec: RunSpec, loaded, progress: Callable[[str], None] | None = None) -> StepTables:
@@ -136,7 +147,7 @@ def outcome(tables: StepTables, num_layers: int, cuda: bool) -> Outcome:
     steady = tables.timeline()
     allocated, reserved, at = steady.peak_bytes, None, steady.peak_step
     if cuda:  # the allocator replay's peak (unsplit block remainders included) and its step
-        est = replay_steps(tables.timeline(step=0), steady, conf=tables.alloc_conf)
+        est = tables.replay()
         allocated, reserved, at = est.peak_allocated_bytes, est.peak_reserved_bytes, est.peak_step
     kv = sum(lt.bytes for lt in steady.lifetimes if lt.category is Category.KV_CACHE and lt.birth <= at <= lt.death)
     step_flops, recompute_flops = flops(tables.traced.ops, steady)

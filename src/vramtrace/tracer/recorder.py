@@ -8,7 +8,8 @@ This is the technique of PyTorch's `test/inductor/test_mem_estimation.py` (FakeT
 
 Storages are keyed by a recorder-assigned id (`sid`); a live storage is found by the address of its StorageImpl
 (`storage_key(t).cdata`), dropped when the storage dies; while it is listed, a `StorageWeakRef` on it keeps the
-address from being reused, so a storage made later at the same address gets a new id.
+address from being reused (the one its free's `weakref.finalize` holds), so a storage made later at the same
+address gets a new id.
 
 An op with fresh outputs that ran before with the same arguments (by layout) gets outputs built from the layouts
 its meta kernel gave then (`MetaResultCache`, keyed as FakeTensor's dispatch cache is): the repeated layers and
@@ -133,8 +134,8 @@ def storage_key(t: torch.Tensor) -> StorageWeakRef:
 def _address(t: torch.Tensor) -> int:
     """The address of t's StorageImpl (`storage_of`): `storage_key(t).cdata` (both are the StorageImpl pointer,
     torch/csrc/StorageMethods.cpp `THPStorage_weakRef`, torch/csrc/Storage.cpp `THPStorage_get_cdata`), without
-    the weak reference: an int key of the recorder's live storages, whose StorageWeakRef (`_live_refs`) keeps the
-    address from being reused while it is listed."""
+    the weak reference: an int key of the recorder's live storages. While a storage is listed, the StorageWeakRef
+    its free's finalizer holds as an argument (`_watch`) keeps the address from being reused."""
     return storage_of(t)._cdata
 
 
@@ -305,7 +306,6 @@ class StepRecorder(TorchDispatchMode):
         self.storages: list[RecStorage] = []
         self.free_after: dict[int, int] = {}  # sid -> index of the last op completed when it was freed
         self._live: dict[int, int] = {}  # a live storage's address (`_address`, storage_key(t).cdata) -> sid
-        self._live_refs: dict[int, StorageWeakRef] = {}  # the same addresses -> their storage_key (keeps each)
         self._op_names: dict[torch._ops.OpOverload, str] = {}  # op -> str(op)
         self._finalizers: list[weakref.finalize] = []
         self._lock = threading.Lock()
@@ -367,7 +367,6 @@ class StepRecorder(TorchDispatchMode):
         with self._lock:
             if self._live.get(key.cdata) == sid:
                 del self._live[key.cdata]
-                del self._live_refs[key.cdata]
             if self._resized_from.get(key) == sid:
                 del self._resized_from[key]
             if sid not in self._resized_away:
@@ -379,7 +378,6 @@ class StepRecorder(TorchDispatchMode):
         record, or None."""
         old = self._live.pop(address, None)
         if old is not None:
-            del self._live_refs[address]
             self.free_after[old] = len(self.ops) - 1
             self._resized_away.add(old)
         return old
@@ -441,7 +439,6 @@ class StepRecorder(TorchDispatchMode):
         """Map the live storage `st` to record `sid` and record its free where its last reference dies."""
         key = StorageWeakRef(st)
         self._live[key.cdata] = sid
-        self._live_refs[key.cdata] = key
         self._finalizers.append(weakref.finalize(st, self._on_free, key, sid))
 
     def host_data(self, t: torch.Tensor) -> None:
@@ -467,8 +464,7 @@ class StepRecorder(TorchDispatchMode):
 
     def forget(self, t: torch.Tensor) -> None:
         """Stop watching t's storage: its record's free is written by the caller (a replayed record)."""
-        if self._live.pop(_address(t), None) is not None:
-            del self._live_refs[_address(t)]
+        self._live.pop(_address(t), None)
 
     def register_existing(self, t: torch.Tensor, category: str, name: str) -> int:
         """Register a tensor alive at step start (parameter, buffer, input, optimizer state)."""
