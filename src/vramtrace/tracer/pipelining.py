@@ -41,7 +41,7 @@ import functools
 import itertools
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -282,16 +282,18 @@ def stage_outputs(model: torch.nn.Module, split: tuple[int, ...], micro: torch.T
 _STAGE_OUTPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _shared_stage_outputs(model: torch.nn.Module, split: tuple[int, ...], micro: torch.Tensor,
-                          policy: Callable[[], Any], policy_key: tuple) -> list[torch.Tensor]:
-    """`stage_outputs(model, split, micro, policy())`, made once per model and key: `policy_key` the arguments that
-    make the policy. The outputs are fresh meta leaves that a stage only reads for their metadata (the static
-    `PipelineStage`'s input, output and output-gradient metadata, `_static_stage`)."""
-    key = (tuple(split), tuple(micro.shape), micro.dtype, policy_key,
+def _shared_stage_outputs(model: torch.nn.Module, split: tuple[int, ...], micro: torch.Tensor, device, sm: int,
+                          compute_dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """`stage_outputs` under `KernelPolicyMode(device, sm, compute_dtype)`, made once per model and key. The outputs
+    are fresh meta leaves that a stage only reads for their metadata (the static `PipelineStage`'s input, output
+    and output-gradient metadata, `_static_stage`)."""
+    from .kernels import KernelPolicyMode
+
+    key = (tuple(split), tuple(micro.shape), micro.dtype, device, sm, compute_dtype,
            tuple((p.dtype, p.requires_grad) for p in model.parameters()))
     made = _STAGE_OUTPUTS.setdefault(model, {})
     if key not in made:
-        made[key] = stage_outputs(model, split, micro, policy())
+        made[key] = stage_outputs(model, split, micro, KernelPolicyMode(device, sm, compute_dtype))
     return made[key]
 
 
@@ -448,7 +450,6 @@ def record_stage(spec: RunSpec, loaded, record_on: Callable, traced_layers: int 
     replication). Returns what `record_on` returns; the recorder's `pipeline` holds the stage's `StageTrace`.
     Raises UsageError (a model not cut this way, a bad split, a schedule not modelled)."""
     model = loaded.model
-    from .kernels import KernelPolicyMode
     from .sharding import fake_rank
 
     check_model(model)
@@ -459,9 +460,7 @@ def record_stage(spec: RunSpec, loaded, record_on: Callable, traced_layers: int 
     ids = loaded.inputs["input_ids"]
     labels = loaded.inputs.get("labels", ids)
     micro = torch.empty((spec.batch // spec.pp_micro_batches, *ids.shape[1:]), dtype=ids.dtype, device="meta")
-    outs = _shared_stage_outputs(model, split, micro, lambda: KernelPolicyMode(spec.device, spec.gpu_preset.sm,
-                                                                               loaded.compute_dtype),
-                                 (spec.device, spec.gpu_preset.sm, loaded.compute_dtype))
+    outs = _shared_stage_outputs(model, split, micro, spec.device, spec.gpu_preset.sm, loaded.compute_dtype)
     vocab = model.config.get_text_config().vocab_size
     loss_fn = functools.partial(model.loss_function, vocab_size=vocab)
     with fake_rank(P, k):
