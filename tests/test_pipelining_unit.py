@@ -560,3 +560,22 @@ def test_a_model_type_not_cut_right_is_refused_in_one_line(capsys):
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "Error: --pp cuts llama and gpt2 decoder LMs; model_type mistral is not modelled yet (its layers may need "
         "their attention mask, which a stage does not pass)"]
+
+
+def test_the_stage_traces_of_one_run_share_one_forward_for_the_stage_outputs(monkeypatch):
+    """Every stage's trace needs each stage's output metadata (`stage_outputs`, a forward of the whole model): one
+    run makes it once for all its stages, and each stage's peak is still the one its own run (`--stage k`) finds."""
+    from dataclasses import replace
+
+    from vramtrace.tracer import pipelining
+
+    calls = []
+    real = pipelining.stage_outputs
+    monkeypatch.setattr(pipelining, "stage_outputs", lambda *a: calls.append(a[1]) or real(*a))
+    spec = RunSpec(LLAMA, batch=4, seq=8, device="cpu", precision="fp32", pp=2, pp_schedule="gpipe")
+    report = analyze(spec)
+    peaks = {s.stage: s.peak_bytes for s in report.run.pp.stage_peaks}
+    assert len(calls) == 1 and sorted(peaks) == [0, 1]
+    for k, peak in peaks.items():
+        assert analyze(replace(spec, stage=k)).peak_allocated_bytes == peak
+    assert len(calls) == 3  # a new model per run: its own forward

@@ -229,3 +229,22 @@ def test_a_large_convolution_runs_at_full_size(dtype):
     full, reduced, probe = _both(aten.convolution.default, (x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1))
     assert full == reduced
     assert not probe.extrapolated
+
+
+def test_op_flops_kept_per_op_and_shapes_are_torchs_flop_counts():
+    """`op_flops` keeps a shape-only formula's count per op and shapes: asked again, and for other shapes of the
+    same op, it gives what torch.utils.flop_counter's FlopCounterMode counts for the op run on real tensors."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from vramtrace.tracer.probe import op_flops
+
+    aten = torch.ops.aten
+    cases = [(aten.mm.default, (torch.ones(4, 8), torch.ones(8, 16)), {}),
+             (aten.mm.default, (torch.ones(4, 8), torch.ones(8, 32)), {}),
+             (aten.bmm.default, (torch.ones(2, 4, 8), torch.ones(2, 8, 3)), {}),
+             (aten.addmm.default, (torch.ones(16), torch.ones(4, 8), torch.ones(8, 16)), {"beta": 0.5})]
+    for _ in range(2):  # the second round from what the first kept
+        for op, args, kwargs in cases:
+            with FlopCounterMode(display=False) as counter:
+                out = op(*args, **kwargs)
+            assert op_flops(op, args, kwargs, out) == counter.get_total_flops() > 0

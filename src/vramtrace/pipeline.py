@@ -319,7 +319,7 @@ def _analyze_one_frozen(session: TraceSession, use_cache_variant: bool = True) -
     report = summarize(
         model=_model_info(session.resolved, loaded, traced), run=run_info, params=loaded.params, ops=traced.ops,
         storages=main.table, steady=steady, first=main.timeline(step=0), graph_optimal=main.timeline(optimal=True),
-        gpu=_gpu_info(spec), unresolved=traced.unresolved)
+        gpu=_gpu_info(spec), unresolved=traced.unresolved, replay=main.replay)
     return Analysed(report, spec, session)
 
 

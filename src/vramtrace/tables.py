@@ -58,11 +58,13 @@ class StepTables:
 
     def replay(self, rows: tuple[StorageInfo, ...] | None = None):
         """The caching-allocator replay (`replay_steps`, no capacity) of the first then the steady step over `rows`;
-        over this table (rows None) made once and kept. A `ReservedEstimate`."""
+        over this table (rows None) made once and kept, with the steady step's reserved bytes per graph step
+        (`curve`), so that the report's allocator section (report/summary.py `summarize`) reuses it. A
+        `ReservedEstimate`."""
         if rows is not None:
             return replay_steps(self.timeline(rows, 0), self.timeline(rows), conf=self.alloc_conf)
         if not self._replay:
-            self._replay.append(replay_steps(self.timeline(step=0), self.timeline(), conf=self.alloc_conf))
+            self._replay.append(replay_steps(self.timeline(step=0), self.timeline(), conf=self.alloc_conf, curve=True))
         return self._replay[0]
 
 

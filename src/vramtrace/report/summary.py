@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..analysis.categories import Category
 from ..analysis.allocator import replay_steps
@@ -216,12 +216,13 @@ def flops(ops: tuple, steady: Timeline) -> tuple[int, int]:
             sum(o.flops for o in steady_ops if o.recompute))
 
 
-def _cuda_summary(first: Timeline, steady: Timeline, gpu: dict[str, Any], storages) -> tuple:
-    """The caching-allocator replay of a CUDA target's first and steady steps (`replay_steps`): (its
-    `ReservedEstimate`, the report's `allocator` entry, its `fit` entry: the verdict of the replay under the
-    device's capacity, `_cuda_fit`)."""
+def _cuda_summary(first: Timeline, steady: Timeline, gpu: dict[str, Any], storages,
+                  replay: Callable[[], Any] | None = None) -> tuple:
+    """The caching-allocator replay of a CUDA target's first and steady steps (`replay_steps` with its curve, or
+    `replay()` when the caller keeps that same replay): (its `ReservedEstimate`, the report's `allocator` entry, its
+    `fit` entry: the verdict of the replay under the device's capacity, `_cuda_fit`)."""
     conf = gpu.get("alloc_conf")
-    est = replay_steps(first, steady, conf=conf, curve=True)
+    est = replay() if replay is not None else replay_steps(first, steady, conf=conf, curve=True)
     reserved = est.peak_reserved_bytes
     note = None
     if conf is not None and conf.garbage_collection_threshold is not None:
@@ -244,7 +245,8 @@ def _cuda_summary(first: Timeline, steady: Timeline, gpu: dict[str, Any], storag
 
 def summarize(*, model: ModelInfo, run: RunInfo, params: int, ops: tuple, storages: tuple,
               steady: Timeline, first: Timeline, graph_optimal: Timeline, gpu: dict[str, Any] | None,
-              top_n: int = 10, unresolved: tuple[str, ...] = ()) -> MemoryReport:
+              top_n: int = 10, unresolved: tuple[str, ...] = (),
+              replay: Callable[[], Any] | None = None) -> MemoryReport:
     """Build the MemoryReport from the steady-state, first-step and graph-optimal timelines. With a `gpu`
     (a CUDA target) the two steps are replayed through the caching-allocator model for peak reserved bytes,
     the fit verdict is on reserved memory, and peak allocated (first step and steady) is the replay's, as
@@ -253,12 +255,14 @@ def summarize(*, model: ModelInfo, run: RunInfo, params: int, ops: tuple, storag
 
     `ops`/`storages` are the recorder's OpInfo/StorageInfo rows; `gpu` is {'name', 'memory_bytes', 'cuda'} or None
     (no verdict); with 'cuda' False (the CPU target given a capacity) the verdict is on peak allocated bytes.
+    `replay`: gives the unbounded replay of `first` and `steady` with its curve under the gpu's alloc_conf, when the
+    caller keeps one (tables.py `StepTables.replay`: a --pp stage's was made for its verdict); else it is made here.
     """
     by_sid = {s.sid: s for s in storages}
     peak, peak_bytes, first_peak, remainder = steady.peak_step, steady.peak_bytes, first.peak_bytes, 0
     fit = reserved = allocator = None
     if gpu is not None and gpu.get("cuda", True):
-        est, allocator, fit = _cuda_summary(first, steady, gpu, storages)
+        est, allocator, fit = _cuda_summary(first, steady, gpu, storages, replay)
         reserved, peak, peak_bytes = est.peak_reserved_bytes, est.peak_step, est.peak_allocated_bytes
         first_peak, remainder = est.first_peak_allocated_bytes, est.peak_remainder_bytes
     elif gpu is not None:

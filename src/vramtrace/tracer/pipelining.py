@@ -39,6 +39,7 @@ import contextlib
 import copy
 import functools
 import itertools
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -275,6 +276,27 @@ def stage_outputs(model: torch.nn.Module, split: tuple[int, ...], micro: torch.T
     return outs
 
 
+# model -> {(split, micro-batch shape and dtype, policy, parameters' dtypes and requires_grad): `stage_outputs`}: a
+# pipeline's stages are traced one after another on the same model (pp_stages.py `trace_stages`: 8 under 1F1B with
+# 8 ranks), and each trace would otherwise run the whole model's forward again for the same outputs
+_STAGE_OUTPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _shared_stage_outputs(model: torch.nn.Module, split: tuple[int, ...], micro: torch.Tensor, device, sm: int,
+                          compute_dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """`stage_outputs` under `KernelPolicyMode(device, sm, compute_dtype)`, made once per model and key. The outputs
+    are fresh meta leaves that a stage only reads for their metadata (the static `PipelineStage`'s input, output
+    and output-gradient metadata, `_static_stage`)."""
+    from .kernels import KernelPolicyMode
+
+    key = (tuple(split), tuple(micro.shape), micro.dtype, device, sm, compute_dtype,
+           tuple((p.dtype, p.requires_grad) for p in model.parameters()))
+    made = _STAGE_OUTPUTS.setdefault(model, {})
+    if key not in made:
+        made[key] = stage_outputs(model, split, micro, KernelPolicyMode(device, sm, compute_dtype))
+    return made[key]
+
+
 @dataclass(slots=True)
 class StageTrace:
     """What one traced stage's step leaves for the report: the micro-step running at each op (`labels`: (first
@@ -428,7 +450,6 @@ def record_stage(spec: RunSpec, loaded, record_on: Callable, traced_layers: int 
     replication). Returns what `record_on` returns; the recorder's `pipeline` holds the stage's `StageTrace`.
     Raises UsageError (a model not cut this way, a bad split, a schedule not modelled)."""
     model = loaded.model
-    from .kernels import KernelPolicyMode
     from .sharding import fake_rank
 
     check_model(model)
@@ -439,8 +460,7 @@ def record_stage(spec: RunSpec, loaded, record_on: Callable, traced_layers: int 
     ids = loaded.inputs["input_ids"]
     labels = loaded.inputs.get("labels", ids)
     micro = torch.empty((spec.batch // spec.pp_micro_batches, *ids.shape[1:]), dtype=ids.dtype, device="meta")
-    outs = stage_outputs(model, split, micro, KernelPolicyMode(spec.device, spec.gpu_preset.sm,
-                                                               loaded.compute_dtype))
+    outs = _shared_stage_outputs(model, split, micro, spec.device, spec.gpu_preset.sm, loaded.compute_dtype)
     vocab = model.config.get_text_config().vocab_size
     loss_fn = functools.partial(model.loss_function, vocab_size=vocab)
     with fake_rank(P, k):

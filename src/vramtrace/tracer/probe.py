@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from .op_rules import op_set, op_table
 from .probe_cache import PROBED, Probed, disk_cache
@@ -329,10 +329,55 @@ def dtensor_local_op(func, args, kwargs, out) -> tuple | None:
     return (l_args, l_kwargs, l_out) if shapes(ran) == shapes(l_out) else None
 
 
+# the code of a formula wrapped by torch/utils/flop_counter.py `shape_wrapper` (every registered one but those
+# registered with get_raw=True), which calls it with each tensor replaced by its shape
+_SHAPE_FORMULA = shape_wrapper(lambda *a, **k: 0).__code__
+_FLOPS: dict[tuple, int] = {}  # (op, `_shape_key` of its arguments and output) -> its FLOPs
+_FLOP_SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                           torch.memory_format})
+
+
 def op_flops(func, args, kwargs, out) -> int:
-    """FLOPs of one op by torch.utils.flop_counter's formula for it (`flop_registry`), 0 where it has none."""
+    """FLOPs of one op by torch.utils.flop_counter's formula for it (`flop_registry`), 0 where it has none. A
+    formula that sees only shapes (`shape_wrapper`) gives the same FLOPs for the same op, shapes and other
+    arguments: kept per `_shape_key` (a layer's matmuls recur in every layer and micro-batch)."""
     flop_rule = flop_registry.get(func.overloadpacket)
-    return int(flop_rule(*args, **kwargs, out_val=out)) if flop_rule is not None else 0
+    if flop_rule is None:
+        return 0
+    key = [func]
+    if flop_rule.__code__ is not _SHAPE_FORMULA or not _shape_key((args, kwargs, out), key):
+        return int(flop_rule(*args, **kwargs, out_val=out))
+    key = tuple(key)
+    flops = _FLOPS.get(key)
+    if flops is None:
+        flops = _FLOPS[key] = int(flop_rule(*args, **kwargs, out_val=out))
+    return flops
+
+
+def _shape_key(tree, key: list) -> bool:
+    """Append what `shape_wrapper` passes a formula of `tree` to `key`: each tensor's shape (ints only), each
+    scalar by (type, value), each tuple, list or dict by its type, length (and keys) and items; False when an item
+    cannot be keyed (a SymInt, a tensor subclass's odd shape, any other object)."""
+    kind = type(tree)
+    if isinstance(tree, torch.Tensor):
+        shape = tuple(tree.shape)
+        if not all(type(d) is int for d in shape):
+            return False
+        key.append(shape)
+        return True
+    if kind in _FLOP_SCALARS:
+        if kind is float and tree != tree:  # NaN: never equal to itself, so never found again
+            return False
+        key.append((kind, tree))
+        return True
+    if kind is dict:
+        key.append((dict, tuple(tree)))
+        tree = tree.values()
+    elif kind in (tuple, list, torch.Size):
+        key.append((kind, len(tree)))
+    else:
+        return False
+    return all(_shape_key(x, key) for x in tree)
 
 
 def at_reduced_sizes(tree, sizes: dict[int, int]):

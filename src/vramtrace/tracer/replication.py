@@ -311,6 +311,7 @@ class _Ownership:
         # unit)): a storage's key, which survives a boundary layer running fewer ops of other kinds (the first
         # layer's backward has no all-gather of a layer before it to prefetch, under FSDP2)
         self.unit_of: dict[int, tuple[_Unit, tuple[str, str, int]]] = {}
+        self.relative: dict[tuple[str, int], str] = {}  # (module path, layer) -> `_relative`
         phases: dict[tuple, list[int]] = {}
         for o in ops:  # each micro-step's phases are swept separately
             phases.setdefault((o.step, o.micro, o.phase), []).append(o.index)
@@ -370,6 +371,14 @@ class _Ownership:
             for s in self.births[k]:
                 born_layer[s] = self.owner_layer[k]
 
+    def _relative(self, module: str, layer: int) -> str:
+        """`module` with layer `layer`'s index as -1; memoized (a module path recurs in every unit, and `_settle`
+        keys each phase up to four times)."""
+        out = self.relative.get((module, layer))
+        if out is None:
+            out = self.relative[module, layer] = self.plan.rename(module, {layer: -1})
+        return out
+
     def _key(self, phase_units: list[_Unit]) -> None:
         """`unit_of` for the ops of `phase_units`."""
         for u in phase_units:
@@ -378,14 +387,19 @@ class _Ownership:
                 # a compiled graph's buffer that reuses a dying one's storage is keyed as the allocation it
                 # is in the first layer, which has no earlier layer's buffers to reuse
                 name = ALLOCATION_OP if self.ops[k].name == REUSE_OP else self.ops[k].name
-                what = (name, self.plan.rename(self.ops[k].module, {u.layer: -1}))
+                what = (name, self._relative(self.ops[k].module, u.layer))
                 self.unit_of[k] = (u, (*what, seen.get(what, 0)))
                 seen[what] = seen.get(what, 0) + 1
 
 
+def _tensor_sig(s: RecStorage) -> tuple:
+    """What makes two storages the same tensor: bytes, dtype, shape, device and the op that made it."""
+    return s.nbytes, s.dtype, s.shape, s.device, s.op
+
+
 def _sig_storage(plan: LayerPlan, s: RecStorage, layer: int) -> tuple:
     """What a storage of traced layer `layer` must share with its twin in the next layer."""
-    return (s.nbytes, s.dtype, s.shape, s.device, s.op, s.phase, s.category, s.saved, s.op_index < 0,
+    return (*_tensor_sig(s), s.phase, s.category, s.saved, s.op_index < 0,
             plan.rename(s.name, {layer: -1, layer + 1: -2, layer - 1: -3}), plan.rename(s.module, {layer: -1}))
 
 
@@ -448,6 +462,9 @@ class _Rebuild:
         self.new_ops: list[RecOp] = []
         self.new_births: list[list[int]] = []
         self.new_index = [-1] * len(self.ops)
+        # whether each traced op's births are its outputs, in order (most ops': `emit` reuses their new ids)
+        self.born_outs = [tuple(b) == o.outs for o, b in zip(self.ops, self.births)]
+        self.alike: set[int] = set()  # boundary layers' traced sids found alike their template twin (`item`)
 
     def run(self) -> tuple[list[RecOp], list[RecStorage], list[int]]:
         self._pre()
@@ -471,11 +488,11 @@ class _Rebuild:
             raise NotPeriodic(f"layer {traced} has no storage for {key}")
         # a boundary layer's storage may be used differently (the last layer's output is saved by the head),
         # but it must be the same tensor as the template's (the layers before the one before the template may
-        # own other storages: `LayerPlan.head`)
-        if traced in (T - 1, last) and (T, key) in self.by_key and \
-                _sig_storage(self.plan, storages[s], traced)[:5] != _sig_storage(
-                    self.plan, storages[self.by_key[(T, key)]], T)[:5]:
-            raise NotPeriodic(f"layer {traced}'s {storages[s].name or storages[s].op} is unlike layer {T}'s")
+        # own other storages: `LayerPlan.head`); checked once per storage (a boundary op's lists repeat it)
+        if traced in (T - 1, last) and (T, key) in self.by_key and s not in self.alike:
+            if _tensor_sig(storages[s]) != _tensor_sig(storages[self.by_key[(T, key)]]):
+                raise NotPeriodic(f"layer {traced}'s {storages[s].name or storages[s].op} is unlike layer {T}'s")
+            self.alike.add(s)
         return s, final
 
     def module_renamed(self, path: str, names: dict[int, int]) -> str:
@@ -504,6 +521,10 @@ class _Rebuild:
         ids_f = self.template_ids.get(final)
         if ids_f is None:
             ids_f = self.template_ids[final] = {}
+        try:  # most are resolved already: a unit's ops refer to its own storages again and again
+            return [ids_f[s] for s in sids]
+        except KeyError:
+            pass
         out = []
         for s in sids:
             nid = ids_f.get(s)
@@ -553,8 +574,7 @@ class _Rebuild:
         self.new_ops.append(RecOp(len(self.new_ops), o.name, o.phase, module, ins, outs,
                                   tuple(refs(o.frees)) if o.frees else (), o.lead, o.flops, o.recompute, o.step,
                                   o.micro))
-        b = self.births[o.index]
-        born = list(outs) if len(b) == len(o.outs) and tuple(b) == o.outs else refs(b)
+        born = list(outs) if self.born_outs[o.index] else refs(self.births[o.index])
         if len(ins) != len(o.ins) and _stacks_its_inputs(o, self.births[o.index], self.storages):
             out = self.new_storages[born[0]]  # one element per tensor of the full model's list
             out.nbytes, out.shape = out.nbytes // len(o.ins) * len(ins), (len(ins),)
@@ -577,7 +597,10 @@ class _Rebuild:
             descending = any(v.tag == u.tag and v.layer == 0 and v.start > u.start for v in units)
             for f in (range(L - 2, head - 1, -1) if descending else range(head, L - 1)):
                 names = {T - 1: f - 1, T: f, C: f + 1}
+
+                def refs(sids, f=f):
+                    return self.refs_template(sids, f)
+
                 for t in range(u.start, u.stop):
-                    self.emit(ops[t], self.module_renamed(ops[t].module, names),
-                              lambda sids, f=f: self.refs_template(sids, f))
+                    self.emit(ops[t], self.module_renamed(ops[t].module, names), refs)
             k = u.stop
