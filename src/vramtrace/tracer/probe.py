@@ -333,6 +333,7 @@ def dtensor_local_op(func, args, kwargs, out) -> tuple | None:
 # registered with get_raw=True), which calls it with each tensor replaced by its shape
 _SHAPE_FORMULA = shape_wrapper(lambda *a, **k: 0).__code__
 _FLOPS: dict[tuple, int] = {}  # (op, `_shape_key` of its arguments and output) -> its FLOPs
+_FLOPS_KEPT = 100_000  # entries at most (a long-running `vramtrace serve` sees ever new shapes): emptied when full
 _FLOP_SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
                            torch.memory_format})
 
@@ -350,6 +351,8 @@ def op_flops(func, args, kwargs, out) -> int:
     key = tuple(key)
     flops = _FLOPS.get(key)
     if flops is None:
+        if len(_FLOPS) >= _FLOPS_KEPT:
+            _FLOPS.clear()
         flops = _FLOPS[key] = int(flop_rule(*args, **kwargs, out_val=out))
     return flops
 
