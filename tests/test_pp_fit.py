@@ -180,3 +180,47 @@ def test_the_micro_batch_lever_under_pp_tries_every_divisor_of_the_batch_above_m
     with pytest.raises(UsageError):
         replace(inter, micro_batches=5)
     assert pp_micro_batch_candidates(20, 4, lambda k: accepted(inter, micro_batches=k) is not None) == [10, 20]
+
+
+def test_a_lever_pipeline_stops_at_the_first_stage_that_does_not_fit(tmp_path):
+    """On a CUDA target a lever's whole pipeline is traced stage by stage and stops at a stage that alone does not
+    fit (levers.py `pipeline_outcome`): its row names that stage, its figures are that stage's own (a separate
+    --stage run's), and fewer stages were traced than the pipeline has; a lever that fits has every stage traced
+    and the figures of a separate run of the same pipeline (its largest stage). 68 MiB: between the 4-layer tiny
+    Llama's largest stage at --pp 2 (72 MiB reserved, 64 MiB of it cuBLAS workspaces) and at --micro-batches 8;
+    --pp-split (the even split) fixes the depth, so no deeper pipeline is traced (a shorter test)."""
+    import re
+
+    model = deep_config(tmp_path, "tiny-llama-gqa", 4)
+    base = dict(batch=8, seq=64, pp=2, pp_split="2,2", gpu_memory_bytes=68 << 20, cuda_context_bytes=0)
+    said: list[str] = []
+    levers = analyze(RunSpec(model, **base), progress=said.append).levers
+    assert levers.basis == "peak reserved" and levers.base_bytes > levers.budget_bytes == 68 << 20
+    partial = [lv for lv in levers.levers if lv.decided_by_stage is not None]
+    whole = [lv for lv in levers.levers if lv.fits]
+    assert partial and whole and not any(lv.fits for lv in partial)
+    # the stages traced after each lever's first progress line, up to the next lever's
+    traced: dict[str, int] = {}
+    for line in said:
+        if line.startswith("what makes it fit, trace "):
+            options = line.split(": ", 1)[1]
+            traced[options] = 0
+        elif traced and re.fullmatch(r"stage \d+( \(for stages [\d, ]+\))?", line):
+            traced[options] += 1
+    assert levers.traces == sum(traced.values()) < 2 * len(traced)  # each lever a pipeline of 2 stages
+    for lv in partial:
+        assert traced[lv.options] < 2
+        changes = {"checkpointing": "modules:layers.*"} if lv.family == "checkpointing" else None
+        if changes:  # its figures are the deciding stage's, as that stage alone reports them
+            alone = analyze(RunSpec(model, **base, **changes, stage=lv.decided_by_stage), levers=False)
+            assert (lv.peak_allocated_bytes, lv.peak_reserved_bytes) == (alone.peak_allocated_bytes,
+                                                                         alone.peak_reserved_bytes)
+            assert alone.peak_reserved_bytes > levers.budget_bytes
+    assert any(lv.family == "checkpointing" for lv in partial)
+    rows = {lv.family: lv for lv in whole}
+    assert rows["micro_batch"].options == "--micro-batches 8" and traced["--micro-batches 8"] == 2
+    expected = analyze(RunSpec(model, **base, micro_batches=8), levers=False)
+    assert rows["micro_batch"].decided_by_stage is None
+    assert rows["micro_batch"].peak_allocated_bytes == expected.peak_allocated_bytes == max(
+        s.peak_bytes for s in expected.run.pp.stage_peaks)
+    assert rows["micro_batch"].peak_reserved_bytes == expected.peak_reserved_bytes <= levers.budget_bytes
