@@ -189,12 +189,20 @@ def test_a_lever_pipeline_stops_at_the_first_stage_that_does_not_fit(tmp_path):
     and the figures of a separate run of the same pipeline (its largest stage). 68 MiB: between the 4-layer tiny
     Llama's largest stage at --pp 2 (72 MiB reserved, 64 MiB of it cuBLAS workspaces) and at --micro-batches 8;
     --pp-split (the even split) fixes the depth, so no deeper pipeline is traced (a shorter test)."""
+    import io
     import re
+
+    from rich.console import Console
+
+    from vramtrace.render.html import render_html
+    from vramtrace.render.levers import render_levers
+    from vramtrace.units import format_bytes
 
     model = deep_config(tmp_path, "tiny-llama-gqa", 4)
     base = dict(batch=8, seq=64, pp=2, pp_split="2,2", gpu_memory_bytes=68 << 20, cuda_context_bytes=0)
     said: list[str] = []
-    levers = analyze(RunSpec(model, **base), progress=said.append).levers
+    report = analyze(RunSpec(model, **base), progress=said.append)
+    levers = report.levers
     assert levers.basis == "peak reserved" and levers.base_bytes > levers.budget_bytes == 68 << 20
     partial = [lv for lv in levers.levers if lv.decided_by_stage is not None]
     whole = [lv for lv in levers.levers if lv.fits]
@@ -217,6 +225,16 @@ def test_a_lever_pipeline_stops_at_the_first_stage_that_does_not_fit(tmp_path):
                                                                          alone.peak_reserved_bytes)
             assert alone.peak_reserved_bytes > levers.budget_bytes
     assert any(lv.family == "checkpointing" for lv in partial)
+    console = Console(width=400, file=io.StringIO())  # wide: no row wraps
+    render_levers(levers, console)
+    shown = {line.split("│")[1].strip(): line for line in console.file.getvalue().splitlines() if "│" in line}
+    page = render_html([report])
+    for lv in partial:  # a lower bound, an upper bound of what it saves, and why, on the terminal and the page
+        k, row = lv.decided_by_stage, shown[lv.options]
+        assert f"│ ≥ {format_bytes(lv.compared_bytes)} │ ≤ {format_bytes(lv.saves_bytes)} │ no " in row
+        why = f"stage {k} alone does not fit (the other stages not traced; figures: stage {k}&#39;s)"
+        assert why.replace("&#39;", "'") in row and why in page
+        assert f"≥ {format_bytes(lv.compared_bytes)}" in page
     rows = {lv.family: lv for lv in whole}
     assert rows["micro_batch"].options == "--micro-batches 8" and traced["--micro-batches 8"] == 2
     expected = analyze(RunSpec(model, **base, micro_batches=8), levers=False)
