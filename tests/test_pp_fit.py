@@ -242,3 +242,19 @@ def test_a_lever_pipeline_stops_at_the_first_stage_that_does_not_fit(tmp_path):
     assert rows["micro_batch"].peak_allocated_bytes == expected.peak_allocated_bytes == max(
         s.peak_bytes for s in expected.run.pp.stage_peaks)
     assert rows["micro_batch"].peak_reserved_bytes == expected.peak_reserved_bytes <= levers.budget_bytes
+
+
+def test_a_lever_pipeline_traces_the_stages_of_the_runs_largest_first():
+    """`levers.stage_order`, no trace: a deeper pipeline's stage takes the figures of the run's stage at the nearest
+    relative position (4 stages from 2: stages 0, 1 near the first, 2, 3 near the last), the largest first; peak
+    allocated breaks a tie of peak reserved; a stage the run did not trace itself (a class's other stages) takes its
+    nearest traced stage's."""
+    from vramtrace.levers import stage_order
+
+    def order(figures, base_depth, depth):
+        return sorted(range(depth), key=stage_order(figures, base_depth, depth))
+
+    assert order({0: (10, 5), 1: (12, 3)}, 2, 4) == [2, 3, 0, 1]
+    assert order({0: (12, 5), 1: (10, 3)}, 2, 4) == [0, 1, 2, 3]
+    assert order({0: (10, 7), 1: (10, 9)}, 2, 2) == [1, 0]
+    assert order({0: (8, 0), 1: (6, 0), 3: (9, 0)}, 4, 4) == [3, 0, 1, 2]  # 2 as 1 (as near as 3, the lower)

@@ -301,7 +301,7 @@ class Evaluator:
         if base is None or base.pp is None:
             return None
         whole = replace(base, stage=None)
-        figures = {t.stage: compared_bytes(o) for t, o in self.cache.items()
+        figures = {t.stage: (compared_bytes(o), o.peak_allocated_bytes) for t, o in self.cache.items()
                    if isinstance(o, Outcome) and t.pp is not None and t.stage is not None
                    and replace(t, stage=None) == whole}
         return stage_order(figures, base.pp, spec.pp) if figures else None
@@ -653,13 +653,14 @@ def pipeline_outcome(session: TraceSession, spec: RunSpec, cuda: bool, budget: i
     return largest_stage(list(found.values())), len(found), None
 
 
-def stage_order(figures: dict[int, int], base_depth: int, depth: int) -> Callable[[int], tuple]:
+def stage_order(figures: dict[int, tuple[int, int]], base_depth: int, depth: int) -> Callable[[int], tuple]:
     """The order in which a lever's pipeline of `depth` stages is traced when one stage that does not fit ends it
-    (`pipeline_outcome`): a sort key of stage j, its stages by the figure (`search.compared_bytes`) of the base
-    run's stage at the same relative position, largest first (then by j). `figures`: {stage k: its figure} of the
-    base run's traced stages (one of each class, `pp_stages.trace_classes`), a pipeline of `base_depth` stages;
-    the stage at j / (depth - 1) is read from the traced stage nearest k / (base_depth - 1) (the first stage stays
-    the first, the last the last).
+    (`pipeline_outcome`): a sort key of stage j, its stages by the figures of the base run's stage at the same
+    relative position, largest first (then by j). `figures`: {stage k: (its `search.compared_bytes`, its peak
+    allocated bytes, which breaks ties of peak reserved, a multiple of the allocator's segments)} of the base run's
+    traced stages (one of each class, `pp_stages.trace_classes`), a pipeline of `base_depth` stages; stage j takes
+    the figures of the traced stage k whose relative position k / (base_depth - 1) is nearest its j / (depth - 1)
+    (the first stage the first's, the last the last's).
 
     Why: a lever changes a pipeline's stages alike (its checkpointing, optimizer, micro-batches on every stage; a
     deeper pipeline spreads the same layers), so the stage that held the most in the base run (under 1F1B the first,
@@ -669,7 +670,7 @@ def stage_order(figures: dict[int, int], base_depth: int, depth: int) -> Callabl
     def nearest(j: int) -> int:  # |k/(base_depth-1) - j/(depth-1)| compared over a common denominator, in integers
         return min(figures, key=lambda k: (abs(k * max(depth - 1, 1) - j * max(base_depth - 1, 1)), k))
 
-    return lambda j: (-figures[nearest(j)], j)
+    return lambda j: (*(-b for b in figures[nearest(j)]), j)
 
 
 def _pipeline_depth(s: _Search, on: RunSpec) -> list[Lever]:
