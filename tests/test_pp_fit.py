@@ -180,3 +180,81 @@ def test_the_micro_batch_lever_under_pp_tries_every_divisor_of_the_batch_above_m
     with pytest.raises(UsageError):
         replace(inter, micro_batches=5)
     assert pp_micro_batch_candidates(20, 4, lambda k: accepted(inter, micro_batches=k) is not None) == [10, 20]
+
+
+def test_a_lever_pipeline_stops_at_the_first_stage_that_does_not_fit(tmp_path):
+    """On a CUDA target a lever's whole pipeline is traced stage by stage and stops at a stage that alone does not
+    fit (levers.py `pipeline_outcome`): its row names that stage, its figures are that stage's own (a separate
+    --stage run's), and fewer stages were traced than the pipeline has; a lever that fits has every stage traced
+    and the figures of a separate run of the same pipeline (its largest stage). 68 MiB: between the 4-layer tiny
+    Llama's largest stage at --pp 2 (72 MiB reserved, 64 MiB of it cuBLAS workspaces) and at --micro-batches 8;
+    --pp-split (the even split) fixes the depth, so no deeper pipeline is traced (a shorter test)."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    from vramtrace.render.html import render_html
+    from vramtrace.render.levers import render_levers
+    from vramtrace.units import format_bytes
+
+    model = deep_config(tmp_path, "tiny-llama-gqa", 4)
+    base = dict(batch=8, seq=64, pp=2, pp_split="2,2", gpu_memory_bytes=68 << 20, cuda_context_bytes=0)
+    said: list[str] = []
+    report = analyze(RunSpec(model, **base), progress=said.append)
+    levers = report.levers
+    assert levers.basis == "peak reserved" and levers.base_bytes > levers.budget_bytes == 68 << 20
+    partial = [lv for lv in levers.levers if lv.decided_by_stage is not None]
+    whole = [lv for lv in levers.levers if lv.fits]
+    assert partial and whole and not any(lv.fits for lv in partial)
+    # the stages traced after each lever's first progress line, up to the next lever's
+    traced: dict[str, int] = {}
+    for line in said:
+        if line.startswith("what makes it fit, trace "):
+            options = line.split(": ", 1)[1]
+            traced[options] = 0
+        elif traced and re.fullmatch(r"stage \d+( \(for stages [\d, ]+\))?", line):
+            traced[options] += 1
+    assert levers.traces == sum(traced.values()) < 2 * len(traced)  # each lever a pipeline of 2 stages
+    for lv in partial:
+        assert traced[lv.options] < 2
+        changes = {"checkpointing": "modules:layers.*"} if lv.family == "checkpointing" else None
+        if changes:  # its figures are the deciding stage's, as that stage alone reports them
+            alone = analyze(RunSpec(model, **base, **changes, stage=lv.decided_by_stage), levers=False)
+            assert (lv.peak_allocated_bytes, lv.peak_reserved_bytes) == (alone.peak_allocated_bytes,
+                                                                         alone.peak_reserved_bytes)
+            assert alone.peak_reserved_bytes > levers.budget_bytes
+    assert any(lv.family == "checkpointing" for lv in partial)
+    console = Console(width=400, file=io.StringIO())  # wide: no row wraps
+    render_levers(levers, console)
+    shown = {line.split("│")[1].strip(): line for line in console.file.getvalue().splitlines() if "│" in line}
+    page = render_html([report])
+    for lv in partial:  # a lower bound, an upper bound of what it saves, and why, on the terminal and the page
+        k, row = lv.decided_by_stage, shown[lv.options]
+        assert f"│ ≥ {format_bytes(lv.compared_bytes)} │ ≤ {format_bytes(lv.saves_bytes)} │ no " in row
+        why = f"stage {k} alone does not fit (the other stages not traced; figures: stage {k}&#39;s)"
+        assert why.replace("&#39;", "'") in row and why in page
+        assert f"≥ {format_bytes(lv.compared_bytes)}" in page
+    rows = {lv.family: lv for lv in whole}
+    assert rows["micro_batch"].options == "--micro-batches 8" and traced["--micro-batches 8"] == 2
+    expected = analyze(RunSpec(model, **base, micro_batches=8), levers=False)
+    assert rows["micro_batch"].decided_by_stage is None
+    assert rows["micro_batch"].peak_allocated_bytes == expected.peak_allocated_bytes == max(
+        s.peak_bytes for s in expected.run.pp.stage_peaks)
+    assert rows["micro_batch"].peak_reserved_bytes == expected.peak_reserved_bytes <= levers.budget_bytes
+
+
+def test_a_lever_pipeline_traces_the_stages_of_the_runs_largest_first():
+    """`levers.stage_order`, no trace: a deeper pipeline's stage takes the figures of the run's stage at the nearest
+    relative position (4 stages from 2: stages 0, 1 near the first, 2, 3 near the last), the largest first; peak
+    allocated breaks a tie of peak reserved; a stage the run did not trace itself (a class's other stages) takes its
+    nearest traced stage's."""
+    from vramtrace.levers import stage_order
+
+    def order(figures, base_depth, depth):
+        return sorted(range(depth), key=stage_order(figures, base_depth, depth))
+
+    assert order({0: (10, 5), 1: (12, 3)}, 2, 4) == [2, 3, 0, 1]
+    assert order({0: (12, 5), 1: (10, 3)}, 2, 4) == [0, 1, 2, 3]
+    assert order({0: (10, 7), 1: (10, 9)}, 2, 2) == [1, 0]
+    assert order({0: (8, 0), 1: (6, 0), 3: (9, 0)}, 4, 4) == [3, 0, 1, 2]  # 2 as 1 (as near as 3, the lower)

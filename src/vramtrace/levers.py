@@ -21,7 +21,10 @@ Levers are ranked from cheapest, by what they cost the run, then by how much the
 
 Under --pp every lever is traced on the whole pipeline (every distinct stage; its figure the largest stage's, so
 it fits exactly when every stage does), or on stage K alone with --stage K; the families are `PP_FAMILIES`, the
-micro-batch lever there meaning more micro-batches per pipeline step (`--micro-batches`).
+micro-batch lever there meaning more micro-batches per pipeline step (`--micro-batches`). A whole pipeline's stages
+are traced in the order most likely to fail first (`stage_order`) and the tracing stops at the first stage that
+alone does not fit the budget (`pipeline_outcome`): that lever's figures are that stage's, a lower bound of the
+pipeline's largest stage, and its row says so (`LeverRow.decided_by_stage`).
 
 When no single lever fits, a combination is built: each family's strongest lever is added in rank order until
 the run fits; then the non-free levers the fit does not need are dropped (most expensive first), and
@@ -117,6 +120,7 @@ class Lever:
     cost: str
     outcome: Outcome
     fits: bool
+    decided_by_stage: int | None = None  # a whole pipeline's stage that alone does not fit (`pipeline_outcome`)
 
     @property
     def options(self) -> str:
@@ -124,12 +128,13 @@ class Lever:
         return options_text(dict(self.changes))
 
     def row(self, base_bytes: int) -> LeverRow:
-        """The report's `levers.levers` row, with the compared bytes it saves against `base_bytes`."""
+        """The report's `levers.levers` row, with the compared bytes it saves against `base_bytes` (an upper bound
+        of what the pipeline saves when one stage decided it: `decided_by_stage`)."""
         o = self.outcome
         return LeverRow(family=self.family, options=self.options, cost=self.cost,
                         peak_allocated_bytes=o.peak_allocated_bytes, peak_reserved_bytes=o.peak_reserved_bytes,
                         compared_bytes=compared_bytes(o), saves_bytes=base_bytes - compared_bytes(o), fits=self.fits,
-                        recompute_overhead=o.recompute_overhead)
+                        recompute_overhead=o.recompute_overhead, decided_by_stage=self.decided_by_stage)
 
 
 # RunSpec fields whose option is `--name value` (the value as the CLI takes it)
@@ -178,7 +183,9 @@ class LeverDiskCache:
 
     Only CUDA targets are cached (a CPU target's trace measures this machine's kernels), and never a spec that
     runs code the key does not hold: a custom module (`path/model.py:NAME`), a model passed in-process, a
-    `--step` function, `--trust-remote-code`. Failures are not cached. Best effort: a file it cannot read or write
+    `--step` function, `--trust-remote-code`. Failures are not cached, nor a whole pipeline decided by one stage
+    (`Evaluator.decided`: an answer for its budget only), so every outcome here answers every caller: another
+    budget, `vramtrace fit`, the use_cache false figure. Best effort: a file it cannot read or write
     is a miss. Where: `path` (`VRAMTRACE_LEVER_CACHE`, default $XDG_CACHE_HOME/vramtrace/levers, else
     ~/.cache/vramtrace/levers); off: `VRAMTRACE_LEVER_CACHE=off`; to clear it, delete the directory."""
 
@@ -259,7 +266,13 @@ class LeverDiskCache:
 class Evaluator:
     """Exact traces of variants of one run, by RunSpec, cached: `ev(spec) -> Outcome`. `spec`s are resolved
     (precision set); `seed` adds outcomes already traced (the main run's). A variant that needs an extra that is
-    not installed, or whose trace raises, raises `NotTraced` (every time it is asked for, traced once)."""
+    not installed, or whose trace raises, raises `NotTraced` (every time it is asked for, traced once).
+
+    With a budget (`stop_over`, set by the lever search once its base is traced), a whole pipeline (a --pp spec,
+    `stage` None) is traced stage by stage, in `trace_order`, and stops at the first stage whose outcome does not
+    fit it (`pipeline_outcome`); its outcome is then that stage's, `decided[spec]` that stage. Such an outcome
+    answers only "does it fit this budget" (no): it is never put in the disk cache, and is dropped when the budget
+    changes."""
 
     def __init__(self, session: TraceSession, cuda: bool) -> None:
         self.session, self.cuda, self.say = session, cuda, session.say
@@ -268,6 +281,30 @@ class Evaluator:
         self.traces = 0
         self.cached = 0  # outcomes found in the disk cache instead of traced
         self.disk = LeverDiskCache.from_environment(session.resolved)
+        self.budget: int | None = None  # a whole pipeline's tracing stops at a stage over it (None: every stage)
+        self.decided: dict[RunSpec, int] = {}  # a whole pipeline decided by one stage: that stage
+
+    def stop_over(self, budget: int | None) -> None:
+        """Trace a whole pipeline only until a stage does not fit `budget` (`search.fits_budget`; None: every
+        stage); the outcomes decided by one stage under another budget are dropped (traced again when asked)."""
+        if budget != self.budget:
+            for spec in self.decided:
+                self.cache.pop(spec, None)
+            self.decided.clear()
+        self.budget = budget
+
+    def trace_order(self, spec: RunSpec) -> Callable[[int], tuple] | None:
+        """The order in which the stages of the whole pipeline `spec` are traced under a budget (a sort key of a
+        stage), from the base run's stage outcomes this evaluator holds (the report's own traces, `whole_pipeline`):
+        `stage_order`. None (the stages in order) without them."""
+        base = self.base
+        if base is None or base.pp is None:
+            return None
+        whole = replace(base, stage=None)
+        figures = {t.stage: (compared_bytes(o), o.peak_allocated_bytes) for t, o in self.cache.items()
+                   if isinstance(o, Outcome) and t.pp is not None and t.stage is not None
+                   and replace(t, stage=None) == whole}
+        return stage_order(figures, base.pp, spec.pp) if figures else None
 
     def seed(self, spec: RunSpec, out: Outcome) -> None:
         self.cache[spec] = out
@@ -305,10 +342,11 @@ class Evaluator:
             return found
         if self.base is not None:
             self.say(f"what makes it fit, trace {self.traces + 1}: {options}")
-        made_traces = 1
+        made_traces, decided = 1, None
         try:
             if spec.pp is not None and spec.stage is None:  # the whole pipeline: its largest stage
-                out, made_traces = pipeline_outcome(self.session, spec, self.cuda)
+                order = self.trace_order(spec) if self.budget is not None else None
+                out, made_traces, decided = pipeline_outcome(self.session, spec, self.cuda, self.budget, order)
             else:
                 made = self.session.fresh(spec)  # not kept: only its outcome is
                 out = outcome(made.tables, made.num_layers, self.cuda)
@@ -317,7 +355,10 @@ class Evaluator:
             first = str(e).strip().splitlines()[0] if str(e).strip() else "(no message)"
             return NotTraced(SkipReason.FAILED, options, f"could not be traced: {type(e).__name__}: {first}")
         self.traces += made_traces  # a whole pipeline: each of its stages traced
-        self.disk.put(spec, out)
+        if decided is None:
+            self.disk.put(spec, out)
+        else:
+            self.decided[spec] = decided
         return out
 
 
@@ -327,7 +368,9 @@ class _Search:
     def __init__(self, spec: RunSpec, ev: Evaluator, budget: int) -> None:
         self.spec, self.ev, self.budget = spec, ev, budget
         ev.base = spec
+        ev.stop_over(None)  # the base run: every stage (it is the report's own, seeded, when a whole pipeline)
         self.base = ev(spec)
+        ev.stop_over(budget)
 
     def fits(self, out: Outcome) -> bool:
         return fits_budget(out, self.budget)
@@ -336,11 +379,12 @@ class _Search:
         if on.pp is not None and on.stage is not None:  # --stage K: the lever sized on that stage alone
             k = changes.get("stage", on.stage)  # a deeper pipeline's last stage for the last
             cost += f" (stage {k} only, as --stage{'' if k == on.stage else f' {on.stage} of {on.pp}'})"
+        spec = replace(on, **changes)
         try:
-            out = self.ev(replace(on, **changes))
+            out = self.ev(spec)
         except NotTraced as e:  # named by the lever's own options
             raise NotTraced(e.reason, options_text(changes), e.detail) from e
-        return Lever(family, tuple(changes.items()), rank, cost, out, self.fits(out))
+        return Lever(family, tuple(changes.items()), rank, cost, out, self.fits(out), self.ev.decided.get(spec))
 
 
 def _use_cache(s: _Search, on: RunSpec) -> list[Lever]:
@@ -579,16 +623,54 @@ def largest_stage(outcomes: list[Outcome]) -> Outcome:
     return max(outcomes, key=lambda o: (compared_bytes(o), o.peak_allocated_bytes))
 
 
-def pipeline_outcome(session: TraceSession, spec: RunSpec, cuda: bool) -> tuple[Outcome, int]:
-    """(the `tables.Outcome` of the pipeline `spec`, the stage traces made) (a --pp spec; `stage` None: every
-    distinct stage traced, pp_stages.py `stage_traces`, not kept): its largest stage's on the verdict's basis
-    (`search.compared_bytes`: peak reserved on a CUDA target), so that it fits the budget exactly when every stage
-    does. With `spec.stage`: that stage's."""
+def pipeline_outcome(session: TraceSession, spec: RunSpec, cuda: bool, budget: int | None = None,
+                     order: Callable[[int], tuple] | None = None) -> tuple[Outcome, int, int | None]:
+    """(the `tables.Outcome` of the pipeline `spec`, the stage traces made, the stage that decided it or None) (a
+    --pp spec; `stage` None: every distinct stage traced, pp_stages.py `stage_traces`, not kept): its largest
+    stage's on the verdict's basis (`search.compared_bytes`: peak reserved on a CUDA target), so that it fits the
+    budget exactly when every stage does. With `spec.stage`: that stage's.
+
+    With `budget`: the stages traced in `order` (a sort key of a stage: `stage_order`; None: in order) until one
+    does not fit it (`search.fits_budget`, the lever search's verdict, `_Search.fits`) while others are left: the
+    pipeline does not fit, whatever they hold, so they are not traced; the outcome is then that stage's (a lower
+    bound of the largest stage's) and the third value that stage. A pipeline that fits, or whose last stage traced
+    is the first that does not, has every stage traced and the same outcome as without a budget."""
     from .pp_stages import stage_traces
     from .tables import outcome
 
-    found = [outcome(t.tables, t.num_layers, cuda) for t in stage_traces(session, spec, keep=False).values()]
-    return largest_stage(found), len(found)
+    found: dict[int, Outcome] = {}
+    decided: list[int] = []
+
+    def judged(k: int, trace, left: int) -> bool:
+        found[k] = outcome(trace.tables, trace.num_layers, cuda)
+        if budget is not None and left and not fits_budget(found[k], budget):
+            decided.append(k)
+        return bool(decided)
+
+    stage_traces(session, spec, keep=False, order=order, stop=judged)
+    if decided:
+        return found[decided[0]], len(found), decided[0]
+    return largest_stage(list(found.values())), len(found), None
+
+
+def stage_order(figures: dict[int, tuple[int, int]], base_depth: int, depth: int) -> Callable[[int], tuple]:
+    """The order in which a lever's pipeline of `depth` stages is traced when one stage that does not fit ends it
+    (`pipeline_outcome`): a sort key of stage j, its stages by the figures of the base run's stage at the same
+    relative position, largest first (then by j). `figures`: {stage k: (its `search.compared_bytes`, its peak
+    allocated bytes, which breaks ties of peak reserved, a multiple of the allocator's segments)} of the base run's
+    traced stages (one of each class, `pp_stages.trace_classes`), a pipeline of `base_depth` stages; stage j takes
+    the figures of the traced stage k whose relative position k / (base_depth - 1) is nearest its j / (depth - 1)
+    (the first stage the first's, the last the last's).
+
+    Why: a lever changes a pipeline's stages alike (its checkpointing, optimizer, micro-batches on every stage; a
+    deeper pipeline spreads the same layers), so the stage that held the most in the base run (under 1F1B the first,
+    with the most micro-batches in flight, torch's `Schedule1F1B` warmup; or the last, with the head's logits and
+    the loss) is the most likely to hold the most, and so to not fit, in the lever's: a lever that does not fit is
+    then usually decided by its first trace."""
+    def nearest(j: int) -> int:  # |k/(base_depth-1) - j/(depth-1)| compared over a common denominator, in integers
+        return min(figures, key=lambda k: (abs(k * max(depth - 1, 1) - j * max(base_depth - 1, 1)), k))
+
+    return lambda j: (*(-b for b in figures[nearest(j)]), j)
 
 
 def _pipeline_depth(s: _Search, on: RunSpec) -> list[Lever]:
@@ -754,4 +836,4 @@ def _combine(s: _Search, found: list[Lever]) -> LeverCombination | None:
     return LeverCombination(options=options_text(_merged(chosen[f] for f in order)), levers=tuple(order),
                             peak_allocated_bytes=out.peak_allocated_bytes,
                             peak_reserved_bytes=out.peak_reserved_bytes, compared_bytes=compared_bytes(out),
-                            fits=s.fits(out))
+                            fits=s.fits(out), decided_by_stage=s.ev.decided.get(replace(s.spec, **changes())))

@@ -23,20 +23,21 @@ def _stages(spec: RunSpec, loaded) -> tuple[tuple[int, ...], list[tuple[int, ...
     return split, classes
 
 
-def trace_stages(session, spec: RunSpec, loaded) -> tuple[RunSpec, object, dict]:
-    """Trace one stage of each class (`spec.stage`'s only, when given) and keep each trace in `session.traces`
-    under its spec (`stage` set). Returns (the spec reported, its StepTables, {} for the ranks' peaks, which a
-    pipeline reports per stage instead). The stage reported: `spec.stage` when given; on a CUDA target the one that
-    fails first (`failing_stage`: one whose allocator replay under the capacity less the CUDA context runs out of
-    memory before one that fits, then the larger replay's peak allocated), so that the report's verdict is the whole
-    pipeline's; on the CPU target the largest peak allocated."""
+def trace_classes(session, spec: RunSpec, loaded, order=None, stop=None) -> dict:
+    """Trace one stage of each class (`spec.stage`'s only, when given), keeping each trace in `session.traces`
+    under its spec (`stage` set); {stage k: its StepTables} of the stages traced. The classes in order of their
+    first stage, or by `order(k)` of it when given; `stop(k, trace, left)` (`search.Trace`; `left`: the classes
+    not traced yet), called after each trace, ends the loop when it returns True (a lever's pipeline that a stage
+    alone shows does not fit: levers.py `pipeline_outcome`)."""
     from .search import Trace
 
     _split, classes = _stages(spec, loaded)
     if spec.stage is not None:
         classes = [g for g in classes if spec.stage in g]
+    if order is not None:
+        classes = sorted(classes, key=lambda g: order(g[0]))
     found = {}
-    for group in classes:
+    for i, group in enumerate(classes):
         k = spec.stage if spec.stage is not None else group[0]
         stage_spec = replace(spec, stage=k)
         others = [s for s in group if s != k]
@@ -45,6 +46,18 @@ def trace_stages(session, spec: RunSpec, loaded) -> tuple[RunSpec, object, dict]
         tables = session.record(stage_spec, loaded, progress=session.say)
         session.traces[stage_spec] = Trace(tables, loaded.num_layers)
         found[k] = tables
+        if stop is not None and stop(k, session.traces[stage_spec], len(classes) - 1 - i):
+            break
+    return found
+
+
+def trace_stages(session, spec: RunSpec, loaded) -> tuple[RunSpec, object, dict]:
+    """Trace one stage of each class (`trace_classes`). Returns (the spec reported, its StepTables, {} for the
+    ranks' peaks, which a pipeline reports per stage instead). The stage reported: `spec.stage` when given; on a
+    CUDA target the one that fails first (`failing_stage`: one whose allocator replay under the capacity less the
+    CUDA context runs out of memory before one that fits, then the larger replay's peak allocated), so that the
+    report's verdict is the whole pipeline's; on the CPU target the largest peak allocated."""
+    found = trace_classes(session, spec, loaded)
     if spec.device is Device.CUDA:  # the report's verdict: the allocator replay under the capacity less the context
         from .search import evaluate
 
@@ -109,16 +122,17 @@ def pipeline_summary(session, spec: RunSpec, loaded) -> PipelineInfo:
                         virtual_stages=v if v > 1 else None)
 
 
-def stage_traces(session, spec: RunSpec, keep: bool = True) -> dict[int, object]:
+def stage_traces(session, spec: RunSpec, keep: bool = True, order=None, stop=None) -> dict[int, object]:
     """Every distinct stage of the pipeline `spec` (`stage` None; `spec.stage`'s only when given) built and traced
-    by `trace_stages`: {stage k: its `search.Trace`} for the stage traced for each class. Kept in `session.traces`
-    (under `replace(spec, stage=k)`) when `keep`, else taken out again (a lever keeps only its outcome); the heap
-    refrozen after, also when a trace raises. Used by `vramtrace fit`'s pp axis and the levers under --pp
-    (fit.py, levers.py), which size the whole pipeline: it fits when its largest stage does."""
+    by `trace_classes` (in `order`, until `stop`: see there): {stage k: its `search.Trace`} for the stage traced for
+    each class. Kept in `session.traces` (under `replace(spec, stage=k)`) when `keep`, else taken out again (a lever
+    keeps only its outcome); the heap refrozen after, also when a trace raises. Used by `vramtrace fit`'s pp axis
+    and the levers under --pp (fit.py, levers.py), which size the whole pipeline: it fits when its largest stage
+    does. (No stage is picked for a report: `trace_stages`' allocator replays under the capacity are not made.)"""
     before = set(session.traces)
     try:
         loaded = session.load(spec)
-        trace_stages(session, spec, loaded)
+        trace_classes(session, spec, loaded, order, stop)
     finally:
         session.heap.refreeze()
     made = {k: replace(spec, stage=k) for k in ((spec.stage,) if spec.stage is not None else range(spec.pp))}

@@ -145,6 +145,8 @@ def _payload(report: MemoryReport, label: str) -> dict:
 
 
 def _summary(report: MemoryReport, label: str) -> dict:
+    from .levers import pipeline_who
+
     m, r = report.model, report.run
     fit = report.fit
     ck = report.checkpointing
@@ -186,34 +188,39 @@ def _summary(report: MemoryReport, label: str) -> dict:
         "at_peak": [{"pattern": g.pattern or "(root)", "category": g.category, "instances": g.instances,
                      "each": format_bytes(g.bytes_each), "bytes": format_bytes(g.bytes)}
                     for g in live_groups(report.tensors, report.peak_step)[:AT_PEAK_ROWS]],
-        "levers": _lever_rows(report.levers),
+        "levers": _lever_rows(report.levers, pipeline_who(report)),
     }
 
 
-def _lever_rows(levers: LeversSummary | None) -> dict | None:
+def _lever_rows(levers: LeversSummary | None, who: str = "stage") -> dict | None:
     """The levers (`vramtrace.levers.find_levers`) as table rows, this run's peak first and the combination last,
     each with its traced peak on the verdict's basis, what it saves, whether it fits and its bar's width (percent
     of the widest peak or the budget); `budget_at` is where the budget's mark goes, `cheapest` the first row
     that fits (None when none does); `skipped` the levers not traced, each {'options', 'line'} (the extra that
-    would add it, or why its trace failed)."""
-    from .levers import skipped_line
+    would add it, or why its trace failed). A row decided by one pipeline stage (`decided_by_stage`) shows its peak
+    as a lower bound and what it saves as an upper bound, its cost saying why (`levers.partial_note`, `who`: stage
+    or rank)."""
+    from .levers import partial_note, skipped_line
 
     if not levers:
         return None
     base, budget = levers.base_bytes, levers.budget_bytes
-    rows = [{"options": "this run", "bytes": base, "fits": base <= budget, "cost": "", "base": True}]
-    rows += [{"options": lv.options, "bytes": lv.compared_bytes, "fits": lv.fits, "cost": lv.cost,
-              "base": False} for lv in levers.levers]
+    rows = [{"options": "this run", "bytes": base, "fits": base <= budget, "cost": "", "base": True, "stage": None}]
+    rows += [{"options": lv.options, "bytes": lv.compared_bytes, "fits": lv.fits,
+              "cost": lv.cost + partial_note(lv.decided_by_stage, "; ", who), "base": False,
+              "stage": lv.decided_by_stage} for lv in levers.levers]
     combo = levers.combination
     if combo:
         rows.append({"options": combo.options, "bytes": combo.compared_bytes, "fits": combo.fits,
-                     "cost": "these levers together", "base": False})
+                     "cost": "these levers together" + partial_note(combo.decided_by_stage, "; ", who), "base": False,
+                     "stage": combo.decided_by_stage})
     top = max([r["bytes"] for r in rows] + [budget]) or 1
     for r in rows:
         # the options as '--flag value' pieces, so that a line breaks between options, never inside one
         r["parts"] = [p if k == 0 else "--" + p for k, p in enumerate(r["options"].split(" --"))]
-        r.update(width=f"{100 * r['bytes'] / top:.2f}", peak=format_bytes(r["bytes"]),
-                 saves="" if r["base"] else format_bytes(base - r["bytes"]))
+        at_least, at_most = ("≥ ", "≤ ") if r.pop("stage") is not None else ("", "")
+        r.update(width=f"{100 * r['bytes'] / top:.2f}", peak=at_least + format_bytes(r["bytes"]),
+                 saves="" if r["base"] else at_most + format_bytes(base - r["bytes"]))
     cheapest = next((r for r in rows[1:] if r["fits"]), None)  # rows are ranked cheapest first
     return {"rows": rows, "budget": format_bytes(budget), "basis": levers.basis,
             "budget_at": f"{100 * budget / top:.2f}", "cheapest": cheapest,

@@ -123,9 +123,9 @@ def render(report: MemoryReport, console: Console) -> None:
     if report.fit is not None:
         _render_verdict(report, console)
     if report.levers is not None:
-        from .levers import render_levers
+        from .levers import pipeline_who, render_levers
 
-        render_levers(report.levers, console)
+        render_levers(report.levers, console, pipeline_who(report))
 
 
 def sources_by_file(sources) -> dict[str, list[str]]:

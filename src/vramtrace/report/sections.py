@@ -174,7 +174,11 @@ class ComparisonRow:
 @dataclass(**_FROZEN)
 class LeverRow:
     """One lever, traced (levers.py `Lever`): its family, the options that apply it, its cost in words and its
-    figures; `saves_bytes`: compared bytes saved against the run as given."""
+    figures; `saves_bytes`: compared bytes saved against the run as given. `decided_by_stage` (a --pp run's lever
+    on the whole pipeline that does not fit, levers.py `pipeline_outcome`): the stage that alone does not fit, at
+    which the tracing stopped, the pipeline's other stages not all traced: the figures are that stage's, a lower
+    bound of the pipeline's largest stage, and `saves_bytes` an upper bound of what the pipeline saves (a rank
+    under interleaved-1f1b and zero-bubble, as `StagePeak.stage`); absent when every stage was traced."""
 
     family: str
     options: str
@@ -185,11 +189,13 @@ class LeverRow:
     saves_bytes: int
     fits: bool
     recompute_overhead: float
+    decided_by_stage: int | None = omittable()
 
 
 @dataclass(**_FROZEN)
 class LeverCombination:
-    """The levers combined when none fits alone (levers.py `_combine`): their options and families, the figures."""
+    """The levers combined when none fits alone (levers.py `_combine`): their options and families, the figures;
+    `decided_by_stage` as `LeverRow`'s (a --pp run's combination that does not fit, decided by that stage alone)."""
 
     options: str
     levers: tuple[str, ...]
@@ -197,6 +203,7 @@ class LeverCombination:
     peak_reserved_bytes: int | None
     compared_bytes: int
     fits: bool
+    decided_by_stage: int | None = omittable()
 
 
 class SkipReason(str, enum.Enum):
