@@ -25,12 +25,15 @@ from vramtrace.tracer.probe import CpuWorkspaceProbe
 from vramtrace.tracer.records import ZERO_GRADIENT_NAME
 
 
-def test_compiled_step_matches_real_compiled_cpu_step():
+def test_compiled_step_matches_real_compiled_cpu_step(monkeypatch):
     """Tiny Llama-GQA, fp32, per-layer checkpointing: the recompute runs inside the backward graph (dropout's RNG
     state saved), where Inductor's memory planning holds freed buffers for reuse, and the CPU flash attention's
     fallback kernels hold their outputs and a workspace. use_cache off, as in training with checkpointing: no
     second step traced without the KV cache (suite time). The eager step the report sets beside it is checked
-    against a real eager step too."""
+    against a real eager step too; it is traced in this process (as on a one-core machine: no second Python to
+    start, suite time), so the caller's state checked after is also what that trace left; the second-process
+    path gives the same `compiled` summary (test_replicated_compiled_step_equals_every_layer_compiled)."""
+    monkeypatch.setattr("vramtrace.second_process.cores", lambda: 1)
     spec = RunSpec(str(FIXTURES / "tiny-llama-gqa.json"), batch=8, seq=128, device="cpu", precision="fp32",
                    checkpointing="layers", use_cache=False, compile=True)
     torch.manual_seed(1234)
