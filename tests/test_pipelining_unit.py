@@ -274,8 +274,7 @@ def test_zero_bubble_counts_a_micro_batch_waiting_for_its_weight_gradient_as_in_
 
 
 class _ProgressSession:
-    """What `pp_stages.trace_stages` needs of a session, recording its progress lines: each trace a stand-in whose
-    peak is its stage's index."""
+    """What `pp_stages.trace_classes` needs of a session, recording its progress lines: each trace a stand-in."""
 
     def __init__(self):
         self.traces, self.said = {}, []
@@ -284,7 +283,7 @@ class _ProgressSession:
         self.said.append(line)
 
     def record(self, spec, loaded, progress):
-        return type("Tables", (), {"peaks": lambda _self, cuda: (spec.stage,)})()
+        return object()
 
 
 @pytest.mark.parametrize("schedule,said", [("zero-bubble", ["rank 0", "rank 1"]),
@@ -294,12 +293,40 @@ def test_the_progress_line_names_a_rank_when_a_rank_holds_several_stages(schedul
     """Tracing rank 1 (stages 1 and 3) under interleaved-1f1b and zero-bubble says 'rank 1', not 'stage 1'."""
     from types import SimpleNamespace
 
-    from vramtrace.pp_stages import trace_stages
+    from vramtrace.pp_stages import trace_classes
 
     session = _ProgressSession()
-    trace_stages(session, RunSpec(LLAMA, batch=4, seq=8, device="cpu", pp=2, pp_schedule=schedule),
+    trace_classes(session, RunSpec(LLAMA, batch=4, seq=8, device="cpu", pp=2, pp_schedule=schedule),
                  SimpleNamespace(num_layers=4))
     assert session.said == said
+
+
+def test_a_lever_pipeline_holds_one_stage_trace_at_a_time():
+    """`stage_traces(keep=False)` (a lever's pipeline, levers.py `pipeline_outcome`): each stage's trace leaves
+    `session.traces` as soon as `stop` has read it, so a pipeline of 4 distinct stages holds one stage's tables at
+    a time (a 70B `--pp 16` combination held 16 and took the run to 1.7 GiB); a trace that was there before is put
+    back."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from vramtrace.pp_stages import stage_traces
+
+    session = _ProgressSession()
+    session.load = lambda spec: SimpleNamespace(num_layers=4)
+    session.heap = SimpleNamespace(refreeze=lambda: None)
+    spec = RunSpec(LLAMA, batch=4, seq=8, device="cpu", pp=4, pp_schedule="1f1b")
+    earlier = object()
+    session.traces[replace(spec, stage=2)] = earlier
+    held = []
+
+    def stop(k, trace, left):
+        held.append(sorted(s.stage for s, t in session.traces.items() if t is not earlier))
+        assert session.traces[replace(spec, stage=k)] is trace
+        return False
+
+    assert stage_traces(session, spec, keep=False, stop=stop) == {}
+    assert held == [[0], [1], [2], [3]]
+    assert session.traces == {replace(spec, stage=2): earlier}
 
 
 MiB = 1 << 20
@@ -365,14 +392,20 @@ class _HandSession(_ProgressSession):
 
 @pytest.mark.parametrize("device,capacity,reported", [("cuda", 75 * MiB, 1), ("cuda", 100 * MiB, 0),
                                                       ("cpu", 75 * MiB, 0)])
-def test_a_cuda_report_shows_the_stage_that_runs_out_of_memory_not_the_largest(device, capacity, reported):
+def test_a_cuda_report_shows_the_stage_that_runs_out_of_memory_not_the_largest(device, capacity, reported,
+                                                                              monkeypatch):
     """By hand (`_hand_stages`): stage 1's peak allocated (60 MiB) is below stage 0's (70 MiB), but its replay
     needs 80 MiB reserved: on a 75 MiB device stage 0 fits and stage 1 runs out of memory, so the report shows
     stage 1 (its verdict is the pipeline's: it does not fit). On a 100 MiB device both fit: the largest, stage 0.
-    The CPU target has no replay: the largest peak allocated, stage 0, as before."""
+    The CPU target has no replay: the largest peak allocated, stage 0, as before. Only the stage reported keeps
+    its tables: the other one is digested (`_digest`, which the hand tables cannot feed, recorded instead)."""
     from types import SimpleNamespace
 
+    from vramtrace import pp_stages
     from vramtrace.pp_stages import trace_stages
+
+    digested = []
+    monkeypatch.setattr(pp_stages, "_digest", lambda _session, stage_spec, _cuda: digested.append(stage_spec.stage))
 
     stages = _hand_stages()
     assert stages[1].peaks(cuda=True)[0] < stages[0].peaks(cuda=True)[0]  # the case is what it is meant to be
@@ -383,6 +416,7 @@ def test_a_cuda_report_shows_the_stage_that_runs_out_of_memory_not_the_largest(d
     shown, tables, _ = trace_stages(session, spec, SimpleNamespace(num_layers=4))
     assert shown.stage == reported and tables is stages[reported]
     assert session.said == ["stage 0", "stage 1"]
+    assert set(digested) == {1 - reported}
 
 
 def test_the_failing_stage_comes_before_a_larger_one_that_fits():

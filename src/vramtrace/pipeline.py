@@ -204,7 +204,9 @@ class Analysed:
 
 def _levers(done: Analysed) -> LeversSummary:
     """The report's `levers` (`levers.find_levers`) of a run that does not fit, against the capacity less the CUDA
-    context, seeded with the traces the report made (not traced again)."""
+    context, seeded with the outcomes of the traces the report made (not traced again). Those traces then leave
+    the session, all but the one reported (its tables are read after: a --compile report's graphs), so that their
+    tables are not held beside each lever's trace."""
     from .levers import Evaluator, find_levers, whole_pipeline
 
     cuda = done.spec.device is Device.CUDA
@@ -213,6 +215,8 @@ def _levers(done: Analysed) -> LeversSummary:
         ev.seed(traced_spec, found)
         if traced_spec != done.spec:  # the use_cache false variant: for the next run's report too
             ev.disk.put(traced_spec, found)
+    for traced_spec in [s for s in done.session.traces if s != done.spec]:
+        del done.session.traces[traced_spec]
     spec = done.spec
     if spec.pp is not None and done.session.spec.stage is None:  # no --stage: the levers size every stage
         spec = whole_pipeline(ev, spec)

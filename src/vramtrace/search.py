@@ -222,10 +222,14 @@ def resolve_precision(spec: RunSpec, resolved) -> tuple[RunSpec, str]:
 
 @dataclass(frozen=True, slots=True)
 class Trace:
-    """One exact trace: its `tables.StepTables` and the number of layers in the model's checkpointable stack."""
+    """One exact trace: its `tables.StepTables` and the number of layers in the model's checkpointable stack. A
+    --pp stage that is not the one reported keeps only its `digest` (`pp_stages.StageDigest`: its figures, its
+    lever outcome and its verdict), `tables` None: a 70B pipeline's eight stage tables held at once were most of
+    the run's memory."""
 
     tables: object
     num_layers: int
+    digest: object = None
 
 
 @dataclass(slots=True)
@@ -284,7 +288,8 @@ class TraceSession:
         """{spec: `tables.Outcome`} of the traces kept and the outcomes found, for a lever search to start from."""
         from .tables import outcome
 
-        made = {s: outcome(t.tables, t.num_layers, cuda) for s, t in self.traces.items()}
+        made = {s: outcome(t.tables, t.num_layers, cuda) if t.tables is not None else t.digest.outcome
+                for s, t in self.traces.items()}
         return {**made, **self.found}
 
 
