@@ -37,6 +37,17 @@ def test_json_to_stdout():
     assert json.loads(p.stdout)["run"]["precision"] == "bf16"
 
 
+def test_json_to_stdout_stays_json_under_deepspeed():
+    """DeepSpeed's logger writes to stdout, and its import warns there ('Setting accelerator to CPU'): under
+    --zero, `--json -` still puts the report alone on stdout (what a library prints during the trace goes to
+    stderr)."""
+    pytest.importorskip("deepspeed")
+    p = run(TINY, "--zero", "2", "--dp", "2", "--batch", "2", "--seq", "16", "--device", "cpu", "--no-levers",
+            "--json", "-")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["run"]["zero"]["stage"] == 2
+
+
 @pytest.mark.parametrize("args,status,needle", [
     (["--batch", "0", "--seq", "8"], 2, "--batch must be a positive integer"),
     (["--batch", "x", "--seq", "8"], 2, "valid integer"),

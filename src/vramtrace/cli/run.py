@@ -6,6 +6,7 @@ four steps: check the options (`_check_usage`), build the RunSpec (`_run_spec`),
 from __future__ import annotations
 
 import contextlib
+import sys
 from enum import Enum
 from pathlib import Path
 from types import SimpleNamespace
@@ -193,7 +194,7 @@ def _execute(opts: SimpleNamespace, fit_axis: str | None, validate_run: bool) ->
     elif validate_run:
         _validate(spec, opts.json_path, opts.quiet, err)
     else:
-        with _progress(err, "tracing") as say:
+        with _report_only_on_stdout(), _progress(err, "tracing") as say:
             if opts.compare_policies:
                 labels = list(COMPARED_POLICIES)
                 reports = compare_reports(spec, labels, progress=say)
@@ -226,6 +227,16 @@ def _render(reports: list, labels: list[str], opts: SimpleNamespace) -> None:
         from ..render.trace_events import write_trace_events
 
         write_trace_events(report, opts.trace_events_path)
+
+@contextlib.contextmanager
+def _report_only_on_stdout():
+    """While a run traces, what a library prints to stdout goes to stderr, so that stdout holds the report alone
+    (`--json -` stays JSON): DeepSpeed's logger writes to the stdout of its import (deepspeed/utils/logging.py
+    `LoggerFactory.create_logger`: a StreamHandler on `sys.stdout`, bound then), and its import warns there
+    (deepspeed/accelerator/real_accelerator.py `get_accelerator`: 'Setting accelerator to CPU')."""
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
 
 @contextlib.contextmanager
 def _progress(err: Console, what: str):
@@ -263,7 +274,7 @@ def _validate(spec, json_path: str | None, quiet: bool, err: Console) -> None:
     from ..units import format_bytes
     from ..validate import validate
 
-    with err.status("validating", spinner="dots") as status:
+    with _report_only_on_stdout(), err.status("validating", spinner="dots") as status:
         result = validate(spec, progress=lambda msg: status.update(f"validate: {msg}"))
     if not quiet and json_path != "-":
         table = Table(title=f"Predicted vs measured on {result['device']} (steady-state step)", title_justify="left")
@@ -286,7 +297,7 @@ def _fit(spec, axis: str, headroom: str | None, json_path: str | None, quiet: bo
     from ..units import parse_fraction
 
     share = parse_fraction(headroom, "--headroom") if headroom is not None else 0.0
-    with _progress(err, "fit") as say:
+    with _report_only_on_stdout(), _progress(err, "fit") as say:
         result = fit(spec, axis, headroom=share, progress=say, levers=levers)
     target = spec.capacity[0] if spec.capacity is not None else "the CPU"
     _emit(spec, result, target, render_fit, json_path, quiet)
@@ -308,7 +319,7 @@ def _sweep(spec, grid: str, headroom: str | None, json_path: str | None, quiet: 
 
     batches, seqs = parse_grid(grid)
     share = parse_fraction(headroom, "--headroom") if headroom is not None else 0.0
-    with err.status("sweep", spinner="dots") as status:
+    with _report_only_on_stdout(), err.status("sweep", spinner="dots") as status:
         result = sweep(spec, batches, seqs, share, progress=lambda msg: status.update(f"sweep: {msg}"))
     target = spec.capacity[0] if spec.capacity is not None else "the CPU (no --gpu-memory: no verdict)"
     _emit(spec, result, target, render_sweep, json_path, quiet)
