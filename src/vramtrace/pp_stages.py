@@ -79,8 +79,9 @@ def trace_stages(session, spec: RunSpec, loaded) -> tuple[RunSpec, object, dict]
     def judged(k: int, trace, _left: int) -> bool:
         points[k] = (evaluate(trace.tables, k, True, spec.capacity[1] - spec.cuda_context, True) if cuda
                      else trace.tables.peaks(cuda=False)[0])
+        reported = worst()
         for j in points:
-            if j != worst():
+            if j != reported:
                 _digest(session, replace(spec, stage=j), cuda)
         return False
 

@@ -228,6 +228,7 @@ def _render(reports: list, labels: list[str], opts: SimpleNamespace) -> None:
 
         write_trace_events(report, opts.trace_events_path)
 
+
 @contextlib.contextmanager
 def _report_only_on_stdout():
     """While a run traces, what a library prints to stdout goes to stderr, so that stdout holds the report alone
